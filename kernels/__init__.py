@@ -1,0 +1,1 @@
+"""Triton kernels for the speculative step, installed as ``sglang_spec.kernels``."""

@@ -1,0 +1,49 @@
+"""The ``sglang-spec`` command line. Each subcommand lives in its own module; this one wires them together.
+
+Errors in user input are printed as one line (``error: ...``) with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from sglang_spec.errors import SpecError
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the problem and where to look."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sglang_spec.cli import tree as tree_command
+
+    parser = OneLineErrorParser(
+        prog="sglang-spec",
+        description="Tree-based speculative decoding for SGLang: build, inspect and measure token trees.",
+    )
+    subcommands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
+    tree_command.add_parser(subcommands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except SpecError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,3 @@
+from sglang_spec.cli import main
+
+raise SystemExit(main())

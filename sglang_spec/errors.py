@@ -1,0 +1,16 @@
+"""The one exception type for bad user input.
+
+A ``SpecError`` message is a single line that says what is wrong and how to fix it. The CLI prints it as
+``error: <message>`` and exits with status 2; library callers can catch it as a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+
+class SpecError(ValueError):
+    """Bad input (a tree, a profile, an option, a file). The message is one line, meant for a user."""
+
+    def __init__(self, message: str) -> None:
+        if "\n" in message:
+            raise AssertionError(f"SpecError messages must be one line, got {message!r}")
+        super().__init__(message)

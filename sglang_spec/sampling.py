@@ -1,0 +1,84 @@
+"""Sampling parameters, the target distribution they define, and inverse-CDF sampling from uniform coins.
+
+Randomness is always an input (``coins`` in [0, 1)), never drawn inside these functions, so a kernel and its
+reference can be compared exactly and a losslessness test can replay the same draws.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sglang_spec.errors import SpecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off. Applied in the order temperature, top-k, top-p."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SpecError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SpecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise SpecError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs_from_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Sampling distribution per row.
+
+    logits: [B, ..., V] float. temperature / top_k / top_p: [B] per request (temperature 0 = one-hot argmax,
+    top_k 0 = all tokens, top_p 1 = all tokens). Returns float32 probabilities of the same shape as logits.
+
+    top-k keeps the k highest-probability tokens; top-p keeps the shortest prefix of tokens sorted by descending
+    probability whose mass reaches p (a token is kept when the mass before it is < p). Ties sort by lower token
+    id first. The kept mass is renormalised.
+    """
+    batch = logits.shape[0]
+    vocab = logits.shape[-1]
+    flat = logits.reshape(batch, -1, vocab).float()
+    shape = (batch, 1, 1)
+    temperature = temperature.to(flat.device, torch.float32).reshape(shape)
+    is_greedy = temperature == 0
+    probs = torch.softmax(flat / torch.where(is_greedy, torch.ones_like(temperature), temperature), dim=-1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=flat.device).expand_as(sorted_probs)
+    top_k = top_k.to(flat.device, torch.int64).reshape(shape)
+    keep = (top_k <= 0) | (rank < top_k)
+    sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    top_p = top_p.to(flat.device, torch.float32).reshape(shape)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep = keep & ((top_p >= 1) | (mass_before < top_p * sorted_probs.sum(-1, keepdim=True)))
+    sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    filtered = filtered / filtered.sum(-1, keepdim=True)
+    one_hot = torch.nn.functional.one_hot(flat.argmax(-1), vocab).to(torch.float32)
+    return torch.where(is_greedy, one_hot, filtered).reshape(logits.shape)
+
+
+def sample_from_probs(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample per row: the first token whose cumulative probability exceeds ``coin * total``.
+
+    probs: [..., V] non-negative (need not be normalised). coins: [...] in [0, 1). Returns int64 [...].
+    A token with zero probability is never returned; when rounding puts ``coin * total`` at or past the last
+    cumulative value, the last token with positive probability is returned.
+    """
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    threshold = coins.double().unsqueeze(-1) * cdf[..., -1:]
+    index = (cdf <= threshold).sum(-1)
+    positive = probs > 0
+    last_positive = probs.shape[-1] - 1 - positive.flip(-1).to(torch.int64).argmax(-1)
+    return torch.where(index >= probs.shape[-1], last_positive, index).clamp(max=probs.shape[-1] - 1)

@@ -1,0 +1,53 @@
+"""Token trees: structure, acceptance profiles, the four policies, the Sequoia DP, and encoders."""
+
+from sglang_spec.tree.batch import TreeBatch
+from sglang_spec.tree.candidates import (
+    CandidateSource,
+    Candidates,
+    GrowingTree,
+    ProfileCandidates,
+    SyntheticCandidates,
+)
+from sglang_spec.tree.cost_model import TreeSizeChoice, choose_tree_size
+from sglang_spec.tree.encode_flashinfer import FlashInferTreeMask, encode_flashinfer_mask
+from sglang_spec.tree.encode_sglang import (
+    SGLangDraftEncoding,
+    SGLangVerifyMetadata,
+    TreeMaskMode,
+    decode_sglang_draft,
+    encode_sglang_draft,
+    encode_sglang_verify,
+)
+from sglang_spec.tree.policies import POLICY_NAMES, TreePolicy
+from sglang_spec.tree.profile import AcceptanceProfile
+from sglang_spec.tree.sequoia import SequoiaPlan, sequoia_plan, sequoia_table
+from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH, MAX_TREE_NODES, TokenTree
+
+__all__ = [
+    "AcceptanceProfile",
+    "CandidateSource",
+    "Candidates",
+    "FlashInferTreeMask",
+    "GrowingTree",
+    "MAX_BUDGET",
+    "MAX_DEPTH",
+    "MAX_TREE_NODES",
+    "POLICY_NAMES",
+    "ProfileCandidates",
+    "SGLangDraftEncoding",
+    "SGLangVerifyMetadata",
+    "SequoiaPlan",
+    "SyntheticCandidates",
+    "TokenTree",
+    "TreeBatch",
+    "TreeMaskMode",
+    "TreePolicy",
+    "TreeSizeChoice",
+    "choose_tree_size",
+    "decode_sglang_draft",
+    "encode_flashinfer_mask",
+    "encode_sglang_draft",
+    "encode_sglang_verify",
+    "sequoia_plan",
+    "sequoia_table",
+]

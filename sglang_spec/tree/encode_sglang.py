@@ -1,0 +1,224 @@
+"""Token trees in SGLang 0.5.23's EAGLE ABI.
+
+Two directions:
+
+* ``encode_sglang_draft``: any tree -> the draft outputs (``parent_list``, ``top_scores_index``, ``draft_tokens``)
+  that SGLang's ``build_tree_kernel_efficient`` decodes back into that tree. Node i >= 1 with parent p and
+  sibling position r is written as ``top_scores_index[:, i-1] = p * topk + r`` and ``parent_list[:, i] =
+  top_scores_index[:, i-1]``, so the kernel's lookup ``parent_list[top_scores_index // topk]`` finds node p
+  (SGLang's UNO encoding, ``kernels/ops/speculative/uno_tree.py``).
+* ``encode_sglang_verify``: the verify metadata the build-tree kernel returns (positions, retrieve index / next
+  token / next sibling, tree mask in the three ``TreeMaskMode`` layouts), computed from the tree structure
+  directly, so it can be checked against SGLang's own kernel.
+* ``decode_sglang_draft``: SGLang's native draft outputs (EAGLE-2 or UNO encoded) -> TokenTrees.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from sglang_spec.errors import SpecError
+from sglang_spec.tree.batch import TreeBatch
+from sglang_spec.tree.bits import pack_bits_little_endian
+from sglang_spec.tree.token_tree import TokenTree
+
+
+class TreeMaskMode(enum.IntEnum):
+    """Mirror of ``sglang.kernels.ops.speculative.spec_tree.TreeMaskMode`` (same values)."""
+
+    FULL_MASK = 0
+    QLEN_ONLY = 1
+    QLEN_ONLY_BITPACKING = 2
+
+
+@dataclass(frozen=True, eq=False)
+class SGLangDraftEncoding:
+    """Draft outputs for ``build_tree_kernel_efficient`` (n = num_verify_tokens = budget + 1 per request).
+
+    Fields:
+      bonus_tokens:     [bs] int64. Root tokens (the previous step's bonus tokens).
+      parent_list:      [bs, topk * (spec_steps - 1) + 1] int64. Column 0 is -1; column i (1 <= i <= n-2, while
+                        it fits) is ``top_scores_index[:, i-1]``; the rest -1.
+      top_scores_index: [bs, n - 1] int64. ``parent * topk + sibling position`` of nodes 1..n-1.
+      draft_tokens:     [bs, n - 1] int64. Tokens of nodes 1..n-1.
+      topk, spec_steps, num_verify_tokens: the static shape parameters the kernel is called with.
+    """
+
+    bonus_tokens: torch.Tensor
+    parent_list: torch.Tensor
+    top_scores_index: torch.Tensor
+    draft_tokens: torch.Tensor
+    topk: int
+    spec_steps: int
+    num_verify_tokens: int
+
+
+@dataclass(frozen=True, eq=False)
+class SGLangVerifyMetadata:
+    """What ``build_tree_kernel_efficient`` returns for a batch of trees with n nodes each.
+
+    Fields:
+      tree_mask:             FULL_MASK: [sum_b n * (seq_lens[b] + n)] bool, per request n rows of prefix columns
+                             (True) then tree columns, concatenated. QLEN_ONLY: [bs * n * n] bool.
+                             QLEN_ONLY_BITPACKING: [bs * n] uint8 / uint16 / uint32 (n <= 8 / 16 / 32), bit c of row
+                             r set when node r attends to node c (little-endian).
+      positions:             [bs * n] int64. ``seq_lens[b] + depth``.
+      retrieve_index:        [bs, n] int64. Global node id ``b * n + i``.
+      retrieve_next_token:   [bs, n] int64. First (smallest-index) child, local id; -1 when none.
+      retrieve_next_sibling: [bs, n] int64. Next sibling in increasing index, local id; -1 when none.
+      draft_tokens:          [bs * n] int64. Node tokens, root (bonus token) first per request.
+      mode:                  the TreeMaskMode of ``tree_mask``.
+    """
+
+    tree_mask: torch.Tensor
+    positions: torch.Tensor
+    retrieve_index: torch.Tensor
+    retrieve_next_token: torch.Tensor
+    retrieve_next_sibling: torch.Tensor
+    draft_tokens: torch.Tensor
+    mode: TreeMaskMode
+
+
+def parent_list_width(topk: int, spec_steps: int) -> int:
+    return topk * (spec_steps - 1) + 1
+
+
+def _uniform_node_count(trees: Sequence[TokenTree]) -> int:
+    if len(trees) == 0:
+        raise SpecError("encode a batch of at least one tree")
+    counts = {tree.num_nodes for tree in trees}
+    if len(counts) != 1:
+        raise SpecError(
+            f"SGLang verifies a fixed number of tokens per request, but the trees have {sorted(counts)} nodes; "
+            f"pad every tree to one budget"
+        )
+    return counts.pop()
+
+
+def encode_sglang_draft(trees: Sequence[TokenTree], topk: int, spec_steps: int) -> SGLangDraftEncoding:
+    """Encodes trees (same node count) so SGLang's build-tree kernel reproduces them exactly.
+
+    Needs: every node has at most ``topk`` children, depth <= ``spec_steps`` (SGLang's accept index has
+    spec_steps + 1 entries), and every parent index < topk * (spec_steps - 1) + 1 (the parent_list width).
+    """
+    num_nodes = _uniform_node_count(trees)
+    width = parent_list_width(topk, spec_steps)
+    batch_size = len(trees)
+    parent_list = torch.full((batch_size, width), -1, dtype=torch.int64)
+    top_scores_index = torch.empty((batch_size, num_nodes - 1), dtype=torch.int64)
+    for row, tree in enumerate(trees):
+        if tree.depth > spec_steps:
+            raise SpecError(f"tree depth {tree.depth} exceeds spec_steps {spec_steps}; raise speculative_num_steps")
+        positions = [0] * num_nodes
+        for node, parent in enumerate(tree.parents.tolist()):
+            if parent < 0:
+                continue
+            if positions[parent] >= topk:
+                raise SpecError(f"node {parent} has more than topk={topk} children; raise topk")
+            if parent >= width:
+                raise SpecError(
+                    f"node {parent} has children but SGLang's parent_list holds only {width} entries "
+                    f"(topk*(spec_steps-1)+1); raise topk or spec_steps"
+                )
+            top_scores_index[row, node - 1] = parent * topk + positions[parent]
+            positions[parent] += 1
+        usable = min(num_nodes - 1, width)
+        parent_list[row, 1:usable] = top_scores_index[row, : usable - 1]
+    return SGLangDraftEncoding(
+        bonus_tokens=torch.stack([tree.tokens[0] for tree in trees]),
+        parent_list=parent_list,
+        top_scores_index=top_scores_index,
+        draft_tokens=torch.stack([tree.tokens[1:] for tree in trees]),
+        topk=topk,
+        spec_steps=spec_steps,
+        num_verify_tokens=num_nodes,
+    )
+
+
+def encode_sglang_verify(
+    trees: Sequence[TokenTree], seq_lens: Sequence[int] | torch.Tensor, mode: TreeMaskMode = TreeMaskMode.FULL_MASK
+) -> SGLangVerifyMetadata:
+    """Verify metadata for trees with the same node count; ``seq_lens[b]`` = verified prefix length."""
+    num_nodes = _uniform_node_count(trees)
+    seq_lens = torch.as_tensor(seq_lens, dtype=torch.int64).reshape(-1)
+    if seq_lens.numel() != len(trees):
+        raise SpecError(f"got {seq_lens.numel()} seq_lens for {len(trees)} trees")
+    batch = TreeBatch.from_trees(trees)
+    batch_size = len(trees)
+    masks = [tree.ancestor_mask() for tree in trees]
+    if mode == TreeMaskMode.FULL_MASK:
+        tree_mask = torch.cat(
+            [
+                torch.cat([torch.ones(num_nodes, int(prefix), dtype=torch.bool), mask], dim=1).reshape(-1)
+                for prefix, mask in zip(seq_lens.tolist(), masks)
+            ]
+        )
+    elif mode == TreeMaskMode.QLEN_ONLY:
+        tree_mask = torch.stack(masks).reshape(-1)
+    elif mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
+        tree_mask = pack_rows_little_endian(torch.stack(masks).reshape(batch_size * num_nodes, num_nodes))
+    else:
+        raise SpecError(f"unknown tree mask mode {mode!r}")
+    return SGLangVerifyMetadata(
+        tree_mask=tree_mask,
+        positions=(seq_lens[:, None] + batch.depths).reshape(-1),
+        retrieve_index=torch.arange(batch_size * num_nodes, dtype=torch.int64).reshape(batch_size, num_nodes),
+        retrieve_next_token=batch.first_child,
+        retrieve_next_sibling=batch.next_sibling,
+        draft_tokens=batch.tokens.reshape(-1),
+        mode=mode,
+    )
+
+
+def pack_rows_little_endian(rows: torch.Tensor) -> torch.Tensor:
+    """[R, n] bool -> [R] uint8/uint16/uint32 with bit c = column c (SGLang's QLEN_ONLY_BITPACKING, n <= 32)."""
+    num_columns = rows.shape[1]
+    if num_columns > 32:
+        raise SpecError(f"QLEN_ONLY_BITPACKING holds at most 32 tree tokens per request, got {num_columns}")
+    num_bytes = {1: 1, 2: 2, 3: 4, 4: 4}[(num_columns + 7) // 8]
+    padded = torch.zeros(rows.shape[0], num_bytes * 8, dtype=torch.bool)
+    padded[:, :num_columns] = rows
+    packed = pack_bits_little_endian(padded.reshape(-1))
+    dtype = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[num_bytes]
+    return packed.contiguous().view(dtype).reshape(-1)
+
+
+def decode_sglang_draft(
+    parent_list: torch.Tensor,
+    top_scores_index: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    bonus_tokens: torch.Tensor,
+    topk: int,
+    draft_probs: torch.Tensor | None = None,
+) -> list[TokenTree]:
+    """Trees from SGLang draft outputs, resolving parents the way the build-tree kernel does: node i's parent
+    slot is ``g = top_scores_index[i-1] // topk``; g == 0 means the root, otherwise the parent is the node whose
+    top_scores_index equals ``parent_list[g]``. Ranks are ``top_scores_index % topk``."""
+    trees = []
+    for row in range(top_scores_index.shape[0]):
+        scores_index = top_scores_index[row].tolist()
+        position_of = {value: position for position, value in reversed(list(enumerate(scores_index)))}
+        parents = [-1]
+        for value in scores_index:
+            slot = value // topk
+            if slot == 0:
+                parents.append(0)
+                continue
+            parent_value = int(parent_list[row, slot])
+            if parent_value not in position_of:
+                raise SpecError(f"invalid eagle tree: request {row} has a node whose parent slot {slot} is not selected")
+            parents.append(position_of[parent_value] + 1)
+        probs = None if draft_probs is None else [1.0, *draft_probs[row].tolist()]
+        trees.append(
+            TokenTree.from_parents(
+                parents,
+                tokens=[int(bonus_tokens[row]), *draft_tokens[row].tolist()],
+                ranks=[-1, *[value % topk for value in scores_index]],
+                draft_probs=probs,
+            )
+        )
+    return trees

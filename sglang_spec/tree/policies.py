@@ -1,0 +1,159 @@
+"""The four tree policies. Each grows a tree from per-node top-k draft candidates, one candidate-source call per
+expansion round, under ``budget`` draft nodes and ``depth`` draft levels:
+
+* ``chain``    recursive MTP, one candidate per depth (SGLang NEXTN with topk=1); min(budget, depth) nodes.
+* ``eagle``    EAGLE-2 beams: the root's top-k, then per depth the best k of the k*k expansions by cumulative
+               draft probability; keep the best ``budget`` of all candidate slots (SGLang's
+               ``select_top_k_tokens`` + ``organize_draft_results``).
+* ``sequoia``  the DP-optimal static topology for an acceptance profile, instantiated with the top-b ranks at
+               each node.
+* ``specexec`` best-first: the ``budget`` nodes with the highest cumulative draft probability, expanding every
+               selected node until the selection no longer changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from sglang_spec.errors import SpecError
+from sglang_spec.tree.candidates import CandidateSource, GrowingTree
+from sglang_spec.tree.profile import AcceptanceProfile
+from sglang_spec.tree.sequoia import sequoia_plan
+from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH, TokenTree
+
+POLICY_NAMES = ("chain", "eagle", "sequoia", "specexec")
+DEFAULT_TOPK = {"chain": 1, "eagle": 4, "sequoia": 8, "specexec": 8}
+
+
+@dataclass(frozen=True)
+class TreePolicy:
+    """A validated tree-building configuration.
+
+    name:    one of POLICY_NAMES.
+    budget:  draft nodes, root excluded (1..1023).
+    depth:   most draft tokens on one root-to-leaf path (1..64).
+    topk:    candidates requested per expanded node: EAGLE's beam width, SpecExec's and Sequoia's maximum number
+             of children per node; None = the policy default (DEFAULT_TOPK). Ignored by chain.
+    profile: acceptance profile; required by sequoia.
+    """
+
+    name: str
+    budget: int
+    depth: int
+    topk: int | None = None
+    profile: AcceptanceProfile | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICY_NAMES:
+            raise SpecError(f"unknown tree policy {self.name!r}; choose one of {', '.join(POLICY_NAMES)}")
+        if not isinstance(self.budget, int) or self.budget < 1:
+            raise SpecError(f"budget must be >= 1 (draft nodes, root excluded), got {self.budget}")
+        if self.budget > MAX_BUDGET:
+            raise SpecError(f"budget {self.budget} exceeds the maximum {MAX_BUDGET} (1024 tree tokens per request)")
+        if not isinstance(self.depth, int) or self.depth < 1:
+            raise SpecError(f"depth must be >= 1 (draft tokens on the longest path), got {self.depth}")
+        if self.depth > MAX_DEPTH:
+            raise SpecError(f"depth {self.depth} exceeds the maximum depth {MAX_DEPTH}")
+        if self.topk is not None and (not isinstance(self.topk, int) or self.topk < 1):
+            raise SpecError(f"topk must be >= 1, got {self.topk}")
+        if self.name == "sequoia" and self.profile is None:
+            raise SpecError("the sequoia policy needs an acceptance profile (--acceptance PROFILE.json)")
+        if self.name == "eagle":
+            slots = self.effective_topk + (self.depth - 1) * self.effective_topk**2
+            if self.budget > slots:
+                raise SpecError(
+                    f"eagle with topk {self.effective_topk} and depth {self.depth} has only {slots} candidate "
+                    f"slots (topk + (depth-1)*topk^2) for budget {self.budget}; raise topk or depth, or lower the budget"
+                )
+
+    @property
+    def effective_topk(self) -> int:
+        return DEFAULT_TOPK[self.name] if self.topk is None or self.name == "chain" else self.topk
+
+    def build(self, root_token: int, source: CandidateSource) -> TokenTree:
+        """Grows this policy's tree below ``root_token`` with candidates from ``source``."""
+        return _BUILDERS[self.name](self, GrowingTree(root_token), source)
+
+
+def _build_chain(policy: TreePolicy, tree: GrowingTree, source: CandidateSource) -> TokenTree:
+    node = 0
+    for _ in range(min(policy.budget, policy.depth)):
+        candidates = source.expand(tree, [node], 1)
+        node = tree.add_children(node, candidates, 0, 1)[0]
+    return tree.subtree()
+
+
+def _best(tree: GrowingTree, node_ids: Sequence[int], count: int) -> list[int]:
+    """The ``count`` nodes with the highest cumulative draft probability, best first. Ties go to the earlier
+    node, i.e. the lower SGLang slot; a parent always precedes its children, so a selection stays connected."""
+    order = sorted(range(len(node_ids)), key=lambda position: (-tree.path_probs[node_ids[position]], position))
+    return [node_ids[position] for position in order[:count]]
+
+
+def _build_eagle(policy: TreePolicy, tree: GrowingTree, source: CandidateSource) -> TokenTree:
+    topk = policy.effective_topk
+    candidates = source.expand(tree, [0], topk)
+    # SGLang's candidate slots, level-major; the frontier is kept in score order, which fixes the slot order of
+    # the next level's expansions (beam-major, then child rank).
+    slots = tree.add_children(0, candidates, 0, topk)
+    frontier = list(slots)
+    for _ in range(1, policy.depth):
+        candidates = source.expand(tree, frontier, topk)
+        expansions = [
+            child for row, beam in enumerate(frontier) for child in tree.add_children(beam, candidates, row, topk)
+        ]
+        slots.extend(expansions)
+        frontier = _best(tree, expansions, topk)
+    return tree.subtree(_best(tree, slots, policy.budget))
+
+
+def _build_sequoia(policy: TreePolicy, tree: GrowingTree, source: CandidateSource) -> TokenTree:
+    assert policy.profile is not None
+    max_branch = None if policy.topk is None else policy.topk
+    plan = sequoia_plan(policy.profile, policy.budget, policy.depth, max_branch=max_branch)
+    child_counts = [0] * len(plan.parents)
+    for parent in plan.parents[1:]:
+        child_counts[parent] += 1
+    # The plan is breadth-first with each node's children consecutive, so adding children level by level in
+    # node order reproduces the plan's numbering in the growing tree.
+    level = [0]
+    while level:
+        parents = [node for node in level if child_counts[node] > 0]
+        if not parents:
+            break
+        candidates = source.expand(tree, parents, max(child_counts[node] for node in parents))
+        level = [
+            child
+            for row, node in enumerate(parents)
+            for child in tree.add_children(node, candidates, row, child_counts[node])
+        ]
+    result = tree.subtree()
+    assert result.parents.tolist() == list(plan.parents)
+    return result
+
+
+def _build_specexec(policy: TreePolicy, tree: GrowingTree, source: CandidateSource) -> TokenTree:
+    topk = policy.effective_topk
+    expanded: set[int] = set()
+    selected: list[int] = []
+    while True:
+        to_expand = [
+            node for node in [0, *selected] if node not in expanded and tree.depths[node] < policy.depth
+        ]
+        if not to_expand:
+            break
+        candidates = source.expand(tree, to_expand, topk)
+        for row, node in enumerate(to_expand):
+            tree.add_children(node, candidates, row, topk)
+            expanded.add(node)
+        selected = _best(tree, range(1, tree.num_nodes), policy.budget)
+    return tree.subtree(selected)
+
+
+_BUILDERS: dict[str, Callable[[TreePolicy, GrowingTree, CandidateSource], TokenTree]] = {
+    "chain": _build_chain,
+    "eagle": _build_eagle,
+    "sequoia": _build_sequoia,
+    "specexec": _build_specexec,
+}

@@ -1,0 +1,24 @@
+"""Reference verification rules (pure torch, batched; padded requests are no-ops).
+
+Lossless: ``verify_greedy`` (temperature 0), ``verify_sample_match`` (deterministic top-k candidate trees,
+SpecExec), ``verify_rejection(rule="swor")`` (children sampled without replacement, Sequoia) and
+``verify_rejection(rule="iid")`` (children sampled i.i.d., SpecInfer). LOSSY, opt-in only: ``relaxed``.
+"""
+
+from sglang_spec.verify.greedy import verify_greedy
+from sglang_spec.verify.rejection import RejectionStep, rejection_step, verify_rejection
+from sglang_spec.verify.relaxed import RelaxedVerifyResult, verify_relaxed_topn_delta, verify_typical
+from sglang_spec.verify.result import VerifyResult
+from sglang_spec.verify.sample_match import verify_sample_match
+
+__all__ = [
+    "RejectionStep",
+    "RelaxedVerifyResult",
+    "VerifyResult",
+    "rejection_step",
+    "verify_greedy",
+    "verify_rejection",
+    "verify_relaxed_topn_delta",
+    "verify_sample_match",
+    "verify_typical",
+]

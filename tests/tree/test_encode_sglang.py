@@ -1,0 +1,117 @@
+import numpy as np
+import pytest
+import torch
+
+from helpers import random_tree
+from sglang_spec.errors import SpecError
+from sglang_spec.tree import (
+    TokenTree,
+    TreeMaskMode,
+    decode_sglang_draft,
+    encode_sglang_draft,
+    encode_sglang_verify,
+)
+
+UNO_EXAMPLE = TokenTree.from_parents([-1, 0, 0, 0, 1, 1, 4], tokens=[50, 51, 52, 53, 54, 55, 56])
+
+
+def test_uno_example_from_the_reference_notes():
+    encoding = encode_sglang_draft([UNO_EXAMPLE], topk=3, spec_steps=3)
+    assert encoding.top_scores_index.tolist() == [[0, 1, 2, 3, 4, 12]]
+    assert encoding.parent_list.tolist() == [[-1, 0, 1, 2, 3, 4, -1]]
+    meta = encode_sglang_verify([UNO_EXAMPLE], seq_lens=[10], mode=TreeMaskMode.QLEN_ONLY)
+    assert meta.positions.tolist() == [10, 11, 11, 11, 12, 12, 13]
+    assert meta.retrieve_next_token.tolist() == [[1, 4, -1, -1, 6, -1, -1]]
+    assert meta.retrieve_next_sibling.tolist() == [[-1, 2, 3, -1, 5, -1, -1]]
+    rows = ["1000000", "1100000", "1010000", "1001000", "1100100", "1100010", "1100101"]
+    assert ["".join(str(int(v)) for v in row) for row in meta.tree_mask.reshape(7, 7).tolist()] == rows
+    assert meta.draft_tokens.tolist() == [50, 51, 52, 53, 54, 55, 56]
+
+
+def test_bitpacked_rows_are_little_endian():
+    meta = encode_sglang_verify([UNO_EXAMPLE], seq_lens=[3], mode=TreeMaskMode.QLEN_ONLY_BITPACKING)
+    # row 6 attends to 0, 1, 4, 6 -> 0b1010011 = 83; row 1,1,0,1 -> 11 as in the environment notes
+    assert meta.tree_mask.dtype == torch.uint8
+    assert meta.tree_mask.tolist() == [1, 3, 5, 9, 19, 35, 83]
+    wide = TokenTree.from_parents([-1] + [0] * 9 + [9])  # 11 nodes -> 2 bytes per row
+    packed = encode_sglang_verify([wide], [0], TreeMaskMode.QLEN_ONLY_BITPACKING).tree_mask
+    assert packed.dtype == torch.uint16 and int(packed[10]) == 1 + (1 << 9) + (1 << 10)
+    with pytest.raises(SpecError, match="at most 32 tree tokens"):
+        encode_sglang_verify([TokenTree.from_parents([-1] + [0] * 33)], [0], TreeMaskMode.QLEN_ONLY_BITPACKING)
+
+
+def test_full_mask_has_true_prefix_columns_then_tree_columns():
+    tree = TokenTree.from_parents([-1, 0, 1])
+    mask = encode_sglang_verify([tree, tree], seq_lens=[2, 1]).tree_mask
+    first = mask[: 3 * 5].reshape(3, 5)
+    second = mask[3 * 5 :].reshape(3, 4)
+    assert first[:, :2].all() and second[:, :1].all()
+    assert torch.equal(first[:, 2:], tree.ancestor_mask()) and torch.equal(second[:, 1:], tree.ancestor_mask())
+
+
+def test_encoder_limits_get_one_clear_line():
+    star = TokenTree.from_parents([-1, 0, 0, 0])
+    with pytest.raises(SpecError, match="more than topk=2 children"):
+        encode_sglang_draft([star], topk=2, spec_steps=2)
+    with pytest.raises(SpecError, match="exceeds spec_steps 2"):
+        encode_sglang_draft([TokenTree.from_parents([-1, 0, 1, 2])], topk=1, spec_steps=2)
+    with pytest.raises(SpecError, match="parent_list holds only 5 entries"):
+        encode_sglang_draft([TokenTree.from_parents([-1, 0, 0, 1, 1, 2, 2, 6])], topk=2, spec_steps=3)
+    with pytest.raises(SpecError, match="pad every tree to one budget"):
+        encode_sglang_draft([star, TokenTree.from_parents([-1, 0])], topk=4, spec_steps=2)
+
+
+def random_batches():
+    """Irregular batches: non-power-of-two sizes, chains, stars, deep and bushy trees, up to 32 nodes."""
+    rng = np.random.default_rng(2024)
+    cases = []
+    for batch_size, num_nodes, topk, spec_steps in [
+        (1, 2, 1, 1),
+        (3, 5, 1, 4),  # chains
+        (1, 9, 8, 2),  # star
+        (5, 8, 2, 7),
+        (2, 16, 4, 5),
+        (3, 13, 3, 6),
+        (1, 32, 4, 8),
+        (7, 6, 3, 3),
+    ]:
+        trees = []
+        for _ in range(batch_size):
+            # parents must stay below the parent_list width topk*(spec_steps-1)+1
+            while True:
+                tree = random_tree(rng, num_nodes, max_fanout=topk, max_depth=spec_steps)
+                if all(p < topk * (spec_steps - 1) + 1 for p in tree.parents.tolist()):
+                    break
+            trees.append(tree)
+        seq_lens = torch.from_numpy(rng.integers(1, 20, size=batch_size)).long()
+        cases.append((trees, seq_lens, topk, spec_steps))
+    return cases
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("mode", [TreeMaskMode.FULL_MASK, TreeMaskMode.QLEN_ONLY])
+@pytest.mark.parametrize("case", random_batches(), ids=lambda c: f"bs{len(c[0])}n{c[0][0].num_nodes}")
+def test_conforms_to_sglangs_triton_build_tree_kernel(sglang_kernels, case, mode):
+    trees, seq_lens, topk, spec_steps = case
+    encoding = encode_sglang_draft(trees, topk=topk, spec_steps=spec_steps)
+    built = sglang_kernels.build_tree(encoding, seq_lens, mode)
+    ours = encode_sglang_verify(trees, seq_lens, mode)
+    assert torch.equal(built.positions, ours.positions)
+    assert torch.equal(built.retrieve_index, ours.retrieve_index)
+    assert torch.equal(built.retrieve_next_token, ours.retrieve_next_token)
+    assert torch.equal(built.retrieve_next_sibling, ours.retrieve_next_sibling)
+    assert torch.equal(built.tree_mask, ours.tree_mask)
+    if mode == TreeMaskMode.QLEN_ONLY and trees[0].num_nodes <= 32:
+        # SGLang's Triton twin has no bit-packing; pack its QLEN_ONLY rows and compare with ours
+        n = trees[0].num_nodes
+        packed = encode_sglang_verify(trees, seq_lens, TreeMaskMode.QLEN_ONLY_BITPACKING).tree_mask
+        rows = built.tree_mask.reshape(-1, n).numpy()
+        width = packed.element_size()
+        expected = np.packbits(np.pad(rows, ((0, 0), (0, 8 * width - n))), axis=1, bitorder="little")
+        assert packed.view(torch.uint8).reshape(-1, width).numpy().tolist() == expected.tolist()
+    # and SGLang's parent rule decodes our encoding back into the same trees
+    decoded = decode_sglang_draft(
+        encoding.parent_list, encoding.top_scores_index, encoding.draft_tokens, encoding.bonus_tokens, topk
+    )
+    for tree, back in zip(trees, decoded):
+        assert back.parents.tolist() == tree.parents.tolist() and back.tokens.tolist() == tree.tokens.tolist()
