@@ -1,1 +1,12 @@
-"""Triton kernels for the speculative step, installed as ``sglang_spec.kernels``."""
+"""Triton kernels for the speculative step, installed as ``sglang_spec.kernels``.
+
+One module per op, each with its Triton kernel(s), launcher(s) and pure-torch reference(s) side by side:
+
+* ``tree_metadata``  draft candidates + topology -> tokens, positions, links, ancestor mask, FlashInfer packed mask
+* ``verify_accept``  target logits -> per-node target token -> accepted path, bonus, output-buffer writes
+* ``kv_commit``      accepted KV rows moved in place to contiguous positions; freed slots reported
+* ``step``           the three chained on static buffers (CUDA-graph capturable)
+
+Launchers take everything as arguments (``out=`` buffers included) and never read tensors on the host. On a CPU
+the kernels run under ``TRITON_INTERPRET=1``, which must be set before this package is imported.
+"""

@@ -43,9 +43,12 @@ def target_probs_from_logits(
     logits: [B, ..., V] float. temperature / top_k / top_p: [B] per request (temperature 0 = one-hot argmax,
     top_k 0 = all tokens, top_p 1 = all tokens). Returns float32 probabilities of the same shape as logits.
 
-    top-k keeps the k highest-probability tokens; top-p keeps the shortest prefix of tokens sorted by descending
-    probability whose mass reaches p (a token is kept when the mass before it is < p). Ties sort by lower token
-    id first. The kept mass is renormalised.
+    With w = exp((logits - max) / temperature):
+    * top-k keeps every token with w >= the k-th largest w (ties at the threshold are all kept);
+    * top-p keeps, among those, every token with w >= t, where t is the largest value for which the kept mass
+      of tokens with w >= t still reaches top_p times the mass kept by top-k (ties kept again).
+    The kept mass is renormalised. These threshold definitions are what a GPU kernel can compute without
+    sorting the vocabulary (``kernels/verify_accept.py`` finds the same thresholds by bisection).
     """
     batch = logits.shape[0]
     vocab = logits.shape[-1]
@@ -53,17 +56,23 @@ def target_probs_from_logits(
     shape = (batch, 1, 1)
     temperature = temperature.to(flat.device, torch.float32).reshape(shape)
     is_greedy = temperature == 0
-    probs = torch.softmax(flat / torch.where(is_greedy, torch.ones_like(temperature), temperature), dim=-1)
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=flat.device).expand_as(sorted_probs)
+    safe_temperature = torch.where(is_greedy, torch.ones_like(temperature), temperature)
+    weights = torch.exp((flat - flat.max(-1, keepdim=True).values) * (1.0 / safe_temperature))
+    sorted_weights = torch.sort(weights, dim=-1, descending=True).values
     top_k = top_k.to(flat.device, torch.int64).reshape(shape)
-    keep = (top_k <= 0) | (rank < top_k)
-    sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    kth_index = (top_k.clamp(min=1, max=vocab) - 1).expand(batch, flat.shape[1], 1)
+    kth = torch.gather(sorted_weights, -1, kth_index)
+    kth = torch.where((top_k > 0) & (top_k < vocab), kth, torch.zeros_like(kth))
+    kept = torch.where(sorted_weights >= kth, sorted_weights, torch.zeros_like(sorted_weights))
+    # mass of tokens with w >= sorted[i] is the cumulative sum up to the last tie of sorted[i]; the first i whose
+    # cumulative sum reaches the target gives the top-p threshold sorted[i]
     top_p = top_p.to(flat.device, torch.float32).reshape(shape)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    keep = keep & ((top_p >= 1) | (mass_before < top_p * sorted_probs.sum(-1, keepdim=True)))
-    sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-    filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    cumulative = torch.cumsum(kept, dim=-1)
+    target = top_p * cumulative[..., -1:]
+    first = (cumulative < target).sum(-1, keepdim=True).clamp(max=vocab - 1)
+    top_p_threshold = torch.where(top_p < 1, torch.gather(sorted_weights, -1, first), torch.zeros_like(kth))
+    threshold = torch.maximum(kth, top_p_threshold)
+    filtered = torch.where(weights >= threshold, weights, torch.zeros_like(weights))
     filtered = filtered / filtered.sum(-1, keepdim=True)
     one_hot = torch.nn.functional.one_hot(flat.argmax(-1), vocab).to(torch.float32)
     return torch.where(is_greedy, one_hot, filtered).reshape(logits.shape)

@@ -47,3 +47,54 @@ def targets_following_drafts(
             if kids and rng.random() < accept_rate:
                 result[row, node] = tree.tokens[int(rng.choice(kids))]
     return result
+
+
+def random_candidate_batch(
+    rng: np.random.Generator,
+    batch_size: int,
+    max_nodes: int,
+    topk: int,
+    max_depth: int,
+    vocab_size: int,
+    shapes: tuple[str, ...] = ("random",),
+    padded_every: int = 0,
+) -> dict:
+    """Kernel inputs for a padded batch: per-request topology (parents, ranks), top-k candidates drafted at
+    every node, root tokens, prefix lengths and node counts. Shapes: random, chain, star, full (max_nodes)."""
+    parents = torch.full((batch_size, max_nodes), -1, dtype=torch.int64)
+    ranks = torch.zeros((batch_size, max_nodes), dtype=torch.int64)
+    num_nodes = torch.zeros(batch_size, dtype=torch.int64)
+    trees = []
+    for b in range(batch_size):
+        if padded_every and b % padded_every == padded_every - 1:
+            trees.append(None)
+            continue
+        shape = shapes[b % len(shapes)]
+        if shape == "chain":
+            count = min(max_nodes, max_depth + 1)
+            tree = TokenTree.from_parents(list(range(-1, count - 1)))
+        elif shape == "star":
+            count = min(max_nodes, topk + 1)
+            tree = TokenTree.from_parents([-1] + [0] * (count - 1))
+        else:
+            capacity = 1 + sum(topk**level for level in range(1, max_depth + 1))
+            count = min(max_nodes, capacity) if shape == "full" else int(rng.integers(1, min(max_nodes, capacity) + 1))
+            tree = random_tree(rng, count, max_fanout=topk, max_depth=max_depth)
+        trees.append(tree)
+        num_nodes[b] = tree.num_nodes
+        parents[b, : tree.num_nodes] = tree.parents
+        ranks[b, : tree.num_nodes] = tree.ranks.clamp(min=0)
+    candidate_tokens = torch.stack(
+        [torch.from_numpy(rng.permutation(vocab_size)[:topk]) for _ in range(batch_size * max_nodes)]
+    ).reshape(batch_size, max_nodes, topk).long()
+    candidate_probs = torch.sort(torch.from_numpy(rng.random((batch_size, max_nodes, topk))).float(), -1, True).values
+    return dict(
+        parents=parents,
+        ranks=ranks,
+        topk_tokens=candidate_tokens.contiguous(),
+        topk_probs=candidate_probs.contiguous(),
+        root_tokens=torch.from_numpy(rng.integers(vocab_size, size=batch_size)).long(),
+        prefix_lens=torch.from_numpy(rng.integers(0, 40, size=batch_size)).long(),
+        num_nodes=num_nodes,
+        trees=trees,
+    )

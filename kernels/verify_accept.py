@@ -1,0 +1,528 @@
+"""Fused verify + accept: target logits at every tree node -> accepted path, accept length, bonus token, and the
+emitted tokens appended to each request's output buffer.
+
+Two launches, each a Triton kernel beside its launcher and its pure-torch reference:
+
+1. per node (one program per tree node, a loop over the vocabulary):
+   * ``target_tokens``: the target's token at the node. Greedy: argmax (first index on ties). Sampling (per-request
+     temperature > 0): an inverse-CDF draw with the node's coin from the tempered distribution after top-k and
+     top-p, whose thresholds are found by bisection over float32 bit patterns (no vocabulary sort); the
+     definitions are those of ``sglang_spec.sampling.target_probs_from_logits``.
+   * ``top_n_probs`` (relaxed mode): the N most likely tokens and their plain-softmax probabilities.
+2. per request: ``accept_walk`` follows the tree from the root. Match mode (greedy and lossless sampling, SpecExec's
+   sample-and-match): move to the lowest-index child whose token equals the node's target token. Relaxed mode
+   (LOSSY, opt-in, TensorRT-LLM's thinking-phase rule): move to the most probable child that is in the node's
+   top-N and within ``delta`` of the top probability while inside a thinking span (strict outside). The bonus is
+   the target token (relaxed: the argmax) at the last node.
+
+Randomness is an input (``coins``: one uniform per node), so kernel and reference agree exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_spec.sampling import sample_from_probs, target_probs_from_logits
+from sglang_spec.tree.batch import TreeBatch
+from sglang_spec.verify.relaxed import verify_relaxed_topn_delta
+from sglang_spec.verify.walk import walk_matching_children
+
+MODES = ("greedy", "sample", "relaxed")
+ONE_BITS = 0x3F800000  # float32 1.0: tempered weights exp((x - max) / T) lie in (0, 1]
+SEARCH_STEPS = 31  # bisection over [0, ONE_BITS] pins the threshold bit pattern exactly
+
+
+@triton.jit
+def _mass_at_least(row_ptr, V, best, inv_temperature, threshold, BLOCK_V: tl.constexpr):
+    """Count and total of the tempered weights w = exp((x - best) * inv_temperature) with w >= threshold."""
+    offsets = tl.arange(0, BLOCK_V)
+    count = tl.zeros([BLOCK_V], dtype=tl.int32)
+    mass = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        index = start + offsets
+        x = tl.load(row_ptr + index, mask=index < V, other=-float("inf")).to(tl.float32)
+        weight = tl.exp((x - best) * inv_temperature)
+        keep = (weight >= threshold) & (index < V)
+        count += keep.to(tl.int32)
+        mass += tl.where(keep, weight, 0.0)
+    return tl.sum(count, axis=0), tl.sum(mass, axis=0)
+
+
+@triton.jit
+def _target_tokens_kernel(
+    logits_ptr,  # [B * N, V] float logits, row stride logits_stride
+    logits_stride,
+    temperature_ptr,  # [B] float32 (0 = greedy)
+    top_k_ptr,  # [B] int64 (0 = off)
+    top_p_ptr,  # [B] float32 (1 = off)
+    coins_ptr,  # [B * N] float32 uniform in [0, 1)
+    out_ptr,  # out [B * N] int64
+    V,
+    N: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SEARCH: tl.constexpr,
+):
+    # one program per tree node
+    row = tl.program_id(0)
+    request = row // N
+    row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
+    offsets = tl.arange(0, BLOCK_V)
+    best = -float("inf")
+    best_index = 0
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(row_ptr + start + offsets, mask=start + offsets < V, other=-float("inf")).to(tl.float32)
+        block_best = tl.max(x, axis=0)
+        block_index = start + tl.argmax(x, axis=0)
+        best_index = tl.where(block_best > best, block_index, best_index)
+        best = tl.maximum(best, block_best)
+    token = best_index.to(tl.int64)
+    if SAMPLE:
+        temperature = tl.load(temperature_ptr + request)
+        if temperature > 0:
+            inv_temperature = 1.0 / temperature
+            top_k = tl.load(top_k_ptr + request)
+            top_p = tl.load(top_p_ptr + request)
+            coin = tl.load(coins_ptr + row)
+            # top-k: the largest t (as float bits) with count(w >= t) >= k is exactly the k-th largest weight
+            kth = 0.0
+            if (top_k > 0) & (top_k < V):
+                low = 0
+                high = 0x3F800000
+                for _ in range(SEARCH):
+                    middle = (low + high + 1) // 2
+                    count, mass = _mass_at_least(row_ptr, V, best, inv_temperature, middle.to(tl.float32, bitcast=True), BLOCK_V)
+                    low = tl.where(count >= top_k, middle, low)
+                    high = tl.where(count >= top_k, high, middle - 1)
+                kth = low.to(tl.float32, bitcast=True)
+            # top-p: the largest t with mass(w >= max(t, kth)) >= top_p * mass(w >= kth)
+            threshold = kth
+            if top_p < 1.0:
+                count, kept_mass = _mass_at_least(row_ptr, V, best, inv_temperature, kth, BLOCK_V)
+                target = top_p * kept_mass
+                low = 0
+                high = 0x3F800000
+                for _ in range(SEARCH):
+                    middle = (low + high + 1) // 2
+                    candidate = tl.maximum(middle.to(tl.float32, bitcast=True), kth)
+                    count, mass = _mass_at_least(row_ptr, V, best, inv_temperature, candidate, BLOCK_V)
+                    low = tl.where(mass >= target, middle, low)
+                    high = tl.where(mass >= target, high, middle - 1)
+                threshold = tl.maximum(low.to(tl.float32, bitcast=True), kth)
+            count, total = _mass_at_least(row_ptr, V, best, inv_temperature, threshold, BLOCK_V)
+            # inverse CDF in token order: the first kept token whose running mass exceeds coin * total
+            limit = coin * total
+            carry = 0.0
+            chosen = V
+            last_kept = 0
+            for start in range(0, V, BLOCK_V):
+                index = start + offsets
+                x = tl.load(row_ptr + index, mask=index < V, other=-float("inf")).to(tl.float32)
+                weight = tl.exp((x - best) * inv_temperature)
+                kept = (weight >= threshold) & (index < V)
+                weight = tl.where(kept, weight, 0.0)
+                running = tl.cumsum(weight, axis=0) + carry
+                hit = tl.min(tl.where(kept & (running > limit), index, V), axis=0)
+                chosen = tl.minimum(chosen, hit)
+                last_kept = tl.maximum(last_kept, tl.max(tl.where(kept, index, 0), axis=0))
+                carry += tl.sum(weight, axis=0)
+            token = tl.where(chosen < V, chosen, last_kept).to(tl.int64)
+    tl.store(out_ptr + row, token)
+
+
+def _check_logits(logits: torch.Tensor, batch: int, nodes: int) -> None:
+    if logits.dim() != 2 or logits.shape[0] != batch * nodes or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [B * N, V] = [{batch * nodes}, V] with contiguous rows")
+
+
+def target_tokens(
+    logits: torch.Tensor,
+    num_nodes_per_request: int,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    coins: torch.Tensor,
+    sample: bool,
+    out: torch.Tensor | None = None,
+    block_v: int = 1024,
+) -> torch.Tensor:
+    """Launcher. logits [B * N, V]; temperature / top_p [B] float32, top_k [B] int64; coins [B * N] float32.
+    ``sample=False`` takes the argmax everywhere (no sampling code compiled). Returns [B * N] int64."""
+    batch = temperature.shape[0]
+    _check_logits(logits, batch, num_nodes_per_request)
+    out = out if out is not None else torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    _target_tokens_kernel[(logits.shape[0],)](
+        logits,
+        logits.stride(0),
+        temperature,
+        top_k,
+        top_p,
+        coins,
+        out,
+        logits.shape[1],
+        N=num_nodes_per_request,
+        SAMPLE=sample,
+        BLOCK_V=min(block_v, triton.next_power_of_2(logits.shape[1])),
+        SEARCH=SEARCH_STEPS,
+    )
+    return out
+
+
+def target_tokens_reference(
+    logits: torch.Tensor,
+    num_nodes_per_request: int,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    coins: torch.Tensor,
+    sample: bool,
+    out: torch.Tensor | None = None,
+    block_v: int = 1024,
+) -> torch.Tensor:
+    batch = temperature.shape[0]
+    _check_logits(logits, batch, num_nodes_per_request)
+    grouped = logits.reshape(batch, num_nodes_per_request, -1)
+    if sample:
+        probs = target_probs_from_logits(grouped, temperature, top_k, top_p)
+        result = sample_from_probs(probs, coins.reshape(batch, num_nodes_per_request)).reshape(-1)
+        result = torch.where(temperature.repeat_interleave(num_nodes_per_request) > 0, result, logits.argmax(-1))
+    else:
+        result = logits.float().argmax(-1)
+    out = out if out is not None else torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    return out.copy_(result)
+
+
+@triton.jit
+def _top_n_kernel(
+    logits_ptr,  # [B * N, V] float logits
+    logits_stride,
+    tokens_ptr,  # out [B * N, TOP_N] int64, most likely first
+    probs_ptr,  # out [B * N, TOP_N] float32 plain-softmax probabilities
+    V,
+    TOP_N: tl.constexpr,
+    TOP_N_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # one program per tree node: online softmax normaliser, then TOP_N argmax passes excluding earlier picks
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
+    offsets = tl.arange(0, BLOCK_V)
+    running_max = -float("inf")
+    running_sum = 0.0
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(row_ptr + start + offsets, mask=start + offsets < V, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        running_max = new_max
+    slots = tl.arange(0, TOP_N_PAD)
+    picked = tl.full([TOP_N_PAD], -1, dtype=tl.int32)
+    for n in range(TOP_N):
+        best = -float("inf")
+        best_index = 0
+        for start in range(0, V, BLOCK_V):
+            index = start + offsets
+            x = tl.load(row_ptr + index, mask=index < V, other=-float("inf")).to(tl.float32)
+            taken = tl.max((index[:, None] == picked[None, :]).to(tl.int32), axis=1) > 0
+            x = tl.where(taken, -float("inf"), x)
+            block_best = tl.max(x, axis=0)
+            block_index = start + tl.argmax(x, axis=0)
+            best_index = tl.where(block_best > best, block_index, best_index)
+            best = tl.maximum(best, block_best)
+        picked = tl.where(slots == n, best_index, picked)
+        tl.store(tokens_ptr + row * TOP_N + n, best_index.to(tl.int64))
+        tl.store(probs_ptr + row * TOP_N + n, tl.exp(best - running_max) / running_sum)
+
+
+def top_n_probs(
+    logits: torch.Tensor, top_n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None, block_v: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher. logits [R, V] -> (tokens [R, top_n] int64, probs [R, top_n] float32), most likely first."""
+    rows, vocab = logits.shape
+    if not 1 <= top_n <= min(vocab, 64):
+        raise ValueError(f"top_n must be in [1, {min(vocab, 64)}], got {top_n}")
+    tokens, probs = out if out is not None else (
+        torch.empty(rows, top_n, dtype=torch.int64, device=logits.device),
+        torch.empty(rows, top_n, dtype=torch.float32, device=logits.device),
+    )
+    _top_n_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        tokens,
+        probs,
+        vocab,
+        TOP_N=top_n,
+        TOP_N_PAD=max(triton.next_power_of_2(top_n), 2),
+        BLOCK_V=min(block_v, triton.next_power_of_2(vocab)),
+    )
+    return tokens, probs
+
+
+def top_n_probs_reference(
+    logits: torch.Tensor, top_n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None, block_v: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    probs, tokens = torch.topk(torch.softmax(logits.float(), dim=-1), top_n, dim=-1)
+    if out is None:
+        return tokens, probs
+    out[0].copy_(tokens)
+    out[1].copy_(probs)
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class AcceptOutputs:
+    """Per-request results of ``accept_walk`` (D = max_depth).
+
+    Fields:
+      accepted_nodes: [B, D + 1] int64. Node ids on the accepted path, root first; -1 after accept_length and for
+                      padded requests.
+      accept_length:  [B] int64. Accepted drafts + 1 (bonus); 0 for a padded request.
+      bonus_token:    [B] int64. -1 for a padded request.
+      thinking:       [B] int8. Thinking state after the emitted tokens (relaxed mode; copied through otherwise).
+    """
+
+    accepted_nodes: torch.Tensor
+    accept_length: torch.Tensor
+    bonus_token: torch.Tensor
+    thinking: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch_size: int, max_depth: int, device: torch.device | str) -> AcceptOutputs:
+        return cls(
+            accepted_nodes=torch.empty(batch_size, max_depth + 1, dtype=torch.int64, device=device),
+            accept_length=torch.empty(batch_size, dtype=torch.int64, device=device),
+            bonus_token=torch.empty(batch_size, dtype=torch.int64, device=device),
+            thinking=torch.empty(batch_size, dtype=torch.int8, device=device),
+        )
+
+
+@triton.jit
+def _accept_walk_kernel(
+    tokens_ptr,  # [B, N] int64 node tokens (-1 padding)
+    parents_ptr,  # [B, N] int64 parents (-1 root / padding)
+    num_nodes_ptr,  # [B] int64
+    target_ptr,  # [B * N] int64 target token per node (match mode)
+    top_tokens_ptr,  # [B * N, TOP_N] int64 (relaxed mode)
+    top_probs_ptr,  # [B * N, TOP_N] float32 (relaxed mode)
+    thinking_ptr,  # [B] int8 thinking state at the root (relaxed mode)
+    delta,  # relaxed probability slack inside thinking spans
+    think_begin,
+    think_end,
+    accepted_ptr,  # out [B, MAX_DEPTH + 1] int64
+    accept_length_ptr,  # out [B] int64
+    bonus_ptr,  # out [B] int64
+    thinking_out_ptr,  # out [B] int8
+    output_ids_ptr,  # in/out [B, capacity] int64 per-request output buffer
+    output_stride,
+    output_capacity,
+    output_lens_ptr,  # in/out [B] int64 tokens already in each output buffer
+    N: tl.constexpr,
+    N_PAD: tl.constexpr,
+    MAX_DEPTH: tl.constexpr,
+    D_PAD: tl.constexpr,
+    RELAXED: tl.constexpr,
+    TOP_N: tl.constexpr,
+    TOP_N_PAD: tl.constexpr,
+):
+    # one program per request; every level looks at all nodes at once and picks the child to follow
+    b = tl.program_id(0)
+    nodes = tl.arange(0, N_PAD)
+    count = tl.load(num_nodes_ptr + b)
+    real = nodes < count
+    tokens = tl.load(tokens_ptr + b * N + nodes, mask=real, other=-1)
+    parents = tl.load(parents_ptr + b * N + nodes, mask=real & (nodes > 0), other=-1)
+    steps = tl.arange(0, D_PAD)
+    slots = tl.arange(0, TOP_N_PAD)
+    active = count > 0
+    current = 0
+    accepted = 0
+    path = tl.where((steps == 0) & active, 0, -1).to(tl.int64)
+    emitted = tl.full([D_PAD], -1, dtype=tl.int64)
+    thinking = tl.load(thinking_ptr + b).to(tl.int32)
+    for level in range(MAX_DEPTH):
+        children = (parents == current) & real & active
+        if RELAXED:
+            row = (b * N + current).to(tl.int64) * TOP_N
+            top_tokens = tl.load(top_tokens_ptr + row + slots, mask=slots < TOP_N, other=-2)
+            top_probs = tl.load(top_probs_ptr + row + slots, mask=slots < TOP_N, other=0.0)
+            first = tl.sum(tl.where(slots == 0, top_tokens, 0), axis=0)
+            top_prob = tl.max(top_probs, axis=0)
+            match = tokens[:, None] == top_tokens[None, :]
+            in_top = tl.max(match.to(tl.int32), axis=1) > 0
+            prob = tl.sum(tl.where(match, top_probs[None, :], 0.0), axis=1)
+            slack = tl.where(thinking > 0, delta, 0.0)
+            ok = children & in_top & ((tokens == first) | (prob >= top_prob - slack))
+            score = tl.where(ok, prob, -1.0)
+            best = tl.max(score, axis=0)
+            chosen = tl.min(tl.where(ok & (score == best), nodes, N_PAD), axis=0)
+        else:
+            want = tl.load(target_ptr + b * N + current)
+            chosen = tl.min(tl.where(children & (tokens == want), nodes, N_PAD), axis=0)
+        moved = chosen < N_PAD
+        token = tl.sum(tl.where(nodes == chosen, tokens, 0), axis=0)
+        path = tl.where((steps == level + 1) & moved, chosen.to(tl.int64), path)
+        emitted = tl.where((steps == level) & moved, token, emitted)
+        if RELAXED:
+            thinking = tl.where(moved & (token == think_begin), 1, thinking)
+            thinking = tl.where(moved & (token == think_end), 0, thinking)
+        current = tl.where(moved, chosen, current)
+        accepted += moved.to(tl.int32)
+        active = active & moved
+    if RELAXED:
+        bonus = tl.load(top_tokens_ptr + (b * N + current).to(tl.int64) * TOP_N)
+    else:
+        bonus = tl.load(target_ptr + b * N + current)
+    bonus = tl.where(count > 0, bonus, -1)
+    if RELAXED:
+        thinking = tl.where((count > 0) & (bonus == think_begin), 1, thinking)
+        thinking = tl.where((count > 0) & (bonus == think_end), 0, thinking)
+    length = tl.where(count > 0, accepted + 1, 0).to(tl.int64)
+    emitted = tl.where(steps == accepted, bonus, emitted)
+    tl.store(accepted_ptr + b * (MAX_DEPTH + 1) + steps, path, mask=steps < MAX_DEPTH + 1)
+    tl.store(accept_length_ptr + b, length)
+    tl.store(bonus_ptr + b, bonus)
+    tl.store(thinking_out_ptr + b, thinking.to(tl.int8))
+    written = tl.load(output_lens_ptr + b)
+    slot = written + steps
+    tl.store(output_ids_ptr + b * output_stride + slot, emitted, mask=(steps < length) & (slot < output_capacity))
+    tl.store(output_lens_ptr + b, tl.minimum(written + length, output_capacity))
+
+
+@dataclass(frozen=True)
+class RelaxedConfig:
+    """LOSSY opt-in thinking-phase acceptance (TensorRT-LLM): top_n candidates, delta probability slack."""
+
+    top_n: int
+    delta: float
+    think_begin_token: int
+    think_end_token: int
+
+
+def accept_walk(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor,
+    max_depth: int,
+    output_ids: torch.Tensor,
+    output_lens: torch.Tensor,
+    target: torch.Tensor | None = None,
+    top_n: tuple[torch.Tensor, torch.Tensor] | None = None,
+    thinking: torch.Tensor | None = None,
+    relaxed: RelaxedConfig | None = None,
+    out: AcceptOutputs | None = None,
+    logits: torch.Tensor | None = None,
+) -> AcceptOutputs:
+    """Launcher. Match mode needs ``target`` [B * N]; relaxed mode needs ``top_n`` and ``relaxed``.
+    output_ids [B, capacity] and output_lens [B] are updated in place. ``logits`` is unused here (the reference
+    recomputes the top-N from it); it is accepted so both share one signature."""
+    batch, nodes = tokens.shape
+    if (relaxed is None) != (top_n is None) or (relaxed is None and target is None):
+        raise ValueError("give target tokens (match mode) or top_n + relaxed (relaxed mode)")
+    if output_ids.dim() != 2 or output_ids.shape[0] != batch or output_ids.stride(1) != 1:
+        raise ValueError("output_ids must be [B, capacity] with contiguous rows")
+    out = out if out is not None else AcceptOutputs.empty(batch, max_depth, tokens.device)
+    if thinking is None:
+        thinking = torch.zeros(batch, dtype=torch.int8, device=tokens.device)
+    top_tokens, top_probs = top_n if top_n is not None else (tokens, tokens)
+    _accept_walk_kernel[(batch,)](
+        tokens,
+        parents,
+        num_nodes,
+        target if target is not None else tokens,
+        top_tokens,
+        top_probs,
+        thinking,
+        relaxed.delta if relaxed else 0.0,
+        relaxed.think_begin_token if relaxed else -1,
+        relaxed.think_end_token if relaxed else -1,
+        out.accepted_nodes,
+        out.accept_length,
+        out.bonus_token,
+        out.thinking,
+        output_ids,
+        output_ids.stride(0),
+        output_ids.shape[1],
+        output_lens,
+        N=nodes,
+        N_PAD=max(triton.next_power_of_2(nodes), 2),
+        MAX_DEPTH=max_depth,
+        D_PAD=triton.next_power_of_2(max_depth + 1),
+        RELAXED=relaxed is not None,
+        TOP_N=relaxed.top_n if relaxed else 1,
+        TOP_N_PAD=max(triton.next_power_of_2(relaxed.top_n), 2) if relaxed else 2,
+    )
+    return out
+
+
+def _batch_from_metadata(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> TreeBatch:
+    trees_tokens = tokens.cpu()
+    parent_rows = parents.cpu()
+    batch, nodes = tokens.shape
+    first_child = torch.full((batch, nodes), -1, dtype=torch.int64)
+    next_sibling = torch.full((batch, nodes), -1, dtype=torch.int64)
+    depths = torch.full((batch, nodes), -1, dtype=torch.int64)
+    for b in range(batch):
+        count = int(num_nodes[b])
+        if count:
+            depths[b, 0] = 0
+        for node in range(1, count):
+            depths[b, node] = depths[b, int(parent_rows[b, node])] + 1
+        for node in range(count - 1, 0, -1):
+            parent = int(parent_rows[b, node])
+            next_sibling[b, node] = first_child[b, parent]
+            first_child[b, parent] = node
+    masked_parents = torch.where(torch.arange(nodes)[None, :] < num_nodes.cpu()[:, None], parent_rows, -1)
+    return TreeBatch(trees_tokens, masked_parents, depths, first_child, next_sibling, num_nodes.cpu())
+
+
+def accept_walk_reference(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor,
+    max_depth: int,
+    output_ids: torch.Tensor,
+    output_lens: torch.Tensor,
+    target: torch.Tensor | None = None,
+    top_n: tuple[torch.Tensor, torch.Tensor] | None = None,
+    thinking: torch.Tensor | None = None,
+    relaxed: RelaxedConfig | None = None,
+    out: AcceptOutputs | None = None,
+    logits: torch.Tensor | None = None,
+) -> AcceptOutputs:
+    """The core references (``walk_matching_children`` / ``verify_relaxed_topn_delta``) on the same inputs.
+    Relaxed mode takes the raw ``logits`` [B * N, V] (the core rule computes its own top-N)."""
+    batch, nodes = tokens.shape
+    tree_batch = _batch_from_metadata(tokens, parents, num_nodes)
+    thinking_in = torch.zeros(batch, dtype=torch.int8) if thinking is None else thinking.cpu()
+    if relaxed is None:
+        result = walk_matching_children(tree_batch, target.cpu().reshape(batch, nodes))
+        thinking_after = thinking_in
+    else:
+        outcome = verify_relaxed_topn_delta(
+            tree_batch,
+            logits.cpu().reshape(batch, nodes, -1),
+            relaxed.top_n,
+            relaxed.delta,
+            thinking_in.bool(),
+            relaxed.think_begin_token,
+            relaxed.think_end_token,
+        )
+        result, thinking_after = outcome.result, outcome.thinking_after.to(torch.int8)
+    accepted = torch.full((batch, max_depth + 1), -1, dtype=torch.int64)
+    width = min(result.accepted_nodes.shape[1], max_depth + 1)
+    accepted[:, :width] = result.accepted_nodes[:, :width]
+    out = out if out is not None else AcceptOutputs.empty(batch, max_depth, tokens.device)
+    out.accepted_nodes.copy_(accepted)
+    out.accept_length.copy_(result.accept_length)
+    out.bonus_token.copy_(result.bonus_token)
+    out.thinking.copy_(thinking_after)
+    capacity = output_ids.shape[1]
+    for b in range(batch):
+        written = int(output_lens[b])
+        emitted = result.tokens(b)[: max(0, capacity - written)]
+        output_ids[b, written : written + len(emitted)] = torch.tensor(emitted, dtype=output_ids.dtype)
+        output_lens[b] = min(written + int(result.accept_length[b]), capacity)
+    return out

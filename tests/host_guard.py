@@ -1,0 +1,59 @@
+"""Catches host reads and torch ops issued by our own code (sglang_spec/ and kernels/) inside a block.
+
+Everything else is ignored: torch internals, the Triton CPU interpreter (which copies arguments around), and
+the caller's own target forward. Each torch op or host read is attributed to the innermost stack frame outside
+torch, and recorded when that frame is ours."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parents[1]
+OURS = (str(REPO / "sglang_spec") + "/", str(REPO / "kernels") + "/")
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+def _culprit() -> str | None:
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        name = frame.filename
+        if "/torch/" in name or name == __file__:
+            continue
+        return f"{Path(name).name}:{frame.lineno}" if name.startswith(OURS) else None
+    return None
+
+
+class HostAccessGuard(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+        self._originals: dict[str, object] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        where = _culprit()
+        if where:
+            self.events.append(f"{func} at {where}")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        for name in HOST_READS:
+            original = getattr(torch.Tensor, name)
+            self._originals[name] = original
+
+            def patched(tensor, *args, _name=name, _original=original, **kwargs):
+                where = _culprit()
+                if where:
+                    self.events.append(f"Tensor.{_name} at {where}")
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, patched)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, original)
+        return super().__exit__(*exc)
