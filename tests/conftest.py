@@ -22,6 +22,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TESTS_DIR = Path(__file__).resolve().parent
+# converted / built models are cached inside the checkout (git-ignored): CI builds them once per run
+os.environ.setdefault("SGLANG_SPEC_CACHE", str(TESTS_DIR.parent / ".cache"))
 DATA_DIR = TESTS_DIR / "data"
 
 
@@ -74,3 +76,45 @@ def sglang_eagle():
     from sglang_oracles import SGLangEagleSelection
 
     return SGLangEagleSelection()
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The toy-trained tiny DeepSeek-V3 (built once into the cache) and its distilled MTP head."""
+    from sglang_spec.models.registry import load_head_for, load_model
+
+    loaded = load_model("tiny-deepseek", progress=False)
+    return loaded, load_head_for(loaded, None)
+
+
+@pytest.fixture(scope="session")
+def random_tiny():
+    """A random-weight tiny DeepSeek-V3 and a random MTP head (seeded)."""
+    import torch
+
+    from sglang_spec.models.tiny_deepseek import build_tiny_deepseek
+    from sglang_spec.mtp.head import MTPHead
+
+    model = build_tiny_deepseek(seed=3, initializer_range=0.2)
+    with torch.random.fork_rng():
+        torch.manual_seed(4)
+        head = MTPHead.for_target(model)
+    return model, head
+
+
+_NEAR_TIES: list[tuple[str, int]] = []
+
+
+@pytest.fixture(scope="session")
+def near_tie_report():
+    """Greedy-identity tests append (case, excused divergences) here; the terminal summary prints them."""
+    return _NEAR_TIES
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _NEAR_TIES:
+        total = sum(count for _, count in _NEAR_TIES)
+        terminalreporter.write_sep("-", f"greedy identity: {total} divergence(s) excused as near-ties (< 1e-4)")
+        for case, count in _NEAR_TIES:
+            if count:
+                terminalreporter.write_line(f"  {case}: {count}")

@@ -21,6 +21,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sglang_spec.cli import generate as generate_command
     from sglang_spec.cli import tree as tree_command
 
     parser = OneLineErrorParser(
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subcommands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     tree_command.add_parser(subcommands)
+    generate_command.add_parser(subcommands)
     return parser
 
 

@@ -1,0 +1,115 @@
+"""``sglang-spec generate``: tree-speculative decoding with the reference decoder, optionally checked against
+plain decoding."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from sglang_spec.errors import SpecError
+from sglang_spec.tree.policies import POLICY_NAMES
+
+
+def add_parser(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "generate",
+        help="decode with tree speculation (reference decoder) and report accept length and speed",
+        description="Drafts a token tree per step with the MTP head, verifies it in one target forward and commits "
+        "the accepted path. Greedy output equals plain greedy decoding; sampled output has the target's law.",
+    )
+    parser.add_argument("--model", required=True, help="smollm2, tiny-deepseek, or a local model folder")
+    parser.add_argument("--mtp", default=None, help="MTP head (.safetensors) or DeepSeek checkpoint folder; "
+                        "default: the model's own MTP layer or the shipped head")
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="sequoia")
+    parser.add_argument("--budget", type=int, default=8, help="draft nodes per step, root excluded")
+    parser.add_argument("--depth", type=int, default=4, help="most draft tokens on one path")
+    parser.add_argument("--topk", type=int, default=None, help="candidates per expanded node (policy default)")
+    parser.add_argument("--acceptance", type=Path, default=None, metavar="PROFILE.json",
+                        help="acceptance profile for sequoia (default: the model's shipped profile, else built-in)")
+    parser.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
+    parser.add_argument("--check", action="store_true", help="also decode without speculation and compare")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # heavy imports only when the command runs
+    from sglang_spec.cli.tree import load_profile
+    from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, compare_with_plain, generate_plain
+    from sglang_spec.models.registry import load_head_for, load_model, shipped_profile_path
+    from sglang_spec.sampling import SamplingParams
+    from sglang_spec.tree.policies import TreePolicy
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
+    profile_path = args.acceptance
+    if profile_path is None and args.policy == "sequoia":
+        profile_path = shipped_profile_path(args.model)
+    profile, profile_name = load_profile(profile_path)
+    policy = TreePolicy(args.policy, budget=args.budget, depth=args.depth, topk=args.topk, profile=profile)
+    if args.mtp is not None and not Path(args.mtp).exists():
+        raise SpecError(f"MTP head {args.mtp} does not exist")
+    loaded = load_model(args.model, progress=not args.json)
+    head = load_head_for(loaded, args.mtp)
+    config = GenerationConfig(
+        max_new_tokens=config.max_new_tokens, sampling=sampling, seed=args.seed, eos_token_ids=loaded.eos_token_ids
+    )
+    prompts = [loaded.encode_prompt(text, chat=False if args.no_chat else None) for text in args.prompt]
+    output = SpeculativeDecoder(loaded.model, head, policy).generate(prompts, config)
+    report = {
+        "model": loaded.name,
+        "policy": policy.name,
+        "budget": policy.budget,
+        "depth": policy.depth,
+        "profile": profile_name if policy.name == "sequoia" else None,
+        "temperature": sampling.temperature,
+        "tokens": output.requests[0].tokens if len(prompts) == 1 else [r.tokens for r in output.requests],
+        "text": [loaded.decode(request.tokens) for request in output.requests],
+        "finish_reasons": [request.finish_reason for request in output.requests],
+        "accept_length_mean": output.accept_length_mean,
+        "accept_length_histogram": output.accept_length_histogram(),
+        "steps": output.stats.steps,
+        "draft_seconds": output.stats.draft_seconds,
+        "verify_seconds": output.stats.verify_seconds,
+        "total_seconds": output.stats.total_seconds,
+        "tokens_per_second": output.tokens_per_second,
+    }
+    if args.check:
+        baseline = generate_plain(loaded.model, prompts, config)
+        comparisons = [compare_with_plain(ours, theirs) for ours, theirs in zip(output.requests, baseline.requests)]
+        report["baseline_tokens_per_second"] = baseline.tokens_per_second
+        report["speedup"] = output.tokens_per_second / baseline.tokens_per_second if baseline.tokens_per_second else None
+        if sampling.greedy:
+            report["identical_to_baseline"] = all(c.identical for c in comparisons)
+            report["near_tie_divergences"] = sum(c.excused for c in comparisons)
+        else:
+            # sampled runs draw different random numbers; equality is in distribution, not token by token
+            report["identical_to_baseline"] = None
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    for index, (prompt_text, request) in enumerate(zip(args.prompt, output.requests)):
+        print(f"--- prompt {index}: {prompt_text!r}")
+        print(loaded.decode(request.tokens))
+    print(f"--- {policy.name} budget {policy.budget} depth {policy.depth} on {loaded.name}, temperature "
+          f"{sampling.temperature}")
+    print(f"accept length mean {report['accept_length_mean']:.3f} tokens/step (bonus included) over "
+          f"{output.stats.steps} steps; histogram {report['accept_length_histogram']}")
+    print(f"draft {output.stats.draft_seconds:.2f} s, verify {output.stats.verify_seconds:.2f} s, "
+          f"{report['tokens_per_second']:.1f} tokens/s")
+    if args.check:
+        print(f"plain decoding {report['baseline_tokens_per_second']:.1f} tokens/s, speedup {report['speedup']:.2f}x")
+        if sampling.greedy:
+            verdict = "identical" if report["identical_to_baseline"] else "DIFFERENT"
+            print(f"greedy output {verdict} to plain decoding"
+                  + (f" ({report['near_tie_divergences']} divergence(s) at near-ties < 1e-4)" if report["near_tie_divergences"] else ""))
+        else:
+            print("sampling: outputs are compared in distribution (tests), not token by token")
+    return 0

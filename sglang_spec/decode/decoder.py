@@ -1,0 +1,309 @@
+"""The reference tree-speculative decoder, and plain decoding as its baseline.
+
+One step for a batch of requests:
+  1. draft: each request's policy grows a tree below its root from the MTP head's top-k candidates
+     (exact ancestry, ``MTPDrafter``);
+  2. verify: one target forward over every tree (4-D tree mask, tree positions) -> logits at every node;
+  3. accept: greedy (temperature 0) or SpecExec's lossless sample-and-match (temperature > 0), or, only when
+     asked for, TensorRT-LLM's LOSSY relaxed rule;
+  4. commit: each request keeps its accepted path's KV; the MTP head runs over the accepted pairs.
+EOS and max_new_tokens are honoured inside an accepted run: the output stops exactly where plain decoding would.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from sglang_spec.decode.target import TargetRunner
+from sglang_spec.errors import SpecError
+from sglang_spec.mtp.drafter import MTPDrafter
+from sglang_spec.mtp.head import MTPHead
+from sglang_spec.sampling import SamplingParams, sample_from_probs, target_probs_from_logits
+from sglang_spec.tree.batch import TreeBatch
+from sglang_spec.tree.policies import TreePolicy
+from sglang_spec.verify.greedy import verify_greedy
+from sglang_spec.verify.relaxed import verify_relaxed_topn_delta
+from sglang_spec.verify.result import VerifyResult
+from sglang_spec.verify.sample_match import verify_sample_match
+
+
+@dataclass(frozen=True)
+class RelaxedAcceptance:
+    """LOSSY opt-in (TensorRT-LLM, DeepSeek-R1 thinking): accept a draft in the target's top-N within ``delta``
+    of the top probability while inside <think> ... </think>. Output no longer equals the target's."""
+
+    top_n: int
+    delta: float
+    think_begin_token: int
+    think_end_token: int
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+    eos_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    relaxed: RelaxedAcceptance | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise SpecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.relaxed is not None and not self.sampling.greedy:
+            raise SpecError("relaxed acceptance is a greedy rule (TensorRT-LLM's); use temperature 0 with it")
+
+
+@dataclass
+class RequestOutput:
+    """tokens: generated tokens (the prompt excluded); accept_lengths: tokens emitted per speculative step
+    (accepted drafts + 1; the first token comes from prefill and is not a step); top2_gaps: plain decoding only,
+    the target's top-1 minus top-2 logit at each generated token (to recognise near-ties)."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    accept_lengths: list[int] = field(default_factory=list)
+    top2_gaps: list[float] = field(default_factory=list)
+
+
+@dataclass
+class GenerationStats:
+    steps: int = 0
+    draft_forwards: int = 0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+
+@dataclass
+class GenerationOutput:
+    requests: list[RequestOutput]
+    stats: GenerationStats
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(request.tokens) for request in self.requests)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.stats.total_seconds if self.stats.total_seconds > 0 else 0.0
+
+    @property
+    def accept_lengths(self) -> list[int]:
+        return [length for request in self.requests for length in request.accept_lengths]
+
+    @property
+    def accept_length_mean(self) -> float:
+        lengths = self.accept_lengths
+        return sum(lengths) / len(lengths) if lengths else 1.0
+
+    def accept_length_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.accept_lengths).items()))
+
+
+def _stop(request: RequestOutput, emitted: Sequence[int], config: GenerationConfig) -> bool:
+    """Appends ``emitted`` up to the first EOS or the token budget; True when the request is finished."""
+    for token in emitted:
+        request.tokens.append(int(token))
+        if int(token) in config.eos_token_ids:
+            request.finish_reason = "eos"
+            return True
+        if len(request.tokens) >= config.max_new_tokens:
+            request.finish_reason = "length"
+            return True
+    return False
+
+
+def _first_token(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> int:
+    if config.sampling.greedy:
+        return int(logits.argmax())
+    probs = _probs(logits[None, None], config.sampling)[0, 0]
+    return int(sample_from_probs(probs, torch.rand((), generator=generator)))
+
+
+def _probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """[B, N, V] logits -> sampling distribution with the same params for every request."""
+    batch = logits.shape[0]
+    return target_probs_from_logits(
+        logits,
+        torch.full((batch,), sampling.temperature),
+        torch.full((batch,), sampling.top_k, dtype=torch.int64),
+        torch.full((batch,), sampling.top_p),
+    )
+
+
+def _top2_gap(logits: torch.Tensor) -> float:
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+@torch.no_grad()
+def generate_plain(model: torch.nn.Module, prompts: Sequence[Sequence[int]], config: GenerationConfig) -> GenerationOutput:
+    """Plain decoding, one request at a time (batch 1, no padding): the baseline speculation must reproduce."""
+    runner = TargetRunner(model)
+    generator = torch.Generator().manual_seed(config.seed)
+    stats = GenerationStats()
+    outputs = []
+    start = time.perf_counter()
+    for prompt in prompts:
+        request = RequestOutput()
+        prefill = runner.prefill(torch.tensor(list(prompt), dtype=torch.int64))
+        logits, position = prefill.last_logits, len(prompt)
+        while True:
+            request.top2_gaps.append(_top2_gap(logits))
+            token = _first_token(logits, config, generator)
+            if _stop(request, [token], config):
+                break
+            logits = runner.decode_one(token, position, prefill.cache).last_logits
+            position += 1
+            stats.steps += 1
+        outputs.append(request)
+    stats.total_seconds = time.perf_counter() - start
+    return GenerationOutput(outputs, stats)
+
+
+Verifier = Callable[[TreeBatch, torch.Tensor, GenerationConfig, torch.Generator], VerifyResult]
+
+
+def lossless_verify(batch: TreeBatch, logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> VerifyResult:
+    """Greedy at temperature 0, else SpecExec's sample-and-match (one coin per node). logits: [B, N, V]."""
+    if config.sampling.greedy:
+        return verify_greedy(batch, logits.argmax(-1))
+    coins = torch.rand(batch.batch_size, batch.max_nodes, generator=generator)
+    return verify_sample_match(batch, _probs(logits, config.sampling), coins)
+
+
+class SpeculativeDecoder:
+    """Tree-speculative decoding with a transformers target and an MTP head. ``verifier`` replaces the lossless
+    acceptance rule (tests use it to show a biased rule is caught)."""
+
+    def __init__(
+        self, target: torch.nn.Module, head: MTPHead, policy: TreePolicy, verifier: Verifier = lossless_verify
+    ) -> None:
+        self.runner = TargetRunner(target)
+        self.drafter = MTPDrafter(head)
+        self.policy = policy
+        self.verifier = verifier
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig) -> GenerationOutput:
+        if not prompts:
+            raise SpecError("give at least one prompt")
+        if any(len(prompt) == 0 for prompt in prompts):
+            raise SpecError("every prompt needs at least one token")
+        generator = torch.Generator().manual_seed(config.seed)
+        stats = GenerationStats()
+        outputs = [RequestOutput() for _ in prompts]
+        start = time.perf_counter()
+
+        prefills, roots, draft_states, thinking = [], [], [], []
+        for prompt, request in zip(prompts, outputs):
+            prompt_tensor = torch.tensor(list(prompt), dtype=torch.int64)
+            prefill = self.runner.prefill(prompt_tensor)
+            root = _first_token(prefill.last_logits, config, generator)
+            prefills.append(prefill)
+            roots.append(root)
+            if config.relaxed is not None:
+                thinking.append(_thinking_after(list(prompt) + [root], config.relaxed))
+            finished = _stop(request, [root], config)
+            draft_states.append(None if finished else self.drafter.prefill(
+                prefill.hidden, torch.cat([prompt_tensor[1:], torch.tensor([root])]).to(prefill.hidden.device)
+            ))
+        stats.prefill_seconds = time.perf_counter() - start
+
+        active = [index for index, request in enumerate(outputs) if not request.finish_reason]
+        self.runner.start_batch([prefills[index] for index in active])
+        states = [draft_states[index] for index in active]
+        roots = [roots[index] for index in active]
+        thinking = [thinking[index] for index in active] if config.relaxed else []
+        while active:
+            stats.steps += 1
+            tick = time.perf_counter()
+            trees = [self.policy.build(root, self.drafter.source(state)) for root, state in zip(roots, states)]
+            stats.draft_seconds += time.perf_counter() - tick
+
+            tick = time.perf_counter()
+            num_nodes = max(tree.num_nodes for tree in trees)
+            forward = self.runner.verify(trees, num_nodes)
+            batch = TreeBatch.from_trees(trees, max_nodes=num_nodes)
+            logits = forward.logits.cpu()
+            if config.relaxed is not None:
+                relaxed = verify_relaxed_topn_delta(
+                    batch, logits, config.relaxed.top_n, config.relaxed.delta, torch.tensor(thinking),
+                    config.relaxed.think_begin_token, config.relaxed.think_end_token,
+                )
+                result, thinking = relaxed.result, relaxed.thinking_after.tolist()
+            else:
+                result = self.verifier(batch, logits, config, generator)
+            kept = [result.accepted_nodes[row, : int(result.accept_length[row])].tolist() for row in range(len(trees))]
+            self.runner.commit(kept)
+            stats.verify_seconds += time.perf_counter() - tick
+
+            tick = time.perf_counter()
+            still_active = []
+            for row, index in enumerate(active):
+                request = outputs[index]
+                emitted = result.tokens(row)
+                request.accept_lengths.append(len(emitted))
+                if _stop(request, emitted, config):
+                    continue
+                still_active.append(row)
+                path = torch.tensor(kept[row], device=forward.hidden.device)
+                self.drafter.commit(
+                    states[row],
+                    forward.hidden[row].index_select(0, path),
+                    torch.tensor(emitted, device=forward.hidden.device),
+                )
+                roots[row] = emitted[-1]
+            stats.draft_seconds += time.perf_counter() - tick
+            if len(still_active) < len(active):
+                if still_active:
+                    self.runner.select(still_active)
+                active = [active[row] for row in still_active]
+                states = [states[row] for row in still_active]
+                roots = [roots[row] for row in still_active]
+                thinking = [thinking[row] for row in still_active] if config.relaxed else []
+        stats.draft_forwards = sum(state.forwards for state in draft_states if state is not None)
+        stats.total_seconds = time.perf_counter() - start
+        return GenerationOutput(outputs, stats)
+
+
+def _thinking_after(tokens: Sequence[int], relaxed: RelaxedAcceptance) -> bool:
+    state = False
+    for token in tokens:
+        if token == relaxed.think_begin_token:
+            state = True
+        elif token == relaxed.think_end_token:
+            state = False
+    return state
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How a speculative output compares with the plain one. ``excused``: they diverge at a step where the
+    plain run's top-2 logit gap is below the near-tie tolerance (batched float math may flip such an argmax)."""
+
+    identical: bool
+    excused: bool
+    first_divergence: int | None
+    gap_at_divergence: float | None
+
+
+NEAR_TIE = 1e-4
+
+
+def compare_with_plain(speculative: RequestOutput, plain: RequestOutput, tolerance: float = NEAR_TIE) -> Comparison:
+    for index, (ours, theirs) in enumerate(zip(speculative.tokens, plain.tokens)):
+        if ours != theirs:
+            gap = plain.top2_gaps[index] if index < len(plain.top2_gaps) else math.inf
+            return Comparison(False, gap < tolerance, index, gap)
+    if len(speculative.tokens) != len(plain.tokens):
+        index = min(len(speculative.tokens), len(plain.tokens))
+        return Comparison(False, False, index, None)
+    return Comparison(True, False, None, None)

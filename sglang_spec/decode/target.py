@@ -1,0 +1,159 @@
+"""A transformers causal LM run the way tree verification needs it.
+
+KV layout: one cache for the batch, left-aligned per request: request b's committed KV fills slots
+``[0, lengths[b])`` of every layer and anything past that is stale and masked out. A verify forward appends the N
+tree nodes of every request at slots ``[S, S + N)`` (S = the cache width); ``commit`` then gathers, per request,
+its committed slots followed by the slots of its accepted path, so the cache is left-aligned again.
+
+Works with any cache layer whose tensors are [B, heads, slots, dim] (Llama-style K/V, and transformers'
+DeepSeek-V3 MLA cache, which stores the compressed latent and the rope key as [B, 1, slots, r]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_spec.decode.masks import attention_mask_for
+from sglang_spec.tree.token_tree import TokenTree
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillOutput:
+    """hidden: [P, d] final (post-norm) hidden states of the prompt; last_logits: [V]; cache: batch-1 cache."""
+
+    hidden: torch.Tensor
+    last_logits: torch.Tensor
+    cache: object
+
+
+@dataclass(frozen=True, eq=False)
+class TreeForwardOutput:
+    """logits: [B, N, V] float32 at every tree node; hidden: [B, N, d] final hidden states."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+def _cache_layers(cache) -> list:
+    return list(cache.layers)
+
+
+class TargetRunner:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.config = model.config
+        self.cache = None
+        self.lengths: list[int] = []
+        self._tree_start = 0  # cache slot of the first tree node of the last verify forward
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _forward(self, input_ids, position_ids, attention_mask, cache) -> TreeForwardOutput:
+        output = self.model.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        hidden = output.last_hidden_state
+        return TreeForwardOutput(logits=self.model.lm_head(hidden).float(), hidden=hidden)
+
+    @torch.no_grad()
+    def prefill(self, prompt: torch.Tensor) -> PrefillOutput:
+        """Runs one prompt [P] alone (batch 1, causal)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        ids = prompt.to(self.device)[None]
+        positions = torch.arange(ids.shape[1], device=self.device)[None]
+        output = self._forward(ids, positions, None, cache)
+        return PrefillOutput(hidden=output.hidden[0], last_logits=output.logits[0, -1], cache=cache)
+
+    @torch.no_grad()
+    def decode_one(self, token: int, position: int, cache) -> PrefillOutput:
+        """Plain decoding: one token for a batch-1 cache (the no-speculation baseline)."""
+        ids = torch.tensor([[token]], device=self.device)
+        output = self._forward(ids, torch.tensor([[position]], device=self.device), None, cache)
+        return PrefillOutput(hidden=output.hidden[0], last_logits=output.logits[0, -1], cache=cache)
+
+    def start_batch(self, prefills: list[PrefillOutput]) -> None:
+        """Merges batch-1 prefill caches into one left-aligned batch cache."""
+        from transformers import DynamicCache
+
+        self.lengths = [prefill.hidden.shape[0] for prefill in prefills]
+        width = max(self.lengths)
+        merged = DynamicCache()
+        for layer_index in range(len(_cache_layers(prefills[0].cache))):
+            keys, values = [], []
+            for prefill in prefills:
+                layer = _cache_layers(prefill.cache)[layer_index]
+                pad = width - layer.keys.shape[2]
+                keys.append(torch.nn.functional.pad(layer.keys, (0, 0, 0, pad)))
+                values.append(torch.nn.functional.pad(layer.values, (0, 0, 0, pad)))
+            merged.update(torch.cat(keys), torch.cat(values), layer_index)
+        self.cache = merged
+
+    @torch.no_grad()
+    def verify(self, trees: list[TokenTree], num_nodes: int) -> TreeForwardOutput:
+        """One forward over every request's tree (padded to ``num_nodes``), each node seeing its request's committed
+        KV, its ancestors and itself, at position ``lengths[b] + depth``."""
+        batch = len(trees)
+        width = self.cache.get_seq_length()
+        device = self.device
+        tokens = torch.zeros(batch, num_nodes, dtype=torch.int64)
+        positions = torch.zeros(batch, num_nodes, dtype=torch.int64)
+        allowed = torch.zeros(batch, 1, num_nodes, width + num_nodes, dtype=torch.bool)
+        for row, tree in enumerate(trees):
+            count = tree.num_nodes
+            tokens[row, :count] = tree.tokens
+            positions[row] = self.lengths[row]
+            positions[row, :count] += tree.depths
+            allowed[row, 0, :, : self.lengths[row]] = True
+            allowed[row, 0, :count, width : width + count] = tree.ancestor_mask()
+            padding = torch.arange(count, num_nodes)
+            allowed[row, 0, padding, width + padding] = True  # padded nodes see themselves only
+        mask = attention_mask_for(self.config, allowed.to(device), self.dtype)
+        self._tree_start = width
+        return self._forward(tokens.to(device), positions.to(device), mask, self.cache)
+
+    def commit(self, kept_nodes: list[list[int]]) -> None:
+        """After a verify forward: request b keeps its committed slots plus the tree slots of ``kept_nodes[b]``
+        (the accepted path, root first), in that order."""
+        new_lengths = [length + len(nodes) for length, nodes in zip(self.lengths, kept_nodes)]
+        new_width = max(new_lengths)
+        index = torch.zeros(len(kept_nodes), new_width, dtype=torch.int64)
+        for row, (length, nodes) in enumerate(zip(self.lengths, kept_nodes)):
+            index[row, :length] = torch.arange(length)
+            index[row, length : length + len(nodes)] = self._tree_start + torch.tensor(nodes, dtype=torch.int64)
+        self._gather(index.to(self.device))
+        self.lengths = new_lengths
+
+    def _gather(self, index: torch.Tensor) -> None:
+        for layer in _cache_layers(self.cache):
+            layer.keys = _gather_slots(layer.keys, index)
+            layer.values = _gather_slots(layer.values, index)
+
+    def select(self, rows: list[int]) -> None:
+        """Keeps only the given requests (finished ones leave the batch)."""
+        keep = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        for layer in _cache_layers(self.cache):
+            layer.keys = layer.keys.index_select(0, keep)
+            layer.values = layer.values.index_select(0, keep)
+        self.lengths = [self.lengths[row] for row in rows]
+        width = max(self.lengths)
+        self._gather(torch.arange(width, device=self.device).expand(len(rows), width))
+
+
+def _gather_slots(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """tensor: [B, H, S, D]; index: [B, W] -> [B, H, W, D]."""
+    batch, heads, _, dim = tensor.shape
+    return torch.gather(tensor, 2, index[:, None, :, None].expand(batch, heads, index.shape[1], dim))

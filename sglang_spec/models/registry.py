@@ -1,0 +1,142 @@
+"""What ``--model`` and ``--mtp`` name: built-in models, local folders, MTP head files and DeepSeek checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from sglang_spec.errors import SpecError
+
+BUILTIN_MODELS = ("smollm2", "tiny-deepseek")
+SHIPPED_HEADS = {"smollm2": "smollm2-135m-instruct.safetensors"}
+SHIPPED_PROFILES = {"smollm2": "smollm2-135m-instruct.json"}
+
+
+class ByteTokenizer:
+    """For models without a tokenizer (tiny-deepseek): UTF-8 bytes b map to tokens 2 + b; other ids print as
+    <id>."""
+
+    eos_token_id = 1
+
+    def encode(self, text: str) -> list[int]:
+        return [2 + byte for byte in text.encode()]
+
+    def decode(self, tokens: list[int]) -> str:
+        pieces = []
+        for token in tokens:
+            pieces.append(chr(token - 2) if 2 + 32 <= token < 2 + 127 else f"<{token}>")
+        return "".join(pieces)
+
+
+@dataclass
+class LoadedModel:
+    """A target ready for decoding. ``chat``: prompts go through the tokenizer's chat template."""
+
+    name: str
+    path: Path
+    model: torch.nn.Module
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+    chat: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def encode_prompt(self, text: str, chat: bool | None = None) -> list[int]:
+        use_chat = self.chat if chat is None else chat
+        if use_chat:
+            messages = [{"role": "user", "content": text}]
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+
+def resolve_model_path(name: str, progress: bool = True) -> tuple[str, Path]:
+    if name == "smollm2":
+        from sglang_spec.models.smollm2 import smollm2_dir
+
+        return name, smollm2_dir(progress=progress)
+    if name == "tiny-deepseek":
+        from sglang_spec.models.tiny_deepseek import tiny_deepseek_dir
+
+        return name, tiny_deepseek_dir(progress=progress)
+    path = Path(name)
+    if path.is_dir() and (path / "config.json").exists():
+        return path.name, path
+    if path.exists():
+        raise SpecError(f"{path} is not a model folder (no config.json)")
+    raise SpecError(f"unknown model {name!r}: give a local model folder, or one of {', '.join(BUILTIN_MODELS)}")
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
+    """Loads a target for decoding (sdpa attention, eval mode, no gradients)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from transformers.utils import logging as transformers_logging
+
+    label, path = resolve_model_path(name, progress=progress)
+    verbosity = transformers_logging.get_verbosity()
+    # a DeepSeek checkpoint's MTP layer is "unexpected" to transformers (it builds no MTP); we load it ourselves,
+    # and loading a local folder takes a second: no report, no progress bar
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as error:
+        raise SpecError(f"cannot load model from {path}: {str(error).splitlines()[0]}") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+        transformers_logging.enable_progress_bar()
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    has_tokenizer = any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else ByteTokenizer()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = model.config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    chat = has_tokenizer and bool(getattr(tokenizer, "chat_template", None))
+    return LoadedModel(label, path, model, tokenizer, eos_ids, chat=chat)
+
+
+def shipped_head_path(model_name: str) -> Path | None:
+    file = SHIPPED_HEADS.get(model_name)
+    if file is None:
+        return None
+    resource = resources.files("sglang_spec.data").joinpath("heads", file)
+    return Path(str(resource)) if resource.is_file() else None
+
+
+def shipped_profile_path(model_name: str) -> Path | None:
+    file = SHIPPED_PROFILES.get(model_name)
+    if file is None:
+        return None
+    resource = resources.files("sglang_spec.data").joinpath("profiles", file)
+    return Path(str(resource)) if resource.is_file() else None
+
+
+def load_head_for(loaded: LoadedModel, mtp: str | Path | None, feedback: str = "pre_norm"):
+    """``--mtp``: an sglang_spec head file, or a DeepSeek checkpoint folder (its MTP layer). Without it: the
+    model's own MTP layer (DeepSeek checkpoints) or the head shipped for a built-in model."""
+    from sglang_spec.mtp.checkpoint import load_deepseek_mtp, load_mtp_head
+
+    if mtp is not None:
+        path = Path(mtp)
+        if not path.exists():
+            raise SpecError(f"MTP head {path} does not exist")
+        if path.is_dir() and (path / "config.json").exists():
+            return load_deepseek_mtp(path, loaded.model, feedback=feedback)
+        return load_mtp_head(path, loaded.model)
+    if getattr(loaded.model.config, "num_nextn_predict_layers", 0):
+        return load_deepseek_mtp(loaded.path, loaded.model, feedback=feedback)
+    shipped = shipped_head_path(loaded.name)
+    if shipped is not None:
+        return load_mtp_head(shipped, loaded.model)
+    raise SpecError(
+        f"no MTP head for {loaded.name}: pass --mtp PATH (train one with `sglang-spec train`)"
+    )
