@@ -118,3 +118,24 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         for case, count in _NEAR_TIES:
             if count:
                 terminalreporter.write_line(f"  {case}: {count}")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct in float32 (converted once into the cache) and its shipped MTP head."""
+    from sglang_spec.models.registry import load_head_for, load_model
+
+    loaded = load_model("smollm2", progress=False)
+    return loaded, load_head_for(loaded, None)
+
+
+@pytest.fixture(scope="session")
+def sglang_with_plugin():
+    """sglang imported and ``load_plugins()`` run (our entry point discovered through the installed metadata)."""
+    _require_sglang()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import sglang
+
+    return sglang

@@ -1,5 +1,6 @@
 """`pip install .` ships the Triton kernels as sglang_spec.kernels (never a bare `kernels`) and the data files."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,8 +19,16 @@ def test_kernels_import_as_a_subpackage():
 
 @pytest.mark.slow
 def test_wheel_contains_kernels_and_data(tmp_path):
+    # build from a copy: an in-place build leaves build/ and *.egg-info in the checkout, and a stale egg-info
+    # there shadows the installed package's metadata (its entry points) for anything run from the repo root
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for name in ("sglang_spec", "kernels"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         check=True,
         capture_output=True,
     )
@@ -28,4 +37,5 @@ def test_wheel_contains_kernels_and_data(tmp_path):
     assert "sglang_spec/kernels/__init__.py" in names
     assert not any(name.startswith("kernels/") for name in names)
     assert "sglang_spec/data/profiles/sequoia_demo.json" in names
-    assert any(name.endswith("entry_points.txt") for name in names)
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "[sglang.srt.plugins]" in entry_points and "sglang_spec.sglang_plugin:register" in entry_points

@@ -21,7 +21,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sglang_spec.cli import calibrate as calibrate_command
     from sglang_spec.cli import generate as generate_command
+    from sglang_spec.cli import traffic as traffic_command
+    from sglang_spec.cli import train as train_command
     from sglang_spec.cli import tree as tree_command
 
     parser = OneLineErrorParser(
@@ -31,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     subcommands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     tree_command.add_parser(subcommands)
     generate_command.add_parser(subcommands)
+    traffic_command.add_parser(subcommands)
+    train_command.add_parser(subcommands)
+    calibrate_command.add_parser(subcommands)
     return parser
 
 

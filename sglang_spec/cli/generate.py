@@ -27,6 +27,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--topk", type=int, default=None, help="candidates per expanded node (policy default)")
     parser.add_argument("--acceptance", type=Path, default=None, metavar="PROFILE.json",
                         help="acceptance profile for sequoia (default: the model's shipped profile, else built-in)")
+    parser.add_argument("--auto", action="store_true",
+                        help="pick budget and depth for this machine: sequoia with the calibrated profile and a "
+                        "measured cost curve (cached); picks no speculation where none pays")
     parser.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -50,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     profile_path = args.acceptance
-    if profile_path is None and args.policy == "sequoia":
-        profile_path = shipped_profile_path(args.model)
+    if profile_path is None and (args.policy == "sequoia" or args.auto):
+        profile_path = shipped_profile_path(args.model, args.temperature)
     profile, profile_name = load_profile(profile_path)
     policy = TreePolicy(args.policy, budget=args.budget, depth=args.depth, topk=args.topk, profile=profile)
     if args.mtp is not None and not Path(args.mtp).exists():
@@ -62,13 +65,20 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=config.max_new_tokens, sampling=sampling, seed=args.seed, eos_token_ids=loaded.eos_token_ids
     )
     prompts = [loaded.encode_prompt(text, chat=False if args.no_chat else None) for text in args.prompt]
-    output = SpeculativeDecoder(loaded.model, head, policy).generate(prompts, config)
+    auto = None
+    if args.auto:
+        auto, policy = _auto_policy(loaded, head, profile, args.depth)
+    if policy is None:  # the cost model says speculation does not pay here
+        output = generate_plain(loaded.model, prompts, config)
+    else:
+        output = SpeculativeDecoder(loaded.model, head, policy).generate(prompts, config)
     report = {
         "model": loaded.name,
-        "policy": policy.name,
-        "budget": policy.budget,
-        "depth": policy.depth,
-        "profile": profile_name if policy.name == "sequoia" else None,
+        "policy": policy.name if policy else "none",
+        "budget": policy.budget if policy else 0,
+        "depth": policy.depth if policy else 0,
+        "auto": auto,
+        "profile": profile_name if policy is not None and policy.name == "sequoia" else None,
         "temperature": sampling.temperature,
         "tokens": output.requests[0].tokens if len(prompts) == 1 else [r.tokens for r in output.requests],
         "text": [loaded.decode(request.tokens) for request in output.requests],
@@ -98,7 +108,10 @@ def run(args: argparse.Namespace) -> int:
     for index, (prompt_text, request) in enumerate(zip(args.prompt, output.requests)):
         print(f"--- prompt {index}: {prompt_text!r}")
         print(loaded.decode(request.tokens))
-    print(f"--- {policy.name} budget {policy.budget} depth {policy.depth} on {loaded.name}, temperature "
+    if auto is not None:
+        print(f"--- auto: predicted speedup {auto['predicted_speedup']:.2f}x with budget {auto['budget']}, depth "
+              f"{auto['depth']} on {auto['device']}" + (" -> no speculation" if policy is None else ""))
+    print(f"--- {report['policy']} budget {report['budget']} depth {report['depth']} on {loaded.name}, temperature "
           f"{sampling.temperature}")
     print(f"accept length mean {report['accept_length_mean']:.3f} tokens/step (bonus included) over "
           f"{output.stats.steps} steps; histogram {report['accept_length_histogram']}")
@@ -113,3 +126,22 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("sampling: outputs are compared in distribution (tests), not token by token")
     return 0
+
+
+def _auto_policy(loaded, head, profile, max_depth: int):
+    """Measured (or cached) costs + profile -> the sequoia policy to use, or None for plain decoding."""
+    import platform
+
+    from sglang_spec.decode.autotune import choose_speculation, load_or_measure
+    from sglang_spec.models.cache_dir import cache_root
+    from sglang_spec.tree.policies import TreePolicy
+
+    dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
+    path = cache_root() / "costs" / f"{loaded.name}-{dtype}-{platform.node() or 'host'}.json"
+    costs = load_or_measure(path, loaded.model, head)
+    choice = choose_speculation(profile, costs, max_depth=max_depth)
+    summary = {"budget": choice.budget, "depth": choice.depth, "predicted_speedup": choice.speedup,
+               "expected_accept_length": choice.expected_accept_length, "costs": str(path), "device": costs.device}
+    if choice.budget == 0:
+        return summary, None
+    return summary, TreePolicy("sequoia", budget=choice.budget, depth=choice.depth, profile=profile)

@@ -179,6 +179,17 @@ def lossless_verify(batch: TreeBatch, logits: torch.Tensor, config: GenerationCo
     return verify_sample_match(batch, _probs(logits, config.sampling), coins)
 
 
+@dataclass
+class _Active:
+    """A request still decoding: its output, root token (the last verified token), drafting state and, for the
+    relaxed rule, whether it is inside a thinking span."""
+
+    output: RequestOutput
+    root: int
+    draft: object
+    thinking: bool = False
+
+
 class SpeculativeDecoder:
     """Tree-speculative decoding with a transformers target and an MTP head. ``verifier`` replaces the lossless
     acceptance rule (tests use it to show a biased rule is caught)."""
@@ -199,79 +210,78 @@ class SpeculativeDecoder:
             raise SpecError("every prompt needs at least one token")
         generator = torch.Generator().manual_seed(config.seed)
         stats = GenerationStats()
-        outputs = [RequestOutput() for _ in prompts]
         start = time.perf_counter()
+        outputs, active = self._prefill(prompts, config, generator)
+        stats.prefill_seconds = time.perf_counter() - start
+        states = [request.draft for request in active]
+        while active:
+            active = self._step(active, config, generator, stats)
+        stats.draft_forwards = sum(state.forwards for state in states)
+        stats.total_seconds = time.perf_counter() - start
+        return GenerationOutput(outputs, stats)
 
-        prefills, roots, draft_states, thinking = [], [], [], []
-        for prompt, request in zip(prompts, outputs):
+    def _prefill(self, prompts, config: GenerationConfig, generator) -> tuple[list[RequestOutput], list[_Active]]:
+        """Runs every prompt alone, takes the first token, starts drafting; merges the unfinished into a batch."""
+        outputs, active, prefills = [], [], []
+        for prompt in prompts:
+            request = RequestOutput()
+            outputs.append(request)
             prompt_tensor = torch.tensor(list(prompt), dtype=torch.int64)
             prefill = self.runner.prefill(prompt_tensor)
             root = _first_token(prefill.last_logits, config, generator)
+            if _stop(request, [root], config):
+                continue
+            following = torch.cat([prompt_tensor[1:], torch.tensor([root])]).to(prefill.hidden.device)
+            thinking = config.relaxed is not None and _thinking_after(list(prompt) + [root], config.relaxed)
+            active.append(_Active(request, root, self.drafter.prefill(prefill.hidden, following), thinking))
             prefills.append(prefill)
-            roots.append(root)
-            if config.relaxed is not None:
-                thinking.append(_thinking_after(list(prompt) + [root], config.relaxed))
-            finished = _stop(request, [root], config)
-            draft_states.append(None if finished else self.drafter.prefill(
-                prefill.hidden, torch.cat([prompt_tensor[1:], torch.tensor([root])]).to(prefill.hidden.device)
-            ))
-        stats.prefill_seconds = time.perf_counter() - start
+        if active:
+            self.runner.start_batch(prefills)
+        return outputs, active
 
-        active = [index for index, request in enumerate(outputs) if not request.finish_reason]
-        self.runner.start_batch([prefills[index] for index in active])
-        states = [draft_states[index] for index in active]
-        roots = [roots[index] for index in active]
-        thinking = [thinking[index] for index in active] if config.relaxed else []
-        while active:
-            stats.steps += 1
-            tick = time.perf_counter()
-            trees = [self.policy.build(root, self.drafter.source(state)) for root, state in zip(roots, states)]
-            stats.draft_seconds += time.perf_counter() - tick
+    def _step(self, active: list[_Active], config: GenerationConfig, generator, stats: GenerationStats) -> list[_Active]:
+        """One draft / verify / accept / commit round; returns the requests that continue."""
+        stats.steps += 1
+        tick = time.perf_counter()
+        trees = [self.policy.build(request.root, self.drafter.source(request.draft)) for request in active]
+        stats.draft_seconds += time.perf_counter() - tick
 
-            tick = time.perf_counter()
-            num_nodes = max(tree.num_nodes for tree in trees)
-            forward = self.runner.verify(trees, num_nodes)
-            batch = TreeBatch.from_trees(trees, max_nodes=num_nodes)
-            logits = forward.logits.cpu()
-            if config.relaxed is not None:
-                relaxed = verify_relaxed_topn_delta(
-                    batch, logits, config.relaxed.top_n, config.relaxed.delta, torch.tensor(thinking),
-                    config.relaxed.think_begin_token, config.relaxed.think_end_token,
-                )
-                result, thinking = relaxed.result, relaxed.thinking_after.tolist()
-            else:
-                result = self.verifier(batch, logits, config, generator)
-            kept = [result.accepted_nodes[row, : int(result.accept_length[row])].tolist() for row in range(len(trees))]
-            self.runner.commit(kept)
-            stats.verify_seconds += time.perf_counter() - tick
+        tick = time.perf_counter()
+        num_nodes = max(tree.num_nodes for tree in trees)
+        forward = self.runner.verify(trees, num_nodes)
+        batch = TreeBatch.from_trees(trees, max_nodes=num_nodes)
+        logits = forward.logits.cpu()
+        if config.relaxed is not None:
+            relaxed = verify_relaxed_topn_delta(
+                batch, logits, config.relaxed.top_n, config.relaxed.delta,
+                torch.tensor([request.thinking for request in active]),
+                config.relaxed.think_begin_token, config.relaxed.think_end_token,
+            )
+            result = relaxed.result
+            for request, thinking in zip(active, relaxed.thinking_after.tolist()):
+                request.thinking = thinking
+        else:
+            result = self.verifier(batch, logits, config, generator)
+        kept = [result.accepted_nodes[row, : int(result.accept_length[row])].tolist() for row in range(len(trees))]
+        self.runner.commit(kept)
+        stats.verify_seconds += time.perf_counter() - tick
 
-            tick = time.perf_counter()
-            still_active = []
-            for row, index in enumerate(active):
-                request = outputs[index]
-                emitted = result.tokens(row)
-                request.accept_lengths.append(len(emitted))
-                if _stop(request, emitted, config):
-                    continue
-                still_active.append(row)
-                path = torch.tensor(kept[row], device=forward.hidden.device)
-                self.drafter.commit(
-                    states[row],
-                    forward.hidden[row].index_select(0, path),
-                    torch.tensor(emitted, device=forward.hidden.device),
-                )
-                roots[row] = emitted[-1]
-            stats.draft_seconds += time.perf_counter() - tick
-            if len(still_active) < len(active):
-                if still_active:
-                    self.runner.select(still_active)
-                active = [active[row] for row in still_active]
-                states = [states[row] for row in still_active]
-                roots = [roots[row] for row in still_active]
-                thinking = [thinking[row] for row in still_active] if config.relaxed else []
-        stats.draft_forwards = sum(state.forwards for state in draft_states if state is not None)
-        stats.total_seconds = time.perf_counter() - start
-        return GenerationOutput(outputs, stats)
+        tick = time.perf_counter()
+        continuing = []
+        for row, request in enumerate(active):
+            emitted = result.tokens(row)
+            request.output.accept_lengths.append(len(emitted))
+            if _stop(request.output, emitted, config):
+                continue
+            continuing.append(row)
+            device = forward.hidden.device
+            path = torch.tensor(kept[row], device=device)
+            self.drafter.commit(request.draft, forward.hidden[row].index_select(0, path), torch.tensor(emitted, device=device))
+            request.root = emitted[-1]
+        stats.draft_seconds += time.perf_counter() - tick
+        if continuing and len(continuing) < len(active):
+            self.runner.select(continuing)
+        return [active[row] for row in continuing]
 
 
 def _thinking_after(tokens: Sequence[int], relaxed: RelaxedAcceptance) -> bool:

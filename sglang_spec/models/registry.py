@@ -11,24 +11,39 @@ import torch
 from sglang_spec.errors import SpecError
 
 BUILTIN_MODELS = ("smollm2", "tiny-deepseek")
-SHIPPED_HEADS = {"smollm2": "smollm2-135m-instruct.safetensors"}
-SHIPPED_PROFILES = {"smollm2": "smollm2-135m-instruct.json"}
+# the shipped heads for built-in models, and their calibrated profiles per sampling temperature
+SHIPPED_HEADS = {
+    "smollm2": "smollm2-135m-instruct.safetensors",
+    "smollm2-generic": "smollm2-135m-instruct-generic.safetensors",
+}
+SHIPPED_PROFILES = {
+    "smollm2": {0.0: "smollm2-135m-instruct.json", 0.7: "smollm2-135m-instruct-t0.7.json"},
+    "smollm2-generic": {0.0: "smollm2-135m-instruct-generic.json", 0.7: "smollm2-135m-instruct-generic-t0.7.json"},
+}
 
 
 class ByteTokenizer:
-    """For models without a tokenizer (tiny-deepseek): UTF-8 bytes b map to tokens 2 + b; other ids print as
-    <id>."""
+    """For toy models without a tokenizer (tiny-deepseek): characters U+0000..U+00FF are tokens 2..257 and any other
+    token id t is written as the private-use character U+E000 + t, so decode and encode round-trip every token
+    sequence (traffic stores text). Other characters are encoded as their UTF-8 bytes."""
 
     eos_token_id = 1
+    _PRIVATE = 0xE000
 
     def encode(self, text: str) -> list[int]:
-        return [2 + byte for byte in text.encode()]
+        tokens = []
+        for char in text:
+            code = ord(char)
+            if code < 256:
+                tokens.append(2 + code)
+            elif self._PRIVATE <= code < self._PRIVATE + 0x1000:
+                tokens.append(code - self._PRIVATE)
+            else:
+                tokens.extend(2 + byte for byte in char.encode())
+        return tokens
 
     def decode(self, tokens: list[int]) -> str:
-        pieces = []
-        for token in tokens:
-            pieces.append(chr(token - 2) if 2 + 32 <= token < 2 + 127 else f"<{token}>")
-        return "".join(pieces)
+        return "".join(chr(token - 2) if 2 <= token < 258 else chr(self._PRIVATE + token) for token in tokens)
 
 
 @dataclass
@@ -112,10 +127,12 @@ def shipped_head_path(model_name: str) -> Path | None:
     return Path(str(resource)) if resource.is_file() else None
 
 
-def shipped_profile_path(model_name: str) -> Path | None:
-    file = SHIPPED_PROFILES.get(model_name)
-    if file is None:
+def shipped_profile_path(model_name: str, temperature: float = 0.0) -> Path | None:
+    """The shipped profile calibrated at the temperature closest to ``temperature``."""
+    files = SHIPPED_PROFILES.get(model_name)
+    if not files:
         return None
+    file = files[min(files, key=lambda calibrated: abs(calibrated - temperature))]
     resource = resources.files("sglang_spec.data").joinpath("profiles", file)
     return Path(str(resource)) if resource.is_file() else None
 

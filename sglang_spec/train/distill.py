@@ -8,12 +8,14 @@ from step s-1 for the same base i, and matches p_{i+s}. Each step-s pair attends
 <= i and to its own base's recursive pairs of steps 2..s: the same view a depth-(s-1) tree node has at inference.
 
 Loss: sum over steps of weight_s * cross-entropy between p (restricted to the head's draft vocabulary) and the
-head's distribution; weights decay by ``step_decay`` (EAGLE-3 uses 0.8).
+head's distribution; weights decay by ``step_decay`` (EAGLE-3 uses 0.8). Teacher targets may be sparse: the top-K
+of p over the draft vocabulary (K = the whole draft vocabulary is the dense case).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -24,13 +26,21 @@ from sglang_spec.mtp.head import MTPHead
 
 @dataclass(frozen=True, eq=False)
 class TeacherBatch:
-    """Fields: input_ids [B, T] int64 (right-padded), lengths [B] int64, hidden [B, T, d] post-norm target states,
-    probs [B, T, V_draft] float32 target next-token probabilities restricted to the head's draft vocabulary."""
+    """Fields (B sequences, right-padded to T):
+      input_ids:    [B, T] int64.
+      lengths:      [B] int64 real tokens per sequence.
+      hidden:       [B, T, d] the target's final (post-norm) hidden states.
+      target_ids:   [B, T, K] int64 draft-vocabulary indices of the teacher's top-K next tokens, most likely first.
+      target_probs: [B, T, K] float32 their probabilities under the target (the rest of the mass is dropped).
+      loss_mask:    [B, T] bool, positions whose next-token prediction is supervised (None = all real ones).
+    """
 
     input_ids: torch.Tensor
     lengths: torch.Tensor
     hidden: torch.Tensor
-    probs: torch.Tensor
+    target_ids: torch.Tensor
+    target_probs: torch.Tensor
+    loss_mask: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -44,13 +54,12 @@ def teacher_batch(target: nn.Module, head: MTPHead, sequences: list[list[int]], 
     input_ids = input_ids.to(device)
     output = target.model(input_ids=input_ids, use_cache=False)
     hidden = output.last_hidden_state
-    logits = target.lm_head(hidden).float()
+    probs = torch.softmax(target.lm_head(hidden).float() / temperature, dim=-1)
     if head.draft_vocab is not None:
-        logits_probs = torch.softmax(logits / temperature, dim=-1).index_select(-1, head.draft_vocab.to(device))
-    else:
-        logits_probs = torch.softmax(logits / temperature, dim=-1)
+        probs = probs.index_select(-1, head.draft_vocab.to(device))
+    target_probs, target_ids = torch.sort(probs, dim=-1, descending=True)
     lengths = torch.tensor([len(sequence) for sequence in sequences], device=device)
-    return TeacherBatch(input_ids=input_ids, lengths=lengths, hidden=hidden, probs=logits_probs)
+    return TeacherBatch(input_ids, lengths, hidden, target_ids, target_probs)
 
 
 @dataclass(frozen=True)
@@ -62,26 +71,43 @@ class StepMetrics:
     count: list[int]
 
 
-def unrolled_loss(head: MTPHead, batch: TeacherBatch, unroll: int, step_decay: float = 0.8) -> tuple[torch.Tensor, StepMetrics]:
-    """The training objective on one teacher batch (differentiable in the head's parameters)."""
+@dataclass(frozen=True, eq=False)
+class UnrolledStep:
+    """One unrolled drafting step over all bases i = 0..T-2 of a batch.
+
+    Fields:
+      step:        s (1 = the exact pairs; s > 1 drafts at tree depth s - 1).
+      logits:      [B, T - 1, V_draft] the head's logits for the token at position i + s + 1.
+      valid:       [B, T - 1] bool, supervised positions (inside the sequence and the loss mask).
+      token_index: [T - 1] int64, i + s: the position whose next-token distribution the step predicts.
+    """
+
+    step: int
+    logits: torch.Tensor
+    valid: torch.Tensor
+    token_index: torch.Tensor
+
+
+def unrolled_steps(head: MTPHead, batch: TeacherBatch, unroll: int) -> Iterator[UnrolledStep]:
+    """Runs the head ``unroll`` times, feeding back its own hidden states, with inference's attention view."""
     from transformers import DynamicCache
 
-    input_ids, hidden, probs = batch.input_ids, batch.hidden, batch.probs
+    input_ids, hidden = batch.input_ids, batch.hidden
     size, length = input_ids.shape
     pairs = length - 1  # bases i = 0..T-2
     device = input_ids.device
     dtype = head.eh_proj.weight.dtype
     base = torch.arange(pairs, device=device)
     cache = DynamicCache()
-    total = torch.zeros((), device=device)
-    losses, top1s, counts = [], [], []
     feedback = hidden[:, :pairs].to(dtype)
     for step in range(1, unroll + 1):
         # step s: token t_{i+s} at position i+s-1, supervised by p_{i+s}
         valid = base[None, :] + step <= batch.lengths[:, None] - 1  # [B, pairs]
-        if not bool(valid.any()):
-            break
         token_index = (base + step).clamp(max=length - 1)
+        if batch.loss_mask is not None:
+            valid = valid & batch.loss_mask[:, token_index]
+        if not bool(valid.any()):
+            return
         tokens = input_ids[:, token_index]
         positions = (base + step - 1).expand(size, pairs)
         keys = cache.get_seq_length() + pairs
@@ -91,15 +117,23 @@ def unrolled_loss(head: MTPHead, batch: TeacherBatch, unroll: int, step_decay: f
             allowed[base, earlier * pairs + base] = True
         mask = attention_mask_for(head.config, allowed[None, None].expand(size, 1, pairs, keys), dtype)
         output = head(tokens, feedback, positions, mask, cache)
-        log_q = torch.log_softmax(output.logits.float(), dim=-1)
-        teacher = probs[:, token_index]
-        per_position = -(teacher * log_q).sum(-1)
-        count = valid.sum()
-        step_loss = (per_position * valid).sum() / count.clamp(min=1)
-        total = total + (step_decay ** (step - 1)) * step_loss
-        agree = (log_q.argmax(-1) == teacher.argmax(-1)) & valid
+        yield UnrolledStep(step, output.logits, valid, token_index)
+        feedback = output.hidden
+
+
+def unrolled_loss(head: MTPHead, batch: TeacherBatch, unroll: int, step_decay: float = 0.8) -> tuple[torch.Tensor, StepMetrics]:
+    """The training objective on one teacher batch (differentiable in the head's parameters)."""
+    total = torch.zeros((), device=batch.input_ids.device)
+    losses, top1s, counts = [], [], []
+    for drafted in unrolled_steps(head, batch, unroll):
+        log_q = torch.log_softmax(drafted.logits.float(), dim=-1)
+        teacher_ids = batch.target_ids[:, drafted.token_index]
+        per_position = -(batch.target_probs[:, drafted.token_index] * log_q.gather(-1, teacher_ids)).sum(-1)
+        count = drafted.valid.sum()
+        step_loss = (per_position * drafted.valid).sum() / count.clamp(min=1)
+        total = total + (step_decay ** (drafted.step - 1)) * step_loss
+        agree = (log_q.argmax(-1) == teacher_ids[..., 0]) & drafted.valid
         losses.append(float(step_loss.detach()))
         top1s.append(float(agree.sum()) / max(int(count), 1))
         counts.append(int(count))
-        feedback = output.hidden
     return total, StepMetrics(losses, top1s, counts)

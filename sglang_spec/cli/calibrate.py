@@ -1,0 +1,59 @@
+"""``sglang-spec calibrate``: measure a head's per-depth, per-rank acceptance profile on traffic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "calibrate",
+        help="measure an MTP head's acceptance profile (the JSON the sequoia policy reads)",
+        description="Drafts along the target's own completions in the traffic and records, per depth and rank, how "
+        "often (temperature 0) or how likely (temperature > 0) the head's rank-k candidate is the accepted token.",
+    )
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--mtp", default=None, help="head to calibrate (default: the model's own or shipped head)")
+    parser.add_argument("--traffic", type=Path, action="append", required=True, help="traffic JSONL; repeatable")
+    parser.add_argument("--domain", action="append", default=None, help="keep only these domains")
+    parser.add_argument("--greedy-only", action="store_true",
+                        help="use only greedy completions (temperature-0 paths; recommended for --temperature 0)")
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--max-rank", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--out", type=Path, required=True, help="profile JSON to write")
+    parser.add_argument("--force", action="store_true")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sglang_spec.errors import SpecError
+    from sglang_spec.models.registry import load_head_for, load_model
+    from sglang_spec.train.calibrate import calibrate
+    from sglang_spec.train.traffic import read_traffic_strict
+
+    if args.out.exists() and not args.force:
+        raise SpecError(f"{args.out} exists; pass --force to overwrite it")
+    records = read_traffic_strict(args.traffic)
+    if args.domain:
+        records = [record for record in records if record.domain in args.domain]
+    if args.greedy_only:
+        records = [record for record in records if record.id.endswith("/greedy")]
+    if not records:
+        raise SpecError("no traffic records left after filtering")
+    loaded = load_model(args.model)
+    head = load_head_for(loaded, args.mtp)
+    result = calibrate(loaded, head, records, depth=args.depth, max_rank=args.max_rank, temperature=args.temperature)
+    profile = result.profile
+    metadata = dict(profile.metadata)
+    metadata.update({"model": loaded.name, "head": args.mtp or "default", "traffic": [str(p) for p in args.traffic],
+                     "domains": args.domain, "records": len(records)})
+    out = type(profile)(profile.rank_acceptance, metadata)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out.to_json(args.out)
+    print(f"wrote {args.out} from {len(records)} records at temperature {args.temperature}")
+    for depth, (row, count) in enumerate(zip(profile.rank_acceptance, result.positions), start=1):
+        print(f"  depth {depth}: rank-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f} ({count} positions)")
+    return 0

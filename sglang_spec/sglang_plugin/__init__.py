@@ -1,0 +1,56 @@
+"""The SGLang plugin: the only part of sglang_spec that imports sglang.
+
+SGLang calls ``register`` (entry point ``sglang.srt.plugins: sglang_spec``) early in every process, then applies
+the registered hooks. Registering is cheap: it checks the installed sglang version and records hook targets by
+name; SGLang imports the target modules when it applies them. Unset, the tree options leave SGLang's behaviour
+unchanged.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+SUPPORTED_SGLANG = ("0.5.23",)
+
+HOOKS = (
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", "add_cli_args_after", "AFTER"),
+    ("sglang.srt.server_args.ServerArgs.from_cli_args", "from_cli_args_after", "AFTER"),
+    ("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.__init__", "draft_worker_init_after", "AFTER"),
+    ("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft_forward", "draft_forward_around", "AROUND"),
+    ("sglang.srt.speculative.spec_utils.select_top_k_tokens", "select_top_k_tokens_around", "AROUND"),
+    ("sglang.srt.speculative.eagle_utils.organize_draft_results", "organize_draft_results_around", "AROUND"),
+    ("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", "correct_drafts_after", "AFTER"),
+)
+
+_registered = False
+
+
+class UnsupportedSGLangVersion(RuntimeError):
+    pass
+
+
+def check_sglang_version(version: str | None = None) -> str:
+    installed = version if version is not None else metadata.version("sglang")
+    if installed not in SUPPORTED_SGLANG:
+        raise UnsupportedSGLangVersion(
+            f"sglang_spec supports sglang {', '.join(SUPPORTED_SGLANG)}, found {installed}; install a supported "
+            f"sglang or an sglang_spec release made for {installed}"
+        )
+    return installed
+
+
+def register() -> None:
+    """The entry point. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    check_sglang_version()
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_spec.sglang_plugin import hooks
+
+    for target, name, kind in HOOKS:
+        HookRegistry.register(target, getattr(hooks, name), getattr(HookType, kind))
+    register_resolution_hook("handle_speculative_decoding")(hooks.handle_speculative_decoding_wrapper)
+    _registered = True

