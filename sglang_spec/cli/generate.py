@@ -30,6 +30,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--auto", action="store_true",
                         help="pick budget and depth for this machine: sequoia with the calibrated profile and a "
                         "measured cost curve (cached); picks no speculation where none pays")
+    parser.add_argument("--costs", type=Path, default=None, metavar="COSTS.json",
+                        help="with --auto: cost curve to read, or to measure and write (default: per model and "
+                        "machine in the cache folder)")
     parser.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [loaded.encode_prompt(text, chat=False if args.no_chat else None) for text in args.prompt]
     auto = None
     if args.auto:
-        auto, policy = _auto_policy(loaded, head, profile, args.depth)
+        auto, policy = _auto_policy(loaded, head, profile, args.depth, args.costs)
     if policy is None:  # the cost model says speculation does not pay here
         output = generate_plain(loaded.model, prompts, config)
     else:
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _auto_policy(loaded, head, profile, max_depth: int):
+def _auto_policy(loaded, head, profile, max_depth: int, costs_path: Path | None):
     """Measured (or cached) costs + profile -> the sequoia policy to use, or None for plain decoding."""
     import platform
 
@@ -137,7 +140,7 @@ def _auto_policy(loaded, head, profile, max_depth: int):
     from sglang_spec.tree.policies import TreePolicy
 
     dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
-    path = cache_root() / "costs" / f"{loaded.name}-{dtype}-{platform.node() or 'host'}.json"
+    path = costs_path or cache_root() / "costs" / f"{loaded.name}-{dtype}-{platform.node() or 'host'}.json"
     costs = load_or_measure(path, loaded.model, head)
     choice = choose_speculation(profile, costs, max_depth=max_depth)
     summary = {"budget": choice.budget, "depth": choice.depth, "predicted_speedup": choice.speedup,

@@ -36,6 +36,10 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
     parser.add_argument("--eval-fraction", type=float, default=defaults.eval_fraction)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--bf16", action="store_true",
+                        help="train with bfloat16 autocast (float32 master weights): faster on bf16-capable CPUs/GPUs")
+    parser.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default=defaults.save_dtype,
+                        help="dtype of the written head (bfloat16 halves it; loading casts back)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     parser.add_argument("--force", action="store_true", help="overwrite --out and its training state")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -50,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, unroll=args.unroll, lr=args.lr,
         draft_vocab=args.draft_vocab, top_k_targets=args.top_k_targets, checkpoint_every=args.checkpoint_every,
-        eval_fraction=args.eval_fraction, seed=args.seed,
+        eval_fraction=args.eval_fraction, seed=args.seed, save_dtype=args.save_dtype,
+        autocast_bf16=args.bf16,
     )
     records = read_traffic_strict(args.traffic)
     if args.domain:

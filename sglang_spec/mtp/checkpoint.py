@@ -31,8 +31,11 @@ HEADER_KEY = "sglang_spec_mtp"
 FP8_BLOCK = 128
 
 
-def save_mtp_head(head: MTPHead, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
-    """Writes the head to ``path`` (a ``.safetensors`` file)."""
+def save_mtp_head(
+    head: MTPHead, path: str | Path, metadata: dict[str, Any] | None = None, dtype: torch.dtype | None = None
+) -> Path:
+    """Writes the head to ``path`` (a ``.safetensors`` file); floating tensors in ``dtype`` when given (bfloat16
+    halves a shipped head; loading casts back to the target's dtype)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     header = {
@@ -44,7 +47,10 @@ def save_mtp_head(head: MTPHead, path: str | Path, metadata: dict[str, Any] | No
         "draft_vocab_size": head.draft_vocab_size,
         "metadata": metadata or {},
     }
-    tensors = {name: tensor.detach().contiguous() for name, tensor in head.state_dict().items()}
+    tensors = {
+        name: (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor).detach().contiguous()
+        for name, tensor in head.state_dict().items()
+    }
     save_file(tensors, str(path), metadata={HEADER_KEY: json.dumps(header)})
     return path
 

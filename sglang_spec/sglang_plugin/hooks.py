@@ -118,9 +118,20 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
             sequoia = sequoia_plan(options.load_profile(), options.budget, options.depth, max_branch=worker.topk)
             tree = TokenTree.from_parents(list(sequoia.parents), ranks=list(sequoia.ranks))
             plan = DraftPlan.from_tree(tree, worker.topk, worker.speculative_num_steps)
-        worker._sglang_spec = DraftSetup(plan, exact_ancestry=worker.topk > 1, topk=worker.topk,
+        exact = worker.topk > 1 and supports_row_permutation(worker.draft_runner.token_to_kv_pool)
+        if worker.topk > 1 and not exact:
+            log("draft KV pool is not slot-major (HND / paged layout): exact per-branch ancestry is off, "
+                "branches keep SGLang's shared-column history")
+        worker._sglang_spec = DraftSetup(plan, exact_ancestry=exact, topk=worker.topk,
                                          steps=worker.speculative_num_steps)
     return result
+
+
+def supports_row_permutation(pool) -> bool:
+    """True for pools whose buffers are [slots, ...] per layer (MHA NHD k/v, MLA latent)."""
+    if getattr(pool, "use_hnd", False):
+        return False
+    return any(getattr(pool, name, None) for name in ("k_buffer", "kv_buffer"))
 
 
 @dataclass
