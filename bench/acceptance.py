@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     first_head = next(iter(heads.values()))
     print(f"measuring the verify-cost curve on {platform.processor() or 'this machine'} ...", flush=True)
     costs = measure_costs(loaded.model, first_head, sizes=(1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64))
+    draft_vocabulary = {name: draft_vocab_timing(loaded, head) for name, head in heads.items()}
     rows: list[Row] = []
     quality = {}
     total_runs = len(heads) * len(temperatures) * (len(args.policies.split(",")) * len(args.budgets.split(","))
@@ -156,6 +157,7 @@ def main(argv=None) -> int:
         "costs": costs.to_json(),
         "rows": [asdict(row) for row in rows],
         "head_quality": quality,
+        "draft_vocabulary": draft_vocabulary,
         "prediction": prediction_fit(rows),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -263,6 +265,29 @@ def run_prompt_lookup(loaded, prompts, config) -> dict:
             identical = False
     seconds = time.perf_counter() - start
     return {"tokens_per_second": generated / seconds, "seconds": seconds, "identical": identical}
+
+
+def draft_vocab_timing(loaded, head) -> dict:
+    """One draft level (4 children, 200-token prefix) over the head's reduced draft vocabulary and over the full
+    vocabulary: what ``--draft-vocab`` buys per level."""
+    import torch
+
+    from sglang_spec.decode.autotune import time_draft_level
+    from sglang_spec.decode.target import TargetRunner
+
+    prompt = torch.randint(loaded.model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
+    hidden = TargetRunner(loaded.model).prefill(prompt).hidden
+    reduced = time_draft_level(head, hidden, prompt, repeats=9)
+    saved = head.draft_vocab
+    try:
+        head.draft_vocab = None
+        head.refresh_draft_head()
+        full = time_draft_level(head, hidden, prompt, repeats=9)
+    finally:
+        head.draft_vocab = saved
+        head.refresh_draft_head()
+    return {"draft_vocab_size": head.draft_vocab_size, "vocab_size": head.vocab_size,
+            "draft_level_seconds": reduced, "full_vocab_draft_level_seconds": full}
 
 
 def row_from(head, temperature, method, budget, depth, output, plain_tps, identical, near_ties) -> Row:
@@ -390,6 +415,10 @@ def render_markdown(report: dict) -> str:
             trees = [f"{v:.2f}" for k, v in quality.items() if k.endswith("_accept_length") and not k.startswith("chain")]
             lines.append(f"| {name} | {quality['depth1_top1']:.3f} | {quality['depth1_top4']:.3f} | "
                          f"{quality['depth1_top8']:.3f} | {quality['chain4_accept_length']:.2f} | " + " | ".join(trees) + " |")
+    for name, timing in report.get("draft_vocabulary", {}).items():
+        lines.append(f"Head {name}: one draft level {timing['draft_level_seconds'] * 1e3:.1f} ms over its "
+                     f"{timing['draft_vocab_size']}-token draft vocabulary, "
+                     f"{timing['full_vocab_draft_level_seconds'] * 1e3:.1f} ms over all {timing['vocab_size']}.")
     if report["prediction"]:
         fit = report["prediction"]
         lines += ["", f"Predicted vs measured speedup: Pearson r = {fit['pearson_r']:.3f}, mean absolute error "

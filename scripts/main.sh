@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # The main job, set-up included: `./scripts/main.sh`.
+# SmolLM2-135M-Instruct with its shipped MTP head (trained by ./scripts/train_smollm2_head.sh) decodes a held-out
+# HumanEval task with tree speculation, then plain decoding runs too and the two outputs are compared.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-echo "== Sequoia tree for the built-in profile: 16 draft nodes, depth 5 =="
-.venv/bin/sglang-spec tree --policy sequoia --budget 16 --depth 5
+CLI=.venv/bin/sglang-spec
+# HumanEval/130, held out from the head's training traffic (tasks 0-119), asked the way the traffic asked
+PROMPT=$(.venv/bin/python -c 'from sglang_spec.train.prompts import humaneval_prompts; print(humaneval_prompts(130, 130)[0].messages[0]["content"])')
+
+echo "== Sequoia tree from the shipped head's calibrated profile: 16 draft nodes, depth 5 =="
+$CLI tree --policy sequoia --budget 16 --depth 5 --acceptance sglang_spec/data/profiles/smollm2-135m-instruct.json
 echo
-echo "== the same budget as a chain, an EAGLE-2 tree and a SpecExec tree (expected accept length) =="
-for policy in chain eagle specexec; do
-    .venv/bin/sglang-spec tree --policy "$policy" --budget 16 --depth 5 --json |
-        .venv/bin/python -c 'import json,sys; d=json.load(sys.stdin); print(f"{d[\"policy\"]:>9}: {d[\"num_nodes\"]-1:3d} nodes, depth {d[\"tree_depth\"]}, expected accept length {d[\"expected_accept_length\"]:.3f}")'
-done
+echo "== SmolLM2 + shipped head, Sequoia tree (budget 16, depth 5), greedy, checked against plain decoding =="
+$CLI generate --model smollm2 --policy sequoia --budget 16 --depth 5 --max-new-tokens 128 --check --prompt "$PROMPT"
+echo
+echo "== the same, budget and depth chosen for this machine from the measured cost curve (--auto) =="
+$CLI generate --model smollm2 --auto --depth 8 --max-new-tokens 128 --check --prompt "$PROMPT"

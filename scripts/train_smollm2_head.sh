@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 RUN=${RUN:-runs/smollm2}
-GENERIC_STEPS=${GENERIC_STEPS:-300}
+GENERIC_STEPS=${GENERIC_STEPS:-600}
 CODE_STEPS=${CODE_STEPS:-300}
 CLI=.venv/bin/sglang-spec
 mkdir -p "$RUN"
@@ -34,9 +34,9 @@ train "$RUN/code.safetensors" --model smollm2 --traffic "$RUN/code.jsonl" --init
 
 for head in generic code; do
     traffic=$RUN/chat.jsonl; [[ $head == code ]] && traffic=$RUN/code.jsonl
-    $CLI calibrate --model smollm2 --mtp "$RUN/$head.safetensors" --traffic "$traffic" --greedy-only \
+    $CLI calibrate --model smollm2 --mtp "$RUN/$head.safetensors" --traffic "$traffic" --greedy-only --max-records 240 \
         --depth 6 --max-rank 8 --temperature 0 --out "$RUN/$head.json" --force
-    $CLI calibrate --model smollm2 --mtp "$RUN/$head.safetensors" --traffic "$traffic" \
+    $CLI calibrate --model smollm2 --mtp "$RUN/$head.safetensors" --traffic "$traffic" --max-records 240 \
         --depth 6 --max-rank 8 --temperature 0.7 --out "$RUN/$head-t0.7.json" --force
 done
 

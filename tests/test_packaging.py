@@ -37,5 +37,11 @@ def test_wheel_contains_kernels_and_data(tmp_path):
     assert "sglang_spec/kernels/__init__.py" in names
     assert not any(name.startswith("kernels/") for name in names)
     assert "sglang_spec/data/profiles/sequoia_demo.json" in names
+    from sglang_spec.models.registry import SHIPPED_HEADS, SHIPPED_PROFILES
+
+    for file in SHIPPED_HEADS.values():  # the shipped heads and their profiles install with the package
+        assert f"sglang_spec/data/heads/{file}" in names
+    for files in SHIPPED_PROFILES.values():
+        assert {f"sglang_spec/data/profiles/{file}" for file in files.values()} <= names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "[sglang.srt.plugins]" in entry_points and "sglang_spec.sglang_plugin:register" in entry_points

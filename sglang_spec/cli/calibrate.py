@@ -20,6 +20,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--domain", action="append", default=None, help="keep only these domains")
     parser.add_argument("--greedy-only", action="store_true",
                         help="use only greedy completions (temperature-0 paths; recommended for --temperature 0)")
+    parser.add_argument("--max-records", type=int, default=0,
+                        help="calibrate on at most this many records, an evenly spaced subset (0 = all)")
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--max-rank", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -43,6 +45,12 @@ def run(args: argparse.Namespace) -> int:
         records = [record for record in records if record.id.endswith("/greedy")]
     if not records:
         raise SpecError("no traffic records left after filtering")
+    if args.max_records < 0:
+        raise SpecError(f"--max-records must be >= 0, got {args.max_records}")
+    if args.max_records and len(records) > args.max_records:
+        # evenly spaced, so every prompt family and domain in the file stays represented
+        stride = len(records) / args.max_records
+        records = [records[int(index * stride)] for index in range(args.max_records)]
     loaded = load_model(args.model)
     head = load_head_for(loaded, args.mtp)
     result = calibrate(loaded, head, records, depth=args.depth, max_rank=args.max_rank, temperature=args.temperature)

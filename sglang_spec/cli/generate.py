@@ -23,7 +23,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
                         "default: the model's own MTP layer or the shipped head")
     parser.add_argument("--policy", choices=POLICY_NAMES, default="sequoia")
     parser.add_argument("--budget", type=int, default=8, help="draft nodes per step, root excluded")
-    parser.add_argument("--depth", type=int, default=4, help="most draft tokens on one path")
+    parser.add_argument("--depth", type=int, default=4, help="most draft tokens on one path (with --auto: the most "
+                        "it may choose)")
     parser.add_argument("--topk", type=int, default=None, help="candidates per expanded node (policy default)")
     parser.add_argument("--acceptance", type=Path, default=None, metavar="PROFILE.json",
                         help="acceptance profile for sequoia (default: the model's shipped profile, else built-in)")

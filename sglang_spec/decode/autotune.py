@@ -85,18 +85,7 @@ def measure_costs(
         copying = _median_time(lambda: runner.start_batch(
             [type(prefill)(prefill.hidden, prefill.last_logits, copy.deepcopy(prefill.cache))]), repeats)
         verify[size] = max(_median_time(forward, repeats) - copying, 1e-6)
-    drafter = MTPDrafter(head)
-    state = drafter.prefill(prefill.hidden, torch.cat([prompt[1:], prompt[:1]]).to(device))
-    from sglang_spec.tree.candidates import GrowingTree
-
-    def one_level():
-        tree = GrowingTree(int(prompt[0]))
-        children = [tree.add(0, token, rank, 0.1) for rank, token in enumerate(range(4))]
-        drafter.expand(state, tree, children)
-        state.cache.crop(-len(children))
-        state.nodes.clear()
-
-    draft_level = _median_time(one_level, repeats)
+    draft_level = time_draft_level(head, prefill.hidden, prompt.to(device), repeats)
     # host work per step (tree building, masks, verify rule, cache commits): a real decoder run with one-node
     # chains, minus the forwards it did (a verify of 2 tokens, one draft level, one commit forward)
     from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
@@ -109,6 +98,25 @@ def measure_costs(
     overhead = max(per_step - verify.get(2, verify[1]) - 2 * draft_level, 0.0)
     return CostCurve(verify=verify, draft_level=draft_level, step_overhead=overhead, prefix=prefix,
                      device=f"{device.type} {next(model.parameters()).dtype}")
+
+
+def time_draft_level(head: MTPHead, hidden: torch.Tensor, prompt: torch.Tensor, repeats: int = 5) -> float:
+    """Median seconds of one head level expanding 4 children of the root, after the head prefilled ``prompt``
+    (its target hidden states ``hidden``: [1, P, d] or [P, d]). Dominated by the output head over the draft
+    vocabulary, so this is what a reduced draft vocabulary saves."""
+    from sglang_spec.tree.candidates import GrowingTree
+
+    drafter = MTPDrafter(head)
+    state = drafter.prefill(hidden, torch.cat([prompt[1:], prompt[:1]]))
+
+    def one_level():
+        tree = GrowingTree(int(prompt[0]))
+        children = [tree.add(0, token, rank, 0.1) for rank, token in enumerate(range(4))]
+        drafter.expand(state, tree, children)
+        state.cache.crop(-len(children))
+        state.nodes.clear()
+
+    return _median_time(one_level, repeats)
 
 
 def choose_speculation(profile: AcceptanceProfile, costs: CostCurve, max_depth: int = 8,

@@ -29,13 +29,43 @@ def test_measured_costs_on_the_tiny_model(tiny):
     assert CostCurve.from_json(json.loads(json.dumps(costs.to_json()))) == costs
 
 
-def test_auto_never_slower_than_plain_on_the_tiny_model(tiny, capsys, tmp_path):
-    """A model this small decodes a token in about a millisecond; the decoder's per-step host work is larger, so
-    the cost model must decline speculation, and the output is then plain decoding's."""
-    costs = tmp_path / "costs.json"
-    assert main(["generate", "--model", "tiny-deepseek", "--auto", "--costs", str(costs), "--prompt", "abc",
+def _write_curve(path, curve: CostCurve):
+    path.write_text(json.dumps(curve.to_json()))
+    return str(path)
+
+
+def test_auto_declines_where_nothing_pays_and_then_is_plain_decoding(tiny, capsys, tmp_path):
+    """With a CPU-like curve (verify time linear in the tokens, host work as large as a forward) --auto runs no
+    speculation, and the output is plain decoding's. Curves are given, not timed, so the decision is exact."""
+    steep = CostCurve({1: 1e-3, 2: 2e-3, 4: 4e-3, 8: 8e-3, 16: 16e-3}, draft_level=5e-4, step_overhead=1e-3,
+                      prefix=200, device="synthetic")
+    costs = _write_curve(tmp_path / "steep.json", steep)
+    assert main(["generate", "--model", "tiny-deepseek", "--auto", "--costs", costs, "--prompt", "abc",
                  "--max-new-tokens", "16", "--check", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["auto"]["budget"] == 0 and report["policy"] == "none"
     assert report["identical_to_baseline"] is True
-    assert json.loads(costs.read_text())["verify"]["1"] > 0  # the measured curve was written
+
+
+def test_auto_speculates_where_verify_is_flat(tiny, capsys, tmp_path):
+    flat = CostCurve({1: 1e-2, 2: 1e-2, 4: 1.01e-2, 8: 1.02e-2, 16: 1.05e-2, 32: 1.1e-2}, draft_level=1e-4,
+                     step_overhead=1e-4, prefix=200, device="synthetic")
+    costs = _write_curve(tmp_path / "flat.json", flat)
+    assert main(["generate", "--model", "tiny-deepseek", "--auto", "--depth", "6", "--costs", costs, "--prompt",
+                 "abc", "--max-new-tokens", "16", "--check", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["policy"] == "sequoia" and report["budget"] == report["auto"]["budget"] >= 4
+    assert 1 <= report["depth"] <= 6 and report["auto"]["predicted_speedup"] > 1.5
+    assert report["identical_to_baseline"] is True
+
+
+def test_auto_measures_and_caches_the_curve_when_none_is_given(tiny, capsys, tmp_path):
+    costs = tmp_path / "measured.json"
+    assert main(["generate", "--model", "tiny-deepseek", "--auto", "--costs", str(costs), "--prompt", "abc",
+                 "--max-new-tokens", "8", "--json"]) == 0
+    measured = CostCurve.from_json(json.loads(costs.read_text()))
+    assert measured.verify[1] > 0 and measured.draft_level > 0
+    written = costs.read_text()
+    assert main(["generate", "--model", "tiny-deepseek", "--auto", "--costs", str(costs), "--prompt", "abc",
+                 "--max-new-tokens", "8", "--json"]) == 0
+    assert costs.read_text() == written  # the second run read the cache instead of measuring again

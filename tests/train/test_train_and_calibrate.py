@@ -100,3 +100,16 @@ def test_calibrated_profile_matches_the_decoders_acceptance(tiny, tiny_traffic, 
     # and the sequoia policy reads it
     assert main(["tree", "--policy", "sequoia", "--budget", "6", "--depth", "3", "--acceptance", str(profile_path),
                  "--json"]) == 0
+
+
+def test_calibrate_max_records_takes_an_even_subset_and_rejects_negatives(tiny, tiny_traffic, tmp_path, capsys):
+    tiny_traffic, _ = tiny_traffic
+    profile_path = tmp_path / "subset.json"
+    assert main(["calibrate", "--model", "tiny-deepseek", "--traffic", str(tiny_traffic), "--depth", "2",
+                 "--max-rank", "2", "--max-records", "7", "--out", str(profile_path)]) == 0
+    assert json.loads(profile_path.read_text())["records"] == 7
+    capsys.readouterr()
+    assert main(["calibrate", "--model", "tiny-deepseek", "--traffic", str(tiny_traffic), "--max-records", "-1",
+                 "--out", str(tmp_path / "bad.json")]) != 0
+    assert "--max-records must be >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "bad.json").exists()
