@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                         except Exception as error:  # e.g. eagle slots too few: record why and move on
                             print(f"  skip {policy_name} {budget}/{depth}: {error}")
                             continue
-                        output = SpeculativeDecoder(loaded.model, head, policy).generate(prompts, config)
+                        output = one_by_one(SpeculativeDecoder(loaded.model, head, policy), prompts, config)
                         rows.append(finish_row(head_name, temperature, policy, output, plain, costs, profile,
                                                compare_with_plain))
                         print(f"[{done}/{total_runs} {elapsed(start_time)}] {head_name} T={temperature} "
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
             choice = choose_speculation(profile, costs, max_depth=8)
             if choice.budget > 0:
                 policy = TreePolicy("sequoia", budget=choice.budget, depth=choice.depth, profile=profile)
-                output = SpeculativeDecoder(loaded.model, head, policy).generate(prompts, config)
+                output = one_by_one(SpeculativeDecoder(loaded.model, head, policy), prompts, config)
                 auto_row = finish_row(head_name, temperature, policy, output, plain, costs, profile, compare_with_plain)
                 auto_row.method = "auto"
             else:
@@ -231,6 +231,17 @@ def load_prompt_tokens(loaded, spec: str, count: int, seed: int):
     return [prompt_tokens(loaded, s) for s in specs], [s.id for s in specs]
 
 
+def one_by_one(decoder, prompts, config):
+    """Batch 1, one request after another, exactly as plain decoding runs: tokens/s are comparable."""
+    from dataclasses import fields
+
+    from sglang_spec.decode.decoder import GenerationOutput, GenerationStats
+
+    outputs = [decoder.generate([prompt], config) for prompt in prompts]
+    stats = GenerationStats(**{f.name: sum(getattr(o.stats, f.name) for o in outputs) for f in fields(GenerationStats)})
+    return GenerationOutput([output.requests[0] for output in outputs], stats)
+
+
 def run_plain(loaded, prompts, config):
     from sglang_spec.decode.decoder import generate_plain
 
@@ -316,11 +327,12 @@ def finish_row(head_name, temperature, policy, output, plain, costs, profile, co
 
 
 def predict_speedup(accept_length: float, nodes: int, depth: int, costs) -> float:
-    """verify(1) * accept length / (verify(nodes) + depth draft levels + the commit forward + host overhead)."""
+    """plain decoding's time per token * accept length / (verify(nodes) + depth draft levels + the commit forward
+    + host overhead)."""
     sizes = sorted(costs.verify)
     verify = interpolate(costs.verify, nodes) if nodes <= sizes[-1] else costs.verify[sizes[-1]] * nodes / sizes[-1]
     step = verify + (depth + 1) * costs.draft_level + costs.step_overhead
-    return costs.verify[1] * accept_length / step
+    return costs.baseline_token * accept_length / step
 
 
 def interpolate(points: dict, x: float) -> float:

@@ -20,6 +20,10 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--domain", action="append", default=None, help="keep only these domains")
     parser.add_argument("--greedy-only", action="store_true",
                         help="use only greedy completions (temperature-0 paths; recommended for --temperature 0)")
+    parser.add_argument("--held-out", type=float, default=None, metavar="EVAL_FRACTION",
+                        help="keep only the records `sglang-spec train --eval-fraction EVAL_FRACTION` held out from "
+                        "training (same split by prompt), so the profile is not measured on what the head learned; "
+                        "pass the training run's fraction (its default is 0.05)")
     parser.add_argument("--max-records", type=int, default=0,
                         help="calibrate on at most this many records, an evenly spaced subset (0 = all)")
     parser.add_argument("--depth", type=int, default=6)
@@ -43,6 +47,12 @@ def run(args: argparse.Namespace) -> int:
         records = [record for record in records if record.domain in args.domain]
     if args.greedy_only:
         records = [record for record in records if record.id.endswith("/greedy")]
+    if args.held_out is not None:
+        from sglang_spec.train.trainer import is_eval_record
+
+        if not 0 < args.held_out < 1:
+            raise SpecError(f"--held-out takes the training run's eval fraction in (0, 1), got {args.held_out}")
+        records = [record for record in records if is_eval_record(record.id, args.held_out)]
     if not records:
         raise SpecError("no traffic records left after filtering")
     if args.max_records < 0:
@@ -57,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     profile = result.profile
     metadata = dict(profile.metadata)
     metadata.update({"model": loaded.name, "head": args.mtp or "default", "traffic": [str(p) for p in args.traffic],
-                     "domains": args.domain, "records": len(records)})
+                     "domains": args.domain, "records": len(records),
+                     "held_out": args.held_out, "greedy_only": args.greedy_only})
     out = type(profile)(profile.rank_acceptance, metadata)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out.to_json(args.out)

@@ -38,6 +38,14 @@ class CostCurve:
     step_overhead: float
     prefix: int
     device: str
+    # plain decoding's time per token in its own loop (cache growth and sampling included), prefill excluded;
+    # None in curves written before it was measured, then verify[1] stands in
+    plain_token: float | None = None
+
+    @property
+    def baseline_token(self) -> float:
+        """What speculation has to beat: seconds per token of plain decoding."""
+        return self.plain_token if self.plain_token is not None else self.verify[1]
 
     def to_json(self) -> dict:
         return {**asdict(self), "verify": {str(k): v for k, v in self.verify.items()}}
@@ -88,16 +96,22 @@ def measure_costs(
     draft_level = time_draft_level(head, prefill.hidden, prompt.to(device), repeats)
     # host work per step (tree building, masks, verify rule, cache commits): a real decoder run with one-node
     # chains, minus the forwards it did (a verify of 2 tokens, one draft level, one commit forward)
-    from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
+    from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, generate_plain
     from sglang_spec.tree.policies import TreePolicy
 
+    # plain decoding in its own loop: a 1-token tree forward misses the cache growth and per-token host work that
+    # plain decoding pays, and underestimating the baseline makes every tree look worse than it is
+    plain_config = GenerationConfig(max_new_tokens=16, eos_token_ids=())
+    prefill_time = _median_time(lambda: runner.prefill(prompt), 3)
+    plain_run = generate_plain(model, [prompt.tolist()], plain_config)
+    plain_token = max(plain_run.stats.total_seconds - prefill_time, 1e-6) / max(plain_run.stats.steps, 1)
     decoder = SpeculativeDecoder(model, head, TreePolicy("chain", budget=1, depth=1))
     decoder.generate([prompt[:32].tolist()], GenerationConfig(max_new_tokens=4))  # warm-up
     run = decoder.generate([prompt.tolist()], GenerationConfig(max_new_tokens=16))
     per_step = (run.stats.draft_seconds + run.stats.verify_seconds) / max(run.stats.steps, 1)
     overhead = max(per_step - verify.get(2, verify[1]) - 2 * draft_level, 0.0)
     return CostCurve(verify=verify, draft_level=draft_level, step_overhead=overhead, prefix=prefix,
-                     device=f"{device.type} {next(model.parameters()).dtype}")
+                     device=f"{device.type} {next(model.parameters()).dtype}", plain_token=plain_token)
 
 
 def time_draft_level(head: MTPHead, hidden: torch.Tensor, prompt: torch.Tensor, repeats: int = 5) -> float:
@@ -127,11 +141,11 @@ def choose_speculation(profile: AcceptanceProfile, costs: CostCurve, max_depth: 
     if 1 not in verify:
         raise SpecError("the cost curve needs the one-token (plain decoding) time")
     # a step's fixed costs ride on every tree: host work and the commit forward that drafts the root's children
-    adjusted = {size: time + (costs.step_overhead + costs.draft_level if size > 1 else 0.0)
-                for size, time in verify.items()}
+    adjusted = {size: time + costs.step_overhead + costs.draft_level for size, time in verify.items() if size > 1}
+    adjusted[1] = costs.baseline_token  # the key-1 entry is the no-speculation baseline
     choice = choose_tree_size(profile, adjusted, draft_time=costs.draft_level, max_depth=max_depth)
     if choice.budget > 0 and choice.speedup < min_speedup:
-        return TreeSizeChoice(0, 0, 1.0, verify[1], 1.0)
+        return TreeSizeChoice(0, 0, 1.0, costs.baseline_token, 1.0)
     return choice
 
 

@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,9 +9,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "acceptance.py"
 
 
 @pytest.mark.slow
-def test_quick_sweep_writes_table_json_and_plots(tiny, tmp_path):
+def test_quick_sweep_writes_table_json_and_plots(tiny, tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("bench_acceptance", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     out = tmp_path / "acceptance.json"
     assert module.main(["--quick", "--out", str(out)]) == 0
@@ -23,3 +25,5 @@ def test_quick_sweep_writes_table_json_and_plots(tiny, tmp_path):
     for name in ("accept-length", "speedup", "costs"):
         assert (tmp_path / f"acceptance-{name}.png").stat().st_size > 1000
     assert (tmp_path / "acceptance.md").read_text().startswith("# Acceptance sweep")
+    timing = report["draft_vocabulary"]["default"]
+    assert timing["draft_level_seconds"] > 0 and timing["full_vocab_draft_level_seconds"] > 0

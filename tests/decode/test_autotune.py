@@ -25,7 +25,7 @@ def test_measured_costs_on_the_tiny_model(tiny):
     loaded, head = tiny
     costs = measure_costs(loaded.model, head, sizes=(1, 2, 4, 8), repeats=3)
     assert set(costs.verify) == {1, 2, 4, 8} and all(value > 0 for value in costs.verify.values())
-    assert costs.draft_level > 0 and costs.step_overhead >= 0
+    assert costs.draft_level > 0 and costs.step_overhead >= 0 and costs.plain_token > 0
     assert CostCurve.from_json(json.loads(json.dumps(costs.to_json()))) == costs
 
 

@@ -113,3 +113,21 @@ def test_calibrate_max_records_takes_an_even_subset_and_rejects_negatives(tiny, 
                  "--out", str(tmp_path / "bad.json")]) != 0
     assert "--max-records must be >= 0" in capsys.readouterr().err
     assert not (tmp_path / "bad.json").exists()
+
+
+def test_calibrate_held_out_keeps_exactly_the_training_eval_split(tiny, tiny_traffic, tmp_path, capsys):
+    from sglang_spec.train.trainer import is_eval_record
+    from sglang_spec.train.traffic import read_traffic_strict
+
+    tiny_traffic, _ = tiny_traffic
+    expected = sum(is_eval_record(record.id, 0.3) for record in read_traffic_strict([tiny_traffic]))
+    assert 0 < expected < 40
+    profile_path = tmp_path / "held_out.json"
+    assert main(["calibrate", "--model", "tiny-deepseek", "--traffic", str(tiny_traffic), "--depth", "2",
+                 "--max-rank", "2", "--held-out", "0.3", "--out", str(profile_path)]) == 0
+    stored = json.loads(profile_path.read_text())
+    assert stored["records"] == expected and stored["held_out"] == 0.3
+    capsys.readouterr()
+    assert main(["calibrate", "--model", "tiny-deepseek", "--traffic", str(tiny_traffic), "--held-out", "5",
+                 "--out", str(tmp_path / "bad.json")]) != 0
+    assert "--held-out takes the training run's eval fraction" in capsys.readouterr().err
