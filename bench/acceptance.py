@@ -92,7 +92,11 @@ def main(argv=None) -> int:
     profiles = load_profiles(loaded, heads, args.profiles, temperatures)
     first_head = next(iter(heads.values()))
     print(f"measuring the verify-cost curve on {platform.processor() or 'this machine'} ...", flush=True)
-    costs = measure_costs(loaded.model, first_head, sizes=(1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64))
+    sizes = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+    # per temperature: sampled verification costs more per step than greedy
+    costs_by_temperature = {t: measure_costs(loaded.model, first_head, sizes=sizes,
+                                             sampling=SamplingParams(temperature=t)) for t in temperatures}
+    costs = costs_by_temperature[temperatures[0]]
     draft_vocabulary = {name: draft_vocab_timing(loaded, head) for name, head in heads.items()}
     rows: list[Row] = []
     quality = {}
@@ -102,6 +106,7 @@ def main(argv=None) -> int:
     start_time = time.perf_counter()
     for temperature in temperatures:
         sampling = SamplingParams(temperature=temperature)
+        costs = costs_by_temperature[temperature]
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                                   eos_token_ids=loaded.eos_token_ids)
         plain = run_plain(loaded, prompts, config)
@@ -154,7 +159,8 @@ def main(argv=None) -> int:
         "command": " ".join([Path(sys.executable).name, "bench/acceptance.py", *(argv or sys.argv[1:])]),
         "config": {k: str(v) for k, v in vars(args).items()},
         "prompts": prompt_ids,
-        "costs": costs.to_json(),
+        "costs": costs_by_temperature[temperatures[0]].to_json(),
+        "costs_by_temperature": {str(t): c.to_json() for t, c in costs_by_temperature.items()},
         "rows": [asdict(row) for row in rows],
         "head_quality": quality,
         "draft_vocabulary": draft_vocabulary,

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [loaded.encode_prompt(text, chat=False if args.no_chat else None) for text in args.prompt]
     auto = None
     if args.auto:
-        auto, policy = _auto_policy(loaded, head, profile, args.depth, args.costs)
+        auto, policy = _auto_policy(loaded, head, profile, args.depth, args.costs, sampling)
     if policy is None:  # the cost model says speculation does not pay here
         output = generate_plain(loaded.model, prompts, config)
     else:
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _auto_policy(loaded, head, profile, max_depth: int, costs_path: Path | None):
+def _auto_policy(loaded, head, profile, max_depth: int, costs_path: Path | None, sampling):
     """Measured (or cached) costs + profile -> the sequoia policy to use, or None for plain decoding."""
     import platform
 
@@ -141,8 +141,10 @@ def _auto_policy(loaded, head, profile, max_depth: int, costs_path: Path | None)
     from sglang_spec.tree.policies import TreePolicy
 
     dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
-    path = costs_path or cache_root() / "costs" / f"{loaded.name}-{dtype}-{platform.node() or 'host'}.json"
-    costs = load_or_measure(path, loaded.model, head)
+    # sampled verification costs more per step than greedy, so each mode has its own curve
+    mode = "greedy" if sampling.greedy else "sampled"
+    path = costs_path or cache_root() / "costs" / f"{loaded.name}-{dtype}-{mode}-{platform.node() or 'host'}.json"
+    costs = load_or_measure(path, loaded.model, head, sampling)
     choice = choose_speculation(profile, costs, max_depth=max_depth)
     summary = {"budget": choice.budget, "depth": choice.depth, "predicted_speedup": choice.speedup,
                "expected_accept_length": choice.expected_accept_length, "costs": str(path), "device": costs.device}

@@ -23,6 +23,7 @@ from sglang_spec.decode.target import TargetRunner
 from sglang_spec.errors import SpecError
 from sglang_spec.mtp.drafter import MTPDrafter
 from sglang_spec.mtp.head import MTPHead
+from sglang_spec.sampling import SamplingParams
 from sglang_spec.tree.cost_model import TreeSizeChoice, choose_tree_size
 from sglang_spec.tree.profile import AcceptanceProfile
 from sglang_spec.tree.token_tree import TokenTree
@@ -72,9 +73,12 @@ def measure_costs(
     sizes: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64),
     prefix: int = 200,
     repeats: int = 5,
+    sampling: SamplingParams | None = None,
 ) -> CostCurve:
     """Times target forwards over chain-shaped trees of each size after a ``prefix``-token cache, and one head
-    level, on the model's own device and dtype."""
+    level, on the model's own device and dtype. Plain decoding and the per-step host work are timed with
+    ``sampling`` (default greedy): sampled verification costs more per step than greedy."""
+    sampling = sampling or SamplingParams()
     runner = TargetRunner(model)
     device = runner.device
     generator = torch.Generator().manual_seed(0)
@@ -101,13 +105,13 @@ def measure_costs(
 
     # plain decoding in its own loop: a 1-token tree forward misses the cache growth and per-token host work that
     # plain decoding pays, and underestimating the baseline makes every tree look worse than it is
-    plain_config = GenerationConfig(max_new_tokens=16, eos_token_ids=())
+    plain_config = GenerationConfig(max_new_tokens=16, eos_token_ids=(), sampling=sampling)
     prefill_time = _median_time(lambda: runner.prefill(prompt), 3)
     plain_run = generate_plain(model, [prompt.tolist()], plain_config)
     plain_token = max(plain_run.stats.total_seconds - prefill_time, 1e-6) / max(plain_run.stats.steps, 1)
     decoder = SpeculativeDecoder(model, head, TreePolicy("chain", budget=1, depth=1))
-    decoder.generate([prompt[:32].tolist()], GenerationConfig(max_new_tokens=4))  # warm-up
-    run = decoder.generate([prompt.tolist()], GenerationConfig(max_new_tokens=16))
+    decoder.generate([prompt[:32].tolist()], GenerationConfig(max_new_tokens=4, sampling=sampling))  # warm-up
+    run = decoder.generate([prompt.tolist()], GenerationConfig(max_new_tokens=16, sampling=sampling))
     per_step = (run.stats.draft_seconds + run.stats.verify_seconds) / max(run.stats.steps, 1)
     overhead = max(per_step - verify.get(2, verify[1]) - 2 * draft_level, 0.0)
     return CostCurve(verify=verify, draft_level=draft_level, step_overhead=overhead, prefix=prefix,
@@ -134,9 +138,11 @@ def time_draft_level(head: MTPHead, hidden: torch.Tensor, prompt: torch.Tensor, 
 
 
 def choose_speculation(profile: AcceptanceProfile, costs: CostCurve, max_depth: int = 8,
-                       min_speedup: float = 1.05) -> TreeSizeChoice:
+                       min_speedup: float = 1.3) -> TreeSizeChoice:
     """The Sequoia tree with the best predicted speedup, or budget 0 (plain decoding) when the best predicted
-    speedup is below ``min_speedup`` (a margin for what the model leaves out)."""
+    speedup is below ``min_speedup``: a margin for what the model leaves out. The model times the verify forward
+    alone, not the per-node host work of a real step (logits copy, verify rule, sampling), and on the 2-core CI
+    CPU it over-predicted by up to 1.3x (docs/training.md), so smaller predicted gains are not trusted."""
     verify = dict(costs.verify)
     if 1 not in verify:
         raise SpecError("the cost curve needs the one-token (plain decoding) time")
@@ -149,11 +155,12 @@ def choose_speculation(profile: AcceptanceProfile, costs: CostCurve, max_depth: 
     return choice
 
 
-def load_or_measure(path: Path | None, model: torch.nn.Module, head: MTPHead) -> CostCurve:
+def load_or_measure(path: Path | None, model: torch.nn.Module, head: MTPHead,
+                    sampling: SamplingParams | None = None) -> CostCurve:
     """A cached cost curve for this machine, or a fresh measurement (a few seconds) saved to ``path``."""
     if path is not None and path.exists():
         return CostCurve.from_json(json.loads(path.read_text()))
-    costs = measure_costs(model, head)
+    costs = measure_costs(model, head, sampling=sampling)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(costs.to_json(), indent=1) + "\n")
