@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     auto = None
     if args.auto:
         auto, policy = _auto_policy(loaded, head, profile, args.depth, args.costs, sampling)
+    if args.check:  # warm the kernels up first, so neither timed run pays one-time start-up costs
+        generate_plain(loaded.model, prompts[:1], GenerationConfig(max_new_tokens=2, sampling=sampling))
     if policy is None:  # the cost model says speculation does not pay here
         output = generate_plain(loaded.model, prompts, config)
     else:
