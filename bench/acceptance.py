@@ -96,7 +96,6 @@ def main(argv=None) -> int:
     # per temperature: sampled verification costs more per step than greedy
     costs_by_temperature = {t: measure_costs(loaded.model, first_head, sizes=sizes,
                                              sampling=SamplingParams(temperature=t)) for t in temperatures}
-    costs = costs_by_temperature[temperatures[0]]
     draft_vocabulary = {name: draft_vocab_timing(loaded, head) for name, head in heads.items()}
     rows: list[Row] = []
     quality = {}

@@ -40,6 +40,11 @@ def run(args: argparse.Namespace) -> int:
     from sglang_spec.train.calibrate import calibrate
     from sglang_spec.train.traffic import read_traffic_strict
 
+    # options first, so a typo fails before the traffic is read
+    if args.held_out is not None and not 0 < args.held_out < 1:
+        raise SpecError(f"--held-out takes the training run's eval fraction in (0, 1), got {args.held_out}")
+    if args.max_records < 0:
+        raise SpecError(f"--max-records must be >= 0, got {args.max_records}")
     if args.out.exists() and not args.force:
         raise SpecError(f"{args.out} exists; pass --force to overwrite it")
     records = read_traffic_strict(args.traffic)
@@ -50,13 +55,9 @@ def run(args: argparse.Namespace) -> int:
     if args.held_out is not None:
         from sglang_spec.train.trainer import is_eval_record
 
-        if not 0 < args.held_out < 1:
-            raise SpecError(f"--held-out takes the training run's eval fraction in (0, 1), got {args.held_out}")
         records = [record for record in records if is_eval_record(record.id, args.held_out)]
     if not records:
         raise SpecError("no traffic records left after filtering")
-    if args.max_records < 0:
-        raise SpecError(f"--max-records must be >= 0, got {args.max_records}")
     if args.max_records and len(records) > args.max_records:
         # evenly spaced, so every prompt family and domain in the file stays represented
         stride = len(records) / args.max_records
