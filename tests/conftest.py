@@ -34,7 +34,8 @@ def _torchvision_importable() -> bool:
 
 
 if not _torchvision_importable() or os.environ.get("SGLANG_SPEC_TORCHVISION_STUB", "1") == "1":
-    sys.path.insert(0, str(TESTS_DIR / "_stubs"))
+    # the torchvision stand-in lives beside the CPU harness's boot files (no sglang import needed to find it)
+    sys.path.insert(0, str(TESTS_DIR.parent / "sglang_spec" / "sglang_plugin" / "cpu" / "boot"))
 
 
 def _cuda_available() -> bool:

@@ -63,6 +63,10 @@ def build_tiny_deepseek(seed: int = 0, **overrides):
     return model.to(torch.float32).eval()
 
 
+# fields every released DeepSeek-V3/R1 config.json carries that transformers' DeepseekV3Config does not define
+# (its MoE always routes this way); SGLang's DeepSeek model reads them
+CHECKPOINT_CONFIG_FIELDS = {"moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
 MAIN_SHARD = "model-00001-of-00002.safetensors"
 MTP_SHARD = "model-00002-of-00002.safetensors"
 CACHE_NAME = "tiny-deepseek-v3-toy"
@@ -87,7 +91,19 @@ def save_tiny_deepseek(path: str | Path, model, head) -> Path:
     weight_map.update({name: MTP_SHARD for name in mtp_tensors})
     index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+    complete_checkpoint_config(path)
     return path
+
+
+def complete_checkpoint_config(path: Path) -> None:
+    """Adds CHECKPOINT_CONFIG_FIELDS to a saved config.json that lacks them (checkpoints cached before they were
+    written get them on first use)."""
+    config_path = Path(path) / "config.json"
+    config = json.loads(config_path.read_text())
+    if all(config.get(name) == value for name, value in CHECKPOINT_CONFIG_FIELDS.items()):
+        return
+    config.update(CHECKPOINT_CONFIG_FIELDS)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def train_tiny_deepseek(seed: int = 0, target_steps: int = 400, head_steps: int = 300, progress: bool = True):
@@ -150,6 +166,7 @@ def tiny_deepseek_dir(cache: Path | None = None, progress: bool = True) -> Path:
 
     target = (cache or cache_root()) / CACHE_NAME
     if (target / _COMPLETE).exists():
+        complete_checkpoint_config(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     model, head = train_tiny_deepseek(progress=progress)

@@ -3,23 +3,34 @@
 SGLang calls ``register`` (entry point ``sglang.srt.plugins: sglang_spec``) early in every process, then applies
 the registered hooks. Registering is cheap: it checks the installed sglang version and records hook targets by
 name; SGLang imports the target modules when it applies them. Unset, the tree options leave SGLang's behaviour
-unchanged.
+unchanged. ``cpu/`` runs SGLang's real server on a CPU (the project's test bed); ``models/`` holds the draft
+model classes the plugin adds to SGLang; ``export`` writes draft-model folders for them.
 """
 
 from __future__ import annotations
 
+import os
 from importlib import metadata
 
 SUPPORTED_SGLANG = ("0.5.23",)
 
+_WORKER = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
+_REGISTRY = "sglang.srt.models.registry._ModelRegistry"
 HOOKS = (
     ("sglang.srt.server_args.ServerArgs.add_cli_args", "add_cli_args_after", "AFTER"),
     ("sglang.srt.server_args.ServerArgs.from_cli_args", "from_cli_args_after", "AFTER"),
-    ("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.__init__", "draft_worker_init_after", "AFTER"),
-    ("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft_forward", "draft_forward_around", "AROUND"),
+    (f"{_REGISTRY}.resolve_model_cls", "registry_lookup_before", "BEFORE"),
+    (f"{_REGISTRY}.is_arch_supported", "registry_lookup_before", "BEFORE"),
+    (f"{_WORKER}.__init__", "draft_worker_init_after", "AFTER"),
+    (f"{_WORKER}.alloc_memory_pool", "alloc_memory_pool_after", "AFTER"),
+    (f"{_WORKER}.draft_forward", "draft_forward_around", "AROUND"),
     ("sglang.srt.speculative.spec_utils.select_top_k_tokens", "select_top_k_tokens_around", "AROUND"),
     ("sglang.srt.speculative.eagle_utils.organize_draft_results", "organize_draft_results_around", "AROUND"),
     ("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", "correct_drafts_after", "AFTER"),
+)
+RESOLUTION_HOOKS = (
+    ("handle_speculative_decoding", "handle_speculative_decoding_wrapper"),
+    ("handle_model_capability_adjustments", "capability_adjustments_wrapper"),
 )
 
 _registered = False
@@ -49,8 +60,19 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_spec.sglang_plugin import hooks
+    from sglang_spec.sglang_plugin.cpu import ENABLE_FLAG, claim_amx_platform
 
     for target, name, kind in HOOKS:
         HookRegistry.register(target, getattr(hooks, name), getattr(HookType, kind))
-    register_resolution_hook("handle_speculative_decoding")(hooks.handle_speculative_decoding_wrapper)
+    for step, name in RESOLUTION_HOOKS:
+        register_resolution_hook(step)(getattr(hooks, name))
+    from sglang.srt.entrypoints import engine
+
+    engine.Engine.server_args_class = hooks.EngineServerArgs  # see EngineServerArgs for why not a HookRegistry hook
+    if os.environ.get(ENABLE_FLAG) == "1":
+        from sglang_spec.sglang_plugin.cpu import patches
+
+        for target, name, kind in patches.HOOKS:
+            HookRegistry.register(target, getattr(patches, name), getattr(HookType, kind))
+        claim_amx_platform()
     _registered = True

@@ -8,6 +8,7 @@ is slot ``k + k*k*(i-1) + f*k + r``. The final tree is the chosen slots, sorted.
 * ``DraftPlan`` lays a static topology (a Sequoia tree) over that loop: at every step it forces the frontier to be
   the plan's nodes that have children (so their children are drafted), and the final selection is exactly the
   plan's slots. Feasible when every node's rank < k and at most k nodes of one level have children.
+* ``DevicePlan`` holds a plan as static device tensors, built once per worker (no host copies while drafting).
 * ``select_later_with_plan`` is SGLang's ``_select_top_k_tokens_later`` with the plan's frontier first.
 * ``organize_with_plan`` replaces ``organize_draft_results`` for a plan.
 * ``ancestry_permutation``: SGLang gives beam j the KV column [j][0..steps) and re-ranks beams each step, so a
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from sglang_spec.errors import SpecError
+from sglang_spec.tree.profile import AcceptanceProfile
+from sglang_spec.tree.sequoia import sequoia_plan
 from sglang_spec.tree.token_tree import TokenTree
 
 _FORCED = 4.0  # above any probability product, so forced frontier entries sort first
@@ -82,21 +85,50 @@ class DraftPlan:
         return cls(topk=topk, steps=steps, frontier=tuple(frontier), slots=slots)
 
 
-def select_later_with_plan(i: int, topk_p, topk_index, hidden_states, scores, topk: int, plan: DraftPlan):
+def sequoia_draft_plan(profile: AcceptanceProfile, budget: int, depth: int, topk: int, steps: int) -> DraftPlan:
+    """Sequoia's DP tree for ``profile`` (children limited to topk), laid over SGLang's draft loop."""
+    sequoia = sequoia_plan(profile, budget, depth, max_branch=topk)
+    tree = TokenTree.from_parents(list(sequoia.parents), ranks=list(sequoia.ranks))
+    return DraftPlan.from_tree(tree, topk, steps)
+
+
+@dataclass(frozen=True, eq=False)
+class DevicePlan:
+    """A DraftPlan as static device tensors, built once per draft worker so ``draft_forward`` copies nothing from
+    the host (a host-to-device copy cannot be captured in SGLang's draft CUDA graph).
+
+    Fields:
+      frontier_boost: [steps - 1, k * k] float32. Row i - 1 lifts the plan's frontier positions at step i above
+                      every probability product, first in frontier order; all zeros where the plan forces nothing.
+      forces:         per step i in 1..steps-1 (host constants), whether the plan forces that step's frontier.
+      slots:          [budget] int64. The plan's draft slots, sorted (SGLang's top_scores_index row).
+    """
+
+    frontier_boost: torch.Tensor
+    forces: tuple[bool, ...]
+    slots: torch.Tensor
+
+    @classmethod
+    def build(cls, plan: DraftPlan, device: torch.device | str) -> DevicePlan:
+        width = plan.topk * plan.topk
+        boost = torch.zeros(max(plan.steps - 1, 1), width, dtype=torch.float32)
+        for step, positions in enumerate(plan.frontier):
+            for order, position in enumerate(positions):
+                boost[step, position] = _FORCED + len(positions) - order
+        forces = tuple(bool(plan.frontier[step]) if step < len(plan.frontier) else False
+                       for step in range(plan.steps - 1))
+        return cls(boost.to(device), forces, torch.tensor(plan.slots, dtype=torch.int64).to(device))
+
+
+def select_later_with_plan(i: int, topk_p, topk_index, hidden_states, scores, topk: int, plan: DevicePlan):
     """SGLang's ``_select_top_k_tokens_later`` with the plan's frontier forced first (same outputs and shapes).
 
     topk_p, topk_index: [b*k, k] children of the current frontier; scores: [b, k]; hidden_states: [b*k, H]."""
     topk_sq = topk * topk
     expand_scores = scores.unsqueeze(2) * topk_p.view(-1, topk, topk)  # [b, k, k]
     flat = expand_scores.flatten(start_dim=1)  # [b, k*k]
-    forced = plan.frontier[i - 1] if i - 1 < len(plan.frontier) else ()
-    if forced:
-        boost = torch.zeros(topk_sq, dtype=flat.dtype, device=flat.device)
-        order = torch.tensor(forced, device=flat.device)
-        boost[order] = _FORCED + torch.arange(len(forced), 0, -1, device=flat.device, dtype=flat.dtype)
-        chosen = torch.topk(flat + boost, topk, dim=-1).indices
-    else:
-        chosen = torch.topk(flat, topk, dim=-1).indices
+    ranked = flat + plan.frontier_boost[i - 1] if plan.forces[i - 1] else flat
+    chosen = torch.topk(ranked, topk, dim=-1).indices
     topk_cs_p = torch.gather(flat, 1, chosen)
     topk_index = topk_index.view(-1, topk_sq)
     input_ids = torch.gather(topk_index, 1, chosen).flatten()
@@ -108,14 +140,14 @@ def select_later_with_plan(i: int, topk_p, topk_index, hidden_states, scores, to
     return input_ids, hidden_states, topk_cs_p, tree_info
 
 
-def organize_with_plan(score_list, token_list, parents_list, num_draft_token: int, plan: DraftPlan):
+def organize_with_plan(score_list, token_list, parents_list, num_draft_token: int, plan: DevicePlan):
     """``organize_draft_results`` for a plan: the plan's slots (the same for every request), their tokens and
     SGLang's parent list."""
     tokens = torch.cat(token_list, dim=1)
     batch = tokens.shape[0]
-    if len(plan.slots) != num_draft_token - 1:
-        raise SpecError(f"the plan has {len(plan.slots)} draft nodes but SGLang verifies {num_draft_token - 1}")
-    top_scores_index = torch.tensor(plan.slots, device=tokens.device).expand(batch, -1).contiguous()
+    if plan.slots.shape[0] != num_draft_token - 1:
+        raise SpecError(f"the plan has {plan.slots.shape[0]} draft nodes but SGLang verifies {num_draft_token - 1}")
+    top_scores_index = plan.slots.expand(batch, -1).contiguous()
     draft_tokens = torch.gather(tokens, 1, top_scores_index)
     if len(parents_list) > 1:
         parent_list = torch.cat(parents_list[:-1], dim=1)

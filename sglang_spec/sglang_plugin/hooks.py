@@ -2,27 +2,35 @@
 
 | target | type | what it does |
 |---|---|---|
-| ``ServerArgs.add_cli_args`` | AFTER | adds the ``--speculative-tree-*`` options to SGLang's parser |
-| ``ServerArgs.from_cli_args`` | AFTER | checks them, maps the tree shape onto steps / topk / draft tokens |
-| resolution step ``handle_speculative_decoding`` | wrap | start-up checks against the resolved configuration |
-| ``EagleDraftWorker.__init__`` | AFTER | builds the draft plan once per worker |
+| ``ServerArgs.add_cli_args`` / ``from_cli_args`` | AFTER | the ``--speculative-tree-*`` options; tree shape -> draft shape |
+| ``Engine.server_args_class`` (``EngineServerArgs``) | attribute | the same options as ``sgl.Engine`` keywords |
+| resolution ``handle_speculative_decoding`` | wrap | checks against the resolved speculative settings |
+| resolution ``handle_model_capability_adjustments`` | wrap | the resolved attention backends can run trees |
+| ``_ModelRegistry.resolve_model_cls`` / ``is_arch_supported`` | BEFORE | our draft model classes (``models/``) |
+| ``EagleDraftWorker.__init__`` | AFTER | the draft plan on the device, once per worker; metrics |
+| ``EagleDraftWorker.alloc_memory_pool`` | AFTER | the draft KV pool can give every branch its own ancestry |
 | ``EagleDraftWorker.draft_forward`` | AROUND | exposes the plan and the draft KV layout to the two hooks below |
-| ``spec_utils.select_top_k_tokens`` | AROUND | plan-forced frontier (sequoia); exact ancestry by KV column permutation |
+| ``spec_utils.select_top_k_tokens`` | AROUND | plan-forced frontier (sequoia); exact ancestry by KV column copy |
 | ``eagle_utils.organize_draft_results`` | AROUND | the plan's slots as the verified tree (sequoia) |
 | ``Req.update_spec_correct_drafts_histogram`` | AFTER | per-position acceptance metrics |
 
 Every hot-path hook reads its settings from the worker it runs for (set at construction), never from globals.
+Start-up failures end the launch with one ``error:`` line.
 """
 
 from __future__ import annotations
 
 import contextvars
+import importlib
 import sys
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.draft_tree import (
-    DraftPlan,
+    DevicePlan,
     ancestry_permutation,
     organize_with_plan,
     select_later_with_plan,
@@ -30,19 +38,29 @@ from sglang_spec.sglang_plugin.draft_tree import (
 from sglang_spec.sglang_plugin.metrics import METRICS
 from sglang_spec.sglang_plugin.options import (
     ATTRIBUTE,
+    BACKEND_FIELDS,
+    KEYWORDS,
     TreeServerOptions,
     add_arguments,
     apply_to_server_args,
     from_namespace,
-    validate_resolved,
+    from_values,
+    validate_backends,
+    validate_speculative,
 )
 
-
-def _fail(error: SpecError) -> None:
-    """Start-up errors end the launch with one line, not a traceback."""
-    raise SystemExit(f"error: {error}")
+# our draft model classes, by the architecture name a draft folder's config.json gives (imported on first use)
+MODEL_CLASSES = {"LlamaForCausalLMNextN": "sglang_spec.sglang_plugin.models.llama_nextn"}
 
 
+class StartupError(SystemExit):
+    """Ends a launch with one ``error: ...`` line (SystemExit: launch_server prints it without a traceback)."""
+
+    def __init__(self, error: SpecError | str) -> None:
+        super().__init__(f"error: {error}")
+
+
+# ---------------------------------------------------------------------------------------------- options
 def add_cli_args_after(result, parser):
     add_arguments(parser)
     return result
@@ -54,82 +72,145 @@ def from_cli_args_after(result, cls, args):
         if options is not None:
             apply_to_server_args(options, result)
     except SpecError as error:
-        _fail(error)
+        raise StartupError(error) from None
     return result
 
 
+class EngineServerArgs:
+    """``sgl.Engine(..., speculative_tree_policy=...)``: the Engine builds its ServerArgs through
+    ``Engine.server_args_class(**kwargs)``, and SGLang's ServerArgs has no tree fields. ``register`` points that
+    attribute here: the tree keywords are taken out, SGLang's ServerArgs is built from the rest, and the options
+    are applied to it exactly as on the command line. (A plain attribute assignment, not a HookRegistry class
+    REPLACE: that would rebind ServerArgs in every module that imported it.)"""
+
+    def __new__(cls, **kwargs):
+        from sglang.srt.server_args import ServerArgs
+
+        given = {name: kwargs.pop(name) for name in KEYWORDS if name in kwargs}
+        try:
+            options = from_values(given)
+        except SpecError as error:
+            raise StartupError(error) from None
+        server_args = ServerArgs(**kwargs)
+        if options is not None:
+            _apply(options, server_args)
+        return server_args
+
+
+def _apply(options: TreeServerOptions, server_args) -> None:
+    try:
+        apply_to_server_args(options, server_args)
+    except SpecError as error:
+        raise StartupError(error) from None
+
+
+# ---------------------------------------------------------------------------------------------- start-up checks
 def handle_speculative_decoding_wrapper(server_args, previous) -> None:
     previous(server_args)
     options = getattr(server_args, ATTRIBUTE, None)
     if options is None:
         return
-    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    missing = unapplied_hooks()
+    if missing:
+        raise StartupError(f"sglang_spec could not hook {', '.join(missing)} in this sglang; tree speculation "
+                           f"needs every hook (see the log above), so the launch stops")
+    try:
+        validate_speculative(options, resolving_view(server_args))
+    except SpecError as error:
+        raise StartupError(error) from None
+
+
+def capability_adjustments_wrapper(server_args, previous) -> None:
+    previous(server_args)
+    options = getattr(server_args, ATTRIBUTE, None)
+    if options is None:
+        return
+    from sglang.srt.arg_groups.overrides import resolving_view
 
     config = resolving_view(server_args)
+    backends = {field: getattr(config, field, None) for field in BACKEND_FIELDS}
+    try:
+        validate_backends(options, backends, _is_mla(server_args), str(config.device))
+    except SpecError as error:
+        raise StartupError(error) from None
+
+
+def _is_mla(server_args) -> bool:
+    from sglang.srt.arg_groups.overrides import model_config_of
+
     try:
         model_config = model_config_of(server_args)
-        is_mla = "MLA" in str(getattr(model_config, "attention_arch", ""))
-    except Exception:  # no model config (dummy launches): the MLA check cannot apply
-        is_mla = False
-    try:
-        validate_resolved(options, _WithMla(config, is_mla))
-    except SpecError as error:
-        _fail(error)
+    except Exception:  # dummy launches have no model config: no MLA check applies
+        return False
+    return "MLA" in str(getattr(model_config, "attention_arch", ""))
 
 
-class _WithMla:
-    """The resolved view plus whether the target uses MLA."""
+def unapplied_hooks() -> list[str]:
+    """Targets of ours that SGLang's HookRegistry failed to patch in this process."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
-    def __init__(self, config, is_mla: bool) -> None:
-        self._config = config
-        self._sglang_spec_is_mla = is_mla
+    from sglang_spec.sglang_plugin import HOOKS
 
-    def __getattr__(self, name):
-        return getattr(self._config, name)
+    return [target for target, _, _ in HOOKS if target not in HookRegistry._patched]
 
 
-def current_options() -> TreeServerOptions | None:
-    from sglang.srt.runtime_context import get_server_args
+# ---------------------------------------------------------------------------------------------- model classes
+def registry_lookup_before(registry, *args, **kwargs):
+    """Puts our draft model classes into SGLang's model registry the first time it is consulted."""
+    for architecture, module_name in MODEL_CLASSES.items():
+        if architecture not in registry.models:
+            registry.models[architecture] = getattr(importlib.import_module(module_name), architecture)
+    return None
 
-    try:
-        return getattr(get_server_args(), ATTRIBUTE, None)
-    except Exception:  # nothing published in this process
-        return None
 
-
+# ---------------------------------------------------------------------------------------------- draft worker
 @dataclass
 class DraftSetup:
-    """Built once per draft worker: the static plan (sequoia) and whether to keep exact ancestry."""
+    """Built once per draft worker: the static plan (sequoia) on the device, and whether to keep exact ancestry
+    (decided when the draft pool exists)."""
 
-    plan: DraftPlan | None
+    plan: DevicePlan | None
     exact_ancestry: bool
     topk: int
     steps: int
 
 
 def draft_worker_init_after(result, worker, *args, **kwargs):
-    options = current_options()
-    if options is not None:
-        plan = None
-        if options.policy == "sequoia":
-            from sglang_spec.tree.sequoia import sequoia_plan
-            from sglang_spec.tree.token_tree import TokenTree
+    options: TreeServerOptions | None = getattr(worker.server_args, ATTRIBUTE, None)
+    if options is None:
+        return result
+    try:
+        plan = options.draft_plan(worker.topk, worker.speculative_num_steps)
+    except SpecError as error:  # validated at start-up already; a mismatch here is a bug, said plainly
+        raise StartupError(error) from None
+    device_plan = None if plan is None else DevicePlan.build(plan, worker.device)
+    # the draft KV pool is allocated later (Scheduler.init_memory_pools): ancestry is decided in alloc_memory_pool
+    worker._sglang_spec = DraftSetup(device_plan, exact_ancestry=False, topk=worker.topk,
+                                     steps=worker.speculative_num_steps)
+    if getattr(worker.server_args, "enable_metrics", False):
+        METRICS.enable_prometheus()
+    return result
 
-            sequoia = sequoia_plan(options.load_profile(), options.budget, options.depth, max_branch=worker.topk)
-            tree = TokenTree.from_parents(list(sequoia.parents), ranks=list(sequoia.ranks))
-            plan = DraftPlan.from_tree(tree, worker.topk, worker.speculative_num_steps)
-        exact = worker.topk > 1 and supports_row_permutation(worker.draft_runner.token_to_kv_pool)
-        if worker.topk > 1 and not exact:
-            log("draft KV pool is not slot-major (HND / paged layout): exact per-branch ancestry is off, "
-                "branches keep SGLang's shared-column history")
-        worker._sglang_spec = DraftSetup(plan, exact_ancestry=exact, topk=worker.topk,
-                                         steps=worker.speculative_num_steps)
+
+def alloc_memory_pool_after(result, worker, *args, **kwargs):
+    setup: DraftSetup | None = getattr(worker, "_sglang_spec", None)
+    if setup is None or setup.topk == 1:
+        return result
+    pool = worker.draft_runner.token_to_kv_pool
+    if not supports_row_permutation(pool):
+        raise StartupError(
+            f"the draft KV pool ({type(pool).__name__}) is not slot-major, so tree branches cannot each keep their "
+            f"own ancestry; use page size 1 with an NHD layout, or --speculative-tree-policy chain"
+        )
+    setup.exact_ancestry = True
     return result
 
 
 def supports_row_permutation(pool) -> bool:
     """True for pools whose buffers are [slots, ...] per layer (MHA NHD k/v, MLA latent)."""
-    if getattr(pool, "use_hnd", False):
+    if getattr(pool, "use_hnd", False) or getattr(pool, "page_size", 1) != 1:
         return False
     return any(getattr(pool, name, None) for name in ("k_buffer", "kv_buffer"))
 
@@ -139,8 +220,8 @@ class DraftContext:
     """What one draft_forward call exposes to the inner hooks."""
 
     setup: DraftSetup
-    step_locs: object  # [steps, bs*topk] per-step draft KV slots
-    pool: object  # the draft model's KV pool
+    step_locs: torch.Tensor  # [steps, bs*topk] per-step draft KV slots
+    pool: Any  # the draft model's KV pool (an SGLang KVCache)
 
 
 _DRAFT: contextvars.ContextVar[DraftContext | None] = contextvars.ContextVar("sglang_spec_draft", default=None)
@@ -179,7 +260,7 @@ def select_top_k_tokens_around(original, i, topk_p, topk_index, hidden_states, s
 
 def permute_kv(pool, target, source) -> None:
     """pool[target] = pool[source] for every layer buffer, as a gather then a scatter (safe for permutations).
-    NHD pools only (MHA k/v buffers, MLA latent); other layouts are refused at start-up."""
+    Slot-major pools only (MHA k/v buffers, MLA latent); others are refused at start-up."""
     target, source = target.long(), source.long()
     for name in ("k_buffer", "v_buffer", "kv_buffer"):
         for buffer in getattr(pool, name, None) or ():

@@ -1,14 +1,13 @@
-"""Tree-speculation server options: parsed by SGLang's own argparse parser, attached to its ServerArgs, checked
-against the resolved configuration at start-up.
+"""Tree-speculation server options: parsed by SGLang's own argparse parser (or taken as ``sgl.Engine`` keyword
+arguments), attached to its ServerArgs, checked against the resolved configuration at start-up.
 
     --speculative-tree-policy {eagle,chain,sequoia,specexec}   default: unset, SGLang's behaviour unchanged
     --speculative-tree-budget N          draft nodes per request (SGLang's num_draft_tokens = N + 1)
     --speculative-tree-depth D           draft steps (SGLang's speculative_num_steps)
     --speculative-tree-topk K            candidates per expanded node (SGLang's speculative_eagle_topk)
     --speculative-acceptance-profile P   JSON profile for sequoia (``sglang-spec calibrate``)
-    --speculative-relaxed-acceptance N,DELTA   LOSSY: TensorRT-LLM's thinking-phase rule (DeepSeek-R1)
 
-This module imports no sglang at import time; the checks that need resolved values take the ServerArgs.
+This module imports no sglang; the checks that need resolved values take a view of the ServerArgs.
 """
 
 from __future__ import annotations
@@ -16,18 +15,27 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError
+from sglang_spec.sglang_plugin.draft_tree import DraftPlan, sequoia_draft_plan
 from sglang_spec.tree.policies import POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
 ATTRIBUTE = "_sglang_spec_tree"  # where the parsed options ride on ServerArgs (pickled into subprocesses)
 TREE_ALGORITHMS = ("EAGLE", "NEXTN")
 DEFAULTS = {"budget": 8, "depth": 4, "topk": 4}
-# attention backends whose target-verify path takes a tree mask (sglang-internals §9); MLA models only fa3 / triton
+# attention backends whose target-verify and draft-decode paths take a tree (sglang-internals §9); MLA models
+# only fa3 / triton on a GPU. intel_amx is SGLang's CPU backend (QLEN_ONLY tree mask), CPU only.
 MHA_TREE_BACKENDS = ("flashinfer", "fa3", "triton", "fa4")
 MLA_TREE_BACKENDS = ("fa3", "triton")
-THINKING_PARSERS = ("deepseek-r1", "deepseek-v3", "qwen3", "glm45", "kimi", "step3", "gpt-oss", "minimax")
+CPU_TREE_BACKENDS = ("intel_amx",)
+# ServerArgs fields holding an attention backend; None means "falls back to attention_backend"
+BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefill_attention_backend",
+                  "speculative_draft_attention_backend")
+# the Python-side names of the options (sgl.Engine keyword arguments == argparse dests)
+KEYWORDS = ("speculative_tree_policy", "speculative_tree_budget", "speculative_tree_depth", "speculative_tree_topk",
+            "speculative_acceptance_profile")
 
 
 @dataclass(frozen=True)
@@ -37,18 +45,21 @@ class TreeServerOptions:
     depth: int
     topk: int
     profile_path: str | None = None
-    relaxed_top_n: int | None = None
-    relaxed_delta: float | None = None
-
-    @property
-    def relaxed(self) -> bool:
-        return self.relaxed_top_n is not None
 
     def load_profile(self) -> AcceptanceProfile | None:
         return None if self.profile_path is None else AcceptanceProfile.from_json(self.profile_path)
 
     def tree_policy(self) -> TreePolicy:
         return TreePolicy(self.policy, budget=self.budget, depth=self.depth, topk=self.topk, profile=self.load_profile())
+
+    def draft_plan(self, topk: int, steps: int) -> DraftPlan | None:
+        """The static tree laid over SGLang's draft loop (sequoia), or None (the other policies select at run
+        time). Raises SpecError, one line, when the tree does not fit SGLang's draft shape."""
+        if self.policy != "sequoia":
+            return None
+        profile = self.load_profile()
+        assert profile is not None  # tree_policy() refuses sequoia without a profile
+        return sequoia_draft_plan(profile, self.budget, self.depth, topk, steps)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,47 +74,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"candidates per expanded node (default {DEFAULTS['topk']}; chain uses 1)")
     group.add_argument("--speculative-acceptance-profile", default=None, metavar="PATH",
                        help="acceptance profile JSON (sglang-spec calibrate); required by sequoia")
-    group.add_argument("--speculative-relaxed-acceptance", default=None, metavar="TOP_N,DELTA",
-                       help="LOSSY opt-in: accept thinking-phase drafts in the target's top-N within DELTA of the "
-                            "top probability (TensorRT-LLM's rule for DeepSeek-R1)")
 
 
-def parse_relaxed(text: str) -> tuple[int, float]:
-    try:
-        top_n_text, delta_text = text.split(",")
-        top_n, delta = int(top_n_text), float(delta_text)
-    except ValueError:
-        raise SpecError(f"--speculative-relaxed-acceptance takes TOP_N,DELTA (e.g. 10,0.6), got {text!r}") from None
-    if top_n < 1 or not 0 <= delta <= 1:
-        raise SpecError(f"--speculative-relaxed-acceptance needs TOP_N >= 1 and 0 <= DELTA <= 1, got {text!r}")
-    return top_n, delta
-
-
-def from_namespace(args: argparse.Namespace) -> TreeServerOptions | None:
-    """The options given on the command line, checked on their own; None when tree speculation is off."""
-    policy = getattr(args, "speculative_tree_policy", None)
-    tree_flags = ("speculative_tree_budget", "speculative_tree_depth", "speculative_tree_topk",
-                  "speculative_acceptance_profile", "speculative_relaxed_acceptance")
+def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
+    """The options given (argparse dests or Engine keyword arguments), checked on their own; None when tree
+    speculation is off."""
+    policy = values.get("speculative_tree_policy")
     if policy is None:
-        given = [name for name in tree_flags if getattr(args, name, None) is not None]
+        given = [name for name in KEYWORDS[1:] if values.get(name) is not None]
         if given:
             flag = "--" + given[0].replace("_", "-")
             raise SpecError(f"{flag} needs --speculative-tree-policy (one of {', '.join(POLICY_NAMES)})")
         return None
-    budget = args.speculative_tree_budget if args.speculative_tree_budget is not None else DEFAULTS["budget"]
-    depth = args.speculative_tree_depth if args.speculative_tree_depth is not None else DEFAULTS["depth"]
-    topk = 1 if policy == "chain" else (args.speculative_tree_topk or DEFAULTS["topk"])
-    if policy == "chain" and args.speculative_tree_topk not in (None, 1):
+    if policy not in POLICY_NAMES:
+        raise SpecError(f"unknown --speculative-tree-policy {policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+    for name in KEYWORDS[1:4]:
+        value = values.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise SpecError(f"--{name.replace('_', '-')} takes a whole number, got {value!r}")
+    budget = _given(values, "speculative_tree_budget", DEFAULTS["budget"])
+    depth = _given(values, "speculative_tree_depth", DEFAULTS["depth"])
+    given_topk = values.get("speculative_tree_topk")
+    if policy == "chain" and given_topk not in (None, 1):
         raise SpecError("the chain policy drafts one candidate per depth; drop --speculative-tree-topk or set it to 1")
+    topk = 1 if policy == "chain" else (given_topk or DEFAULTS["topk"])
     if policy == "chain":
         budget = min(budget, depth)
-    profile = args.speculative_acceptance_profile
-    if profile is not None and not Path(profile).exists():
+    profile = values.get("speculative_acceptance_profile")
+    if profile is not None and not Path(profile).is_file():
         raise SpecError(f"--speculative-acceptance-profile {profile} does not exist")
-    relaxed = parse_relaxed(args.speculative_relaxed_acceptance) if args.speculative_relaxed_acceptance else (None, None)
-    options = TreeServerOptions(policy, budget, depth, topk, profile, *relaxed)
+    options = TreeServerOptions(policy, budget, depth, topk, None if profile is None else str(profile))
     options.tree_policy()  # budget / depth / topk ranges, sequoia needs a profile, eagle slot capacity
     return options
+
+
+def _given(values: Mapping[str, Any], name: str, default: int) -> int:
+    value = values.get(name)
+    return default if value is None else int(value)
+
+
+def from_namespace(args: argparse.Namespace) -> TreeServerOptions | None:
+    return from_values(vars(args))
 
 
 def apply_to_server_args(options: TreeServerOptions, server_args) -> None:
@@ -118,13 +129,16 @@ def apply_to_server_args(options: TreeServerOptions, server_args) -> None:
         setattr(server_args, name, value)
 
 
-def validate_resolved(options: TreeServerOptions, config) -> None:
-    """Start-up checks against resolved settings (``config`` is SGLang's resolved view of ServerArgs)."""
+def validate_speculative(options: TreeServerOptions, config) -> None:
+    """After SGLang resolves its speculative settings (``config``: its resolved view of ServerArgs)."""
     algorithm = (config.speculative_algorithm or "").upper()
     if algorithm not in TREE_ALGORITHMS:
         raise SpecError(
             f"--speculative-tree-policy needs --speculative-algorithm NEXTN or EAGLE (got {algorithm or 'none'})"
         )
+    if getattr(config, "enable_multi_layer_eagle", False):
+        raise SpecError("--enable-multi-layer-eagle runs its own draft worker, which the tree options do not reach; "
+                        "drop --enable-multi-layer-eagle or the --speculative-tree-* options")
     topk, steps = config.speculative_eagle_topk, config.speculative_num_steps
     capacity = topk + (steps - 1) * topk * topk
     if options.budget > capacity:
@@ -132,20 +146,22 @@ def validate_resolved(options: TreeServerOptions, config) -> None:
             f"--speculative-tree-budget {options.budget} exceeds the {capacity} draft tokens that topk {topk} and "
             f"depth {steps} can produce (topk + (depth-1)*topk^2); raise --speculative-tree-topk or -depth"
         )
-    backend = getattr(config, "attention_backend", None)
-    is_mla = bool(getattr(config, "_sglang_spec_is_mla", False))
-    if topk > 1 and backend is not None:
-        allowed = MLA_TREE_BACKENDS if is_mla else MHA_TREE_BACKENDS
-        if backend not in allowed:
+    options.draft_plan(topk, steps)  # a sequoia tree that SGLang's draft loop cannot hold fails here
+
+
+def validate_backends(options: TreeServerOptions, backends: Mapping[str, str | None], is_mla: bool, device: str) -> None:
+    """After SGLang's capability adjustments: every attention backend the tree goes through (``backends``: field
+    name -> resolved backend, None = falls back to attention_backend) must handle a tree."""
+    if options.topk == 1:
+        return  # a chain needs no tree mask
+    allowed = MLA_TREE_BACKENDS if is_mla else MHA_TREE_BACKENDS
+    if device == "cpu":
+        allowed = CPU_TREE_BACKENDS
+    for field, backend in backends.items():
+        if backend is not None and backend not in allowed:
             what = "an MLA model (DeepSeek)" if is_mla else "this model"
+            where = "on this CPU " if device == "cpu" else ""
             raise SpecError(
-                f"attention backend {backend} cannot verify trees for {what}; use --attention-backend "
-                f"{' or '.join(allowed)}, or --speculative-tree-policy chain"
-            )
-    if options.relaxed:
-        parser = getattr(config, "reasoning_parser", None)
-        if parser not in THINKING_PARSERS:
-            raise SpecError(
-                "--speculative-relaxed-acceptance applies inside thinking spans only: it needs a thinking model "
-                "served with --reasoning-parser (e.g. deepseek-r1)"
+                f"{field.replace('_', '-')} {backend} cannot run tree speculation for {what} {where}(topk > 1); "
+                f"use {' or '.join(allowed)}, or --speculative-tree-policy chain"
             )

@@ -7,7 +7,7 @@ import torch
 
 from helpers import targets_following_drafts
 from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.draft_tree import DraftPlan
+from sglang_spec.sglang_plugin.draft_tree import DevicePlan, DraftPlan
 from sglang_spec.sglang_plugin.epilogue import AcceptEpilogue
 from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
 from sglang_spec.tree import (
@@ -101,7 +101,8 @@ def test_sequoia_plan_through_sglangs_build_tree_and_greedy_verify(uncompiled, s
     spec_utils, eagle_utils = uncompiled
     plan_tree = sequoia_plan(PROFILE, budget, steps, max_branch=topk)
     tree = TokenTree.from_parents(list(plan_tree.parents), ranks=list(plan_tree.ranks))
-    setup = hooks.DraftSetup(DraftPlan.from_tree(tree, topk, steps), exact_ancestry=False, topk=topk, steps=steps)
+    setup = hooks.DraftSetup(DevicePlan.build(DraftPlan.from_tree(tree, topk, steps), "cpu"), exact_ancestry=False,
+                             topk=topk, steps=steps)
     source = SyntheticCandidates(vocab_size=60, seed=budget, sharpness=1.5)
     roots = [7, 8, 9]
     parent_list, top_scores_index, draft_tokens = run_draft_loop(

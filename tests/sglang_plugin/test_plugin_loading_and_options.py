@@ -70,7 +70,6 @@ def test_sglangs_parser_accepts_the_tree_options(sglang_with_plugin, tmp_path):
         (["--speculative-tree-policy", "eagle", "--speculative-tree-budget", "40", "--speculative-tree-depth", "2",
           "--speculative-tree-topk", "3"], "only 12 candidate slots"),
         (["--speculative-tree-policy", "chain", "--speculative-tree-topk", "4"], "drafts one candidate per depth"),
-        (["--speculative-tree-policy", "eagle", "--speculative-relaxed-acceptance", "10"], "takes TOP_N,DELTA"),
         (["--speculative-tree-policy", "eagle", "--speculative-acceptance-profile", "/missing.json"],
          "does not exist"),
         (["--speculative-tree-policy", "eagle", "--speculative-num-steps", "7"],
@@ -101,25 +100,55 @@ class ResolvedView:
     [
         (dict(speculative_algorithm="STANDALONE"), "needs --speculative-algorithm NEXTN or EAGLE"),
         (dict(speculative_eagle_topk=2, speculative_num_steps=2), "exceeds the 6 draft tokens"),
-        (dict(attention_backend="flashinfer", _sglang_spec_is_mla=True), "cannot verify trees for an MLA model"),
-        (dict(attention_backend="trtllm_mha"), "cannot verify trees for this model"),
-        (dict(reasoning_parser=None, relaxed=True), "needs a thinking model"),
+        (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle runs its own draft worker"),
     ],
 )
-def test_resolution_checks(config, message):
+def test_speculative_checks(config, message):
     from sglang_spec.errors import SpecError
-    from sglang_spec.sglang_plugin.options import TreeServerOptions, validate_resolved
+    from sglang_spec.sglang_plugin.options import TreeServerOptions, validate_speculative
 
-    relaxed = config.pop("relaxed", False)
-    options = TreeServerOptions("eagle", 10, 4, 4, None, 10 if relaxed else None, 0.6 if relaxed else None)
-    view = ResolvedView(**{"speculative_algorithm": "NEXTN", "speculative_eagle_topk": 4, "speculative_num_steps": 4,
-                           "attention_backend": "fa3", "reasoning_parser": "deepseek-r1", **config})
+    options = TreeServerOptions("eagle", 10, 4, 4)
+    good = dict(speculative_algorithm="NEXTN", speculative_eagle_topk=4, speculative_num_steps=4,
+                enable_multi_layer_eagle=False)
     with pytest.raises(SpecError, match=message):
-        validate_resolved(options, view)
-    # and the same options pass with a consistent configuration
-    validate_resolved(options, ResolvedView(speculative_algorithm="NEXTN", speculative_eagle_topk=4,
-                                            speculative_num_steps=4, attention_backend="fa3",
-                                            reasoning_parser="deepseek-r1"))
+        validate_speculative(options, ResolvedView(**{**good, **config}))
+    validate_speculative(options, ResolvedView(**good))  # the same options pass with a consistent configuration
+
+
+def test_an_infeasible_sequoia_plan_is_refused_at_resolution(tmp_path):
+    """Budget 31 / depth 6 / topk 4 with the shipped profile expands more than topk nodes on a level: SGLang's
+    draft loop cannot hold it, which must surface as one line before any worker starts."""
+    from sglang_spec.errors import SpecError
+    from sglang_spec.models.registry import shipped_profile_path
+    from sglang_spec.sglang_plugin.options import TreeServerOptions, validate_speculative
+
+    options = TreeServerOptions("sequoia", 31, 6, 4, str(shipped_profile_path("smollm2")))
+    with pytest.raises(SpecError, match="SGLang's frontier holds topk 4"):
+        validate_speculative(options, ResolvedView(speculative_algorithm="EAGLE", speculative_eagle_topk=4,
+                                                   speculative_num_steps=6))
+
+
+@pytest.mark.parametrize(
+    "backends, is_mla, device, message",
+    [
+        (dict(attention_backend="flashinfer"), True, "cuda", "cannot run tree speculation for an MLA model"),
+        (dict(attention_backend="fa3", decode_attention_backend="trtllm_mha"), False, "cuda",
+         "decode-attention-backend trtllm_mha cannot run tree speculation for this model"),
+        (dict(attention_backend="fa3", speculative_draft_attention_backend="flashmla"), True, "cuda",
+         "speculative-draft-attention-backend flashmla"),
+        (dict(attention_backend="torch_native"), False, "cpu", "on this CPU"),
+    ],
+)
+def test_backend_checks_read_every_resolved_backend(backends, is_mla, device, message):
+    from sglang_spec.errors import SpecError
+    from sglang_spec.sglang_plugin.options import TreeServerOptions, validate_backends
+
+    options = TreeServerOptions("eagle", 10, 4, 4)
+    with pytest.raises(SpecError, match=message):
+        validate_backends(options, backends, is_mla, device)
+    validate_backends(options, dict(attention_backend="fa3", decode_attention_backend=None), is_mla, "cuda")
+    validate_backends(options, dict(attention_backend="intel_amx"), is_mla, "cpu")
+    validate_backends(TreeServerOptions("chain", 3, 3, 1), backends, is_mla, device)  # a chain needs no tree mask
 
 
 def test_resolution_runs_inside_sglangs_pipeline(sglang_with_plugin, tiny):

@@ -2,7 +2,8 @@
 
 The PyPI torchvision wheels are CUDA builds that fail to import next to the CPU torch, and transformers and sglang
 import torchvision at module level. Text-only code never calls into it; anything that does gets a RuntimeError.
-tests/conftest.py puts this folder on sys.path before transformers or sglang is imported.
+tests/conftest.py and the CPU harness (``server_environment``) put this folder on sys.path before transformers or sglang
+is imported.
 """
 
 import importlib.abc

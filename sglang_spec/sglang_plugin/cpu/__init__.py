@@ -1,0 +1,85 @@
+"""SGLang's real server on a CPU without sgl-kernel's CPU build: the project's test bed.
+
+SGLang 0.5.23 serves on a CPU (``SGLANG_USE_CPU_ENGINE=1``, the ``intel_amx`` attention backend) through the ops of
+sgl-kernel's CPU build, which is not on PyPI. This package gives SGLang pure-torch stand-ins for the ops its
+Llama, DeepSeek-V3 (MLA + MoE) and EAGLE / NEXTN paths call, so the real tokenizer manager, scheduler subprocess,
+ModelRunner and EAGLE v2 worker run here unchanged, our plugin included:
+
+* ``kernels``: a fake ``sgl_kernel`` module and ``torch.ops.sgl_kernel`` namespace. A name with a stand-in
+  resolves to it; a name SGLang imports unconditionally but never calls on our paths resolves to a placeholder
+  that raises when called; every other name is absent, which is what SGLang's ``hasattr`` / ``ImportError``
+  probes expect of a build without that op.
+* ``ops``: the stand-ins (cache-location helpers, KV copy, draft metadata, tree build / greedy verify through
+  SGLang's own Triton twins under the Triton interpreter); ``attention``: decode and extend attention, tree mask
+  included, for MHA and MLA pools; ``moe``: the DeepSeek-V3 routing and expert ops.
+* ``boot/``: put on ``PYTHONPATH`` of every SGLang process (``server_environment``); its ``sitecustomize`` calls
+  ``activate`` before anything imports sglang, and it holds the torchvision stand-in.
+* ``server``: start and stop ``python -m sglang.launch_server`` on this CPU by process group, with hard timeouts.
+
+Everything here is numerics-faithful but slow; it exists to run SGLang's control flow and our plugin end to end,
+not to serve traffic. CUDA graphs, FlashInfer / FA3 / Triton attention backends and page size > 1 stay GPU-only.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+from pathlib import Path
+
+from sglang_spec.errors import SpecError
+
+SUPPORTED_SGLANG = "0.5.23"
+ENABLE_FLAG = "SGLANG_SPEC_CPU"  # set to 1 in a process's environment: boot/sitecustomize activates the stand-ins
+BOOT_DIR = Path(__file__).resolve().parent / "boot"
+
+_activated = False
+
+
+def check_sglang_version(version: str | None = None) -> str:
+    installed = version if version is not None else metadata.version("sglang")
+    if installed != SUPPORTED_SGLANG:
+        raise SpecError(
+            f"the CPU harness supports sglang {SUPPORTED_SGLANG} only, found {installed}; "
+            f"install sglang=={SUPPORTED_SGLANG} (pip install --no-deps sglang=={SUPPORTED_SGLANG})"
+        )
+    return installed
+
+
+def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment an SGLang process needs to run on this CPU with the stand-ins active."""
+    env = dict(os.environ if base is None else base)
+    paths = [str(BOOT_DIR)] + [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
+    env.update(
+        PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)),
+        **{ENABLE_FLAG: "1"},
+        SGLANG_USE_CPU_ENGINE="1",
+        # SGLang's Triton kernels (tree building, greedy verify, commit helpers) run under the interpreter
+        TRITON_INTERPRET="1",
+        # torch.compile has nothing to gain on these shapes and costs minutes of compile time on 2 cores
+        TORCHDYNAMO_DISABLE="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def activate() -> None:
+    """Installs the stand-ins in this process (idempotent). Must run before sglang is imported."""
+    global _activated
+    if _activated:
+        return
+    check_sglang_version()
+    from sglang_spec.sglang_plugin.cpu import kernels
+
+    kernels.install()
+    _activated = True
+
+
+def claim_amx_platform() -> None:
+    """SGLang keeps ``--attention-backend intel_amx`` only on a platform that reports AMX tiles, and silently
+    swaps it for torch_native (which has no speculative draft backend) elsewhere. Claim the platform fact only:
+    ``cpu_has_amx_support()`` itself stays False, so no layer switches to AMX-packed weights."""
+    from sglang.srt.runtime_context import override_platform
+
+    override_platform(has_amx=True).install()

@@ -1,0 +1,102 @@
+"""Stand-ins for sgl-kernel's CPU decode and extend attention (``intel_amx`` backend), MHA and MLA pools.
+
+Both read keys and values through SGLang's token tables (``req_to_token[req_pool_indices[b], :len]`` gives the
+cache slots of request b), so they serve plain decoding, prefill, draft decode (where the table rows are the
+per-beam tables of ``build_draft_decode_metadata_cpu``) and tree verify alike. Tree verify passes the
+``QLEN_ONLY`` tree mask: per request an ``n x n`` block over the draft tokens, the prefix always visible.
+
+MLA pools (DeepSeek) hold one latent "head" whose value view is a prefix of the key row; the same code serves
+them because queries arrive already absorbed (qk dim = latent + rope, value dim = latent) and attention repeats
+the single KV head across the query heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _attend(queries, keys, values, scaling: float, logit_cap: float, allowed) -> torch.Tensor:
+    """queries [Q, H, D]; keys [T, Hkv, D]; values [T, Hkv, Dv]; allowed [Q, T] bool -> [Q, H, Dv] float32."""
+    heads, kv_heads = queries.shape[1], keys.shape[1]
+    if heads != kv_heads:
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+        values = values.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,thd->hqt", queries.float(), keys.float()) * scaling
+    if logit_cap and logit_cap > 0:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hqt,thd->qhd", torch.softmax(scores, dim=-1), values.float())
+
+
+def _window(allowed: torch.Tensor, query_positions: torch.Tensor, sliding_window: int) -> torch.Tensor:
+    """Restricts ``allowed`` [Q, T] to keys within ``sliding_window`` of each query position (<= 0: none)."""
+    if sliding_window is None or sliding_window <= 0:
+        return allowed
+    key_positions = torch.arange(allowed.shape[1], device=allowed.device)
+    return allowed & (key_positions[None, :] > query_positions[:, None] - sliding_window)
+
+
+def _unsupported(is_cross: bool, sinks) -> None:
+    if is_cross or sinks is not None:
+        raise NotImplementedError("the CPU attention stand-in serves decoder self-attention without sinks only")
+
+
+def decode_attention_cpu(q, k_buffer, v_buffer, k_scale, v_scale, o, k_new, v_new, cache_loc, attn_logits,
+                         req_to_token, req_pool_indices, seq_lens, scaling, logit_cap, is_cross, sliding_window,
+                         encoder_lens, sinks):
+    """One query per row b: attends to the row's first ``seq_lens[b]`` table slots. When ``k_new`` / ``v_new`` are
+    given the kernel first stores them at ``cache_loc`` (the backend leaves that write to it)."""
+    _unsupported(is_cross, sinks)
+    if k_new is not None and v_new is not None:
+        slots = cache_loc.long()
+        k_buffer[slots] = k_new.reshape(-1, *k_buffer.shape[1:]).to(k_buffer.dtype)
+        if v_buffer.data_ptr() != k_buffer.data_ptr():  # MLA: the value view aliases the key row
+            v_buffer[slots] = v_new.reshape(-1, *v_buffer.shape[1:]).to(v_buffer.dtype)
+    rows = req_pool_indices.tolist()
+    for index, (row, length) in enumerate(zip(rows, seq_lens.tolist())):
+        slots = req_to_token[row, :length].long()
+        allowed = _window(torch.ones((1, length), dtype=torch.bool),
+                          torch.tensor([length - 1]), sliding_window)
+        attended = _attend(q[index:index + 1], k_buffer[slots] * k_scale, v_buffer[slots] * v_scale, scaling,
+                           logit_cap, allowed)
+        o[index] = attended[0].to(o.dtype)
+
+
+def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_to_token, req_pool_indices,
+                         seq_lens, extend_seq_lens, extend_start_loc, max_extend_len, scaling, logit_cap, is_cross,
+                         sliding_window, encoder_lens, sinks, tree_mask, is_causal):
+    """Request b's ``extend_seq_lens[b]`` queries (rows from ``extend_start_loc[b]``) are its last tokens; keys
+    are its ``seq_lens[b]`` table slots, the new ones taken from ``k`` / ``v`` when given (MLA prefill passes
+    per-head keys that the latent cache does not hold). New tokens see each other causally, or through the
+    ``QLEN_ONLY`` tree mask (``[sum n_b * n_b]``, row-major per request) in tree verify."""
+    _unsupported(is_cross, sinks)
+    mask_offset = 0
+    for index, row in enumerate(req_pool_indices.tolist()):
+        total, new, start = int(seq_lens[index]), int(extend_seq_lens[index]), int(extend_start_loc[index])
+        prefix = total - new
+        prefix_slots = req_to_token[row, :prefix].long()
+        if k is not None and k.shape[1] != k_buffer.shape[1]:
+            # MLA prefill in MHA form: per-head keys that the latent cache cannot supply for a prefix
+            if prefix:
+                raise NotImplementedError("the CPU attention stand-in runs MLA's MHA-form prefill without a cached "
+                                          "prefix only (SGLang takes the absorbed path below its chunking threshold)")
+            keys, values = k[start:start + new], v[start:start + new]
+        elif k is not None and v is not None:
+            keys = torch.cat([(k_buffer[prefix_slots] * k_scale).to(k.dtype),
+                              k[start:start + new].reshape(new, *k.shape[1:])])
+            values = torch.cat([(v_buffer[prefix_slots] * v_scale).to(v.dtype),
+                                v[start:start + new].reshape(new, *v.shape[1:])])
+        else:
+            slots = req_to_token[row, :total].long()
+            keys, values = k_buffer[slots] * k_scale, v_buffer[slots] * v_scale
+        allowed = torch.ones((new, total), dtype=torch.bool)
+        if tree_mask is not None:
+            allowed[:, prefix:] = tree_mask[mask_offset:mask_offset + new * new].reshape(new, new).bool()
+            mask_offset += new * new
+        elif is_causal:
+            allowed[:, prefix:] = torch.ones((new, new), dtype=torch.bool).tril()
+        allowed = _window(allowed, prefix + torch.arange(new), sliding_window)
+        o[start:start + new] = _attend(q[start:start + new], keys, values, scaling, logit_cap, allowed).to(o.dtype)
+
+
+STAND_INS = {function.__name__: function for function in (decode_attention_cpu, extend_attention_cpu)}

@@ -1,0 +1,124 @@
+"""Stand-ins for sgl-kernel's CPU cache-location, KV-copy and speculative-tree ops (pure torch).
+
+Each function has the signature of the op SGLang 0.5.23 calls (``sglang/kernels/ops/speculative/*.py``,
+``mem_cache/allocation.py``, ``kernels/ops/kvcache/cache_move.py``, ``intel_amx_backend.py``), mutates the same
+outputs, and follows the semantics of SGLang's Triton twin of the same op. Tree building and greedy tree
+verification run SGLang's own Triton twins (``spec_tree.py``, the XPU path) under the Triton interpreter, so the
+tree SGLang verifies on this CPU is built by SGLang's code, not ours.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+
+def _request_spans(start: torch.Tensor, end: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(start, length, offset into the flat output) per request: requests' spans are packed back to back."""
+    lengths = (end - start).tolist()
+    starts = start.tolist()
+    spans, offset = [], 0
+    for first, length in zip(starts, lengths):
+        spans.append((int(first), int(length), offset))
+        offset += int(length)
+    return spans
+
+
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
+    """req_to_token[r, start:end] = the request's packed slice of out_cache_loc."""
+    for row, (first, length, offset) in zip(req_pool_indices.tolist(), _request_spans(start_offset, end_offset)):
+        req_to_token[row, first:first + length] = out_cache_loc[offset:offset + length].to(req_to_token.dtype)
+
+
+def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
+    """The inverse gather: out_cache_loc's packed slice = req_to_token[r, start:end]."""
+    for row, (first, length, offset) in zip(req_pool_indices.tolist(), _request_spans(start_offset, end_offset)):
+        out_cache_loc[offset:offset + length] = req_to_token[row, first:first + length].to(out_cache_loc.dtype)
+
+
+def assign_draft_cache_locs_contiguous_cpu(req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk,
+                                           num_cols):
+    """Each request's ``topk * num_cols`` draft slots, read from req_to_token from its seq_len on."""
+    width = topk * num_cols
+    for index, (row, length) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        out_cache_loc[index * width:(index + 1) * width] = req_to_token[row, length:length + width].to(
+            out_cache_loc.dtype)
+
+
+def fill_bonus_tokens_cpu(accept_tokens, accept_lens, bonus_tokens, accept_stride):
+    """bonus_tokens[b] = accept_tokens.flat[b * stride + accept_lens[b] - 1] (accept_lens counts the bonus)."""
+    index = torch.arange(accept_lens.shape[0], device=accept_lens.device) * accept_stride + accept_lens.long() - 1
+    bonus_tokens.copy_(accept_tokens.reshape(-1)[index].to(bonus_tokens.dtype))
+
+
+def fill_accept_out_cache_loc_cpu(accept_index, out_cache_loc, accept_out_cache_loc):
+    """The cache slots of the accepted nodes (accept_index, -1 padded), packed in order."""
+    nodes = accept_index.reshape(-1).long()
+    nodes = nodes[nodes >= 0]
+    accept_out_cache_loc[: nodes.numel()] = out_cache_loc[nodes].to(accept_out_cache_loc.dtype)
+
+
+def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
+    """For every layer buffer (base address ``data_ptrs[i]``, ``strides[i]`` bytes a row): row tgt = row src.
+    All source rows are read before any is written (numpy fancy indexing copies), so overlapping moves are safe,
+    like SGLang's tiled kernel. SGLang hands raw addresses here, so the buffers are viewed through numpy."""
+    targets = tgt_loc.long().numpy()
+    sources = src_loc.long().numpy()
+    if targets.size == 0:
+        return
+    rows = int(max(targets.max(), sources.max())) + 1
+    for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        pointer = ctypes.cast(int(base), ctypes.POINTER(ctypes.c_uint8))
+        view = np.ctypeslib.as_array(pointer, shape=(rows, int(stride)))
+        view[targets] = view[sources]
+
+
+def build_draft_decode_metadata_cpu(req_to_token, req_pool_indices, seq_lens, topk, num_steps, pool_len):
+    """[bs * topk, pool_len] token tables for draft decode: row (b, beam) = request b's prefix followed by the
+    beam's own column of draft slots, ``req_to_token[r, seq_len + beam * num_steps + step]`` (page size 1)."""
+    batch = seq_lens.shape[0]
+    table = torch.zeros((batch * topk, pool_len), dtype=req_to_token.dtype, device=req_to_token.device)
+    for request, (row, length) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        source = req_to_token[row]
+        for beam in range(topk):
+            out = table[request * topk + beam]
+            out[:length] = source[:length]
+            first = length + beam * num_steps
+            out[length:length + num_steps] = source[first:first + num_steps]
+    return table
+
+
+def build_tree_kernel_efficient_cpu(parent_list, top_scores_index, seq_lens, tree_mask, positions, retrieve_index,
+                                    retrieve_next_token, retrieve_next_sibling, topk, spec_steps, num_verify_tokens,
+                                    tree_mask_mode):
+    from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton
+
+    sgl_build_tree_kernel_triton(parent_list, top_scores_index, seq_lens, tree_mask, positions, retrieve_index,
+                                 retrieve_next_token, retrieve_next_sibling, topk, spec_steps, num_verify_tokens,
+                                 tree_mask_mode)
+
+
+def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                           retrive_next_sibling, target_predict):
+    from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_triton
+
+    verify_tree_greedy_triton(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                              retrive_next_token, retrive_next_sibling, target_predict)
+
+
+STAND_INS = {
+    function.__name__: function
+    for function in (
+        assign_req_to_token_pool_cpu,
+        assign_extend_cache_locs_cpu,
+        assign_draft_cache_locs_contiguous_cpu,
+        fill_bonus_tokens_cpu,
+        fill_accept_out_cache_loc_cpu,
+        copy_all_layer_kv_cache_cpu,
+        build_draft_decode_metadata_cpu,
+        build_tree_kernel_efficient_cpu,
+        verify_tree_greedy_cpu,
+    )
+}

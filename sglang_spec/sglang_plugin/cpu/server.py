@@ -1,0 +1,188 @@
+"""``python -m sglang.launch_server`` on this CPU: the argument list for a small model, and the process itself.
+
+``cpu_launch_args`` names everything a CPU launch needs (model and draft folders, ``intel_amx`` attention,
+float32, no CUDA graphs, a small KV pool). ``SGLangServer`` starts the launcher in its own process group, waits
+for ``/health`` with a hard timeout, and stops the whole group (scheduler and detokenizer subprocesses
+included) by signal, escalating to SIGKILL, so no process outlives it; an ``atexit`` handler stops any server a
+crashed caller left running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from sglang_spec.errors import SpecError
+from sglang_spec.sglang_plugin.cpu import server_environment
+
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "intel_amx", "--dtype", "float32",
+             "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+             "--mem-fraction-static", "0.3", "--max-total-tokens", "8192", "--max-running-requests", "8",
+             "--random-seed", "0")
+CPU_MODELS = ("smollm2", "tiny-deepseek")
+
+
+@dataclass(frozen=True)
+class CpuModel:
+    """A model the CPU server can serve with speculation: the target folder and the draft arguments
+    (``--speculative-draft-model-path`` / ``--speculative-token-map``; empty for a checkpoint with its own MTP
+    layer, which SGLang's NEXTN finds by itself)."""
+
+    name: str
+    target_dir: Path
+    draft_args: tuple[str, ...]
+    profile: Path | None  # the acceptance profile shipped with the head (sequoia), when there is one
+
+
+def prepare_model(name: str, progress: bool = True) -> CpuModel:
+    """Builds or converts the model on first use (cached) and, for SmolLM2, exports its shipped MTP head as an
+    SGLang draft folder beside it."""
+    from sglang_spec.models.registry import resolve_model_path, shipped_head_path, shipped_profile_path
+    from sglang_spec.sglang_plugin.export import export_llama_draft
+
+    if name not in CPU_MODELS:
+        raise SpecError(f"unknown CPU model {name!r}; choose one of {', '.join(CPU_MODELS)}")
+    _, target_dir = resolve_model_path(name, progress=progress)
+    if name == "tiny-deepseek":
+        return CpuModel(name, target_dir, (), None)
+    head = shipped_head_path(name)
+    if head is None:
+        raise SpecError(f"no MTP head is shipped for {name}")
+    export = export_llama_draft(head, target_dir, target_dir.parent / f"{target_dir.name}-sglang-draft")
+    return CpuModel(name, target_dir, tuple(export.server_args()), shipped_profile_path(name))
+
+
+def cpu_launch_args(model: CpuModel, port: int, speculative: bool = True, extra: Sequence[str] = ()) -> list[str]:
+    """Arguments for ``python -m sglang.launch_server``. ``speculative``: NEXTN with the model's MTP draft."""
+    args = ["--model-path", str(model.target_dir), "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS]
+    if speculative:
+        args += ["--speculative-algorithm", "NEXTN", *model.draft_args]
+    return args + list(extra)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+_RUNNING: set[int] = set()  # process-group ids of servers started by this process and not yet stopped
+
+
+def _stop_group(pgid: int, timeout: float) -> None:
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for pgid in list(_RUNNING):
+        _stop_group(pgid, 5.0)
+        _RUNNING.discard(pgid)
+
+
+class SGLangServer:
+    """A launch_server process group on this CPU. Use as a context manager, or ``start()`` / ``stop()``."""
+
+    def __init__(self, args: Sequence[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.args = list(args)
+        self.port = port
+        self.log_path = Path(log_path)
+        self.env = server_environment(env)
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> SGLangServer:
+        """Starts the server and waits until ``/health`` answers; raises SpecError (with the log's tail) when the
+        process dies or the timeout passes, after stopping whatever it started."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("w")
+        command = [sys.executable, "-m", "sglang.launch_server", *self.args]
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                        start_new_session=True)
+        log.close()
+        _RUNNING.add(self.process.pid)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.stop()
+                raise SpecError(f"the SGLang server exited with status {self.process.returncode} during start-up:\n"
+                                + self.log_tail())
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise SpecError(f"the SGLang server did not answer /health within {timeout:.0f} s:\n" + self.log_tail())
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process is None:
+            return
+        _stop_group(self.process.pid, timeout)
+        _RUNNING.discard(self.process.pid)
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------------------ requests
+    def request(self, path: str, payload: dict[str, Any] | None = None, timeout: float = 600.0) -> Any:
+        """POST ``payload`` as JSON to ``path`` (GET when None); the decoded JSON answer, or the text."""
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(self.url + path, data=data,
+                                         headers={"Content-Type": "application/json"} if data else {})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read().decode()
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError:
+            return body
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling_params: dict[str, Any],
+                 timeout: float = 600.0) -> list[dict[str, Any]]:
+        """One batched /generate call; ``prompts`` as text, or token ids. Returns SGLang's answers in order."""
+        key = "text" if isinstance(prompts[0], str) else "input_ids"
+        answer = self.request("/generate", {key: list(prompts), "sampling_params": sampling_params},
+                              timeout=timeout)
+        return answer if isinstance(answer, list) else [answer]

@@ -1,0 +1,87 @@
+"""Exports an sglang_spec MTP head as an SGLang draft-model folder (no sglang import: it only writes files).
+
+``export_llama_draft`` writes what ``models.llama_nextn.LlamaForCausalLMNextN`` loads: the target's config with
+the draft architecture and the head's feedback mode, the head's tensors under SGLang's names, the target's
+tokenizer files, and, for a head with a reduced draft vocabulary, the token map SGLang takes as
+``--speculative-token-map``. Nothing is approximated: SGLang then drafts with the reference decoder's arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sglang_spec.errors import SpecError
+from sglang_spec.mtp.checkpoint import read_mtp_header
+
+ARCHITECTURE = "LlamaForCausalLMNextN"
+FEEDBACK_KEY = "sglang_spec_feedback"
+TOKEN_MAP = "draft_vocab.pt"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                    "chat_template.jinja")
+# head tensor name -> SGLang draft-model name (the decoder layer keeps Hugging Face names under model.decoder.)
+_RENAMES = {"enorm.weight": "model.enorm.weight", "hnorm.weight": "model.hnorm.weight",
+            "eh_proj.weight": "model.eh_proj.weight", "shared_head_norm.weight": "model.shared_head_norm.weight"}
+
+
+@dataclass(frozen=True)
+class DraftExport:
+    """draft_dir: pass as ``--speculative-draft-model-path``; token_map: ``--speculative-token-map`` (None when
+    the head drafts over the full vocabulary)."""
+
+    draft_dir: Path
+    token_map: Path | None
+
+    def server_args(self) -> list[str]:
+        arguments = ["--speculative-draft-model-path", str(self.draft_dir)]
+        if self.token_map is not None:
+            arguments += ["--speculative-token-map", str(self.token_map)]
+        return arguments
+
+
+def export_llama_draft(head_path: str | Path, target_dir: str | Path, out_dir: str | Path) -> DraftExport:
+    """Writes the draft folder for the head file ``head_path`` trained for the Llama-family target in
+    ``target_dir``. Re-exporting over an existing export replaces it."""
+    head_path, target_dir, out_dir = Path(head_path), Path(target_dir), Path(out_dir)
+    header = read_mtp_header(head_path)
+    config = json.loads((target_dir / "config.json").read_text())
+    if config.get("model_type") != "llama" or header.get("target_model_type") != "llama":
+        raise SpecError(
+            f"export_llama_draft serves Llama-family heads; {head_path.name} is for "
+            f"{header.get('target_model_type')!r} and the target is {config.get('model_type')!r}"
+        )
+    if header["hidden_size"] != config["hidden_size"] or header["vocab_size"] != config["vocab_size"]:
+        raise SpecError(f"{head_path.name} was trained for another target (hidden size / vocabulary differ)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    draft_vocab = None
+    with safe_open(str(head_path), "pt") as handle:
+        for name in handle.keys():
+            tensor = handle.get_tensor(name)
+            if name == "draft_vocab":
+                draft_vocab = tensor
+            elif name.startswith("block."):
+                tensors["model.decoder." + name[len("block."):]] = tensor.float()
+            elif name in _RENAMES:
+                tensors[_RENAMES[name]] = tensor.float()
+    # the draft shares the target's embedding and head (SGLang binds them); its own head is untied
+    draft_config = {**config, "architectures": [ARCHITECTURE], "num_hidden_layers": 1, "tie_word_embeddings": False,
+                    "torch_dtype": "float32", FEEDBACK_KEY: header["feedback"]}
+    (out_dir / "config.json").write_text(json.dumps(draft_config, indent=1) + "\n")
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(out_dir / "model.safetensors"))
+    for name in _TOKENIZER_FILES:
+        if (target_dir / name).exists():
+            shutil.copy(target_dir / name, out_dir / name)
+    token_map = None
+    if draft_vocab is not None:
+        token_map = out_dir / TOKEN_MAP
+        torch.save(draft_vocab.to(torch.int64).tolist(), token_map)
+    elif (out_dir / TOKEN_MAP).exists():
+        (out_dir / TOKEN_MAP).unlink()
+    return DraftExport(out_dir, token_map)
