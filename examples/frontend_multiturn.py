@@ -3,8 +3,9 @@
     python -m sglang.launch_server ... --speculative-algorithm NEXTN --speculative-tree-policy sequoia ...
     python examples/frontend_multiturn.py --url http://127.0.0.1:30000
 
-On a CPU, ``examples/cpu_reference_server.py`` stands in for the server. The program is ordinary sglang.lang code:
-tree speculation is invisible to it, apart from speed (the server's mean accept length is printed at the end).
+On a CPU, ``./scripts/sglang_cpu_server.sh`` starts SGLang's real server with SmolLM2 and a Sequoia tree on port
+30000. The program is ordinary sglang.lang code: tree speculation is invisible to it, apart from speed (the
+server's mean accept length is printed at the end).
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ def run(url: str, chat_template: str | None = "chatml") -> dict:
         {"question_1": "Name a prime number.", "question_2": "Name a bigger one."},
         {"question_1": "What does a CPU do?", "question_2": "And a GPU?"},
     ], temperature=0)
-    with urllib.request.urlopen(url + "/get_server_info") as response:
+    with urllib.request.urlopen(url + "/server_info") as response:
         info = json.loads(response.read())
+    # the scheduler's running statistics (one entry per data-parallel rank)
+    states = info.get("internal_states") or [{}]
     return {
         "answers": [single["answer_1"], single["answer_2"]] + [s["answer_2"] for s in batch],
-        "avg_spec_accept_length": info.get("avg_spec_accept_length"),
+        "avg_spec_accept_length": states[0].get("avg_spec_accept_length"),
     }
 
 

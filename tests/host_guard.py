@@ -2,7 +2,8 @@
 
 Everything else is ignored: torch internals, the Triton CPU interpreter (which copies arguments around), and
 the caller's own target forward. Each torch op or host read is attributed to the innermost stack frame outside
-torch, and recorded when that frame is ours."""
+torch, and recorded when that frame is ours. ``host_only=True`` records only what a CUDA graph cannot capture:
+host reads, and tensors built from host (Python) data, which are host-to-device copies on a GPU."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 REPO = Path(__file__).resolve().parents[1]
 OURS = (str(REPO / "sglang_spec") + "/", str(REPO / "kernels") + "/")
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+HOST_DATA_OPS = ("aten.lift_fresh", "aten._to_copy")  # torch.tensor(python data); .to(device) copies
 
 
 def _culprit() -> str | None:
@@ -28,14 +30,15 @@ def _culprit() -> str | None:
 
 
 class HostAccessGuard(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, host_only: bool = False) -> None:
         super().__init__()
+        self.host_only = host_only
         self.events: list[str] = []
         self._originals: dict[str, object] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         where = _culprit()
-        if where:
+        if where and (not self.host_only or str(func).startswith(HOST_DATA_OPS)):
             self.events.append(f"{func} at {where}")
         return func(*args, **(kwargs or {}))
 

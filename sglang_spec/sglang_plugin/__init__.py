@@ -74,5 +74,6 @@ def register() -> None:
 
         for target, name, kind in patches.HOOKS:
             HookRegistry.register(target, getattr(patches, name), getattr(HookType, kind))
+        patches.install_attributes()
         claim_amx_platform()
     _registered = True

@@ -1,6 +1,4 @@
 import importlib.util
-import socket
-import threading
 from pathlib import Path
 
 import pytest
@@ -13,25 +11,6 @@ def load(relative: str, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.mark.sglang
-def test_frontend_program_runs_against_the_cpu_reference_server(tiny):
-    server_module = load("examples/cpu_reference_server.py", "cpu_reference_server")
-    frontend = load("examples/frontend_multiturn.py", "frontend_multiturn")
-    backend = server_module.ReferenceBackend("tiny-deepseek", "sequoia", 8, 4)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = server_module.serve(backend, "tiny-deepseek", "127.0.0.1", port)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        result = frontend.run(f"http://127.0.0.1:{port}")
-    finally:
-        server.shutdown()
-    assert len(result["answers"]) == 4 and all(isinstance(answer, str) for answer in result["answers"])
-    assert result["avg_spec_accept_length"] >= 1.0
 
 
 def test_serving_sweep_dry_run_and_report(tmp_path, capsys):

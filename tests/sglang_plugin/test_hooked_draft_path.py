@@ -134,6 +134,27 @@ def test_sequoia_plan_through_sglangs_build_tree_and_greedy_verify(uncompiled, s
     assert int(ours.accept_length.max()) >= 3
 
 
+def test_hooked_draft_path_reads_nothing_on_the_host(uncompiled):
+    """The sequoia plan and exact ancestry inside SGLang's draft loop: no host read, no tensor built from Python
+    data (a host-to-device copy that SGLang's draft CUDA graph could not capture) in our hooks."""
+    from host_guard import HostAccessGuard
+
+    spec_utils, eagle_utils = uncompiled
+    topk, steps, budget = 4, 4, 15
+    plan_tree = sequoia_plan(PROFILE, budget, steps, max_branch=topk)
+    tree = TokenTree.from_parents(list(plan_tree.parents), ranks=list(plan_tree.ranks))
+    setup = hooks.DraftSetup(DevicePlan.build(DraftPlan.from_tree(tree, topk, steps), "cpu"), exact_ancestry=True,
+                             topk=topk, steps=steps)
+    source = SyntheticCandidates(vocab_size=60, seed=2, sharpness=1.5)
+    pool = FakePool(2 * topk * steps)
+    with HostAccessGuard(host_only=True) as guard:
+        run_draft_loop(spec_utils, eagle_utils, source, [7, 8], topk, steps, budget + 1, setup, pool)
+    assert guard.events == []
+    with HostAccessGuard(host_only=True) as control:  # building the plan at start-up does copy from the host
+        DevicePlan.build(DraftPlan.from_tree(tree, topk, steps), "cpu")
+    assert any("draft_tree.py" in event for event in control.events)
+
+
 def test_exact_ancestry_by_kv_column_permutation(uncompiled):
     """With the hook, after every frontier choice each beam's draft KV column holds its own ancestors; SGLang's
     loop alone would leave re-parented beams reading another beam's history (the negative control)."""

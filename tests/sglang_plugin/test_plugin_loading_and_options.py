@@ -166,3 +166,37 @@ def test_resolution_runs_inside_sglangs_pipeline(sglang_with_plugin, tiny):
     with pytest.raises(SystemExit) as exit_info:
         server_args.resolve_once()
     assert "exceeds the 6 draft tokens" in str(exit_info.value.code)
+
+
+def test_engine_keywords_build_server_args_with_the_tree(sglang_with_plugin):
+    """sgl.Engine builds its ServerArgs through Engine.server_args_class(**kwargs); the plugin points it at a
+    factory that takes the tree keywords out and applies them as the CLI path does."""
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = Engine.server_args_class(model_path="dummy", speculative_algorithm="NEXTN",
+                                           speculative_tree_policy="eagle", speculative_tree_budget=10,
+                                           speculative_tree_depth=3, speculative_tree_topk=4)
+    assert isinstance(server_args, ServerArgs)
+    assert server_args._sglang_spec_tree.policy == "eagle"
+    assert (server_args.speculative_num_steps, server_args.speculative_eagle_topk,
+            server_args.speculative_num_draft_tokens) == (3, 4, 11)
+    assert not hasattr(Engine.server_args_class(model_path="dummy"), "_sglang_spec_tree")
+    with pytest.raises(SystemExit, match="error: --speculative-tree-depth needs --speculative-tree-policy"):
+        Engine.server_args_class(model_path="dummy", speculative_tree_depth=3)
+    with pytest.raises(SystemExit, match="takes a whole number"):
+        Engine.server_args_class(model_path="dummy", speculative_tree_policy="eagle", speculative_tree_budget="8")
+
+
+def test_a_hook_that_failed_to_apply_stops_a_tree_launch(sglang_with_plugin, monkeypatch):
+    """HookRegistry logs a failed patch and carries on; with tree options that would silently serve SGLang's own
+    tree, so resolution stops the launch instead."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_spec.sglang_plugin import HOOKS
+
+    target = HOOKS[-1][0]
+    monkeypatch.setattr(HookRegistry, "_patched", HookRegistry._patched - {target})
+    server_args = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "eagle"])
+    with pytest.raises(SystemExit, match=f"could not hook {target}"):
+        hooks.handle_speculative_decoding_wrapper(server_args, lambda args: None)

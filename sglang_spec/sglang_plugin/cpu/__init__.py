@@ -57,6 +57,10 @@ def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
         TRITON_INTERPRET="1",
         # torch.compile has nothing to gain on these shapes and costs minutes of compile time on 2 cores
         TORCHDYNAMO_DISABLE="1",
+        # one OpenMP thread per SGLang process: with a second busy process on a 2-core machine, every
+        # multi-threaded op waits for a descheduled thread at its barrier (measured: 8 s vs 183 s for the same
+        # 4 x 40 plain decode); SGLANG_SPEC_CPU_THREADS raises it on a machine of its own
+        OMP_NUM_THREADS=env.get("SGLANG_SPEC_CPU_THREADS", "1"),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",

@@ -5,14 +5,37 @@
   DeepSeek-V3 has none); plain RoPE goes to SGLang's generic ``get_rope``, which runs in torch on any device.
 * DeepSeek's ``set_embed_and_head`` (the NEXTN draft sharing the target's embedding and head) ends with
   ``torch.cuda.synchronize()``, which raises without CUDA; on the CPU the same rebinding needs no sync.
+* EAGLE verify commits the argmax on a CPU whatever the temperature (``_verify_uses_greedy`` lists ``is_cpu``)
+  because SGLang's sampling-verify kernels are CUDA-only; with the stand-ins of ``sampling`` installed as the
+  module's kernels (``ATTRIBUTES``: those names are ``None`` off CUDA, so they are set directly rather than
+  hooked), sampled requests take SGLang's real sampling path.
 """
 
 from __future__ import annotations
 
+import importlib
+
 HOOKS = (
     ("sglang.srt.layers.rotary_embedding.factory.get_rope_cpu", "get_rope_cpu_around", "AROUND"),
     ("sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head", "set_embed_and_head_cpu", "REPLACE"),
+    ("sglang.srt.speculative.eagle_utils._verify_uses_greedy", "verify_uses_greedy_cpu", "REPLACE"),
 )
+# module attribute -> stand-in (module ``sglang_spec.sglang_plugin.cpu.sampling``)
+ATTRIBUTES = {
+    "sglang.srt.speculative.eagle_utils": ("tree_speculative_sampling_target_only", "top_k_renorm_prob",
+                                           "top_p_renorm_prob"),
+}
+
+
+def install_attributes() -> None:
+    """Sets the sampling stand-ins on the modules that hold ``None`` for them off CUDA. A HookRegistry hook
+    cannot do it: its patch propagation rebinds every module attribute equal to the original, here ``None``."""
+    from sglang_spec.sglang_plugin.cpu import sampling
+
+    for module_name, names in ATTRIBUTES.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            setattr(module, name, getattr(sampling, name))
 
 
 def get_rope_cpu_around(original, head_size, rotary_dim, max_position, base, is_neox_style=True, rope_scaling=None,
@@ -30,3 +53,8 @@ def set_embed_and_head_cpu(model, embed, head) -> None:
     del model.lm_head.weight
     model.model.embed_tokens.weight = embed
     model.lm_head.weight = head
+
+
+def verify_uses_greedy_cpu(*, is_all_greedy, is_cpu, is_hip, is_xpu, use_rejection_sampling) -> bool:
+    """SGLang's predicate without the ``is_cpu`` clause: the CPU has sampling-verify stand-ins now."""
+    return is_all_greedy or is_xpu or (is_hip and not use_rejection_sampling)

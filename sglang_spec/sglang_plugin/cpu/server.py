@@ -43,6 +43,7 @@ class CpuModel:
     target_dir: Path
     draft_args: tuple[str, ...]
     profile: Path | None  # the acceptance profile shipped with the head (sequoia), when there is one
+    model_args: tuple[str, ...] = ()  # launch arguments the model itself needs
 
 
 def prepare_model(name: str, progress: bool = True) -> CpuModel:
@@ -55,7 +56,8 @@ def prepare_model(name: str, progress: bool = True) -> CpuModel:
         raise SpecError(f"unknown CPU model {name!r}; choose one of {', '.join(CPU_MODELS)}")
     _, target_dir = resolve_model_path(name, progress=progress)
     if name == "tiny-deepseek":
-        return CpuModel(name, target_dir, (), None)
+        # a toy vocabulary without a tokenizer: requests carry token ids
+        return CpuModel(name, target_dir, (), None, model_args=("--skip-tokenizer-init",))
     head = shipped_head_path(name)
     if head is None:
         raise SpecError(f"no MTP head is shipped for {name}")
@@ -65,7 +67,8 @@ def prepare_model(name: str, progress: bool = True) -> CpuModel:
 
 def cpu_launch_args(model: CpuModel, port: int, speculative: bool = True, extra: Sequence[str] = ()) -> list[str]:
     """Arguments for ``python -m sglang.launch_server``. ``speculative``: NEXTN with the model's MTP draft."""
-    args = ["--model-path", str(model.target_dir), "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS]
+    args = ["--model-path", str(model.target_dir), "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS,
+            *model.model_args]
     if speculative:
         args += ["--speculative-algorithm", "NEXTN", *model.draft_args]
     return args + list(extra)
@@ -77,39 +80,56 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-_RUNNING: set[int] = set()  # process-group ids of servers started by this process and not yet stopped
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
-def _stop_group(pgid: int, timeout: float) -> None:
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+def _stop(process: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM to the launcher alone (it shuts its scheduler and detokenizer down itself; signalling them too
+    makes it wait out crash diagnostics); after ``timeout``, SIGKILL to the whole group for whatever is left.
+    The launcher is reaped here (a zombie would keep its group alive)."""
+    pgid = process.pid
+    try:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    if _group_alive(pgid):
         try:
-            os.killpg(pgid, sig)
+            os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
+            pass
+    process.wait()
+    deadline = time.monotonic() + 10.0
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+_RUNNING: dict[int, subprocess.Popen] = {}  # launchers started by this process and not yet stopped
 
 
 @atexit.register
 def _stop_leftovers() -> None:
-    for pgid in list(_RUNNING):
-        _stop_group(pgid, 5.0)
-        _RUNNING.discard(pgid)
+    for process in list(_RUNNING.values()):
+        _stop(process, 5.0)
+    _RUNNING.clear()
 
 
 class SGLangServer:
-    """A launch_server process group on this CPU. Use as a context manager, or ``start()`` / ``stop()``."""
+    """A launch_server process group. Use as a context manager, or ``start()`` / ``stop()``."""
 
-    def __init__(self, args: Sequence[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: Sequence[str], port: int, log_path: Path, env: dict[str, str] | None = None,
+                 cpu: bool = True) -> None:
+        """``cpu``: run through the CPU harness (``server_environment``); False for a GPU host, where ``env``
+        (default: this process's environment) is used as is."""
         self.args = list(args)
         self.port = port
         self.log_path = Path(log_path)
-        self.env = server_environment(env)
+        self.env = server_environment(env) if cpu else dict(os.environ if env is None else env)
         self.process: subprocess.Popen | None = None
 
     @property
@@ -127,7 +147,7 @@ class SGLangServer:
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                         start_new_session=True)
         log.close()
-        _RUNNING.add(self.process.pid)
+        _RUNNING[self.process.pid] = self.process
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -144,15 +164,11 @@ class SGLangServer:
         self.stop()
         raise SpecError(f"the SGLang server did not answer /health within {timeout:.0f} s:\n" + self.log_tail())
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 8.0) -> None:
         if self.process is None:
             return
-        _stop_group(self.process.pid, timeout)
-        _RUNNING.discard(self.process.pid)
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        _stop(self.process, timeout)
+        _RUNNING.pop(self.process.pid, None)
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -1,0 +1,54 @@
+"""Helpers for the tests that run SGLang's real server on this CPU (fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from sglang_spec.sglang_plugin.cpu.server import CpuModel, SGLangServer, cpu_launch_args, free_port
+
+START_TIMEOUT = float(os.environ.get("SGLANG_SPEC_SERVER_TIMEOUT", "240"))
+
+
+def tree_args(policy: str, budget: int, depth: int, topk: int, profile: Path | None = None) -> list[str]:
+    args = ["--speculative-tree-policy", policy, "--speculative-tree-budget", str(budget),
+            "--speculative-tree-depth", str(depth)]
+    if policy != "chain":
+        args += ["--speculative-tree-topk", str(topk)]
+    if policy == "sequoia":
+        assert profile is not None
+        args += ["--speculative-acceptance-profile", str(profile)]
+    return args
+
+
+@contextlib.contextmanager
+def running_server(model: CpuModel, logs: Path, name: str, extra: Sequence[str] = (),
+                   speculative: bool = True) -> Iterator[SGLangServer]:
+    """A launch_server on this CPU for the duration of the block; asserts its log shows no traceback."""
+    port = free_port()
+    server = SGLangServer(cpu_launch_args(model, port, speculative=speculative, extra=extra), port,
+                         logs / f"{name}.log")
+    server.start(timeout=START_TIMEOUT)
+    try:
+        yield server
+    finally:
+        server.stop()
+    log = server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log, f"{name}: the server logged a traceback:\n" + server.log_tail(60)
+
+
+def accept_lengths(answers: list[dict]) -> list[int]:
+    """Per-verify-step accept lengths (accepted drafts + 1) from SGLang's per-request histograms: entry k of
+    ``spec_correct_drafts_histogram`` counts the steps that accepted k drafts."""
+    lengths: list[int] = []
+    for answer in answers:
+        histogram = answer["meta_info"].get("spec_correct_drafts_histogram") or []
+        for drafts, count in enumerate(histogram):
+            lengths += [drafts + 1] * int(count)
+    return lengths
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)

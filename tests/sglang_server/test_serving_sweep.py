@@ -1,0 +1,36 @@
+"""bench/serving_sweep.py through SGLang's benchmark client against the CPU server: plain decoding and a Sequoia
+tree at concurrency 1, 2 and 4 on held-out prompts, written as CSV, JSON and a plot with p50 / p99 inter-token
+latency per policy."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from sglang_spec.sglang_plugin.cpu.server import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_sweep_against_the_cpu_server(smollm2_cpu, tmp_path):
+    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "sweep.csv"
+    assert sweep.main(["--cpu-model", "smollm2", "--policies", "plain,sequoia", "--budgets", "15", "--concurrency",
+                       "1,2,4", "--num-prompts", "4", "--random-output-len", "16", "--port", str(free_port()),
+                       "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(row["policy"], row["concurrency"]) for row in rows] == [
+        ("plain", "1"), ("plain", "2"), ("plain", "4"), ("sequoia", "1"), ("sequoia", "2"), ("sequoia", "4")]
+    for row in rows:
+        assert float(row["output_throughput"]) > 0
+        assert float(row["p99_itl_ms"]) >= float(row["median_itl_ms"]) > 0
+    assert all(float(row["accept_length"]) > 1.0 for row in rows if row["policy"] == "sequoia")
+    assert out.with_suffix(".png").stat().st_size > 10_000 and out.with_suffix(".json").exists()
+

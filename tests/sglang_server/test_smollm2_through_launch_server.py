@@ -1,0 +1,136 @@
+"""The product path on this CPU: ``python -m sglang.launch_server --speculative-algorithm NEXTN`` with the plugin's
+tree options, SmolLM2-135M-Instruct as the target and the shipped MTP head exported as SGLang's draft model.
+
+Greedy output must equal plain decoding's (no speculation) for every policy at two shapes, 15/4/4 included; the
+mean accept length through SGLang must match the reference decoder's for the same head, prompts and tree; the
+acceptance counters must reach /metrics; an sglang.lang program must run against the server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from cpu_server_helpers import accept_lengths, mean, running_server, tree_args
+
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_NEW_TOKENS = 40
+# (policy, budget, depth, topk): every policy at two shapes, the README's 15/4/4 among them
+SHAPES = [
+    ("chain", 3, 3, 1), ("chain", 5, 5, 1),
+    ("eagle", 15, 4, 4), ("eagle", 6, 3, 2),
+    ("sequoia", 15, 4, 4), ("sequoia", 8, 3, 2),
+    ("specexec", 15, 4, 4), ("specexec", 6, 3, 2),
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_cpu) -> list[list[int]]:
+    """Held-out HumanEval tasks 130-133 (never in the head's training traffic), as chat requests."""
+    from transformers import AutoTokenizer
+
+    from sglang_spec.train.prompts import humaneval_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_cpu.target_dir)
+    return [list(tokenizer.apply_chat_template(list(spec.messages), add_generation_prompt=True, tokenize=True,
+                                               return_dict=False))
+            for spec in humaneval_prompts(130, 133)]
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_cpu, server_logs, prompts) -> list[list[int]]:
+    """Greedy output of SGLang's server without speculation."""
+    with running_server(smollm2_cpu, server_logs, "smollm2-plain", speculative=False) as server:
+        answers = server.generate(prompts, {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS})
+    return [answer["output_ids"] for answer in answers]
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=lambda shape: "{}-{}-{}-{}".format(*shape))
+def tree_run(request, smollm2_cpu, server_logs, prompts):
+    """One server per shape (metrics on), the prompts decoded greedily through it, and /metrics before and after."""
+    policy, budget, depth, topk = request.param
+    extra = tree_args(policy, budget, depth, topk, smollm2_cpu.profile) + ["--enable-metrics"]
+    with running_server(smollm2_cpu, server_logs, "smollm2-{}-{}-{}-{}".format(*request.param), extra) as server:
+        before = server.request("/metrics")
+        answers = server.generate(prompts, {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS})
+        after = server.request("/metrics")
+        extras = None
+        if (policy, budget) == ("sequoia", 15):  # the README's tree: also a text request and an sglang.lang program
+            text = server.request("/generate", {"text": "def add(a, b):",
+                                                "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
+            extras = {"text": text, "frontend": run_frontend(server.url)}
+    return request.param, answers, before, after, extras
+
+
+def test_greedy_output_equals_plain_decoding(tree_run, plain):
+    shape, answers, *_ = tree_run
+    for index, (answer, expected) in enumerate(zip(answers, plain)):
+        assert answer["output_ids"] == expected, f"{shape}: prompt {index} differs from plain decoding"
+    lengths = accept_lengths(answers)
+    assert lengths and max(lengths) >= 2, f"{shape}: no draft was ever accepted ({lengths})"
+
+
+def _counter(metrics_text: str, name: str, position: int | None = None) -> float:
+    label = "" if position is None else rf'\{{position="{position}"\}}'
+    match = re.search(rf"^{name}{label} ([0-9.e+]+)$", metrics_text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_per_position_acceptance_reaches_metrics(tree_run):
+    """/metrics counts exactly the verify steps and per-position acceptances SGLang reports per request."""
+    shape, answers, before, after, _ = tree_run
+    lengths = accept_lengths(answers)
+    steps = _counter(after, "sglang_spec_tree_verify_steps_total") - _counter(before, "sglang_spec_tree_verify_steps_total")
+    assert steps == len(lengths)
+    for position in range(1, shape[2] + 1):
+        counted = (_counter(after, "sglang_spec_tree_accepted_drafts_total", position)
+                   - _counter(before, "sglang_spec_tree_accepted_drafts_total", position))
+        assert counted == sum(1 for length in lengths if length - 1 >= position), f"position {position}"
+
+
+def run_frontend(url: str) -> dict:
+    spec = importlib.util.spec_from_file_location("frontend_multiturn", REPO / "examples" / "frontend_multiturn.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.run(url)
+
+
+def test_text_request_and_frontend_program(tree_run):
+    """The README's curl (a text /generate) answers through the tree, and examples/frontend_multiturn.py
+    (sglang.lang: multi-turn, run and run_batch) runs against the server and sees its accept length."""
+    shape, _, _, _, extras = tree_run
+    if extras is None:
+        pytest.skip("run once, against sequoia 15/4/4")
+    text = extras["text"]
+    assert isinstance(text["text"], str) and text["meta_info"]["completion_tokens"] == 24
+    assert text["meta_info"]["spec_verify_ct"] < 24
+    frontend = extras["frontend"]
+    assert len(frontend["answers"]) == 4 and all(answer.strip() for answer in frontend["answers"])
+    assert frontend["avg_spec_accept_length"] > 1.0
+
+
+def test_accept_length_matches_the_reference_decoder(tree_run, prompts, smollm2):
+    """Sequoia 15/4/4: the mean accept length through SGLang is within 10% of the reference decoder's on the same
+    prompts, head and tree (the head is served exactly, norms and reduced vocabulary included)."""
+    shape, answers, *_ = tree_run
+    if shape != ("sequoia", 15, 4, 4):
+        pytest.skip("compared for the README's tree")
+    from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
+    from sglang_spec.models.registry import shipped_profile_path
+    from sglang_spec.tree import AcceptanceProfile, TreePolicy
+
+    loaded, head = smollm2
+    policy = TreePolicy("sequoia", budget=15, depth=4, topk=4,
+                        profile=AcceptanceProfile.from_json(shipped_profile_path("smollm2")))
+    reference = SpeculativeDecoder(loaded.model, head, policy).generate(
+        prompts, GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, eos_token_ids=loaded.eos_token_ids))
+    through_sglang = mean(accept_lengths(answers))
+    print(f"\nsequoia 15/4/4 mean accept length: SGLang {through_sglang:.3f}, reference decoder "
+          f"{reference.accept_length_mean:.3f}")
+    assert through_sglang == pytest.approx(reference.accept_length_mean, rel=0.10)
+    assert [request.tokens for request in reference.requests] == [a["output_ids"] for a in answers]

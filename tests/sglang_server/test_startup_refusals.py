@@ -1,0 +1,44 @@
+"""What a launch that cannot work says: one ``error:`` line and a non-zero exit, before any worker starts, and no
+traceback. Each case runs the real ``python -m sglang.launch_server`` (through the CPU harness) to the point of
+refusal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from sglang_spec.sglang_plugin.cpu import server_environment
+from sglang_spec.sglang_plugin.cpu.server import cpu_launch_args, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
+
+
+def launch(model, extra: list[str]) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "sglang.launch_server", *cpu_launch_args(model, free_port(), extra=extra)]
+    return subprocess.run(command, env=server_environment(), capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        # Sequoia's DP tree for budget 31 / depth 6 expands 5 nodes at depth 2: more than SGLang's topk-4 frontier
+        (["--speculative-tree-policy", "sequoia", "--speculative-tree-budget", "31", "--speculative-tree-depth", "6",
+          "--speculative-tree-topk", "4", "--speculative-acceptance-profile", "{profile}"],
+         "SGLang's frontier holds topk 4"),
+        (["--speculative-tree-policy", "eagle", "--speculative-tree-budget", "8", "--enable-multi-layer-eagle"],
+         "--enable-multi-layer-eagle runs its own draft worker"),
+        (["--speculative-tree-policy", "eagle", "--speculative-tree-budget", "8", "--attention-backend",
+          "torch_native"], "attention-backend torch_native cannot run tree speculation"),
+        (["--speculative-tree-budget", "8"], "--speculative-tree-budget needs --speculative-tree-policy"),
+    ],
+    ids=["infeasible-sequoia-plan", "multi-layer-eagle", "backend-without-trees", "budget-without-policy"],
+)
+def test_refused_with_one_line(smollm2_cpu, extra, message):
+    extra = [part.replace("{profile}", str(smollm2_cpu.profile)) for part in extra]
+    finished = launch(smollm2_cpu, extra)
+    errors = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
+    assert finished.returncode != 0
+    assert len(errors) == 1 and message in errors[0], finished.stderr[-2000:]
+    assert "Traceback" not in finished.stderr + finished.stdout
