@@ -14,25 +14,24 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from sglang_spec.catalog import load_model
+from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
+from sglang_spec.models.registry import load_head_for, shipped_profile_path
+from sglang_spec.sampling import SamplingParams
+from sglang_spec.tree.policies import TreePolicy
+from sglang_spec.tree.profile import AcceptanceProfile
+
 
 class ReferenceBackend:
     def __init__(self, model: str, policy: str, budget: int, depth: int, mtp: str | None = None) -> None:
-        from sglang_spec.cli.tree import load_profile
-        from sglang_spec.decode.decoder import SpeculativeDecoder
-        from sglang_spec.models.registry import load_head_for, load_model, shipped_profile_path
-        from sglang_spec.tree.policies import TreePolicy
-
         self.loaded = load_model(model, progress=False)
         head = load_head_for(self.loaded, mtp)
-        profile, _ = load_profile(shipped_profile_path(model))
+        profile = AcceptanceProfile.load(shipped_profile_path(model))
         self.decoder = SpeculativeDecoder(self.loaded.model, head, TreePolicy(policy, budget, depth, profile=profile))
         self.lock = threading.Lock()
         self.accept_lengths: list[int] = []
 
     def generate(self, text: str, sampling: dict) -> dict:
-        from sglang_spec.decode.decoder import GenerationConfig
-        from sglang_spec.sampling import SamplingParams
-
         tokens = self.loaded.tokenizer.encode(text)
         max_new_tokens = int(sampling.get("max_new_tokens", 128) or 0)
         if max_new_tokens == 0 or not tokens:

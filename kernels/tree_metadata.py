@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_spec.tree.bits import pack_bits_little_endian
+
 ROW_BLOCK = 16
 
 
@@ -445,8 +447,6 @@ def pack_flashinfer_mask_reference(
     block: int = 128,
     num_chunks: int = 4,
 ) -> torch.Tensor:
-    from sglang_spec.tree.bits import pack_bits_little_endian
-
     batch, nodes, _ = tree_mask.shape
     for b in range(batch):
         prefix = int(prefix_lens[b])

@@ -12,11 +12,16 @@ DeepSeek-V3 MLA cache, which stores the compressed latent and the rope key as [B
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_spec.decode.masks import attention_mask_for
+from sglang_spec.attention.kv_cache import new_dynamic_cache
+from sglang_spec.attention.masks import attention_mask_for
 from sglang_spec.tree.token_tree import TokenTree
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 @dataclass(frozen=True, eq=False)
@@ -25,7 +30,7 @@ class PrefillOutput:
 
     hidden: torch.Tensor
     last_logits: torch.Tensor
-    cache: object
+    cache: DynamicCache
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,9 +75,7 @@ class TargetRunner:
     @torch.no_grad()
     def prefill(self, prompt: torch.Tensor) -> PrefillOutput:
         """Runs one prompt [P] alone (batch 1, causal)."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
+        cache = new_dynamic_cache()
         ids = prompt.to(self.device)[None]
         positions = torch.arange(ids.shape[1], device=self.device)[None]
         output = self._forward(ids, positions, None, cache)
@@ -87,11 +90,9 @@ class TargetRunner:
 
     def start_batch(self, prefills: list[PrefillOutput]) -> None:
         """Merges batch-1 prefill caches into one left-aligned batch cache."""
-        from transformers import DynamicCache
-
         self.lengths = [prefill.hidden.shape[0] for prefill in prefills]
         width = max(self.lengths)
-        merged = DynamicCache()
+        merged = new_dynamic_cache()
         for layer_index in range(len(_cache_layers(prefills[0].cache))):
             keys, values = [], []
             for prefill in prefills:

@@ -20,15 +20,10 @@ from typing import Sequence
 
 import torch
 
-from sglang_spec.decode.masks import attention_mask_for
+from sglang_spec.attention.kv_cache import new_dynamic_cache
+from sglang_spec.attention.masks import attention_mask_for
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.tree.candidates import CandidateSource, Candidates, GrowingTree
-
-
-def _new_cache():
-    from transformers import DynamicCache
-
-    return DynamicCache()
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,7 +65,7 @@ class MTPDrafter:
     def prefill(self, target_hidden: torch.Tensor, tokens: torch.Tensor) -> DraftState:
         """target_hidden: [P, d] the target's final hidden states of the prompt; tokens: [P] the tokens that follow
         each of them (the prompt shifted by one, ending with the first generated token)."""
-        state = DraftState(cache=_new_cache(), committed=0, root_hidden=target_hidden[-1], root_logits=None)
+        state = DraftState(cache=new_dynamic_cache(), committed=0, root_hidden=target_hidden[-1], root_logits=None)
         self._extend(state, target_hidden, tokens)
         return state
 

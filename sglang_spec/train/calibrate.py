@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
 
 from sglang_spec.errors import SpecError
 from sglang_spec.models.registry import LoadedModel
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.train.distill import TeacherBatch, unrolled_steps
 from sglang_spec.train.traffic import TrafficRecord
-from sglang_spec.train.trainer import encode_record
+from sglang_spec.train.records import encode_record
 from sglang_spec.tree.profile import AcceptanceProfile
 
 
@@ -47,8 +48,6 @@ def calibrate(
     batch_size: int = 8,
     progress: bool = True,
 ) -> Calibration:
-    from tqdm import tqdm
-
     if depth < 1 or max_rank < 1:
         raise SpecError("depth and max-rank must be >= 1")
     if temperature < 0:

@@ -20,7 +20,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from sglang_spec.decode.masks import attention_mask_for
+from sglang_spec.attention.kv_cache import new_dynamic_cache
+from sglang_spec.attention.masks import attention_mask_for
 from sglang_spec.mtp.head import MTPHead
 
 
@@ -90,15 +91,13 @@ class UnrolledStep:
 
 def unrolled_steps(head: MTPHead, batch: TeacherBatch, unroll: int) -> Iterator[UnrolledStep]:
     """Runs the head ``unroll`` times, feeding back its own hidden states, with inference's attention view."""
-    from transformers import DynamicCache
-
     input_ids, hidden = batch.input_ids, batch.hidden
     size, length = input_ids.shape
     pairs = length - 1  # bases i = 0..T-2
     device = input_ids.device
     dtype = head.eh_proj.weight.dtype
     base = torch.arange(pairs, device=device)
-    cache = DynamicCache()
+    cache = new_dynamic_cache()
     feedback = hidden[:, :pairs].to(dtype)
     for step in range(1, unroll + 1):
         # step s: token t_{i+s} at position i+s-1, supervised by p_{i+s}

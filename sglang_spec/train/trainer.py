@@ -16,19 +16,20 @@ import hashlib
 import json
 import math
 import time
-import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
 
 from sglang_spec.errors import SpecError
 from sglang_spec.models.registry import LoadedModel
 from sglang_spec.mtp.checkpoint import save_mtp_head
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.train.distill import TeacherBatch, unrolled_loss
+from sglang_spec.train.records import EncodedRecord, encode_record, is_eval_record
 from sglang_spec.train.traffic import TrafficRecord
 
 
@@ -63,44 +64,6 @@ class TrainConfig:
             raise SpecError("save-dtype must be float32, bfloat16 or float16")
 
 
-@dataclass(frozen=True)
-class EncodedRecord:
-    """tokens: prompt + completion + end of turn; completion_start: index of the first completion token."""
-
-    id: str
-    tokens: list[int]
-    completion_start: int
-
-
-def encode_record(loaded: LoadedModel, record: TrafficRecord, seq_len: int) -> EncodedRecord:
-    if record.messages is not None and loaded.chat:
-        prompt = list(loaded.tokenizer.apply_chat_template(list(record.messages), add_generation_prompt=True,
-                                                           tokenize=True, return_dict=False))
-    elif record.messages is not None:
-        prompt = list(loaded.tokenizer.encode("\n".join(m["content"] for m in record.messages)))
-    else:
-        prompt = list(loaded.tokenizer.encode(record.prompt))
-    encode = getattr(loaded.tokenizer, "encode")
-    try:
-        completion = list(encode(record.completion, add_special_tokens=False))
-    except TypeError:  # tokenizers without the keyword (ByteTokenizer)
-        completion = list(encode(record.completion))
-    end = list(loaded.eos_token_ids[:1])
-    tokens = (prompt + completion + end)[:seq_len]
-    return EncodedRecord(record.id, tokens, min(len(prompt), len(tokens)))
-
-
-def split_key(record_id: str) -> str:
-    """Generated records are ``{prompt id}/{greedy|sampleN|reference}``: every completion of one prompt lands in
-    the same split."""
-    return record_id.rsplit("/", 1)[0] if "/" in record_id else record_id
-
-
-def is_eval_record(record_id: str, fraction: float) -> bool:
-    """A stable split by prompt (CRC32 of the split key), so resumed and repeated runs agree."""
-    return (zlib.crc32(split_key(record_id).encode()) % 10_000) < fraction * 10_000
-
-
 def choose_draft_vocab(records: Sequence[EncodedRecord], size: int, vocab_size: int) -> tuple[torch.Tensor | None, float]:
     """The ``size`` most frequent completion tokens (most frequent first) and the share of completion tokens they
     cover. size 0 or >= vocab: None (the full vocabulary), coverage 1."""
@@ -131,8 +94,6 @@ class TeacherCache:
 @torch.no_grad()
 def build_teacher_cache(loaded: LoadedModel, records: Sequence[EncodedRecord], draft_vocab: torch.Tensor | None,
                         top_k: int, progress: bool = True, batch_tokens: int = 2048) -> TeacherCache:
-    from tqdm import tqdm
-
     model = loaded.model
     device = next(model.parameters()).device
     order = sorted(range(len(records)), key=lambda i: len(records[i].tokens))
@@ -249,8 +210,6 @@ def train_head(
     progress: bool = True,
     metadata: dict | None = None,
 ) -> TrainSummary:
-    from tqdm import tqdm
-
     out = Path(out)
     state_path = _state_path(out)
     if not resume and not force and (out.exists() or state_path.exists()):

@@ -8,7 +8,14 @@ from sglang_spec.tree.candidates import (
     ProfileCandidates,
     SyntheticCandidates,
 )
-from sglang_spec.tree.cost_model import TreeSizeChoice, choose_tree_size
+from sglang_spec.tree.cost_model import (
+    CostCurve,
+    TreeSizeChoice,
+    choose_speculation,
+    choose_tree_size,
+    predicted_speedup,
+    step_seconds,
+)
 from sglang_spec.tree.encode_flashinfer import FlashInferTreeMask, encode_flashinfer_mask
 from sglang_spec.tree.encode_sglang import (
     SGLangDraftEncoding,
@@ -27,6 +34,7 @@ __all__ = [
     "AcceptanceProfile",
     "CandidateSource",
     "Candidates",
+    "CostCurve",
     "FlashInferTreeMask",
     "GrowingTree",
     "MAX_BUDGET",
@@ -43,11 +51,14 @@ __all__ = [
     "TreeMaskMode",
     "TreePolicy",
     "TreeSizeChoice",
+    "choose_speculation",
     "choose_tree_size",
     "decode_sglang_draft",
     "encode_flashinfer_mask",
     "encode_sglang_draft",
     "encode_sglang_verify",
+    "predicted_speedup",
     "sequoia_plan",
     "sequoia_table",
+    "step_seconds",
 ]
