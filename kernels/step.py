@@ -21,7 +21,8 @@ from typing import Callable, Sequence
 import torch
 
 from sglang_spec.kernels import kv_commit, tree_metadata, verify_accept
-from sglang_spec.kernels.tree_metadata import FlashInferIndptrs, TreeMetadata
+from sglang_spec.kernels.tree_metadata import TreeMetadata
+from sglang_spec.tree.batch import FlashInferIndptrs
 from sglang_spec.kernels.verify_accept import AcceptOutputs, RelaxedConfig
 
 BACKENDS = {

@@ -23,6 +23,7 @@ from sglang_spec.errors import SpecError
 from sglang_spec.mtp.drafter import MTPDrafter
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
+from sglang_spec.tree.batch import TreeBatch
 from sglang_spec.tree.candidates import GrowingTree
 from sglang_spec.tree.cost_model import CostCurve, step_seconds
 from sglang_spec.tree.policies import TreePolicy
@@ -82,9 +83,9 @@ def _verify_times(runner: TargetRunner, prefill: PrefillOutput, sizes: Sequence[
     for size in sizes:
         tree = TokenTree.from_parents(list(range(-1, size - 1)), tokens=torch.randint(vocab, (size,), generator=generator))
 
-        def forward(tree: TokenTree = tree, size: int = size) -> None:
+        def forward(tree: TokenTree = tree) -> None:
             fresh_batch()
-            runner.verify([tree], size)
+            runner.verify(TreeBatch.from_trees([tree]))
 
         # the cache copy is not part of a step: time it alone and subtract it
         copying = _median_time(fresh_batch, repeats)

@@ -247,9 +247,8 @@ class SpeculativeDecoder:
         stats.draft_seconds += time.perf_counter() - tick
 
         tick = time.perf_counter()
-        num_nodes = max(tree.num_nodes for tree in trees)
-        forward = self.runner.verify(trees, num_nodes)
-        batch = TreeBatch.from_trees(trees, max_nodes=num_nodes)
+        batch = TreeBatch.from_trees(trees)
+        forward = self.runner.verify(batch)
         logits = forward.logits.cpu()
         if config.relaxed is not None:
             relaxed = verify_relaxed_topn_delta(

@@ -18,7 +18,7 @@ import torch
 
 from sglang_spec.attention.kv_cache import new_dynamic_cache
 from sglang_spec.attention.masks import attention_mask_for
-from sglang_spec.tree.token_tree import TokenTree
+from sglang_spec.tree.batch import TreeBatch
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -104,27 +104,17 @@ class TargetRunner:
         self.cache = merged
 
     @torch.no_grad()
-    def verify(self, trees: list[TokenTree], num_nodes: int) -> TreeForwardOutput:
-        """One forward over every request's tree (padded to ``num_nodes``), each node seeing its request's committed
-        KV, its ancestors and itself, at position ``lengths[b] + depth``."""
-        batch = len(trees)
+    def verify(self, batch: TreeBatch) -> TreeForwardOutput:
+        """One forward over every request's tree (row b of ``batch``), each node seeing its request's committed KV,
+        its ancestors and itself, at position ``lengths[b] + depth``. Padding nodes run as token 0 at position
+        ``lengths[b]`` and see the committed KV, the root and themselves; nothing real sees them."""
         width = self.cache.get_seq_length()
         device = self.device
-        tokens = torch.zeros(batch, num_nodes, dtype=torch.int64)
-        positions = torch.zeros(batch, num_nodes, dtype=torch.int64)
-        allowed = torch.zeros(batch, 1, num_nodes, width + num_nodes, dtype=torch.bool)
-        for row, tree in enumerate(trees):
-            count = tree.num_nodes
-            tokens[row, :count] = tree.tokens
-            positions[row] = self.lengths[row]
-            positions[row, :count] += tree.depths
-            allowed[row, 0, :, : self.lengths[row]] = True
-            allowed[row, 0, :count, width : width + count] = tree.ancestor_mask()
-            padding = torch.arange(count, num_nodes)
-            allowed[row, 0, padding, width + padding] = True  # padded nodes see themselves only
+        positions = torch.tensor(self.lengths, dtype=torch.int64)[:, None] + batch.depths.clamp(min=0)
+        allowed = batch.attention_mask(self.lengths, tree_start=width)[:, None]  # [B, 1, N, width + N]
         mask = attention_mask_for(self.config, allowed.to(device), self.dtype)
         self._tree_start = width
-        return self._forward(tokens.to(device), positions.to(device), mask, self.cache)
+        return self._forward(batch.tokens.clamp(min=0).to(device), positions.to(device), mask, self.cache)
 
     def commit(self, kept_nodes: list[list[int]]) -> None:
         """After a verify forward: request b keeps its committed slots plus the tree slots of ``kept_nodes[b]``

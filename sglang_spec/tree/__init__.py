@@ -1,6 +1,6 @@
 """Token trees: structure, acceptance profiles, the four policies, the Sequoia DP, and encoders."""
 
-from sglang_spec.tree.batch import TreeBatch
+from sglang_spec.tree.batch import FlashInferIndptrs, FlashInferPlan, TreeBatch, encode_flashinfer_mask, with_prefix
 from sglang_spec.tree.candidates import (
     CandidateSource,
     Candidates,
@@ -16,7 +16,6 @@ from sglang_spec.tree.cost_model import (
     predicted_speedup,
     step_seconds,
 )
-from sglang_spec.tree.encode_flashinfer import FlashInferTreeMask, encode_flashinfer_mask
 from sglang_spec.tree.encode_sglang import (
     SGLangDraftEncoding,
     SGLangVerifyMetadata,
@@ -35,7 +34,8 @@ __all__ = [
     "CandidateSource",
     "Candidates",
     "CostCurve",
-    "FlashInferTreeMask",
+    "FlashInferIndptrs",
+    "FlashInferPlan",
     "GrowingTree",
     "MAX_BUDGET",
     "MAX_DEPTH",
@@ -61,4 +61,5 @@ __all__ = [
     "sequoia_plan",
     "sequoia_table",
     "step_seconds",
+    "with_prefix",
 ]
