@@ -23,7 +23,8 @@ import torch
 from sglang_spec.kernels import kv_commit, tree_metadata, verify_accept
 from sglang_spec.kernels.tree_metadata import TreeMetadata
 from sglang_spec.tree.batch import FlashInferIndptrs
-from sglang_spec.kernels.verify_accept import AcceptOutputs, RelaxedConfig
+from sglang_spec.verify.relaxed import RelaxedAcceptance
+from sglang_spec.kernels.verify_accept import AcceptMode, AcceptOutputs, MatchMode, RelaxedMode
 
 BACKENDS = {
     "kernel": {
@@ -64,7 +65,7 @@ class StepConfig:
     vocab_size: int
     max_context_len: int
     mode: str = "greedy"
-    relaxed: RelaxedConfig | None = None
+    relaxed: RelaxedAcceptance | None = None
     output_capacity: int = 256
     page_size: int = 1
     block_v: int = 1024
@@ -73,7 +74,7 @@ class StepConfig:
         if self.mode not in verify_accept.MODES:
             raise ValueError(f"mode must be one of {verify_accept.MODES}, got {self.mode!r}")
         if (self.mode == "relaxed") != (self.relaxed is not None):
-            raise ValueError("relaxed mode needs a RelaxedConfig, and a RelaxedConfig needs mode='relaxed'")
+            raise ValueError("relaxed mode needs a RelaxedAcceptance, and a RelaxedAcceptance needs mode='relaxed'")
         if min(self.batch_size, self.max_nodes, self.topk, self.max_depth, self.vocab_size) < 1:
             raise ValueError("batch_size, max_nodes, topk, max_depth and vocab_size must be >= 1")
 
@@ -201,6 +202,12 @@ class SpecStep:
         self.ops = BACKENDS[backend]
         self.inputs = StepInputs.allocate(config, device)
         self.buffers = StepBuffers.allocate(config, device)
+        # the accept walk's mode over the static buffers, built once (a graph replays the same pointers)
+        self.accept_mode: AcceptMode = (
+            RelaxedMode(self.buffers.top_tokens, self.buffers.top_probs, self.inputs.thinking, config.relaxed)
+            if config.relaxed is not None
+            else MatchMode(self.buffers.target)
+        )
 
     def run(self) -> StepBuffers:
         config, inputs, buffers, ops = self.config, self.inputs, self.buffers, self.ops
@@ -220,23 +227,9 @@ class SpecStep:
             buffers.metadata.tree_mask, inputs.prefix_lens, buffers.indptrs.packed_mask_indptr, buffers.packed_mask
         )
         self.target_forward(buffers, inputs)
-        metadata = buffers.metadata
-        if config.mode == "relaxed":
+        if config.relaxed is not None:
             top = (buffers.top_tokens, buffers.top_probs)
             ops["top_n_probs"](buffers.logits, config.relaxed.top_n, out=top, block_v=config.block_v)
-            ops["accept_walk"](
-                metadata.tokens,
-                metadata.parents,
-                inputs.num_nodes,
-                config.max_depth,
-                inputs.output_ids,
-                inputs.output_lens,
-                top_n=top,
-                thinking=inputs.thinking,
-                relaxed=config.relaxed,
-                out=buffers.accept,
-                logits=buffers.logits,
-            )
         else:
             ops["target_tokens"](
                 buffers.logits,
@@ -249,17 +242,17 @@ class SpecStep:
                 out=buffers.target,
                 block_v=config.block_v,
             )
-            ops["accept_walk"](
-                metadata.tokens,
-                metadata.parents,
-                inputs.num_nodes,
-                config.max_depth,
-                inputs.output_ids,
-                inputs.output_lens,
-                target=buffers.target,
-                thinking=inputs.thinking,
-                out=buffers.accept,
-            )
+        metadata = buffers.metadata
+        ops["accept_walk"](
+            metadata.tokens,
+            metadata.parents,
+            inputs.num_nodes,
+            config.max_depth,
+            inputs.output_ids,
+            inputs.output_lens,
+            self.accept_mode,
+            out=buffers.accept,
+        )
         ops["commit_kv"](
             self.kv_buffers,
             inputs.tree_slots,

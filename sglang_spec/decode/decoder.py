@@ -22,26 +22,15 @@ import torch
 
 from sglang_spec.decode.target import TargetRunner
 from sglang_spec.errors import SpecError
-from sglang_spec.mtp.drafter import MTPDrafter
+from sglang_spec.mtp.drafter import DraftState, MTPDrafter
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams, sample_from_probs, target_probs_from_logits
 from sglang_spec.tree.batch import TreeBatch
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.verify.greedy import verify_greedy
-from sglang_spec.verify.relaxed import verify_relaxed_topn_delta
+from sglang_spec.verify.relaxed import RelaxedAcceptance, verify_relaxed_topn_delta
 from sglang_spec.verify.result import VerifyResult
 from sglang_spec.verify.sample_match import verify_sample_match
-
-
-@dataclass(frozen=True)
-class RelaxedAcceptance:
-    """LOSSY opt-in (TensorRT-LLM, DeepSeek-R1 thinking): accept a draft in the target's top-N within ``delta``
-    of the top probability while inside <think> ... </think>. Output no longer equals the target's."""
-
-    top_n: int
-    delta: float
-    think_begin_token: int
-    think_end_token: int
 
 
 @dataclass(frozen=True)
@@ -186,7 +175,7 @@ class _Active:
 
     output: RequestOutput
     root: int
-    draft: object
+    draft: DraftState
     thinking: bool = False
 
 
@@ -232,7 +221,7 @@ class SpeculativeDecoder:
             if _stop(request, [root], config):
                 continue
             following = torch.cat([prompt_tensor[1:], torch.tensor([root])]).to(prefill.hidden.device)
-            thinking = config.relaxed is not None and _thinking_after(list(prompt) + [root], config.relaxed)
+            thinking = config.relaxed is not None and config.relaxed.thinking_after([*prompt, root])
             active.append(_Active(request, root, self.drafter.prefill(prefill.hidden, following), thinking))
             prefills.append(prefill)
         if active:
@@ -251,14 +240,11 @@ class SpeculativeDecoder:
         forward = self.runner.verify(batch)
         logits = forward.logits.cpu()
         if config.relaxed is not None:
-            relaxed = verify_relaxed_topn_delta(
-                batch, logits, config.relaxed.top_n, config.relaxed.delta,
-                torch.tensor([request.thinking for request in active]),
-                config.relaxed.think_begin_token, config.relaxed.think_end_token,
-            )
+            thinking = torch.tensor([request.thinking for request in active])
+            relaxed = verify_relaxed_topn_delta(batch, logits, config.relaxed, thinking)
             result = relaxed.result
-            for request, thinking in zip(active, relaxed.thinking_after.tolist()):
-                request.thinking = thinking
+            for request, state in zip(active, relaxed.thinking_after.tolist()):
+                request.thinking = state
         else:
             result = self.verifier(batch, logits, config, generator)
         kept = [result.accepted_nodes[row, : int(result.accept_length[row])].tolist() for row in range(len(trees))]
@@ -281,16 +267,6 @@ class SpeculativeDecoder:
         if continuing and len(continuing) < len(active):
             self.runner.select(continuing)
         return [active[row] for row in continuing]
-
-
-def _thinking_after(tokens: Sequence[int], relaxed: RelaxedAcceptance) -> bool:
-    state = False
-    for token in tokens:
-        if token == relaxed.think_begin_token:
-            state = True
-        elif token == relaxed.think_end_token:
-            state = False
-    return state
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class AcceptEpilogue:
     def run(self, logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> StaticAccept:
         """logits [B*N, V]; tokens / parents [B, N] int64 (SGLang's candidates and the tree's parents); num_nodes
         [B]. Greedy accept into the static buffers of this batch size, then SGLang's output format."""
-        from sglang_spec.kernels.verify_accept import accept_walk, target_tokens
+        from sglang_spec.kernels.verify_accept import MatchMode, accept_walk, target_tokens
 
         batch = tokens.shape[0]
         static = self.buffers(batch, logits.device)
@@ -69,7 +69,7 @@ class AcceptEpilogue:
                       False, out=static.target)
         static.output_lens.zero_()
         accept_walk(tokens, parents, num_nodes, self.max_depth, static.output_ids, static.output_lens,
-                    target=static.target, out=static.accept)
+                    MatchMode(static.target), out=static.accept)
         self._to_sglang(static, batch)
         return static
 

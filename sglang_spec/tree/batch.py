@@ -141,8 +141,9 @@ class TreeBatch:
             with_prefix(ancestors[row, :count, :count], length).reshape(-1)
             for row, (count, length) in enumerate(zip(query_lens, lengths))
         ]
+        indptrs = plan_indptrs(query_lens, lengths, page_size)
         return FlashInferPlan(
-            indptrs=plan_indptrs(query_lens, lengths, page_size),
+            **{field.name: getattr(indptrs, field.name) for field in fields(indptrs)},
             custom_mask=torch.cat(blocks),
             mask_indptr=_indptr([block.numel() for block in blocks]),
             packed_mask=torch.cat([pack_bits_little_endian(block) for block in blocks]),
@@ -206,10 +207,9 @@ def plan_indptrs(
 
 @dataclass(frozen=True, eq=False)
 class FlashInferPlan:
-    """Everything ``plan(..., custom_mask=...)`` needs for tree verify (see ``TreeBatch.flashinfer_plan``).
+    """Everything ``plan(..., custom_mask=...)`` needs for tree verify (see ``TreeBatch.flashinfer_plan``): the
+    four FlashInferIndptrs fields, and
 
-    Fields:
-      indptrs:      the FlashInferIndptrs (qo, paged kv, last page lengths, packed-mask byte offsets).
       custom_mask:  [sum q_b * kv_b] bool. Each request's q_b x kv_b block row-major (all prefix columns, then the
                     ancestor mask), concatenated.
       mask_indptr:  [B + 1] int32. Element offsets of the blocks in ``custom_mask``.
@@ -217,26 +217,13 @@ class FlashInferPlan:
                     8 i + j of the block) and padded to a whole byte, like ``segment_packbits(bitorder="little")``.
     """
 
-    indptrs: FlashInferIndptrs
+    qo_indptr: torch.Tensor
+    paged_kv_indptr: torch.Tensor
+    paged_kv_last_page_len: torch.Tensor
+    packed_mask_indptr: torch.Tensor
     custom_mask: torch.Tensor
     mask_indptr: torch.Tensor
     packed_mask: torch.Tensor
-
-    @property
-    def qo_indptr(self) -> torch.Tensor:
-        return self.indptrs.qo_indptr
-
-    @property
-    def paged_kv_indptr(self) -> torch.Tensor:
-        return self.indptrs.paged_kv_indptr
-
-    @property
-    def paged_kv_last_page_len(self) -> torch.Tensor:
-        return self.indptrs.paged_kv_last_page_len
-
-    @property
-    def packed_mask_indptr(self) -> torch.Tensor:
-        return self.indptrs.packed_mask_indptr
 
 
 def encode_flashinfer_mask(
