@@ -73,10 +73,13 @@ def load_prompt_tokens(loaded: LoadedModel, spec: str, count: int, seed: int) ->
     return [prompt_tokens(loaded, s) for s in specs], [s.id for s in specs]
 
 
-def one_by_one(decoder: SpeculativeDecoder, prompts: Sequence[list[int]], config: GenerationConfig) -> GenerationOutput:
+def one_by_one(
+    decoder: SpeculativeDecoder, prompts: Sequence[list[int]], config: GenerationConfig
+) -> GenerationOutput:
     """Batch 1, one request after another, exactly as plain decoding runs: tokens/s are comparable."""
     outputs = [decoder.generate([prompt], config) for prompt in prompts]
-    stats = GenerationStats(**{f.name: sum(getattr(o.stats, f.name) for o in outputs) for f in fields(GenerationStats)})
+    totals = {field.name: sum(getattr(o.stats, field.name) for o in outputs) for field in fields(GenerationStats)}
+    stats = GenerationStats(**totals)
     return GenerationOutput([output.requests[0] for output in outputs], stats)
 
 

@@ -20,31 +20,47 @@ from typing import Callable, Sequence
 
 import torch
 
-from sglang_spec.kernels import kv_commit, tree_metadata, verify_accept
-from sglang_spec.kernels.tree_metadata import TreeMetadata
 from sglang_spec.tree.batch import FlashInferIndptrs
 from sglang_spec.verify.relaxed import RelaxedAcceptance
-from sglang_spec.kernels.verify_accept import AcceptMode, AcceptOutputs, MatchMode, RelaxedMode
+
+# relative: this folder installs as sglang_spec.kernels, and is type-checked from the checkout as `kernels`
+from . import kv_commit, tree_metadata, verify_accept
+from .tree_metadata import TreeMetadata
+from .verify_accept import AcceptMode, AcceptOutputs, MatchMode, RelaxedMode
+
+
+@dataclass(frozen=True)
+class StepOps:
+    """One back-end of the step: each op's launcher, or its pure-torch reference (same signatures)."""
+
+    build_tree_metadata: Callable[..., TreeMetadata]
+    flashinfer_indptrs: Callable[..., FlashInferIndptrs]
+    pack_flashinfer_mask: Callable[..., torch.Tensor]
+    target_tokens: Callable[..., torch.Tensor]
+    top_n_probs: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    accept_walk: Callable[..., AcceptOutputs]
+    commit_kv: Callable[..., torch.Tensor]
+
 
 BACKENDS = {
-    "kernel": {
-        "build_tree_metadata": tree_metadata.build_tree_metadata,
-        "flashinfer_indptrs": tree_metadata.flashinfer_indptrs,
-        "pack_flashinfer_mask": tree_metadata.pack_flashinfer_mask,
-        "target_tokens": verify_accept.target_tokens,
-        "top_n_probs": verify_accept.top_n_probs,
-        "accept_walk": verify_accept.accept_walk,
-        "commit_kv": kv_commit.commit_kv,
-    },
-    "reference": {
-        "build_tree_metadata": tree_metadata.build_tree_metadata_reference,
-        "flashinfer_indptrs": tree_metadata.flashinfer_indptrs_reference,
-        "pack_flashinfer_mask": tree_metadata.pack_flashinfer_mask_reference,
-        "target_tokens": verify_accept.target_tokens_reference,
-        "top_n_probs": verify_accept.top_n_probs_reference,
-        "accept_walk": verify_accept.accept_walk_reference,
-        "commit_kv": kv_commit.commit_kv_reference,
-    },
+    "kernel": StepOps(
+        build_tree_metadata=tree_metadata.build_tree_metadata,
+        flashinfer_indptrs=tree_metadata.flashinfer_indptrs,
+        pack_flashinfer_mask=tree_metadata.pack_flashinfer_mask,
+        target_tokens=verify_accept.target_tokens,
+        top_n_probs=verify_accept.top_n_probs,
+        accept_walk=verify_accept.accept_walk,
+        commit_kv=kv_commit.commit_kv,
+    ),
+    "reference": StepOps(
+        build_tree_metadata=tree_metadata.build_tree_metadata_reference,
+        flashinfer_indptrs=tree_metadata.flashinfer_indptrs_reference,
+        pack_flashinfer_mask=tree_metadata.pack_flashinfer_mask_reference,
+        target_tokens=verify_accept.target_tokens_reference,
+        top_n_probs=verify_accept.top_n_probs_reference,
+        accept_walk=verify_accept.accept_walk_reference,
+        commit_kv=kv_commit.commit_kv_reference,
+    ),
 }
 
 
@@ -211,7 +227,7 @@ class SpecStep:
 
     def run(self) -> StepBuffers:
         config, inputs, buffers, ops = self.config, self.inputs, self.buffers, self.ops
-        ops["build_tree_metadata"](
+        ops.build_tree_metadata(
             inputs.parents,
             inputs.ranks,
             inputs.topk_tokens,
@@ -222,16 +238,16 @@ class SpecStep:
             max_depth=config.max_depth,
             out=buffers.metadata,
         )
-        ops["flashinfer_indptrs"](inputs.prefix_lens, config.max_nodes, config.page_size, out=buffers.indptrs)
-        ops["pack_flashinfer_mask"](
+        ops.flashinfer_indptrs(inputs.prefix_lens, config.max_nodes, config.page_size, out=buffers.indptrs)
+        ops.pack_flashinfer_mask(
             buffers.metadata.tree_mask, inputs.prefix_lens, buffers.indptrs.packed_mask_indptr, buffers.packed_mask
         )
         self.target_forward(buffers, inputs)
         if config.relaxed is not None:
             top = (buffers.top_tokens, buffers.top_probs)
-            ops["top_n_probs"](buffers.logits, config.relaxed.top_n, out=top, block_v=config.block_v)
+            ops.top_n_probs(buffers.logits, config.relaxed.top_n, out=top, block_v=config.block_v)
         else:
-            ops["target_tokens"](
+            ops.target_tokens(
                 buffers.logits,
                 config.max_nodes,
                 inputs.temperature,
@@ -243,7 +259,7 @@ class SpecStep:
                 block_v=config.block_v,
             )
         metadata = buffers.metadata
-        ops["accept_walk"](
+        ops.accept_walk(
             metadata.tokens,
             metadata.parents,
             inputs.num_nodes,
@@ -253,7 +269,7 @@ class SpecStep:
             self.accept_mode,
             out=buffers.accept,
         )
-        ops["commit_kv"](
+        ops.commit_kv(
             self.kv_buffers,
             inputs.tree_slots,
             buffers.accept.accepted_nodes,

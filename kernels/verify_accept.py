@@ -36,6 +36,8 @@ from sglang_spec.verify.walk import walk_matching_children
 
 MODES = ("greedy", "sample", "relaxed")
 ONE_BITS = 0x3F800000  # float32 1.0: tempered weights exp((x - max) / T) lie in (0, 1]
+# In @triton.jit bodies a Python int literal becomes a Triton scalar with a `.to`; mypy only sees the int, hence the
+# `type: ignore[attr-defined]` on those lines.
 SEARCH_STEPS = 31  # bisection over [0, ONE_BITS] pins the threshold bit pattern exactly
 
 
@@ -83,7 +85,7 @@ def _target_tokens_kernel(
         block_index = start + tl.argmax(x, axis=0)
         best_index = tl.where(block_best > best, block_index, best_index)
         best = tl.maximum(best, block_best)
-    token = best_index.to(tl.int64)
+    token = best_index.to(tl.int64)  # type: ignore[attr-defined]
     if SAMPLE:
         temperature = tl.load(temperature_ptr + request)
         if temperature > 0:
@@ -98,10 +100,11 @@ def _target_tokens_kernel(
                 high = 0x3F800000
                 for _ in range(SEARCH):
                     middle = (low + high + 1) // 2
-                    count, mass = _mass_at_least(row_ptr, V, best, inv_temperature, middle.to(tl.float32, bitcast=True), BLOCK_V)
+                    candidate = middle.to(tl.float32, bitcast=True)  # type: ignore[attr-defined]
+                    count, mass = _mass_at_least(row_ptr, V, best, inv_temperature, candidate, BLOCK_V)
                     low = tl.where(count >= top_k, middle, low)
                     high = tl.where(count >= top_k, high, middle - 1)
-                kth = low.to(tl.float32, bitcast=True)
+                kth = low.to(tl.float32, bitcast=True)  # type: ignore[attr-defined]
             # top-p: the largest t with mass(w >= max(t, kth)) >= top_p * mass(w >= kth)
             threshold = kth
             if top_p < 1.0:
@@ -111,11 +114,11 @@ def _target_tokens_kernel(
                 high = 0x3F800000
                 for _ in range(SEARCH):
                     middle = (low + high + 1) // 2
-                    candidate = tl.maximum(middle.to(tl.float32, bitcast=True), kth)
+                    candidate = tl.maximum(middle.to(tl.float32, bitcast=True), kth)  # type: ignore[attr-defined]
                     count, mass = _mass_at_least(row_ptr, V, best, inv_temperature, candidate, BLOCK_V)
                     low = tl.where(mass >= target, middle, low)
                     high = tl.where(mass >= target, high, middle - 1)
-                threshold = tl.maximum(low.to(tl.float32, bitcast=True), kth)
+                threshold = tl.maximum(low.to(tl.float32, bitcast=True), kth)  # type: ignore[attr-defined]
             count, total = _mass_at_least(row_ptr, V, best, inv_temperature, threshold, BLOCK_V)
             # inverse CDF in token order: the first kept token whose running mass exceeds coin * total
             limit = coin * total
@@ -236,7 +239,7 @@ def _top_n_kernel(
             best_index = tl.where(block_best > best, block_index, best_index)
             best = tl.maximum(best, block_best)
         picked = tl.where(slots == n, best_index, picked)
-        tl.store(tokens_ptr + row * TOP_N + n, best_index.to(tl.int64))
+        tl.store(tokens_ptr + row * TOP_N + n, best_index.to(tl.int64))  # type: ignore[attr-defined]
         tl.store(probs_ptr + row * TOP_N + n, tl.exp(best - running_max) / running_sum)
 
 
@@ -441,7 +444,8 @@ def _check_walk_inputs(
         if mode.target.shape != (batch * nodes,):
             raise ValueError(f"MatchMode.target must be [B * N] = [{batch * nodes}]")
     elif mode.top_tokens.shape != (batch * nodes, mode.rule.top_n) or mode.top_probs.shape != mode.top_tokens.shape:
-        raise ValueError(f"RelaxedMode top_tokens / top_probs must be [B * N, top_n] = [{batch * nodes}, {mode.rule.top_n}]")
+        expected = f"[B * N, top_n] = [{batch * nodes}, {mode.rule.top_n}]"
+        raise ValueError(f"RelaxedMode top_tokens / top_probs must be {expected}")
 
 
 def accept_walk(

@@ -34,6 +34,7 @@ def module_files() -> dict[str, Path]:
 
 def imports_of(module: str, path: Path) -> list[Import]:
     tree = ast.parse(path.read_text())
+    package_parts = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     in_function = {
         id(node)
         for function in ast.walk(tree)
@@ -46,6 +47,9 @@ def imports_of(module: str, path: Path) -> list[Import]:
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             targets = [node.module]
+        elif isinstance(node, ast.ImportFrom):  # relative: from . import x, from .x import y
+            base = ".".join(package_parts[: len(package_parts) - node.level + 1])
+            targets = [f"{base}.{node.module}"] if node.module else [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
         result += [Import(module, target, id(node) in in_function) for target in targets]

@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TYPE_CHECKING
 
 import torch
 
@@ -29,6 +29,9 @@ from sglang_spec.tree.cost_model import CostCurve, step_seconds
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.token_tree import TokenTree
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 def _median_time(function: Callable[[], object], repeats: int) -> float:
     function()  # warm-up
@@ -42,7 +45,7 @@ def _median_time(function: Callable[[], object], repeats: int) -> float:
 
 @torch.no_grad()
 def measure_costs(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     head: MTPHead,
     sizes: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64),
     prefix: int = 200,
@@ -71,7 +74,9 @@ def measure_costs(
     return replace(forwards, step_overhead=overhead)
 
 
-def _verify_times(runner: TargetRunner, prefill: PrefillOutput, sizes: Sequence[int], repeats: int) -> dict[int, float]:
+def _verify_times(
+    runner: TargetRunner, prefill: PrefillOutput, sizes: Sequence[int], repeats: int
+) -> dict[int, float]:
     """verify[n]: one target forward over an n-token chain after the prefilled prompt."""
     vocab = runner.config.vocab_size
     generator = torch.Generator().manual_seed(1)
@@ -102,7 +107,9 @@ def _plain_token_seconds(runner: TargetRunner, prompt: torch.Tensor, sampling: S
     return max(run.stats.total_seconds - prefill_time, 1e-6) / max(run.stats.steps, 1)
 
 
-def _decoder_step_seconds(model: torch.nn.Module, head: MTPHead, prompt: torch.Tensor, sampling: SamplingParams) -> float:
+def _decoder_step_seconds(
+    model: PreTrainedModel, head: MTPHead, prompt: torch.Tensor, sampling: SamplingParams
+) -> float:
     """Seconds per step of the real decoder with a one-node chain (budget 1, depth 1), after a warm-up."""
     decoder = SpeculativeDecoder(model, head, TreePolicy("chain", budget=1, depth=1))
     decoder.generate([prompt[:32].tolist()], GenerationConfig(max_new_tokens=4, sampling=sampling))  # warm-up
@@ -115,7 +122,7 @@ def time_draft_level(head: MTPHead, hidden: torch.Tensor, prompt: torch.Tensor, 
     with its target hidden states ``hidden`` [P, d]. Dominated by the output head over the draft vocabulary, so
     this is what a reduced draft vocabulary saves."""
     if hidden.dim() != 2 or hidden.shape[0] != prompt.shape[0]:
-        raise SpecError(f"hidden must be [P, d] for a prompt of P = {prompt.shape[0]} tokens, got {tuple(hidden.shape)}")
+        raise SpecError(f"hidden must be [P, d] for a P = {prompt.shape[0]}-token prompt, got {tuple(hidden.shape)}")
     drafter = MTPDrafter(head)
     state = drafter.prefill(hidden, torch.cat([prompt[1:], prompt[:1]]))
 
@@ -129,7 +136,7 @@ def time_draft_level(head: MTPHead, hidden: torch.Tensor, prompt: torch.Tensor, 
     return _median_time(one_level, repeats)
 
 
-def load_or_measure(path: Path | None, model: torch.nn.Module, head: MTPHead,
+def load_or_measure(path: Path | None, model: PreTrainedModel, head: MTPHead,
                     sampling: SamplingParams | None = None) -> CostCurve:
     """A cached cost curve for this machine, or a fresh measurement (a few seconds) saved to ``path``."""
     if path is not None and path.exists():

@@ -16,7 +16,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TYPE_CHECKING
 
 import torch
 
@@ -31,6 +31,9 @@ from sglang_spec.verify.greedy import verify_greedy
 from sglang_spec.verify.relaxed import RelaxedAcceptance, verify_relaxed_topn_delta
 from sglang_spec.verify.result import VerifyResult
 from sglang_spec.verify.sample_match import verify_sample_match
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,9 @@ def _top2_gap(logits: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def generate_plain(model: torch.nn.Module, prompts: Sequence[Sequence[int]], config: GenerationConfig) -> GenerationOutput:
+def generate_plain(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], config: GenerationConfig
+) -> GenerationOutput:
     """Plain decoding, one request at a time (batch 1, no padding): the baseline speculation must reproduce."""
     runner = TargetRunner(model)
     generator = torch.Generator().manual_seed(config.seed)
@@ -184,7 +189,7 @@ class SpeculativeDecoder:
     acceptance rule (tests use it to show a biased rule is caught)."""
 
     def __init__(
-        self, target: torch.nn.Module, head: MTPHead, policy: TreePolicy, verifier: Verifier = lossless_verify
+        self, target: PreTrainedModel, head: MTPHead, policy: TreePolicy, verifier: Verifier = lossless_verify
     ) -> None:
         self.runner = TargetRunner(target)
         self.drafter = MTPDrafter(head)
@@ -209,7 +214,9 @@ class SpeculativeDecoder:
         stats.total_seconds = time.perf_counter() - start
         return GenerationOutput(outputs, stats)
 
-    def _prefill(self, prompts, config: GenerationConfig, generator) -> tuple[list[RequestOutput], list[_Active]]:
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], config: GenerationConfig, generator: torch.Generator
+    ) -> tuple[list[RequestOutput], list[_Active]]:
         """Runs every prompt alone, takes the first token, starts drafting; merges the unfinished into a batch."""
         outputs, active, prefills = [], [], []
         for prompt in prompts:
@@ -228,7 +235,9 @@ class SpeculativeDecoder:
             self.runner.start_batch(prefills)
         return outputs, active
 
-    def _step(self, active: list[_Active], config: GenerationConfig, generator, stats: GenerationStats) -> list[_Active]:
+    def _step(
+        self, active: list[_Active], config: GenerationConfig, generator: torch.Generator, stats: GenerationStats
+    ) -> list[_Active]:
         """One draft / verify / accept / commit round; returns the requests that continue."""
         stats.steps += 1
         tick = time.perf_counter()

@@ -12,7 +12,7 @@ DeepSeek-V3 MLA cache, which stores the compressed latent and the rope key as [B
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,7 @@ from sglang_spec.attention.masks import attention_mask_for
 from sglang_spec.tree.batch import TreeBatch
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
     from transformers import DynamicCache
 
 
@@ -41,15 +42,15 @@ class TreeForwardOutput:
     hidden: torch.Tensor
 
 
-def _cache_layers(cache) -> list:
+def _cache_layers(cache: DynamicCache) -> list[Any]:
     return list(cache.layers)
 
 
 class TargetRunner:
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.config = model.config
-        self.cache = None
+        self.cache: DynamicCache | None = None
         self.lengths: list[int] = []
         self._tree_start = 0  # cache slot of the first tree node of the last verify forward
 
@@ -61,7 +62,13 @@ class TargetRunner:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def _forward(self, input_ids, position_ids, attention_mask, cache) -> TreeForwardOutput:
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: DynamicCache,
+    ) -> TreeForwardOutput:
         output = self.model.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -82,7 +89,7 @@ class TargetRunner:
         return PrefillOutput(hidden=output.hidden[0], last_logits=output.logits[0, -1], cache=cache)
 
     @torch.no_grad()
-    def decode_one(self, token: int, position: int, cache) -> PrefillOutput:
+    def decode_one(self, token: int, position: int, cache: DynamicCache) -> PrefillOutput:
         """Plain decoding: one token for a batch-1 cache (the no-speculation baseline)."""
         ids = torch.tensor([[token]], device=self.device)
         output = self._forward(ids, torch.tensor([[position]], device=self.device), None, cache)
@@ -108,13 +115,19 @@ class TargetRunner:
         """One forward over every request's tree (row b of ``batch``), each node seeing its request's committed KV,
         its ancestors and itself, at position ``lengths[b] + depth``. Padding nodes run as token 0 at position
         ``lengths[b]`` and see the committed KV, the root and themselves; nothing real sees them."""
-        width = self.cache.get_seq_length()
+        cache = self._batch_cache()
+        width = cache.get_seq_length()
         device = self.device
         positions = torch.tensor(self.lengths, dtype=torch.int64)[:, None] + batch.depths.clamp(min=0)
         allowed = batch.attention_mask(self.lengths, tree_start=width)[:, None]  # [B, 1, N, width + N]
         mask = attention_mask_for(self.config, allowed.to(device), self.dtype)
         self._tree_start = width
-        return self._forward(batch.tokens.clamp(min=0).to(device), positions.to(device), mask, self.cache)
+        return self._forward(batch.tokens.clamp(min=0).to(device), positions.to(device), mask, cache)
+
+    def _batch_cache(self) -> DynamicCache:
+        if self.cache is None:
+            raise AssertionError("start_batch() first: there is no batch cache")
+        return self.cache
 
     def commit(self, kept_nodes: list[list[int]]) -> None:
         """After a verify forward: request b keeps its committed slots plus the tree slots of ``kept_nodes[b]``
@@ -129,14 +142,14 @@ class TargetRunner:
         self.lengths = new_lengths
 
     def _gather(self, index: torch.Tensor) -> None:
-        for layer in _cache_layers(self.cache):
+        for layer in _cache_layers(self._batch_cache()):
             layer.keys = _gather_slots(layer.keys, index)
             layer.values = _gather_slots(layer.values, index)
 
     def select(self, rows: list[int]) -> None:
         """Keeps only the given requests (finished ones leave the batch)."""
         keep = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        for layer in _cache_layers(self.cache):
+        for layer in _cache_layers(self._batch_cache()):
             layer.keys = layer.keys.index_select(0, keep)
             layer.values = layer.values.index_select(0, keep)
         self.lengths = [self.lengths[row] for row in rows]

@@ -7,12 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sglang_spec.errors import SpecError
 from sglang_spec.mtp.checkpoint import load_deepseek_mtp, load_mtp_head
 from sglang_spec.mtp.head import MTPHead
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # the shipped heads for built-in models, and their calibrated profiles per sampling temperature
 SHIPPED_HEADS = {
@@ -55,8 +59,8 @@ class LoadedModel:
 
     name: str
     path: Path
-    model: torch.nn.Module
-    tokenizer: object
+    model: PreTrainedModel
+    tokenizer: Any  # a transformers tokenizer, or ByteTokenizer for toy models without one
     eos_token_ids: tuple[int, ...]
     chat: bool = False
     extra: dict = field(default_factory=dict)

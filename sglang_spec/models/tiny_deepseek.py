@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -25,7 +25,10 @@ from torch import nn
 from sglang_spec.mtp.checkpoint import deepseek_mtp_state_dict
 from sglang_spec.mtp.head import MTPHead
 
-TINY_DEEPSEEK_CONFIG = dict(
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+TINY_DEEPSEEK_CONFIG: dict[str, Any] = dict(
     vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
@@ -62,7 +65,7 @@ def tiny_deepseek_config(**overrides: Any) -> Any:
     return config
 
 
-def build_tiny_deepseek(seed: int = 0, **overrides: Any) -> nn.Module:
+def build_tiny_deepseek(seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """A DeepseekV3ForCausalLM with seeded random weights, float32, eval mode."""
     from transformers import DeepseekV3ForCausalLM  # optional and heavy, as in tiny_deepseek_config
 
@@ -77,7 +80,7 @@ MAIN_SHARD = "model-00001-of-00002.safetensors"
 MTP_SHARD = "model-00002-of-00002.safetensors"
 
 
-def save_tiny_deepseek(path: str | Path, model: nn.Module, head: MTPHead) -> Path:
+def save_tiny_deepseek(path: str | Path, model: PreTrainedModel, head: MTPHead) -> Path:
     """Writes ``model`` and its MTP ``head`` as a DeepSeek-style sharded checkpoint."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

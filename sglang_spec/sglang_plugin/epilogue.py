@@ -13,8 +13,12 @@ to the logits first, and the plugin falls back to SGLang's own path whenever any
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang_spec.kernels.verify_accept import AcceptOutputs
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,7 +28,7 @@ class StaticAccept:
     target: torch.Tensor  # [B * N] int64
     output_ids: torch.Tensor  # [B, depth + 1] int64 scratch output buffer
     output_lens: torch.Tensor  # [B] int64
-    accept: object  # AcceptOutputs
+    accept: AcceptOutputs
     predict_with_spare: torch.Tensor  # [B * N + 1] int32; the last slot absorbs writes for padded path entries
     num_correct_drafts: torch.Tensor  # [B] int32
     accept_index: torch.Tensor  # [B, depth + 1] int32

@@ -91,9 +91,10 @@ def calibrate(
             if temperature == 0:
                 accepted = (ranked == argmax[:, drafted.token_index, None]).double()
             else:
-                rows = row_offset + drafted.token_index[None, :]  # [B, pairs] rows of flat_logits
-                values = flat_logits[rows[..., None], ranked]  # [B, pairs, R], no [B, pairs, V] copy
-                accepted = torch.exp(values / temperature - log_norm[rows][..., None]).double()
+                assert log_norm is not None
+                flat_rows = row_offset + drafted.token_index[None, :]  # [B, pairs] rows of flat_logits
+                values = flat_logits[flat_rows[..., None], ranked]  # [B, pairs, R], no [B, pairs, V] copy
+                accepted = torch.exp(values / temperature - log_norm[flat_rows][..., None]).double()
             sums[drafted.step - 1] += (accepted * drafted.valid[..., None]).sum((0, 1)).double().cpu()
             counts[drafted.step - 1] += drafted.valid.sum().double().cpu()
         bar.update(len(chunk))

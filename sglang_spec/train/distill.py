@@ -15,7 +15,7 @@ of p over the draft vocabulary (K = the whole draft vocabulary is the dense case
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from torch import nn
 from sglang_spec.attention.kv_cache import new_dynamic_cache
 from sglang_spec.attention.masks import attention_mask_for
 from sglang_spec.mtp.head import MTPHead
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,7 +48,7 @@ class TeacherBatch:
 
 
 @torch.no_grad()
-def teacher_batch(target: nn.Module, head: MTPHead, sequences: list[list[int]], temperature: float = 1.0) -> TeacherBatch:
+def teacher_batch(target: PreTrainedModel, head: MTPHead, sequences: list[list[int]], temperature: float = 1.0) -> TeacherBatch:
     """Runs the frozen target over right-padded sequences (causal, so padding never leaks backwards)."""
     device = next(target.parameters()).device
     width = max(len(sequence) for sequence in sequences)

@@ -16,7 +16,7 @@ def prompt_tokens(loaded: LoadedModel, spec: PromptSpec) -> list[int]:
     if spec.messages is not None and loaded.chat:
         return list(loaded.tokenizer.apply_chat_template(list(spec.messages), add_generation_prompt=True,
                                                          tokenize=True, return_dict=False))
-    text = spec.prompt if spec.prompt is not None else "\n".join(m["content"] for m in spec.messages)
+    text = spec.prompt if spec.prompt is not None else "\n".join(m["content"] for m in spec.messages or ())
     return list(loaded.tokenizer.encode(text))
 
 

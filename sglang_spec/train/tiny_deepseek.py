@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,13 +24,16 @@ from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.train.distill import teacher_batch, unrolled_loss
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 CACHE_NAME = "tiny-deepseek-v3-toy"
 _COMPLETE = ".complete"
 
 
 def train_tiny_deepseek(
     seed: int = 0, target_steps: int = 400, head_steps: int = 300, progress: bool = True
-) -> tuple[nn.Module, MTPHead]:
+) -> tuple[PreTrainedModel, MTPHead]:
     """Trains the tiny model on the toy language, then distils its MTP head (unrolled 3 steps) on the model's own
     greedy and sampled continuations plus toy text. About half a minute on 2 CPU cores."""
     language = ToyLanguage(TINY_DEEPSEEK_CONFIG["vocab_size"], seed=123 + seed)

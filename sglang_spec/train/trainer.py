@@ -188,7 +188,9 @@ def _fingerprint(loaded: LoadedModel, records: Sequence[EncodedRecord], config: 
 
 
 @torch.no_grad()
-def evaluate(head: MTPHead, cache: TeacherCache, rows: Sequence[int], config: TrainConfig, device, dtype) -> list[float]:
+def evaluate(
+    head: MTPHead, cache: TeacherCache, rows: Sequence[int], config: TrainConfig, device: torch.device, dtype: torch.dtype
+) -> list[float]:
     """Top-1 agreement with the target per unrolled step over ``rows`` (all positions)."""
     if not rows:
         return []

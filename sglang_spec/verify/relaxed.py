@@ -179,11 +179,11 @@ def verify_typical(
     best = score.argmax(-1)
     depth = batch.max_depth()
     accepted = torch.full((batch_size, depth + 1), -1, dtype=torch.int64, device=batch.device)
-    node = best.clone()
+    path_node = best.clone()
     node_depth = torch.where(batch.num_nodes > 0, batch.depths[rows, best], -1)
     for level in range(depth, -1, -1):
         here = node_depth == level
-        accepted[:, level] = torch.where(here, node, accepted[:, level])
-        node = torch.where(here, batch.parents[rows, node].clamp(min=0), node)
+        accepted[:, level] = torch.where(here, path_node, accepted[:, level])
+        path_node = torch.where(here, batch.parents[rows, path_node].clamp(min=0), path_node)
         node_depth = torch.where(here, node_depth - 1, node_depth)
     return finish(batch, accepted, argmax[rows, best])
