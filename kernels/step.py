@@ -42,26 +42,23 @@ class StepOps:
     commit_kv: Callable[..., torch.Tensor]
 
 
-BACKENDS = {
-    "kernel": StepOps(
-        build_tree_metadata=tree_metadata.build_tree_metadata,
-        flashinfer_indptrs=tree_metadata.flashinfer_indptrs,
-        pack_flashinfer_mask=tree_metadata.pack_flashinfer_mask,
-        target_tokens=verify_accept.target_tokens,
-        top_n_probs=verify_accept.top_n_probs,
-        accept_walk=verify_accept.accept_walk,
-        commit_kv=kv_commit.commit_kv,
-    ),
-    "reference": StepOps(
-        build_tree_metadata=tree_metadata.build_tree_metadata_reference,
-        flashinfer_indptrs=tree_metadata.flashinfer_indptrs_reference,
-        pack_flashinfer_mask=tree_metadata.pack_flashinfer_mask_reference,
-        target_tokens=verify_accept.target_tokens_reference,
-        top_n_probs=verify_accept.top_n_probs_reference,
-        accept_walk=verify_accept.accept_walk_reference,
-        commit_kv=kv_commit.commit_kv_reference,
-    ),
+_MODULE_OF = {
+    "build_tree_metadata": tree_metadata,
+    "flashinfer_indptrs": tree_metadata,
+    "pack_flashinfer_mask": tree_metadata,
+    "target_tokens": verify_accept,
+    "top_n_probs": verify_accept,
+    "accept_walk": verify_accept,
+    "commit_kv": kv_commit,
 }
+
+
+def _backend(suffix: str) -> StepOps:
+    """Every op's launcher (suffix ""), or the reference named ``<op>_reference`` beside it."""
+    return StepOps(**{op: getattr(module, op + suffix) for op, module in _MODULE_OF.items()})
+
+
+BACKENDS = {"kernel": _backend(""), "reference": _backend("_reference")}
 
 
 @dataclass(frozen=True)
