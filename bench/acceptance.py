@@ -25,11 +25,34 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
+from harness import head_quality, load_heads, load_profiles, load_prompt_tokens, one_by_one
+
+from sglang_spec.catalog import load_model
+from sglang_spec.decode.autotune import measure_costs, time_draft_level
+from sglang_spec.decode.decoder import (
+    GenerationConfig,
+    GenerationOutput,
+    SpeculativeDecoder,
+    compare_with_plain,
+    generate_plain,
+)
+from sglang_spec.decode.target import TargetRunner
+from sglang_spec.models.registry import LoadedModel
+from sglang_spec.mtp.head import MTPHead
+from sglang_spec.sampling import SamplingParams
+from sglang_spec.tree.cost_model import CostCurve, choose_speculation, predicted_speedup
+from sglang_spec.tree.policies import TreePolicy
+from sglang_spec.tree.profile import AcceptanceProfile
+from sglang_spec.tree.sequoia import sequoia_plan
 
 REPO = Path(__file__).resolve().parents[1]
+COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--heads", default=None,
@@ -47,7 +70,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "acceptance.json")
     parser.add_argument("--quick", action="store_true", help="tiny-deepseek and a few configurations")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.prompts, args.num_prompts, args.max_new_tokens = "tiny-deepseek", "toy", 4, 24
+        args.budgets, args.depths, args.temperatures, args.tree_sizes = "4,8", "3", "0,0.7", "8"
+    return args
+
+
+def integers(text: str) -> list[int]:
+    return [int(item) for item in text.split(",")]
 
 
 @dataclass
@@ -67,23 +98,27 @@ class Row:
     total_seconds: float
     identical: bool | None  # temperature 0: every output equals plain decoding (near-ties counted apart)
     near_ties: int
+    # from the measured accept length and the cost curve (tree/cost_model.py's step_seconds)
     predicted_speedup: float | None = None
+    # sequoia: the profile's expected accept length F(T), and the speedup the cost model predicts from it: the
+    # number `sglang-spec generate --auto` prints for the same tree, costs and profile
     predicted_accept_length: float | None = None
+    profile_predicted_speedup: float | None = None
 
 
-def main(argv=None) -> int:
+@dataclass(frozen=True)
+class Sweep:
+    """What every configuration of one temperature runs against."""
+
+    loaded: LoadedModel
+    prompts: list[list[int]]
+    config: GenerationConfig
+    plain: GenerationOutput
+    costs: CostCurve
+
+
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.quick:
-        args.model, args.prompts, args.num_prompts, args.max_new_tokens = "tiny-deepseek", "toy", 4, 24
-        args.budgets, args.depths, args.temperatures, args.tree_sizes = "4,8", "3", "0,0.7", "8"
-    import torch
-
-    from sglang_spec.decode.autotune import choose_speculation, measure_costs
-    from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, compare_with_plain, generate_plain
-    from sglang_spec.models.registry import load_model
-    from sglang_spec.sampling import SamplingParams
-    from sglang_spec.tree.policies import TreePolicy
-
     torch.manual_seed(args.seed)
     loaded = load_model(args.model)
     heads = load_heads(loaded, args.heads)
@@ -92,67 +127,28 @@ def main(argv=None) -> int:
     profiles = load_profiles(loaded, heads, args.profiles, temperatures)
     first_head = next(iter(heads.values()))
     print(f"measuring the verify-cost curve on {platform.processor() or 'this machine'} ...", flush=True)
-    sizes = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
     # per temperature: sampled verification costs more per step than greedy
-    costs_by_temperature = {t: measure_costs(loaded.model, first_head, sizes=sizes,
+    costs_by_temperature = {t: measure_costs(loaded.model, first_head, sizes=COST_SIZES,
                                              sampling=SamplingParams(temperature=t)) for t in temperatures}
     draft_vocabulary = {name: draft_vocab_timing(loaded, head) for name, head in heads.items()}
     rows: list[Row] = []
     quality = {}
-    total_runs = len(heads) * len(temperatures) * (len(args.policies.split(",")) * len(args.budgets.split(","))
-                                                     * len(args.depths.split(",")))
-    done = 0
-    start_time = time.perf_counter()
+    progress = Progress(len(heads) * len(temperatures) * len(args.policies.split(",")) * len(integers(args.budgets))
+                        * len(integers(args.depths)))
     for temperature in temperatures:
-        sampling = SamplingParams(temperature=temperature)
-        costs = costs_by_temperature[temperature]
-        config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                                  eos_token_ids=loaded.eos_token_ids)
-        plain = run_plain(loaded, prompts, config)
-        plain_row = row_from("-", temperature, "plain", 0, 0, plain, plain.tokens_per_second, None, 0)
-        rows.append(plain_row)
-        lookup = run_prompt_lookup(loaded, prompts, config)
-        rows.append(Row("-", temperature, "prompt_lookup", 10, 0, math.nan, lookup["tokens_per_second"],
-                        lookup["tokens_per_second"] / plain.tokens_per_second, 0, 0, 0, 0, lookup["seconds"],
-                        lookup["identical"], 0))
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=temperature),
+                                  seed=args.seed, eos_token_ids=loaded.eos_token_ids)
+        sweep = Sweep(loaded, prompts, config, generate_plain(loaded.model, prompts, config),
+                      costs_by_temperature[temperature])
+        rows.append(row_from(sweep, "-", "plain", 0, 0, sweep.plain))
+        rows.append(prompt_lookup_row(sweep))
         for head_name, head in heads.items():
             profile = profiles[(head_name, temperature)]
-            seen: set[tuple[str, int, int]] = set()
-            for policy_name in args.policies.split(","):
-                for budget in [int(b) for b in args.budgets.split(",")]:
-                    for depth in [int(d) for d in args.depths.split(",")]:
-                        done += 1
-                        # a chain has min(budget, depth) nodes: run each distinct chain once
-                        key = (policy_name, min(budget, depth) if policy_name == "chain" else budget, depth)
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        try:
-                            policy = TreePolicy(policy_name, budget=budget, depth=depth, profile=profile)
-                        except Exception as error:  # e.g. eagle slots too few: record why and move on
-                            print(f"  skip {policy_name} {budget}/{depth}: {error}")
-                            continue
-                        output = one_by_one(SpeculativeDecoder(loaded.model, head, policy), prompts, config)
-                        rows.append(finish_row(head_name, temperature, policy, output, plain, costs, profile,
-                                               compare_with_plain))
-                        print(f"[{done}/{total_runs} {elapsed(start_time)}] {head_name} T={temperature} "
-                              f"{policy_name:>8} b={budget:<3} d={depth}: AL {rows[-1].accept_length:.2f}, "
-                              f"{rows[-1].tokens_per_second:.1f} tok/s, x{rows[-1].speedup:.2f}"
-                              + ("" if rows[-1].identical in (None, True) else "  NOT IDENTICAL"), flush=True)
-            choice = choose_speculation(profile, costs, max_depth=8)
-            if choice.budget > 0:
-                policy = TreePolicy("sequoia", budget=choice.budget, depth=choice.depth, profile=profile)
-                output = one_by_one(SpeculativeDecoder(loaded.model, head, policy), prompts, config)
-                auto_row = finish_row(head_name, temperature, policy, output, plain, costs, profile, compare_with_plain)
-                auto_row.method = "auto"
-            else:
-                auto_row = row_from(head_name, temperature, "auto", 0, 0, plain, plain.tokens_per_second, None, 0)
-            auto_row.predicted_speedup = choice.speedup
-            rows.append(auto_row)
-            print(f"  auto for {head_name} T={temperature}: budget {choice.budget}, depth {choice.depth}, "
-                  f"predicted x{choice.speedup:.2f}, measured x{auto_row.speedup:.2f}", flush=True)
+            rows += policy_rows(sweep, head_name, head, profile, args, progress)
+            rows.append(auto_row(sweep, head_name, head, profile))
             if temperature == 0:
-                quality[head_name] = head_quality(loaded, head, prompts, plain, costs, profile, args, config)
+                quality[head_name] = head_quality(loaded, head, prompts, sweep.plain, profile,
+                                                  integers(args.tree_sizes), config)
     report = {
         "environment": environment(loaded),
         "command": " ".join([Path(sys.executable).name, "bench/acceptance.py", *(argv or sys.argv[1:])]),
@@ -175,100 +171,79 @@ def main(argv=None) -> int:
     return 0
 
 
-def elapsed(start: float) -> str:
-    minutes = (time.perf_counter() - start) / 60
-    return f"{minutes:.0f} min"
+class Progress:
+    """Counts configurations and prints one line per run with the elapsed minutes."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.start = time.perf_counter()
+
+    def step(self) -> None:
+        self.done += 1
+
+    def line(self, text: str) -> None:
+        minutes = (time.perf_counter() - self.start) / 60
+        print(f"[{self.done}/{self.total} {minutes:.0f} min] {text}", flush=True)
 
 
-def load_heads(loaded, spec: str | None) -> dict:
-    from sglang_spec.models.registry import load_head_for, shipped_head_path
-
-    if spec:
-        return {name: load_head_for(loaded, path) for name, path in (item.split("=", 1) for item in spec.split(","))}
-    if loaded.name == "smollm2":
-        generic = shipped_head_path("smollm2-generic")
-        heads = {}
-        if generic is not None:
-            heads["generic"] = load_head_for(loaded, generic)
-        heads["code"] = load_head_for(loaded, None)
-        return heads
-    return {"default": load_head_for(loaded, None)}
-
-
-def load_profiles(loaded, heads: dict, spec: str | None, temperatures: list[float]) -> dict:
-    """(head, temperature) -> profile: given ones, else shipped ones, else calibrated on the fly (tiny models)."""
-    from sglang_spec.models.registry import shipped_profile_path
-    from sglang_spec.tree.profile import AcceptanceProfile
-
-    given = {}
-    if spec:
-        for item in spec.split(","):
-            key, path = item.split("=", 1)
-            name, temperature = key.split("@")
-            given[(name, float(temperature))] = AcceptanceProfile.from_json(path)
-    result = {}
-    for name in heads:
-        for temperature in temperatures:
-            if (name, temperature) in given:
-                result[(name, temperature)] = given[(name, temperature)]
-                continue
-            label = loaded.name if name in ("code", "default") else f"{loaded.name}-{name}"
-            path = shipped_profile_path(label, temperature)
-            if path is not None:
-                result[(name, temperature)] = AcceptanceProfile.from_json(path)
-            else:
-                result[(name, temperature)] = AcceptanceProfile.uniform([0.6, 0.2, 0.1, 0.05])
-                print(f"  no profile for head {name} at T={temperature}: using a generic one")
-    return result
+def policy_rows(sweep: Sweep, head_name: str, head: MTPHead, profile: AcceptanceProfile,
+                args: argparse.Namespace, progress: Progress) -> list[Row]:
+    """Every policy x budget x depth through the reference decoder, one prompt at a time."""
+    rows = []
+    temperature = sweep.config.sampling.temperature
+    seen: set[tuple[str, int, int]] = set()
+    for policy_name in args.policies.split(","):
+        for budget in integers(args.budgets):
+            for depth in integers(args.depths):
+                progress.step()
+                # a chain has min(budget, depth) nodes: run each distinct chain once
+                key = (policy_name, min(budget, depth) if policy_name == "chain" else budget, depth)
+                if key in seen:
+                    continue
+                seen.add(key)
+                try:
+                    policy = TreePolicy(policy_name, budget=budget, depth=depth, profile=profile)
+                except Exception as error:  # e.g. eagle slots too few: record why and move on
+                    print(f"  skip {policy_name} {budget}/{depth}: {error}")
+                    continue
+                output = one_by_one(SpeculativeDecoder(sweep.loaded.model, head, policy), sweep.prompts, sweep.config)
+                row = finish_row(sweep, head_name, policy, output, profile)
+                rows.append(row)
+                progress.line(f"{head_name} T={temperature} {policy_name:>8} b={budget:<3} d={depth}: AL "
+                              f"{row.accept_length:.2f}, {row.tokens_per_second:.1f} tok/s, x{row.speedup:.2f}"
+                              + ("" if row.identical in (None, True) else "  NOT IDENTICAL"))
+    return rows
 
 
-def load_prompt_tokens(loaded, spec: str, count: int, seed: int):
-    if spec == "toy":
-        from sglang_spec.models.toy_language import ToyLanguage
-
-        language = ToyLanguage(loaded.model.config.vocab_size, seed=123 + seed)
-        prompts = [language.sample(1, 8)[0].tolist() for _ in range(count)]
-        return prompts, [f"toy/{i}" for i in range(count)]
-    from sglang_spec.train.generate_traffic import prompt_tokens
-    from sglang_spec.train.prompts import load_prompts
-
-    specs = load_prompts(spec)[:count]
-    return [prompt_tokens(loaded, s) for s in specs], [s.id for s in specs]
-
-
-def one_by_one(decoder, prompts, config):
-    """Batch 1, one request after another, exactly as plain decoding runs: tokens/s are comparable."""
-    from dataclasses import fields
-
-    from sglang_spec.decode.decoder import GenerationOutput, GenerationStats
-
-    outputs = [decoder.generate([prompt], config) for prompt in prompts]
-    stats = GenerationStats(**{f.name: sum(getattr(o.stats, f.name) for o in outputs) for f in fields(GenerationStats)})
-    return GenerationOutput([output.requests[0] for output in outputs], stats)
+def auto_row(sweep: Sweep, head_name: str, head: MTPHead, profile: AcceptanceProfile) -> Row:
+    """The hardware-aware choice (``--auto``) for this head, run like the others."""
+    choice = choose_speculation(profile, sweep.costs, max_depth=8)
+    if choice.budget > 0:
+        policy = TreePolicy("sequoia", budget=choice.budget, depth=choice.depth, profile=profile)
+        output = one_by_one(SpeculativeDecoder(sweep.loaded.model, head, policy), sweep.prompts, sweep.config)
+        row = finish_row(sweep, head_name, policy, output, profile)
+        row.method = "auto"
+    else:
+        row = row_from(sweep, head_name, "auto", 0, 0, sweep.plain)
+    row.predicted_speedup = choice.speedup
+    print(f"  auto for {head_name} T={sweep.config.sampling.temperature}: budget {choice.budget}, depth "
+          f"{choice.depth}, predicted x{choice.speedup:.2f}, measured x{row.speedup:.2f}", flush=True)
+    return row
 
 
-def run_plain(loaded, prompts, config):
-    from sglang_spec.decode.decoder import generate_plain
-
-    return generate_plain(loaded.model, prompts, config)
-
-
-def run_prompt_lookup(loaded, prompts, config) -> dict:
+def run_prompt_lookup(loaded: LoadedModel, prompts: list[list[int]], config: GenerationConfig) -> dict[str, Any]:
     """Hugging Face's prompt-lookup decoding (n-gram drafts from the prompt), batch 1, same prompts and budget."""
-    import torch
-
     start = time.perf_counter()
     generated = 0
     identical = True if config.sampling.greedy else None
     reference = None
     if config.sampling.greedy:
-        from sglang_spec.decode.decoder import generate_plain
-
         reference = generate_plain(loaded.model, prompts, config)
         start = time.perf_counter()
     for index, prompt in enumerate(prompts):
-        kwargs = dict(max_new_tokens=config.max_new_tokens, prompt_lookup_num_tokens=10,
-                      eos_token_id=list(config.eos_token_ids) or None, pad_token_id=0)
+        kwargs: dict[str, Any] = dict(max_new_tokens=config.max_new_tokens, prompt_lookup_num_tokens=10,
+                                      eos_token_id=list(config.eos_token_ids) or None, pad_token_id=0)
         if config.sampling.greedy:
             kwargs["do_sample"] = False
         else:
@@ -283,14 +258,18 @@ def run_prompt_lookup(loaded, prompts, config) -> dict:
     return {"tokens_per_second": generated / seconds, "seconds": seconds, "identical": identical}
 
 
-def draft_vocab_timing(loaded, head) -> dict:
+def prompt_lookup_row(sweep: Sweep) -> Row:
+    lookup = run_prompt_lookup(sweep.loaded, sweep.prompts, sweep.config)
+    return Row(head="-", temperature=sweep.config.sampling.temperature, method="prompt_lookup", budget=10, depth=0,
+               accept_length=math.nan, tokens_per_second=lookup["tokens_per_second"],
+               speedup=lookup["tokens_per_second"] / sweep.plain.tokens_per_second, mean_tree_nodes=0, steps=0,
+               draft_seconds=0, verify_seconds=0, total_seconds=lookup["seconds"], identical=lookup["identical"],
+               near_ties=0)
+
+
+def draft_vocab_timing(loaded: LoadedModel, head: MTPHead) -> dict[str, float]:
     """One draft level (4 children, 200-token prefix) over the head's reduced draft vocabulary and over the full
     vocabulary: what ``--draft-vocab`` buys per level."""
-    import torch
-
-    from sglang_spec.decode.autotune import time_draft_level
-    from sglang_spec.decode.target import TargetRunner
-
     prompt = torch.randint(loaded.model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
     hidden = TargetRunner(loaded.model).prefill(prompt).hidden
     reduced = time_draft_level(head, hidden, prompt, repeats=9)
@@ -306,80 +285,41 @@ def draft_vocab_timing(loaded, head) -> dict:
             "draft_level_seconds": reduced, "full_vocab_draft_level_seconds": full}
 
 
-def row_from(head, temperature, method, budget, depth, output, plain_tps, identical, near_ties) -> Row:
+def row_from(sweep: Sweep, head: str, method: str, budget: int, depth: int, output: GenerationOutput,
+             identical: bool | None = None, near_ties: int = 0) -> Row:
     stats = output.stats
-    return Row(head, temperature, method, budget, depth, output.accept_length_mean, output.tokens_per_second,
-               output.tokens_per_second / plain_tps, 0.0, stats.steps, stats.draft_seconds, stats.verify_seconds,
-               stats.total_seconds, identical, near_ties)
+    return Row(head=head, temperature=sweep.config.sampling.temperature, method=method, budget=budget, depth=depth,
+               accept_length=output.accept_length_mean, tokens_per_second=output.tokens_per_second,
+               speedup=output.tokens_per_second / sweep.plain.tokens_per_second, mean_tree_nodes=0.0,
+               steps=stats.steps, draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
+               total_seconds=stats.total_seconds, identical=identical, near_ties=near_ties)
 
 
-def finish_row(head_name, temperature, policy, output, plain, costs, profile, compare) -> Row:
+def finish_row(sweep: Sweep, head_name: str, policy: TreePolicy, output: GenerationOutput,
+               profile: AcceptanceProfile) -> Row:
     identical, near_ties = None, 0
-    if temperature == 0:
-        comparisons = [compare(ours, theirs) for ours, theirs in zip(output.requests, plain.requests)]
+    if sweep.config.sampling.greedy:
+        comparisons = [compare_with_plain(ours, theirs) for ours, theirs in zip(output.requests, sweep.plain.requests)]
         identical = all(c.identical or c.excused for c in comparisons)
         near_ties = sum(c.excused for c in comparisons)
-    row = row_from(head_name, temperature, policy.name, policy.budget, policy.depth, output, plain.tokens_per_second,
-                   identical, near_ties)
+    row = row_from(sweep, head_name, policy.name, policy.budget, policy.depth, output, identical, near_ties)
     nodes = min(policy.budget, policy.depth) + 1 if policy.name == "chain" else policy.budget + 1
     row.mean_tree_nodes = nodes
-    row.predicted_speedup = predict_speedup(row.accept_length, nodes, policy.depth, costs)
+    row.predicted_speedup = predicted_speedup(sweep.costs, row.accept_length, nodes, policy.depth)
     if policy.name == "sequoia":
-        from sglang_spec.tree.sequoia import sequoia_plan
-
-        row.predicted_accept_length = sequoia_plan(profile, policy.budget, policy.depth).expected_accept_length
+        row.predicted_accept_length, row.profile_predicted_speedup = profile_prediction(
+            profile, sweep.costs, policy.budget, policy.depth)
     return row
 
 
-def predict_speedup(accept_length: float, nodes: int, depth: int, costs) -> float:
-    """plain decoding's time per token * accept length / (verify(nodes) + depth draft levels + the commit forward
-    + host overhead)."""
-    sizes = sorted(costs.verify)
-    verify = interpolate(costs.verify, nodes) if nodes <= sizes[-1] else costs.verify[sizes[-1]] * nodes / sizes[-1]
-    step = verify + (depth + 1) * costs.draft_level + costs.step_overhead
-    return costs.baseline_token * accept_length / step
+def profile_prediction(profile: AcceptanceProfile, costs: CostCurve, budget: int, depth: int) -> tuple[float, float]:
+    """(F(T), predicted speedup) of the Sequoia tree for (budget, depth) under the profile: what ``--auto``
+    predicts for the same tree, costs and profile."""
+    accept_length = sequoia_plan(profile, budget, depth).expected_accept_length
+    return accept_length, predicted_speedup(costs, accept_length, budget + 1, depth)
 
 
-def interpolate(points: dict, x: float) -> float:
-    keys = sorted(points)
-    for low, high in zip(keys, keys[1:]):
-        if low <= x <= high:
-            return points[low] + (points[high] - points[low]) * (x - low) / (high - low)
-    return points[keys[0]] if x < keys[0] else points[keys[-1]]
-
-
-def head_quality(loaded, head, prompts, plain, costs, profile, args, config) -> dict:
-    """The issue's baseline metrics for one head on the held-out prompts (temperature 0): depth-1 top-1/4/8
-    acceptance (calibrated on plain decoding's own completions), chain-4 accept length and tree accept lengths."""
-    from sglang_spec.decode.decoder import SpeculativeDecoder
-    from sglang_spec.train.calibrate import calibrate
-    from sglang_spec.train.traffic import TrafficRecord
-    from sglang_spec.tree.policies import TreePolicy
-
-    records = [
-        TrafficRecord(f"heldout/{i}/greedy", "code", loaded.decode(request.tokens), prompt=loaded.decode(prompt))
-        for i, (prompt, request) in enumerate(zip(prompts, plain.requests))
-    ]
-    calibration = calibrate(loaded, head, records, depth=4, max_rank=8, temperature=0.0, progress=False)
-    depth_one = calibration.profile.row(1)
-    result = {
-        "depth1_top1": depth_one[0],
-        "depth1_top4": sum(depth_one[:4]),
-        "depth1_top8": sum(depth_one[:8]),
-        "depth_top1": calibration.top1,
-    }
-    chain = SpeculativeDecoder(loaded.model, head, TreePolicy("chain", 4, 4)).generate(prompts, config)
-    result["chain4_accept_length"] = chain.accept_length_mean
-    for size in [int(s) for s in args.tree_sizes.split(",")]:
-        for name in ("sequoia", "specexec"):
-            depth = 6 if size > 16 else 4
-            policy = TreePolicy(name, budget=size, depth=depth, profile=profile, topk=8)
-            output = SpeculativeDecoder(loaded.model, head, policy).generate(prompts, config)
-            result[f"{name}{size}_accept_length"] = output.accept_length_mean
-    return result
-
-
-def prediction_fit(rows: list[Row]) -> dict:
+def prediction_fit(rows: list[Row]) -> dict[str, Any]:
     """How well accept length / cost predicts the measured speedup (Pearson r, mean absolute error)."""
     pairs = [(r.predicted_speedup, r.speedup) for r in rows
              if r.predicted_speedup is not None and r.method not in ("plain", "prompt_lookup", "auto")]
@@ -403,7 +343,7 @@ def prediction_fit(rows: list[Row]) -> dict:
     }
 
 
-def render_markdown(report: dict) -> str:
+def render_markdown(report: dict[str, Any]) -> str:
     rows = report["rows"]
     lines = [f"# Acceptance sweep ({report['environment']['device']}, {report['environment']['model']})", "",
              f"Command: `{report['command']}`", "",
@@ -447,8 +387,8 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def draw_plots(report: dict, folder: Path, stem: str) -> None:
-    import matplotlib
+def draw_plots(report: dict[str, Any], folder: Path, stem: str) -> None:
+    import matplotlib  # the optional `bench` extra: only drawing needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -508,9 +448,7 @@ def draw_plots(report: dict, folder: Path, stem: str) -> None:
     plt.close(figure)
 
 
-def environment(loaded) -> dict:
-    import torch
-
+def environment(loaded: LoadedModel) -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True).stdout.strip()

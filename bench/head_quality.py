@@ -4,21 +4,28 @@
 
 Depth-1 top-1/4/8 acceptance (calibrated on plain decoding's own completions of the prompts), chain-4 accept
 length and the accept lengths of Sequoia and SpecExec trees of 16 / 32 / 168 nodes: the same measurement as
-``bench/acceptance.py``'s head-quality table (it reuses that code), over more prompts because it times nothing.
+``bench/acceptance.py``'s head-quality table (both use ``bench/harness.py``), over more prompts because it times
+nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
+from harness import head_quality, load_heads, load_profiles, load_prompt_tokens
+
+from sglang_spec.catalog import load_model
+from sglang_spec.decode.decoder import GenerationConfig, generate_plain
+from sglang_spec.errors import SpecError
+from sglang_spec.sampling import SamplingParams
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--heads", default="code,generic", help="shipped head names, comma-separated")
@@ -29,30 +36,21 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "head-quality.json")
     args = parser.parse_args(argv)
 
-    spec = importlib.util.spec_from_file_location("bench_acceptance", REPO / "bench" / "acceptance.py")
-    acceptance = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = acceptance  # its dataclasses look their module up there
-    spec.loader.exec_module(acceptance)
-    from sglang_spec.decode.decoder import GenerationConfig, generate_plain
-    from sglang_spec.errors import SpecError
-    from sglang_spec.models.registry import load_model
-    from sglang_spec.sampling import SamplingParams
-
     loaded = load_model(args.model)
-    heads = acceptance.load_heads(loaded, None)
+    heads = load_heads(loaded, None)
     wanted = args.heads.split(",")
     missing = [name for name in wanted if name not in heads]
     if missing:
         raise SpecError(f"no shipped head named {', '.join(missing)}; choose from {', '.join(heads)}")
-    prompts, ids = acceptance.load_prompt_tokens(loaded, args.prompts, args.num_prompts, 0)
-    profiles = acceptance.load_profiles(loaded, heads, None, [0.0])
+    prompts, ids = load_prompt_tokens(loaded, args.prompts, args.num_prompts, 0)
+    profiles = load_profiles(loaded, heads, None, [0.0])
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=0.0),
                               eos_token_ids=loaded.eos_token_ids)
     plain = generate_plain(loaded.model, prompts, config)
     quality = {}
     for name in wanted:
-        quality[name] = acceptance.head_quality(loaded, heads[name], prompts, plain, None, profiles[(name, 0.0)],
-                                                args, config)
+        quality[name] = head_quality(loaded, heads[name], prompts, plain, profiles[(name, 0.0)],
+                                     [int(size) for size in args.tree_sizes.split(",")], config)
         print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in quality[name].items()}),
               flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -155,7 +155,7 @@ class Case:
             self.output_lens.zero_()
             return verify_accept.accept_walk(
                 self.meta.tokens, self.meta.parents, self.num_nodes, self.max_depth, self.output_ids,
-                self.output_lens, target=self.target,
+                self.output_lens, verify_accept.MatchMode(self.target),
             )
 
         yield "accept_walk", "ours", walk

@@ -20,30 +20,45 @@ from typing import Callable, Sequence
 
 import torch
 
-from sglang_spec.kernels import kv_commit, tree_metadata, verify_accept
-from sglang_spec.kernels.tree_metadata import FlashInferIndptrs, TreeMetadata
-from sglang_spec.kernels.verify_accept import AcceptOutputs, RelaxedConfig
+from sglang_spec.tree.batch import FlashInferIndptrs
+from sglang_spec.verify.relaxed import RelaxedAcceptance
 
-BACKENDS = {
-    "kernel": {
-        "build_tree_metadata": tree_metadata.build_tree_metadata,
-        "flashinfer_indptrs": tree_metadata.flashinfer_indptrs,
-        "pack_flashinfer_mask": tree_metadata.pack_flashinfer_mask,
-        "target_tokens": verify_accept.target_tokens,
-        "top_n_probs": verify_accept.top_n_probs,
-        "accept_walk": verify_accept.accept_walk,
-        "commit_kv": kv_commit.commit_kv,
-    },
-    "reference": {
-        "build_tree_metadata": tree_metadata.build_tree_metadata_reference,
-        "flashinfer_indptrs": tree_metadata.flashinfer_indptrs_reference,
-        "pack_flashinfer_mask": tree_metadata.pack_flashinfer_mask_reference,
-        "target_tokens": verify_accept.target_tokens_reference,
-        "top_n_probs": verify_accept.top_n_probs_reference,
-        "accept_walk": verify_accept.accept_walk_reference,
-        "commit_kv": kv_commit.commit_kv_reference,
-    },
+# relative: this folder installs as sglang_spec.kernels, and is type-checked from the checkout as `kernels`
+from . import kv_commit, tree_metadata, verify_accept
+from .tree_metadata import TreeMetadata
+from .verify_accept import AcceptMode, AcceptOutputs, MatchMode, RelaxedMode
+
+
+@dataclass(frozen=True)
+class StepOps:
+    """One back-end of the step: each op's launcher, or its pure-torch reference (same signatures)."""
+
+    build_tree_metadata: Callable[..., TreeMetadata]
+    flashinfer_indptrs: Callable[..., FlashInferIndptrs]
+    pack_flashinfer_mask: Callable[..., torch.Tensor]
+    target_tokens: Callable[..., torch.Tensor]
+    top_n_probs: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    accept_walk: Callable[..., AcceptOutputs]
+    commit_kv: Callable[..., torch.Tensor]
+
+
+_MODULE_OF = {
+    "build_tree_metadata": tree_metadata,
+    "flashinfer_indptrs": tree_metadata,
+    "pack_flashinfer_mask": tree_metadata,
+    "target_tokens": verify_accept,
+    "top_n_probs": verify_accept,
+    "accept_walk": verify_accept,
+    "commit_kv": kv_commit,
 }
+
+
+def _backend(suffix: str) -> StepOps:
+    """Every op's launcher (suffix ""), or the reference named ``<op>_reference`` beside it."""
+    return StepOps(**{op: getattr(module, op + suffix) for op, module in _MODULE_OF.items()})
+
+
+BACKENDS = {"kernel": _backend(""), "reference": _backend("_reference")}
 
 
 @dataclass(frozen=True)
@@ -63,7 +78,7 @@ class StepConfig:
     vocab_size: int
     max_context_len: int
     mode: str = "greedy"
-    relaxed: RelaxedConfig | None = None
+    relaxed: RelaxedAcceptance | None = None
     output_capacity: int = 256
     page_size: int = 1
     block_v: int = 1024
@@ -72,7 +87,7 @@ class StepConfig:
         if self.mode not in verify_accept.MODES:
             raise ValueError(f"mode must be one of {verify_accept.MODES}, got {self.mode!r}")
         if (self.mode == "relaxed") != (self.relaxed is not None):
-            raise ValueError("relaxed mode needs a RelaxedConfig, and a RelaxedConfig needs mode='relaxed'")
+            raise ValueError("relaxed mode needs a RelaxedAcceptance, and a RelaxedAcceptance needs mode='relaxed'")
         if min(self.batch_size, self.max_nodes, self.topk, self.max_depth, self.vocab_size) < 1:
             raise ValueError("batch_size, max_nodes, topk, max_depth and vocab_size must be >= 1")
 
@@ -200,10 +215,16 @@ class SpecStep:
         self.ops = BACKENDS[backend]
         self.inputs = StepInputs.allocate(config, device)
         self.buffers = StepBuffers.allocate(config, device)
+        # the accept walk's mode over the static buffers, built once (a graph replays the same pointers)
+        self.accept_mode: AcceptMode = (
+            RelaxedMode(self.buffers.top_tokens, self.buffers.top_probs, self.inputs.thinking, config.relaxed)
+            if config.relaxed is not None
+            else MatchMode(self.buffers.target)
+        )
 
     def run(self) -> StepBuffers:
         config, inputs, buffers, ops = self.config, self.inputs, self.buffers, self.ops
-        ops["build_tree_metadata"](
+        ops.build_tree_metadata(
             inputs.parents,
             inputs.ranks,
             inputs.topk_tokens,
@@ -214,30 +235,16 @@ class SpecStep:
             max_depth=config.max_depth,
             out=buffers.metadata,
         )
-        ops["flashinfer_indptrs"](inputs.prefix_lens, config.max_nodes, config.page_size, out=buffers.indptrs)
-        ops["pack_flashinfer_mask"](
+        ops.flashinfer_indptrs(inputs.prefix_lens, config.max_nodes, config.page_size, out=buffers.indptrs)
+        ops.pack_flashinfer_mask(
             buffers.metadata.tree_mask, inputs.prefix_lens, buffers.indptrs.packed_mask_indptr, buffers.packed_mask
         )
         self.target_forward(buffers, inputs)
-        metadata = buffers.metadata
-        if config.mode == "relaxed":
+        if config.relaxed is not None:
             top = (buffers.top_tokens, buffers.top_probs)
-            ops["top_n_probs"](buffers.logits, config.relaxed.top_n, out=top, block_v=config.block_v)
-            ops["accept_walk"](
-                metadata.tokens,
-                metadata.parents,
-                inputs.num_nodes,
-                config.max_depth,
-                inputs.output_ids,
-                inputs.output_lens,
-                top_n=top,
-                thinking=inputs.thinking,
-                relaxed=config.relaxed,
-                out=buffers.accept,
-                logits=buffers.logits,
-            )
+            ops.top_n_probs(buffers.logits, config.relaxed.top_n, out=top, block_v=config.block_v)
         else:
-            ops["target_tokens"](
+            ops.target_tokens(
                 buffers.logits,
                 config.max_nodes,
                 inputs.temperature,
@@ -248,18 +255,18 @@ class SpecStep:
                 out=buffers.target,
                 block_v=config.block_v,
             )
-            ops["accept_walk"](
-                metadata.tokens,
-                metadata.parents,
-                inputs.num_nodes,
-                config.max_depth,
-                inputs.output_ids,
-                inputs.output_lens,
-                target=buffers.target,
-                thinking=inputs.thinking,
-                out=buffers.accept,
-            )
-        ops["commit_kv"](
+        metadata = buffers.metadata
+        ops.accept_walk(
+            metadata.tokens,
+            metadata.parents,
+            inputs.num_nodes,
+            config.max_depth,
+            inputs.output_ids,
+            inputs.output_lens,
+            self.accept_mode,
+            out=buffers.accept,
+        )
+        ops.commit_kv(
             self.kv_buffers,
             inputs.tree_slots,
             buffers.accept.accepted_nodes,

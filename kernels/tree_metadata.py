@@ -18,11 +18,14 @@ Three kernels, each with its launcher and a pure-torch reference of identical se
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
 import triton.language as tl
+
+from sglang_spec.tree.batch import FlashInferIndptrs, TreeBatch, plan_indptrs, with_prefix
+from sglang_spec.tree.bits import pack_bits_little_endian
 
 ROW_BLOCK = 16
 
@@ -236,78 +239,38 @@ def build_tree_metadata_reference(
     max_depth: int,
     out: TreeMetadata | None = None,
 ) -> TreeMetadata:
-    """Pure-torch reference with the launcher's signature and semantics (Python loops over requests)."""
+    """Pure-torch reference with the launcher's signature: the candidates' tokens and probabilities gathered per
+    node, then depths, links and the mask from ``TreeBatch`` (whose ancestor walk is unbounded; ``max_depth`` only
+    bounds the kernel's, and must be at least the deepest tree)."""
     _check_tree_inputs(parents, ranks, topk_tokens, topk_probs, root_tokens, prefix_lens, num_nodes)
     batch, nodes, _ = topk_tokens.shape
-    device = topk_tokens.device
-    parents = parents.expand(batch, nodes).cpu()
-    ranks = ranks.expand(batch, nodes).cpu()
-    result = TreeMetadata.empty(batch, nodes, "cpu")
-    for b in range(batch):
-        count, prefix, root = int(num_nodes[b]), int(prefix_lens[b]), int(root_tokens[b])
-        node_parents = [-1] + [int(p) if i < count else -1 for i, p in enumerate(parents[b].tolist()) if i > 0]
-        depths = [-1] * nodes
-        mask = torch.zeros(nodes, nodes, dtype=torch.uint8)
-        for i in range(nodes):
-            mask[i, i] = mask[i, 0] = 1
-            if i >= count:
-                continue
-            depth, current = 0, node_parents[i]
-            for _ in range(max_depth):  # the same bounded walk as the kernel
-                if current < 0:
-                    break
-                mask[i, current] = 1
-                depth += 1
-                current = node_parents[current] if current > 0 else -1
-            depths[i] = depth
-        for i in range(nodes):
-            real = i < count
-            if i == 0:
-                token, prob = (root if real else -1), (1.0 if real else 0.0)
-            elif real:
-                parent, rank = node_parents[i], int(ranks[b, i])
-                token, prob = int(topk_tokens[b, parent, rank]), float(topk_probs[b, parent, rank])
-            else:
-                token, prob = -1, 0.0
-            result.tokens[b, i] = token
-            result.input_ids[b * nodes + i] = token if real else root
-            result.draft_probs[b, i] = prob
-            result.depths[b, i] = depths[i]
-            result.positions[b * nodes + i] = prefix + max(depths[i], 0)
-            result.parents[b, i] = node_parents[i]
-            children = [j for j in range(1, count) if node_parents[j] == i] if real else []
-            siblings = [j for j in range(i + 1, count) if node_parents[j] == node_parents[i]] if real and i > 0 else []
-            result.first_child[b, i] = children[0] if children else -1
-            result.next_sibling[b, i] = siblings[0] if siblings else -1
-            result.retrieve_index[b, i] = b * nodes + i
-        result.tree_mask[b] = mask
-    if out is None:
-        out = TreeMetadata.empty(batch, nodes, device)
-    for name in TreeMetadata.__dataclass_fields__:
-        getattr(out, name).copy_(getattr(result, name))
+    parents = parents.expand(batch, nodes)
+    ranks = ranks.expand(batch, nodes)
+    node = torch.arange(nodes, device=parents.device)
+    real = node[None, :] < num_nodes[:, None]
+    drafted = real & (node[None, :] > 0)
+    candidate = (parents.clamp(min=0) * topk_tokens.shape[2] + ranks).where(drafted, 0)
+    draft_tokens = torch.gather(topk_tokens.reshape(batch, -1), 1, candidate)
+    draft_probs = torch.gather(topk_probs.reshape(batch, -1), 1, candidate)
+    root = node[None, :] == 0
+    tokens = torch.where(root, root_tokens[:, None], draft_tokens)
+    trees = TreeBatch.from_parents(tokens, parents, num_nodes)
+    result = TreeMetadata(
+        tokens=trees.tokens,
+        input_ids=torch.where(real, trees.tokens, root_tokens[:, None]).reshape(-1),
+        draft_probs=torch.where(drafted, draft_probs, torch.where(real & root, 1.0, 0.0)),
+        depths=trees.depths,
+        positions=(prefix_lens[:, None] + trees.depths.clamp(min=0)).reshape(-1),
+        parents=trees.parents,
+        first_child=trees.first_child,
+        next_sibling=trees.next_sibling,
+        retrieve_index=(torch.arange(batch, device=node.device)[:, None] * nodes + node).to(torch.int64),
+        tree_mask=trees.ancestor_mask().to(torch.uint8),
+    )
+    out = out if out is not None else TreeMetadata.empty(batch, nodes, topk_tokens.device)
+    for field in fields(TreeMetadata):
+        getattr(out, field.name).copy_(getattr(result, field.name))
     return out
-
-
-@dataclass(frozen=True, eq=False)
-class FlashInferIndptrs:
-    """Fields:
-      qo_indptr:          [B + 1] int32. b * N.
-      paged_kv_indptr:    [B + 1] int32. Cumulative pages, ceil((prefix + N) / page_size) per request.
-      paged_kv_last_page_len: [B] int32.
-      packed_mask_indptr: [B + 1] int32. Byte offsets, ceil(N * (prefix + N) / 8) per request.
-    """
-
-    qo_indptr: torch.Tensor
-    paged_kv_indptr: torch.Tensor
-    paged_kv_last_page_len: torch.Tensor
-    packed_mask_indptr: torch.Tensor
-
-    @classmethod
-    def empty(cls, batch_size: int, device: torch.device | str) -> FlashInferIndptrs:
-        def ints(size: int) -> torch.Tensor:
-            return torch.empty(size, dtype=torch.int32, device=device)
-
-        return cls(ints(batch_size + 1), ints(batch_size + 1), ints(batch_size), ints(batch_size + 1))
 
 
 @triton.jit
@@ -364,19 +327,12 @@ def flashinfer_indptrs(
 def flashinfer_indptrs_reference(
     prefix_lens: torch.Tensor, num_nodes: int, page_size: int = 1, out: FlashInferIndptrs | None = None
 ) -> FlashInferIndptrs:
+    """``tree.batch.plan_indptrs`` with every request's ``num_nodes`` query rows, copied into ``out``."""
     batch = prefix_lens.shape[0]
-    kv_len = prefix_lens.cpu() + num_nodes
-    pages = (kv_len + page_size - 1) // page_size
-    zero = torch.zeros(1, dtype=torch.int64)
-    result = FlashInferIndptrs(
-        qo_indptr=(torch.arange(batch + 1) * num_nodes).int(),
-        paged_kv_indptr=torch.cat([zero, pages.cumsum(0)]).int(),
-        paged_kv_last_page_len=(kv_len - (pages - 1) * page_size).int(),
-        packed_mask_indptr=torch.cat([zero, ((kv_len * num_nodes + 7) // 8).cumsum(0)]).int(),
-    )
+    result = plan_indptrs([num_nodes] * batch, prefix_lens, page_size)
     out = out if out is not None else FlashInferIndptrs.empty(batch, prefix_lens.device)
-    for name in FlashInferIndptrs.__dataclass_fields__:
-        getattr(out, name).copy_(getattr(result, name))
+    for field in fields(FlashInferIndptrs):
+        getattr(out, field.name).copy_(getattr(result, field.name))
     return out
 
 
@@ -445,13 +401,9 @@ def pack_flashinfer_mask_reference(
     block: int = 128,
     num_chunks: int = 4,
 ) -> torch.Tensor:
-    from sglang_spec.tree.bits import pack_bits_little_endian
-
-    batch, nodes, _ = tree_mask.shape
-    for b in range(batch):
-        prefix = int(prefix_lens[b])
-        rows = torch.cat([torch.ones(nodes, prefix, dtype=torch.bool), tree_mask[b].cpu().bool()], dim=1)
-        packed = pack_bits_little_endian(rows.reshape(-1))
+    """Each request's N x (prefix + N) rows (``tree.batch.with_prefix``) packed like ``segment_packbits``."""
+    for b in range(tree_mask.shape[0]):
+        packed = pack_bits_little_endian(with_prefix(tree_mask[b].cpu(), int(prefix_lens[b])).reshape(-1))
         start = int(packed_mask_indptr[b])
         out[start : start + packed.numel()] = packed.to(out.device)
     return out

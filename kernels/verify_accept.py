@@ -9,18 +9,20 @@ Two launches, each a Triton kernel beside its launcher and its pure-torch refere
      top-p, whose thresholds are found by bisection over float32 bit patterns (no vocabulary sort); the
      definitions are those of ``sglang_spec.sampling.target_probs_from_logits``.
    * ``top_n_probs`` (relaxed mode): the N most likely tokens and their plain-softmax probabilities.
-2. per request: ``accept_walk`` follows the tree from the root. Match mode (greedy and lossless sampling, SpecExec's
-   sample-and-match): move to the lowest-index child whose token equals the node's target token. Relaxed mode
-   (LOSSY, opt-in, TensorRT-LLM's thinking-phase rule): move to the most probable child that is in the node's
-   top-N and within ``delta`` of the top probability while inside a thinking span (strict outside). The bonus is
-   the target token (relaxed: the argmax) at the last node.
+2. per request: ``accept_walk`` follows the tree from the root, in the ``AcceptMode`` it is given.
+   ``MatchMode`` (greedy and lossless sampling, SpecExec's sample-and-match): move to the lowest-index child whose
+   token equals the node's target token. ``RelaxedMode`` (LOSSY, opt-in, TensorRT-LLM's thinking-phase rule): move
+   to the most probable child that is in the node's top-N and within ``delta`` of the top probability while inside
+   a thinking span (strict outside). The bonus is the target token (relaxed: the argmax) at the last node.
 
-Randomness is an input (``coins``: one uniform per node), so kernel and reference agree exactly.
+Randomness is an input (``coins``: one uniform per node), so kernel and reference agree exactly. The references
+are the core rules (``sglang_spec.verify``) on the host tree structure (``TreeBatch``), reading the same inputs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 import triton
@@ -28,11 +30,14 @@ import triton.language as tl
 
 from sglang_spec.sampling import sample_from_probs, target_probs_from_logits
 from sglang_spec.tree.batch import TreeBatch
-from sglang_spec.verify.relaxed import verify_relaxed_topn_delta
+from sglang_spec.verify.relaxed import RelaxedAcceptance, verify_relaxed_top_n
+from sglang_spec.verify.result import VerifyResult
 from sglang_spec.verify.walk import walk_matching_children
 
 MODES = ("greedy", "sample", "relaxed")
 ONE_BITS = 0x3F800000  # float32 1.0: tempered weights exp((x - max) / T) lie in (0, 1]
+# In @triton.jit bodies a Python int literal becomes a Triton scalar with a `.to`; mypy only sees the int, hence the
+# `type: ignore[attr-defined]` on those lines.
 SEARCH_STEPS = 31  # bisection over [0, ONE_BITS] pins the threshold bit pattern exactly
 
 
@@ -80,7 +85,7 @@ def _target_tokens_kernel(
         block_index = start + tl.argmax(x, axis=0)
         best_index = tl.where(block_best > best, block_index, best_index)
         best = tl.maximum(best, block_best)
-    token = best_index.to(tl.int64)
+    token = best_index.to(tl.int64)  # type: ignore[attr-defined]
     if SAMPLE:
         temperature = tl.load(temperature_ptr + request)
         if temperature > 0:
@@ -95,10 +100,11 @@ def _target_tokens_kernel(
                 high = 0x3F800000
                 for _ in range(SEARCH):
                     middle = (low + high + 1) // 2
-                    count, mass = _mass_at_least(row_ptr, V, best, inv_temperature, middle.to(tl.float32, bitcast=True), BLOCK_V)
+                    candidate = middle.to(tl.float32, bitcast=True)  # type: ignore[attr-defined]
+                    count, mass = _mass_at_least(row_ptr, V, best, inv_temperature, candidate, BLOCK_V)
                     low = tl.where(count >= top_k, middle, low)
                     high = tl.where(count >= top_k, high, middle - 1)
-                kth = low.to(tl.float32, bitcast=True)
+                kth = low.to(tl.float32, bitcast=True)  # type: ignore[attr-defined]
             # top-p: the largest t with mass(w >= max(t, kth)) >= top_p * mass(w >= kth)
             threshold = kth
             if top_p < 1.0:
@@ -108,11 +114,11 @@ def _target_tokens_kernel(
                 high = 0x3F800000
                 for _ in range(SEARCH):
                     middle = (low + high + 1) // 2
-                    candidate = tl.maximum(middle.to(tl.float32, bitcast=True), kth)
+                    candidate = tl.maximum(middle.to(tl.float32, bitcast=True), kth)  # type: ignore[attr-defined]
                     count, mass = _mass_at_least(row_ptr, V, best, inv_temperature, candidate, BLOCK_V)
                     low = tl.where(mass >= target, middle, low)
                     high = tl.where(mass >= target, high, middle - 1)
-                threshold = tl.maximum(low.to(tl.float32, bitcast=True), kth)
+                threshold = tl.maximum(low.to(tl.float32, bitcast=True), kth)  # type: ignore[attr-defined]
             count, total = _mass_at_least(row_ptr, V, best, inv_temperature, threshold, BLOCK_V)
             # inverse CDF in token order: the first kept token whose running mass exceeds coin * total
             limit = coin * total
@@ -233,7 +239,7 @@ def _top_n_kernel(
             best_index = tl.where(block_best > best, block_index, best_index)
             best = tl.maximum(best, block_best)
         picked = tl.where(slots == n, best_index, picked)
-        tl.store(tokens_ptr + row * TOP_N + n, best_index.to(tl.int64))
+        tl.store(tokens_ptr + row * TOP_N + n, best_index.to(tl.int64))  # type: ignore[attr-defined]
         tl.store(probs_ptr + row * TOP_N + n, tl.exp(best - running_max) / running_sum)
 
 
@@ -281,7 +287,7 @@ class AcceptOutputs:
                       padded requests.
       accept_length:  [B] int64. Accepted drafts + 1 (bonus); 0 for a padded request.
       bonus_token:    [B] int64. -1 for a padded request.
-      thinking:       [B] int8. Thinking state after the emitted tokens (relaxed mode; copied through otherwise).
+      thinking:       [B] int8. Thinking state after the emitted tokens (relaxed mode; 0 in match mode).
     """
 
     accepted_nodes: torch.Tensor
@@ -307,7 +313,7 @@ def _accept_walk_kernel(
     target_ptr,  # [B * N] int64 target token per node (match mode)
     top_tokens_ptr,  # [B * N, TOP_N] int64 (relaxed mode)
     top_probs_ptr,  # [B * N, TOP_N] float32 (relaxed mode)
-    thinking_ptr,  # [B] int8 thinking state at the root (relaxed mode)
+    thinking_ptr,  # [B] int8 thinking state at the root (relaxed mode; not read in match mode)
     delta,  # relaxed probability slack inside thinking spans
     think_begin,
     think_end,
@@ -341,7 +347,8 @@ def _accept_walk_kernel(
     accepted = 0
     path = tl.where((steps == 0) & active, 0, -1).to(tl.int64)
     emitted = tl.full([D_PAD], -1, dtype=tl.int64)
-    thinking = tl.load(thinking_ptr + b).to(tl.int32)
+    if RELAXED:
+        thinking = tl.load(thinking_ptr + b).to(tl.int32)
     for level in range(MAX_DEPTH):
         children = (parents == current) & real & active
         if RELAXED:
@@ -384,21 +391,61 @@ def _accept_walk_kernel(
     tl.store(accepted_ptr + b * (MAX_DEPTH + 1) + steps, path, mask=steps < MAX_DEPTH + 1)
     tl.store(accept_length_ptr + b, length)
     tl.store(bonus_ptr + b, bonus)
-    tl.store(thinking_out_ptr + b, thinking.to(tl.int8))
+    if RELAXED:
+        tl.store(thinking_out_ptr + b, thinking.to(tl.int8))
+    else:
+        tl.store(thinking_out_ptr + b, 0)
     written = tl.load(output_lens_ptr + b)
     slot = written + steps
     tl.store(output_ids_ptr + b * output_stride + slot, emitted, mask=(steps < length) & (slot < output_capacity))
     tl.store(output_lens_ptr + b, tl.minimum(written + length, output_capacity))
 
 
-@dataclass(frozen=True)
-class RelaxedConfig:
-    """LOSSY opt-in thinking-phase acceptance (TensorRT-LLM): top_n candidates, delta probability slack."""
+@dataclass(frozen=True, eq=False)
+class MatchMode:
+    """Greedy and lossless sampling: follow the child whose token is the node's target token.
 
-    top_n: int
-    delta: float
-    think_begin_token: int
-    think_end_token: int
+    Fields:
+      target: [B * N] int64. The target's token at every node (``target_tokens``).
+    """
+
+    target: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class RelaxedMode:
+    """LOSSY opt-in: TensorRT-LLM's thinking-phase rule on the target's top-N at every node.
+
+    Fields:
+      top_tokens: [B * N, top_n] int64. The N most likely tokens per node, most likely first (``top_n_probs``).
+      top_probs:  [B * N, top_n] float32. Their plain-softmax probabilities.
+      thinking:   [B] int8. Whether each request is inside a thinking span at the root.
+      rule:       the RelaxedAcceptance (top_n must equal the width of top_tokens).
+    """
+
+    top_tokens: torch.Tensor
+    top_probs: torch.Tensor
+    thinking: torch.Tensor
+    rule: RelaxedAcceptance
+
+
+AcceptMode = Union[MatchMode, RelaxedMode]
+
+
+def _check_walk_inputs(
+    tokens: torch.Tensor, output_ids: torch.Tensor, output_lens: torch.Tensor, mode: AcceptMode
+) -> None:
+    batch, nodes = tokens.shape
+    if output_ids.dim() != 2 or output_ids.shape[0] != batch or output_ids.stride(1) != 1:
+        raise ValueError("output_ids must be [B, capacity] with contiguous rows")
+    if output_lens.shape != (batch,):
+        raise ValueError(f"output_lens must be [B] = [{batch}]")
+    if isinstance(mode, MatchMode):
+        if mode.target.shape != (batch * nodes,):
+            raise ValueError(f"MatchMode.target must be [B * N] = [{batch * nodes}]")
+    elif mode.top_tokens.shape != (batch * nodes, mode.rule.top_n) or mode.top_probs.shape != mode.top_tokens.shape:
+        expected = f"[B * N, top_n] = [{batch * nodes}, {mode.rule.top_n}]"
+        raise ValueError(f"RelaxedMode top_tokens / top_probs must be {expected}")
 
 
 def accept_walk(
@@ -408,36 +455,30 @@ def accept_walk(
     max_depth: int,
     output_ids: torch.Tensor,
     output_lens: torch.Tensor,
-    target: torch.Tensor | None = None,
-    top_n: tuple[torch.Tensor, torch.Tensor] | None = None,
-    thinking: torch.Tensor | None = None,
-    relaxed: RelaxedConfig | None = None,
+    mode: AcceptMode,
     out: AcceptOutputs | None = None,
-    logits: torch.Tensor | None = None,
 ) -> AcceptOutputs:
-    """Launcher. Match mode needs ``target`` [B * N]; relaxed mode needs ``top_n`` and ``relaxed``.
-    output_ids [B, capacity] and output_lens [B] are updated in place. ``logits`` is unused here (the reference
-    recomputes the top-N from it); it is accepted so both share one signature."""
+    """Launcher. tokens / parents [B, N] int64, num_nodes [B] int64; ``mode`` says which rule and carries its
+    inputs. output_ids [B, capacity] and output_lens [B] are updated in place."""
+    _check_walk_inputs(tokens, output_ids, output_lens, mode)
     batch, nodes = tokens.shape
-    if (relaxed is None) != (top_n is None) or (relaxed is None and target is None):
-        raise ValueError("give target tokens (match mode) or top_n + relaxed (relaxed mode)")
-    if output_ids.dim() != 2 or output_ids.shape[0] != batch or output_ids.stride(1) != 1:
-        raise ValueError("output_ids must be [B, capacity] with contiguous rows")
     out = out if out is not None else AcceptOutputs.empty(batch, max_depth, tokens.device)
-    if thinking is None:
-        thinking = torch.zeros(batch, dtype=torch.int8, device=tokens.device)
-    top_tokens, top_probs = top_n if top_n is not None else (tokens, tokens)
+    relaxed = isinstance(mode, RelaxedMode)
+    # the pointers a mode does not use are never read; any int64 / float32 / int8 tensor stands in for them
+    target = mode.target if isinstance(mode, MatchMode) else tokens
+    top_tokens, top_probs = (mode.top_tokens, mode.top_probs) if isinstance(mode, RelaxedMode) else (tokens, tokens)
+    rule = mode.rule if isinstance(mode, RelaxedMode) else None
     _accept_walk_kernel[(batch,)](
         tokens,
         parents,
         num_nodes,
-        target if target is not None else tokens,
+        target,
         top_tokens,
         top_probs,
-        thinking,
-        relaxed.delta if relaxed else 0.0,
-        relaxed.think_begin_token if relaxed else -1,
-        relaxed.think_end_token if relaxed else -1,
+        mode.thinking if isinstance(mode, RelaxedMode) else out.thinking,
+        rule.delta if rule else 0.0,
+        rule.think_begin_token if rule else -1,
+        rule.think_end_token if rule else -1,
         out.accepted_nodes,
         out.accept_length,
         out.bonus_token,
@@ -450,32 +491,11 @@ def accept_walk(
         N_PAD=max(triton.next_power_of_2(nodes), 2),
         MAX_DEPTH=max_depth,
         D_PAD=triton.next_power_of_2(max_depth + 1),
-        RELAXED=relaxed is not None,
-        TOP_N=relaxed.top_n if relaxed else 1,
-        TOP_N_PAD=max(triton.next_power_of_2(relaxed.top_n), 2) if relaxed else 2,
+        RELAXED=relaxed,
+        TOP_N=rule.top_n if rule else 1,
+        TOP_N_PAD=max(triton.next_power_of_2(rule.top_n), 2) if rule else 2,
     )
     return out
-
-
-def _batch_from_metadata(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> TreeBatch:
-    trees_tokens = tokens.cpu()
-    parent_rows = parents.cpu()
-    batch, nodes = tokens.shape
-    first_child = torch.full((batch, nodes), -1, dtype=torch.int64)
-    next_sibling = torch.full((batch, nodes), -1, dtype=torch.int64)
-    depths = torch.full((batch, nodes), -1, dtype=torch.int64)
-    for b in range(batch):
-        count = int(num_nodes[b])
-        if count:
-            depths[b, 0] = 0
-        for node in range(1, count):
-            depths[b, node] = depths[b, int(parent_rows[b, node])] + 1
-        for node in range(count - 1, 0, -1):
-            parent = int(parent_rows[b, node])
-            next_sibling[b, node] = first_child[b, parent]
-            first_child[b, parent] = node
-    masked_parents = torch.where(torch.arange(nodes)[None, :] < num_nodes.cpu()[:, None], parent_rows, -1)
-    return TreeBatch(trees_tokens, masked_parents, depths, first_child, next_sibling, num_nodes.cpu())
 
 
 def accept_walk_reference(
@@ -485,44 +505,49 @@ def accept_walk_reference(
     max_depth: int,
     output_ids: torch.Tensor,
     output_lens: torch.Tensor,
-    target: torch.Tensor | None = None,
-    top_n: tuple[torch.Tensor, torch.Tensor] | None = None,
-    thinking: torch.Tensor | None = None,
-    relaxed: RelaxedConfig | None = None,
+    mode: AcceptMode,
     out: AcceptOutputs | None = None,
-    logits: torch.Tensor | None = None,
 ) -> AcceptOutputs:
-    """The core references (``walk_matching_children`` / ``verify_relaxed_topn_delta``) on the same inputs.
-    Relaxed mode takes the raw ``logits`` [B * N, V] (the core rule computes its own top-N)."""
+    """The core rules on the host tree structure, reading the launcher's inputs: ``walk_matching_children``
+    (match mode) or ``verify_relaxed_top_n`` on the same top-N (relaxed mode)."""
+    _check_walk_inputs(tokens, output_ids, output_lens, mode)
     batch, nodes = tokens.shape
-    tree_batch = _batch_from_metadata(tokens, parents, num_nodes)
-    thinking_in = torch.zeros(batch, dtype=torch.int8) if thinking is None else thinking.cpu()
-    if relaxed is None:
-        result = walk_matching_children(tree_batch, target.cpu().reshape(batch, nodes))
-        thinking_after = thinking_in
+    trees = TreeBatch.from_parents(tokens.cpu(), parents.cpu(), num_nodes.cpu())
+    if isinstance(mode, MatchMode):
+        result = walk_matching_children(trees, mode.target.cpu().reshape(batch, nodes))
+        thinking_after = torch.zeros(batch, dtype=torch.int8)
     else:
-        outcome = verify_relaxed_topn_delta(
-            tree_batch,
-            logits.cpu().reshape(batch, nodes, -1),
-            relaxed.top_n,
-            relaxed.delta,
-            thinking_in.bool(),
-            relaxed.think_begin_token,
-            relaxed.think_end_token,
+        top_n = mode.rule.top_n
+        outcome = verify_relaxed_top_n(
+            trees,
+            mode.top_tokens.cpu().reshape(batch, nodes, top_n),
+            mode.top_probs.cpu().reshape(batch, nodes, top_n),
+            mode.rule,
+            mode.thinking.cpu().bool(),
         )
         result, thinking_after = outcome.result, outcome.thinking_after.to(torch.int8)
+    out = out if out is not None else AcceptOutputs.empty(batch, max_depth, tokens.device)
+    _write_outputs(result, thinking_after, max_depth, out)
+    _append_emitted(result, output_ids, output_lens)
+    return out
+
+
+def _write_outputs(result: VerifyResult, thinking_after: torch.Tensor, max_depth: int, out: AcceptOutputs) -> None:
+    batch = result.accept_length.shape[0]
     accepted = torch.full((batch, max_depth + 1), -1, dtype=torch.int64)
     width = min(result.accepted_nodes.shape[1], max_depth + 1)
     accepted[:, :width] = result.accepted_nodes[:, :width]
-    out = out if out is not None else AcceptOutputs.empty(batch, max_depth, tokens.device)
     out.accepted_nodes.copy_(accepted)
     out.accept_length.copy_(result.accept_length)
     out.bonus_token.copy_(result.bonus_token)
     out.thinking.copy_(thinking_after)
+
+
+def _append_emitted(result: VerifyResult, output_ids: torch.Tensor, output_lens: torch.Tensor) -> None:
+    """Appends each request's emitted tokens to its output buffer, as far as the buffer holds them."""
     capacity = output_ids.shape[1]
-    for b in range(batch):
+    for b in range(output_ids.shape[0]):
         written = int(output_lens[b])
         emitted = result.tokens(b)[: max(0, capacity - written)]
         output_ids[b, written : written + len(emitted)] = torch.tensor(emitted, dtype=output_ids.dtype)
         output_lens[b] = min(written + int(result.accept_length[b]), capacity)
-    return out

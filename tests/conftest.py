@@ -82,7 +82,8 @@ def sglang_eagle():
 @pytest.fixture(scope="session")
 def tiny():
     """The toy-trained tiny DeepSeek-V3 (built once into the cache) and its distilled MTP head."""
-    from sglang_spec.models.registry import load_head_for, load_model
+    from sglang_spec.catalog import load_model
+    from sglang_spec.models.registry import load_head_for
 
     loaded = load_model("tiny-deepseek", progress=False)
     return loaded, load_head_for(loaded, None)
@@ -124,7 +125,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct in float32 (converted once into the cache) and its shipped MTP head."""
-    from sglang_spec.models.registry import load_head_for, load_model
+    from sglang_spec.catalog import load_model
+    from sglang_spec.models.registry import load_head_for
 
     loaded = load_model("smollm2", progress=False)
     return loaded, load_head_for(loaded, None)

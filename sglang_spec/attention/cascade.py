@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_spec.tree.batch import with_prefix
+
 
 @dataclass(frozen=True, eq=False)
 class AttentionState:
@@ -68,5 +70,5 @@ def mla_tree_attention_reference(
     """The same attention in one piece: keys = prefix then tree, mask = all prefix columns + the ancestor mask."""
     c_kv = torch.cat([prefix_c_kv, tree_c_kv])
     k_rope = torch.cat([prefix_k_rope, tree_k_rope])
-    full_mask = torch.cat([torch.ones(tree_mask.shape[0], prefix_c_kv.shape[0], dtype=torch.bool), tree_mask], dim=1)
+    full_mask = with_prefix(tree_mask, prefix_c_kv.shape[0])
     return mla_attention(q_latent, q_rope, c_kv, k_rope, scale, mask=full_mask)

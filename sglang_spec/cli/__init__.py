@@ -9,24 +9,16 @@ import argparse
 import sys
 from typing import Sequence
 
+from sglang_spec.cli import calibrate as calibrate_command
+from sglang_spec.cli import generate as generate_command
+from sglang_spec.cli import traffic as traffic_command
+from sglang_spec.cli import train as train_command
+from sglang_spec.cli import tree as tree_command
+from sglang_spec.cli.parser import OneLineErrorParser
 from sglang_spec.errors import SpecError
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line naming the problem and where to look."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from sglang_spec.cli import calibrate as calibrate_command
-    from sglang_spec.cli import generate as generate_command
-    from sglang_spec.cli import traffic as traffic_command
-    from sglang_spec.cli import train as train_command
-    from sglang_spec.cli import tree as tree_command
-
     parser = OneLineErrorParser(
         prog="sglang-spec",
         description="Tree-based speculative decoding for SGLang: build, inspect and measure token trees.",

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from sglang_spec.catalog import load_model
+from sglang_spec.errors import SpecError
+from sglang_spec.models.registry import load_head_for
+from sglang_spec.train.calibrate import calibrate
+from sglang_spec.train.records import is_eval_record
+from sglang_spec.train.traffic import read_traffic_strict
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -35,11 +41,6 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sglang_spec.errors import SpecError
-    from sglang_spec.models.registry import load_head_for, load_model
-    from sglang_spec.train.calibrate import calibrate
-    from sglang_spec.train.traffic import read_traffic_strict
-
     # options first, so a typo fails before the traffic is read
     if args.held_out is not None and not 0 < args.held_out < 1:
         raise SpecError(f"--held-out takes the training run's eval fraction in (0, 1), got {args.held_out}")
@@ -53,8 +54,6 @@ def run(args: argparse.Namespace) -> int:
     if args.greedy_only:
         records = [record for record in records if record.id.endswith("/greedy")]
     if args.held_out is not None:
-        from sglang_spec.train.trainer import is_eval_record
-
         records = [record for record in records if is_eval_record(record.id, args.held_out)]
     if not records:
         raise SpecError("no traffic records left after filtering")

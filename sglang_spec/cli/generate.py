@@ -5,10 +5,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from sglang_spec.catalog import load_model
+from sglang_spec.decode.autotune import load_or_measure
+from sglang_spec.decode.decoder import (
+    GenerationConfig,
+    GenerationOutput,
+    SpeculativeDecoder,
+    compare_with_plain,
+    generate_plain,
+)
 from sglang_spec.errors import SpecError
-from sglang_spec.tree.policies import POLICY_NAMES
+from sglang_spec.models.cache_dir import cache_root
+from sglang_spec.models.registry import LoadedModel, load_head_for, shipped_profile_path
+from sglang_spec.mtp.head import MTPHead
+from sglang_spec.sampling import SamplingParams
+from sglang_spec.tree.cost_model import choose_speculation
+from sglang_spec.tree.policies import POLICY_NAMES, TreePolicy
+from sglang_spec.tree.profile import AcceptanceProfile
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -46,49 +64,70 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    # heavy imports only when the command runs
-    from sglang_spec.cli.tree import load_profile
-    from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, compare_with_plain, generate_plain
-    from sglang_spec.models.registry import load_head_for, load_model, shipped_profile_path
-    from sglang_spec.sampling import SamplingParams
-    from sglang_spec.tree.policies import TreePolicy
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``--auto`` chose: ``policy`` None means plain decoding; ``summary`` goes into the report."""
 
+    policy: TreePolicy | None
+    summary: dict[str, Any]
+
+
+def run(args: argparse.Namespace) -> int:
+    # everything that can be checked without the model first, so a typo fails before a model loads
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     profile_path = args.acceptance
     if profile_path is None and (args.policy == "sequoia" or args.auto):
         profile_path = shipped_profile_path(args.model, args.temperature)
-    profile, profile_name = load_profile(profile_path)
-    policy = TreePolicy(args.policy, budget=args.budget, depth=args.depth, topk=args.topk, profile=profile)
+    profile = AcceptanceProfile.load(profile_path)
+    policy: TreePolicy | None = TreePolicy(args.policy, budget=args.budget, depth=args.depth, topk=args.topk,
+                                           profile=profile)
     if args.mtp is not None and not Path(args.mtp).exists():
         raise SpecError(f"MTP head {args.mtp} does not exist")
     loaded = load_model(args.model, progress=not args.json)
     head = load_head_for(loaded, args.mtp)
-    config = GenerationConfig(
-        max_new_tokens=config.max_new_tokens, sampling=sampling, seed=args.seed, eos_token_ids=loaded.eos_token_ids
-    )
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                              eos_token_ids=loaded.eos_token_ids)
     prompts = [loaded.encode_prompt(text, chat=False if args.no_chat else None) for text in args.prompt]
     auto = None
     if args.auto:
-        auto, policy = _auto_policy(loaded, head, profile, args.depth, args.costs, sampling)
+        auto = choose_auto_policy(loaded, head, profile, args.depth, args.costs, sampling)
+        policy = auto.policy
     if args.check:  # warm the kernels up first, so neither timed run pays one-time start-up costs
         generate_plain(loaded.model, prompts[:1], GenerationConfig(max_new_tokens=2, sampling=sampling))
     if policy is None:  # the cost model says speculation does not pay here
         output = generate_plain(loaded.model, prompts, config)
     else:
         output = SpeculativeDecoder(loaded.model, head, policy).generate(prompts, config)
-    report = {
+    report = _report(loaded, policy, auto, profile, sampling, output)
+    if args.check:
+        report.update(_check_against_plain(loaded, prompts, config, output))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_table(args.prompt, loaded, report, output, sampling)
+    return 0
+
+
+def _report(
+    loaded: LoadedModel,
+    policy: TreePolicy | None,
+    auto: AutoChoice | None,
+    profile: AcceptanceProfile,
+    sampling: SamplingParams,
+    output: GenerationOutput,
+) -> dict[str, Any]:
+    requests = output.requests
+    return {
         "model": loaded.name,
         "policy": policy.name if policy else "none",
         "budget": policy.budget if policy else 0,
         "depth": policy.depth if policy else 0,
-        "auto": auto,
-        "profile": profile_name if policy is not None and policy.name == "sequoia" else None,
+        "auto": auto.summary if auto else None,
+        "profile": profile.source if policy is not None and policy.name == "sequoia" else None,
         "temperature": sampling.temperature,
-        "tokens": output.requests[0].tokens if len(prompts) == 1 else [r.tokens for r in output.requests],
-        "text": [loaded.decode(request.tokens) for request in output.requests],
-        "finish_reasons": [request.finish_reason for request in output.requests],
+        "tokens": requests[0].tokens if len(requests) == 1 else [request.tokens for request in requests],
+        "text": [loaded.decode(request.tokens) for request in requests],
+        "finish_reasons": [request.finish_reason for request in requests],
         "accept_length_mean": output.accept_length_mean,
         "accept_length_histogram": output.accept_length_histogram(),
         "steps": output.stats.steps,
@@ -97,51 +136,64 @@ def run(args: argparse.Namespace) -> int:
         "total_seconds": output.stats.total_seconds,
         "tokens_per_second": output.tokens_per_second,
     }
-    if args.check:
-        baseline = generate_plain(loaded.model, prompts, config)
-        comparisons = [compare_with_plain(ours, theirs) for ours, theirs in zip(output.requests, baseline.requests)]
-        report["baseline_tokens_per_second"] = baseline.tokens_per_second
-        report["speedup"] = output.tokens_per_second / baseline.tokens_per_second if baseline.tokens_per_second else None
-        if sampling.greedy:
-            report["identical_to_baseline"] = all(c.identical for c in comparisons)
-            report["near_tie_divergences"] = sum(c.excused for c in comparisons)
-        else:
-            # sampled runs draw different random numbers; equality is in distribution, not token by token
-            report["identical_to_baseline"] = None
-    if args.json:
-        print(json.dumps(report))
-        return 0
-    for index, (prompt_text, request) in enumerate(zip(args.prompt, output.requests)):
+
+
+def _check_against_plain(
+    loaded: LoadedModel, prompts: list[list[int]], config: GenerationConfig, output: GenerationOutput
+) -> dict[str, Any]:
+    """``--check``: plain decoding of the same prompts, its speed, and (greedy) whether the outputs are identical."""
+    baseline = generate_plain(loaded.model, prompts, config)
+    comparisons = [compare_with_plain(ours, theirs) for ours, theirs in zip(output.requests, baseline.requests)]
+    result: dict[str, Any] = {
+        "baseline_tokens_per_second": baseline.tokens_per_second,
+        "speedup": output.tokens_per_second / baseline.tokens_per_second if baseline.tokens_per_second else None,
+    }
+    if config.sampling.greedy:
+        result["identical_to_baseline"] = all(c.identical for c in comparisons)
+        result["near_tie_divergences"] = sum(c.excused for c in comparisons)
+    else:
+        # sampled runs draw different random numbers; equality is in distribution, not token by token
+        result["identical_to_baseline"] = None
+    return result
+
+
+def _print_table(
+    prompt_texts: list[str], loaded: LoadedModel, report: dict[str, Any], output: GenerationOutput,
+    sampling: SamplingParams,
+) -> None:
+    for index, (prompt_text, request) in enumerate(zip(prompt_texts, output.requests)):
         print(f"--- prompt {index}: {prompt_text!r}")
         print(loaded.decode(request.tokens))
+    auto = report["auto"]
     if auto is not None:
         print(f"--- auto: predicted speedup {auto['predicted_speedup']:.2f}x with budget {auto['budget']}, depth "
-              f"{auto['depth']} on {auto['device']}" + (" -> no speculation" if policy is None else ""))
+              f"{auto['depth']} on {auto['device']}" + (" -> no speculation" if report["policy"] == "none" else ""))
     print(f"--- {report['policy']} budget {report['budget']} depth {report['depth']} on {loaded.name}, temperature "
           f"{sampling.temperature}")
     print(f"accept length mean {report['accept_length_mean']:.3f} tokens/step (bonus included) over "
           f"{output.stats.steps} steps; histogram {report['accept_length_histogram']}")
     print(f"draft {output.stats.draft_seconds:.2f} s, verify {output.stats.verify_seconds:.2f} s, "
           f"{report['tokens_per_second']:.1f} tokens/s")
-    if args.check:
+    if "baseline_tokens_per_second" in report:
         print(f"plain decoding {report['baseline_tokens_per_second']:.1f} tokens/s, speedup {report['speedup']:.2f}x")
         if sampling.greedy:
             verdict = "identical" if report["identical_to_baseline"] else "DIFFERENT"
+            ties = report["near_tie_divergences"]
             print(f"greedy output {verdict} to plain decoding"
-                  + (f" ({report['near_tie_divergences']} divergence(s) at near-ties < 1e-4)" if report["near_tie_divergences"] else ""))
+                  + (f" ({ties} divergence(s) at near-ties < 1e-4)" if ties else ""))
         else:
             print("sampling: outputs are compared in distribution (tests), not token by token")
-    return 0
 
 
-def _auto_policy(loaded, head, profile, max_depth: int, costs_path: Path | None, sampling):
+def choose_auto_policy(
+    loaded: LoadedModel,
+    head: MTPHead,
+    profile: AcceptanceProfile,
+    max_depth: int,
+    costs_path: Path | None,
+    sampling: SamplingParams,
+) -> AutoChoice:
     """Measured (or cached) costs + profile -> the sequoia policy to use, or None for plain decoding."""
-    import platform
-
-    from sglang_spec.decode.autotune import choose_speculation, load_or_measure
-    from sglang_spec.models.cache_dir import cache_root
-    from sglang_spec.tree.policies import TreePolicy
-
     dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
     # sampled verification costs more per step than greedy, so each mode has its own curve
     mode = "greedy" if sampling.greedy else "sampled"
@@ -151,5 +203,5 @@ def _auto_policy(loaded, head, profile, max_depth: int, costs_path: Path | None,
     summary = {"budget": choice.budget, "depth": choice.depth, "predicted_speedup": choice.speedup,
                "expected_accept_length": choice.expected_accept_length, "costs": str(path), "device": costs.device}
     if choice.budget == 0:
-        return summary, None
-    return summary, TreePolicy("sequoia", budget=choice.budget, depth=choice.depth, profile=profile)
+        return AutoChoice(None, summary)
+    return AutoChoice(TreePolicy("sequoia", budget=choice.budget, depth=choice.depth, profile=profile), summary)

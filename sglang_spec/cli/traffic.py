@@ -7,7 +7,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from sglang_spec.catalog import load_model
 from sglang_spec.errors import SpecError
+from sglang_spec.train.generate_traffic import generate_traffic
+from sglang_spec.train.prompts import load_prompts
+from sglang_spec.train.traffic import import_openai_chat, import_sglang_log, read_traffic, write_traffic
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -44,11 +48,6 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from sglang_spec.models.registry import load_model
-    from sglang_spec.train.generate_traffic import generate_traffic
-    from sglang_spec.train.prompts import load_prompts
-    from sglang_spec.train.traffic import write_traffic
-
     if args.out.exists() and not args.force:
         raise SpecError(f"{args.out} exists; pass --force to overwrite it")
     if args.samples < 0 or (args.no_greedy and args.samples == 0 and not args.reference):
@@ -64,8 +63,6 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from sglang_spec.train.traffic import import_openai_chat, import_sglang_log, write_traffic
-
     importer = import_sglang_log if args.format == "sglang" else import_openai_chat
     records, problem_count, ignored = [], 0, 0
     for path in args.inputs:
@@ -85,8 +82,6 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    from sglang_spec.train.traffic import read_traffic
-
     for path in args.inputs:
         records, problems = read_traffic(path)
         domains = Counter(record.domain for record in records)

@@ -6,12 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
+from sglang_spec.catalog import load_model
 from sglang_spec.errors import SpecError
+from sglang_spec.models.registry import load_head_for
+from sglang_spec.train.traffic import read_traffic_strict
+from sglang_spec.train.trainer import TrainConfig, train_head
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
-    from sglang_spec.train.trainer import TrainConfig
-
     defaults = TrainConfig()
     parser = subcommands.add_parser(
         "train",
@@ -47,10 +49,6 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sglang_spec.models.registry import load_head_for, load_model
-    from sglang_spec.train.traffic import read_traffic_strict
-    from sglang_spec.train.trainer import TrainConfig, train_head
-
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, unroll=args.unroll, lr=args.lr,
         draft_vocab=args.draft_vocab, top_k_targets=args.top_k_targets, checkpoint_every=args.checkpoint_every,

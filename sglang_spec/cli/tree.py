@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from importlib import resources
 from pathlib import Path
 
 from sglang_spec.tree.candidates import ProfileCandidates
 from sglang_spec.tree.policies import DEFAULT_TOPK, POLICY_NAMES, TreePolicy
-from sglang_spec.tree.profile import AcceptanceProfile
+from sglang_spec.tree.profile import DEFAULT_PROFILE, AcceptanceProfile
 from sglang_spec.tree.token_tree import TokenTree
-
-DEFAULT_PROFILE = "sequoia_demo.json"
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -46,15 +43,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def load_profile(path: Path | None) -> tuple[AcceptanceProfile, str]:
-    if path is not None:
-        return AcceptanceProfile.from_json(path), str(path)
-    resource = resources.files("sglang_spec.data").joinpath("profiles", DEFAULT_PROFILE)
-    return AcceptanceProfile.from_obj(json.loads(resource.read_text()), DEFAULT_PROFILE), f"built-in {DEFAULT_PROFILE}"
-
-
 def run(args: argparse.Namespace) -> int:
-    profile, profile_name = load_profile(args.acceptance)
+    profile = AcceptanceProfile.load(args.acceptance)
     policy = TreePolicy(args.policy, budget=args.budget, depth=args.depth, topk=args.topk, profile=profile)
     tree = policy.build(root_token=0, source=ProfileCandidates(profile))
     reach = profile.node_reach_probabilities(tree)
@@ -73,14 +63,14 @@ def run(args: argparse.Namespace) -> int:
                     "depths": tree.depths.tolist(),
                     "ranks": tree.ranks.tolist(),
                     "expected_accept_length": expected,
-                    "profile": profile_name,
+                    "profile": profile.source,
                 }
             )
         )
         return 0
     print(
         f"policy {policy.name}: {tree.budget} draft nodes (budget {policy.budget}), depth {tree.depth} "
-        f"(limit {policy.depth}), profile {profile_name}"
+        f"(limit {policy.depth}), profile {profile.source}"
     )
     print(render_tree(tree, reach))
     print(f"expected accept length: {expected:.4f} tokens per step (bonus token included)")

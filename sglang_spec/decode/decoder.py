@@ -16,32 +16,24 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TYPE_CHECKING
 
 import torch
 
 from sglang_spec.decode.target import TargetRunner
 from sglang_spec.errors import SpecError
-from sglang_spec.mtp.drafter import MTPDrafter
+from sglang_spec.mtp.drafter import DraftState, MTPDrafter
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams, sample_from_probs, target_probs_from_logits
 from sglang_spec.tree.batch import TreeBatch
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.verify.greedy import verify_greedy
-from sglang_spec.verify.relaxed import verify_relaxed_topn_delta
+from sglang_spec.verify.relaxed import RelaxedAcceptance, verify_relaxed_topn_delta
 from sglang_spec.verify.result import VerifyResult
 from sglang_spec.verify.sample_match import verify_sample_match
 
-
-@dataclass(frozen=True)
-class RelaxedAcceptance:
-    """LOSSY opt-in (TensorRT-LLM, DeepSeek-R1 thinking): accept a draft in the target's top-N within ``delta``
-    of the top probability while inside <think> ... </think>. Output no longer equals the target's."""
-
-    top_n: int
-    delta: float
-    think_begin_token: int
-    think_end_token: int
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -144,7 +136,9 @@ def _top2_gap(logits: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def generate_plain(model: torch.nn.Module, prompts: Sequence[Sequence[int]], config: GenerationConfig) -> GenerationOutput:
+def generate_plain(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], config: GenerationConfig
+) -> GenerationOutput:
     """Plain decoding, one request at a time (batch 1, no padding): the baseline speculation must reproduce."""
     runner = TargetRunner(model)
     generator = torch.Generator().manual_seed(config.seed)
@@ -186,7 +180,7 @@ class _Active:
 
     output: RequestOutput
     root: int
-    draft: object
+    draft: DraftState
     thinking: bool = False
 
 
@@ -195,7 +189,7 @@ class SpeculativeDecoder:
     acceptance rule (tests use it to show a biased rule is caught)."""
 
     def __init__(
-        self, target: torch.nn.Module, head: MTPHead, policy: TreePolicy, verifier: Verifier = lossless_verify
+        self, target: PreTrainedModel, head: MTPHead, policy: TreePolicy, verifier: Verifier = lossless_verify
     ) -> None:
         self.runner = TargetRunner(target)
         self.drafter = MTPDrafter(head)
@@ -220,7 +214,9 @@ class SpeculativeDecoder:
         stats.total_seconds = time.perf_counter() - start
         return GenerationOutput(outputs, stats)
 
-    def _prefill(self, prompts, config: GenerationConfig, generator) -> tuple[list[RequestOutput], list[_Active]]:
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], config: GenerationConfig, generator: torch.Generator
+    ) -> tuple[list[RequestOutput], list[_Active]]:
         """Runs every prompt alone, takes the first token, starts drafting; merges the unfinished into a batch."""
         outputs, active, prefills = [], [], []
         for prompt in prompts:
@@ -232,14 +228,16 @@ class SpeculativeDecoder:
             if _stop(request, [root], config):
                 continue
             following = torch.cat([prompt_tensor[1:], torch.tensor([root])]).to(prefill.hidden.device)
-            thinking = config.relaxed is not None and _thinking_after(list(prompt) + [root], config.relaxed)
+            thinking = config.relaxed is not None and config.relaxed.thinking_after([*prompt, root])
             active.append(_Active(request, root, self.drafter.prefill(prefill.hidden, following), thinking))
             prefills.append(prefill)
         if active:
             self.runner.start_batch(prefills)
         return outputs, active
 
-    def _step(self, active: list[_Active], config: GenerationConfig, generator, stats: GenerationStats) -> list[_Active]:
+    def _step(
+        self, active: list[_Active], config: GenerationConfig, generator: torch.Generator, stats: GenerationStats
+    ) -> list[_Active]:
         """One draft / verify / accept / commit round; returns the requests that continue."""
         stats.steps += 1
         tick = time.perf_counter()
@@ -247,19 +245,15 @@ class SpeculativeDecoder:
         stats.draft_seconds += time.perf_counter() - tick
 
         tick = time.perf_counter()
-        num_nodes = max(tree.num_nodes for tree in trees)
-        forward = self.runner.verify(trees, num_nodes)
-        batch = TreeBatch.from_trees(trees, max_nodes=num_nodes)
+        batch = TreeBatch.from_trees(trees)
+        forward = self.runner.verify(batch)
         logits = forward.logits.cpu()
         if config.relaxed is not None:
-            relaxed = verify_relaxed_topn_delta(
-                batch, logits, config.relaxed.top_n, config.relaxed.delta,
-                torch.tensor([request.thinking for request in active]),
-                config.relaxed.think_begin_token, config.relaxed.think_end_token,
-            )
+            thinking = torch.tensor([request.thinking for request in active])
+            relaxed = verify_relaxed_topn_delta(batch, logits, config.relaxed, thinking)
             result = relaxed.result
-            for request, thinking in zip(active, relaxed.thinking_after.tolist()):
-                request.thinking = thinking
+            for request, state in zip(active, relaxed.thinking_after.tolist()):
+                request.thinking = state
         else:
             result = self.verifier(batch, logits, config, generator)
         kept = [result.accepted_nodes[row, : int(result.accept_length[row])].tolist() for row in range(len(trees))]
@@ -282,16 +276,6 @@ class SpeculativeDecoder:
         if continuing and len(continuing) < len(active):
             self.runner.select(continuing)
         return [active[row] for row in continuing]
-
-
-def _thinking_after(tokens: Sequence[int], relaxed: RelaxedAcceptance) -> bool:
-    state = False
-    for token in tokens:
-        if token == relaxed.think_begin_token:
-            state = True
-        elif token == relaxed.think_end_token:
-            state = False
-    return state
 
 
 @dataclass(frozen=True)

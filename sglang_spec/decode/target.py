@@ -12,11 +12,17 @@ DeepSeek-V3 MLA cache, which stores the compressed latent and the rope key as [B
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sglang_spec.decode.masks import attention_mask_for
-from sglang_spec.tree.token_tree import TokenTree
+from sglang_spec.attention.kv_cache import new_dynamic_cache
+from sglang_spec.attention.masks import attention_mask_for
+from sglang_spec.tree.batch import TreeBatch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers import DynamicCache
 
 
 @dataclass(frozen=True, eq=False)
@@ -25,7 +31,7 @@ class PrefillOutput:
 
     hidden: torch.Tensor
     last_logits: torch.Tensor
-    cache: object
+    cache: DynamicCache
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,15 +42,15 @@ class TreeForwardOutput:
     hidden: torch.Tensor
 
 
-def _cache_layers(cache) -> list:
+def _cache_layers(cache: DynamicCache) -> list[Any]:
     return list(cache.layers)
 
 
 class TargetRunner:
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.config = model.config
-        self.cache = None
+        self.cache: DynamicCache | None = None
         self.lengths: list[int] = []
         self._tree_start = 0  # cache slot of the first tree node of the last verify forward
 
@@ -56,7 +62,13 @@ class TargetRunner:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def _forward(self, input_ids, position_ids, attention_mask, cache) -> TreeForwardOutput:
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: DynamicCache,
+    ) -> TreeForwardOutput:
         output = self.model.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -70,16 +82,14 @@ class TargetRunner:
     @torch.no_grad()
     def prefill(self, prompt: torch.Tensor) -> PrefillOutput:
         """Runs one prompt [P] alone (batch 1, causal)."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
+        cache = new_dynamic_cache()
         ids = prompt.to(self.device)[None]
         positions = torch.arange(ids.shape[1], device=self.device)[None]
         output = self._forward(ids, positions, None, cache)
         return PrefillOutput(hidden=output.hidden[0], last_logits=output.logits[0, -1], cache=cache)
 
     @torch.no_grad()
-    def decode_one(self, token: int, position: int, cache) -> PrefillOutput:
+    def decode_one(self, token: int, position: int, cache: DynamicCache) -> PrefillOutput:
         """Plain decoding: one token for a batch-1 cache (the no-speculation baseline)."""
         ids = torch.tensor([[token]], device=self.device)
         output = self._forward(ids, torch.tensor([[position]], device=self.device), None, cache)
@@ -87,11 +97,9 @@ class TargetRunner:
 
     def start_batch(self, prefills: list[PrefillOutput]) -> None:
         """Merges batch-1 prefill caches into one left-aligned batch cache."""
-        from transformers import DynamicCache
-
         self.lengths = [prefill.hidden.shape[0] for prefill in prefills]
         width = max(self.lengths)
-        merged = DynamicCache()
+        merged = new_dynamic_cache()
         for layer_index in range(len(_cache_layers(prefills[0].cache))):
             keys, values = [], []
             for prefill in prefills:
@@ -103,27 +111,23 @@ class TargetRunner:
         self.cache = merged
 
     @torch.no_grad()
-    def verify(self, trees: list[TokenTree], num_nodes: int) -> TreeForwardOutput:
-        """One forward over every request's tree (padded to ``num_nodes``), each node seeing its request's committed
-        KV, its ancestors and itself, at position ``lengths[b] + depth``."""
-        batch = len(trees)
-        width = self.cache.get_seq_length()
+    def verify(self, batch: TreeBatch) -> TreeForwardOutput:
+        """One forward over every request's tree (row b of ``batch``), each node seeing its request's committed KV,
+        its ancestors and itself, at position ``lengths[b] + depth``. Padding nodes run as token 0 at position
+        ``lengths[b]`` and see the committed KV, the root and themselves; nothing real sees them."""
+        cache = self._batch_cache()
+        width = cache.get_seq_length()
         device = self.device
-        tokens = torch.zeros(batch, num_nodes, dtype=torch.int64)
-        positions = torch.zeros(batch, num_nodes, dtype=torch.int64)
-        allowed = torch.zeros(batch, 1, num_nodes, width + num_nodes, dtype=torch.bool)
-        for row, tree in enumerate(trees):
-            count = tree.num_nodes
-            tokens[row, :count] = tree.tokens
-            positions[row] = self.lengths[row]
-            positions[row, :count] += tree.depths
-            allowed[row, 0, :, : self.lengths[row]] = True
-            allowed[row, 0, :count, width : width + count] = tree.ancestor_mask()
-            padding = torch.arange(count, num_nodes)
-            allowed[row, 0, padding, width + padding] = True  # padded nodes see themselves only
+        positions = torch.tensor(self.lengths, dtype=torch.int64)[:, None] + batch.depths.clamp(min=0)
+        allowed = batch.attention_mask(self.lengths, tree_start=width)[:, None]  # [B, 1, N, width + N]
         mask = attention_mask_for(self.config, allowed.to(device), self.dtype)
         self._tree_start = width
-        return self._forward(tokens.to(device), positions.to(device), mask, self.cache)
+        return self._forward(batch.tokens.clamp(min=0).to(device), positions.to(device), mask, cache)
+
+    def _batch_cache(self) -> DynamicCache:
+        if self.cache is None:
+            raise AssertionError("start_batch() first: there is no batch cache")
+        return self.cache
 
     def commit(self, kept_nodes: list[list[int]]) -> None:
         """After a verify forward: request b keeps its committed slots plus the tree slots of ``kept_nodes[b]``
@@ -138,14 +142,14 @@ class TargetRunner:
         self.lengths = new_lengths
 
     def _gather(self, index: torch.Tensor) -> None:
-        for layer in _cache_layers(self.cache):
+        for layer in _cache_layers(self._batch_cache()):
             layer.keys = _gather_slots(layer.keys, index)
             layer.values = _gather_slots(layer.values, index)
 
     def select(self, rows: list[int]) -> None:
         """Keeps only the given requests (finished ones leave the batch)."""
         keep = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        for layer in _cache_layers(self.cache):
+        for layer in _cache_layers(self._batch_cache()):
             layer.keys = layer.keys.index_select(0, keep)
             layer.values = layer.values.index_select(0, keep)
         self.lengths = [self.lengths[row] for row in rows]

@@ -1,16 +1,23 @@
-"""What ``--model`` and ``--mtp`` name: built-in models, local folders, MTP head files and DeepSeek checkpoints."""
+"""Loaded targets and their heads: a model folder loaded for decoding, the heads and profiles shipped for built-in
+models, and what ``--mtp`` names (an MTP head file or a DeepSeek checkpoint). Which folder a ``--model`` name
+stands for is ``sglang_spec.catalog``'s business (the tiny DeepSeek is built by training, a layer above this one)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sglang_spec.errors import SpecError
+from sglang_spec.mtp.checkpoint import load_deepseek_mtp, load_mtp_head
+from sglang_spec.mtp.head import MTPHead
 
-BUILTIN_MODELS = ("smollm2", "tiny-deepseek")
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 # the shipped heads for built-in models, and their calibrated profiles per sampling temperature
 SHIPPED_HEADS = {
     "smollm2": "smollm2-135m-instruct.safetensors",
@@ -52,8 +59,8 @@ class LoadedModel:
 
     name: str
     path: Path
-    model: torch.nn.Module
-    tokenizer: object
+    model: PreTrainedModel
+    tokenizer: Any  # a transformers tokenizer, or ByteTokenizer for toy models without one
     eos_token_ids: tuple[int, ...]
     chat: bool = False
     extra: dict = field(default_factory=dict)
@@ -70,30 +77,13 @@ class LoadedModel:
         return self.tokenizer.decode(tokens)
 
 
-def resolve_model_path(name: str, progress: bool = True) -> tuple[str, Path]:
-    if name == "smollm2":
-        from sglang_spec.models.smollm2 import smollm2_dir
-
-        return name, smollm2_dir(progress=progress)
-    if name == "tiny-deepseek":
-        from sglang_spec.models.tiny_deepseek import tiny_deepseek_dir
-
-        return name, tiny_deepseek_dir(progress=progress)
-    path = Path(name)
-    if path.is_dir() and (path / "config.json").exists():
-        return path.name, path
-    if path.exists():
-        raise SpecError(f"{path} is not a model folder (no config.json)")
-    raise SpecError(f"unknown model {name!r}: give a local model folder, or one of {', '.join(BUILTIN_MODELS)}")
-
-
-def load_model(name: str, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
-    """Loads a target for decoding (sdpa attention, eval mode, no gradients)."""
+def load_model_folder(label: str, path: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Loads the transformers model folder ``path`` for decoding (sdpa attention, eval mode, no gradients);
+    ``label`` names it in reports and picks its shipped head."""
+    # transformers is the optional `models` extra and takes seconds to import: only loading a model pays for it
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as transformers_logging
 
-    label, path = resolve_model_path(name, progress=progress)
     verbosity = transformers_logging.get_verbosity()
     # a DeepSeek checkpoint's MTP layer is "unexpected" to transformers (it builds no MTP); we load it ourselves,
     # and loading a local folder takes a second: no report, no progress bar
@@ -137,11 +127,9 @@ def shipped_profile_path(model_name: str, temperature: float = 0.0) -> Path | No
     return Path(str(resource)) if resource.is_file() else None
 
 
-def load_head_for(loaded: LoadedModel, mtp: str | Path | None, feedback: str = "pre_norm"):
+def load_head_for(loaded: LoadedModel, mtp: str | Path | None, feedback: str = "pre_norm") -> MTPHead:
     """``--mtp``: an sglang_spec head file, or a DeepSeek checkpoint folder (its MTP layer). Without it: the
     model's own MTP layer (DeepSeek checkpoints) or the head shipped for a built-in model."""
-    from sglang_spec.mtp.checkpoint import load_deepseek_mtp, load_mtp_head
-
     if mtp is not None:
         path = Path(mtp)
         if not path.exists():

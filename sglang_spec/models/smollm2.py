@@ -12,6 +12,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
 from sglang_spec.errors import SpecError
 from sglang_spec.models.cache_dir import cache_root
 
@@ -40,8 +43,7 @@ def smollm2_dir(cache: Path | None = None, progress: bool = True) -> Path:
 
 
 def _convert(source: Path, target: Path, progress: bool) -> None:
-    import torch
-    from tqdm import tqdm
+    # transformers (with gguf) is the optional `models` extra and takes seconds to import: only a conversion pays
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     target.parent.mkdir(parents=True, exist_ok=True)

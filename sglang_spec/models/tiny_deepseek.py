@@ -1,9 +1,10 @@
 """Tiny DeepSeek-V3-shaped models (MLA + MoE + one MTP layer), built from a config in code.
 
 * ``build_tiny_deepseek``: random weights (seeded).
-* ``tiny_deepseek_dir``: the model behind ``--model tiny-deepseek``: the same architecture trained for a few
-  seconds on a seeded toy language, with its MTP layer distilled from it, built once and cached. A random model
-  is a chaotic function that no one-layer head can predict; the toy-trained one gives real acceptance rates.
+* ``save_tiny_deepseek``: a model and its MTP head as a DeepSeek-style checkpoint.
+
+The model behind ``--model tiny-deepseek`` is this architecture trained on a toy language
+(``sglang_spec.train.tiny_deepseek``).
 
 Checkpoints are written like DeepSeek-V3/R1's: the main model in one shard, the MTP layer under
 ``model.layers.{num_hidden_layers}.*`` in another, and a ``model.safetensors.index.json`` mapping both, so the MTP
@@ -14,10 +15,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
 
-TINY_DEEPSEEK_CONFIG = dict(
+from sglang_spec.mtp.checkpoint import deepseek_mtp_state_dict
+from sglang_spec.mtp.head import MTPHead
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+TINY_DEEPSEEK_CONFIG: dict[str, Any] = dict(
     vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
@@ -44,7 +55,9 @@ TINY_DEEPSEEK_CONFIG = dict(
 )
 
 
-def tiny_deepseek_config(**overrides):
+def tiny_deepseek_config(**overrides: Any) -> Any:
+    """transformers' DeepseekV3Config with TINY_DEEPSEEK_CONFIG, then ``overrides``."""
+    # transformers is the optional `models` extra and takes seconds to import: only building a model pays for it
     from transformers import DeepseekV3Config
 
     config = DeepseekV3Config(**{**TINY_DEEPSEEK_CONFIG, **overrides})
@@ -52,9 +65,9 @@ def tiny_deepseek_config(**overrides):
     return config
 
 
-def build_tiny_deepseek(seed: int = 0, **overrides):
+def build_tiny_deepseek(seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """A DeepseekV3ForCausalLM with seeded random weights, float32, eval mode."""
-    from transformers import DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM  # optional and heavy, as in tiny_deepseek_config
 
     config = tiny_deepseek_config(**overrides)
     with torch.random.fork_rng():
@@ -69,17 +82,10 @@ CHECKPOINT_CONFIG_FIELDS = {"moe_layer_freq": 1, "scoring_func": "sigmoid", "top
 
 MAIN_SHARD = "model-00001-of-00002.safetensors"
 MTP_SHARD = "model-00002-of-00002.safetensors"
-CACHE_NAME = "tiny-deepseek-v3-toy"
-_COMPLETE = ".complete"
 
 
-def save_tiny_deepseek(path: str | Path, model, head) -> Path:
+def save_tiny_deepseek(path: str | Path, model: PreTrainedModel, head: MTPHead) -> Path:
     """Writes ``model`` and its MTP ``head`` as a DeepSeek-style sharded checkpoint."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from sglang_spec.mtp.checkpoint import deepseek_mtp_state_dict
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
@@ -104,76 +110,3 @@ def complete_checkpoint_config(path: Path) -> None:
         return
     config.update(CHECKPOINT_CONFIG_FIELDS)
     config_path.write_text(json.dumps(config, indent=2) + "\n")
-
-
-def train_tiny_deepseek(seed: int = 0, target_steps: int = 400, head_steps: int = 300, progress: bool = True):
-    """Trains the tiny model on the toy language, then distils its MTP head (unrolled 3 steps) on the model's own
-    greedy and sampled continuations plus toy text. Returns (model, head). About half a minute on 2 CPU cores."""
-    from tqdm import tqdm
-
-    from sglang_spec.decode.decoder import GenerationConfig, generate_plain
-    from sglang_spec.models.toy_language import ToyLanguage
-    from sglang_spec.mtp.head import MTPHead
-    from sglang_spec.sampling import SamplingParams
-    from sglang_spec.train.distill import teacher_batch, unrolled_loss
-
-    language = ToyLanguage(TINY_DEEPSEEK_CONFIG["vocab_size"], seed=123 + seed)
-    bar = tqdm(total=target_steps + head_steps, desc="building tiny-deepseek (once)", disable=not progress)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = build_tiny_deepseek(seed)
-        model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        for _ in range(target_steps):
-            batch = language.sample(32, 48)
-            loss = model(input_ids=batch, labels=batch).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            bar.update()
-            bar.set_postfix(target_loss=f"{loss.item():.3f}")
-        model.eval()
-        for parameter in model.parameters():
-            parameter.requires_grad_(False)
-        head = MTPHead.for_target(model)
-        prompts = [language.sample(1, 4 + index % 8)[0].tolist() for index in range(64)]
-        sequences = language.sample(64, 56).tolist()
-        for sampling in (SamplingParams(), SamplingParams(temperature=1.0)):
-            output = generate_plain(model, prompts, GenerationConfig(max_new_tokens=48, sampling=sampling, seed=seed))
-            sequences += [prompt + request.tokens for prompt, request in zip(prompts, output.requests)]
-        optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
-        for _ in range(head_steps):
-            rows = torch.randint(len(sequences), (16,))
-            loss, metrics = unrolled_loss(head, teacher_batch(model, head, [sequences[row] for row in rows]), unroll=3)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            bar.update()
-            bar.set_postfix(head_top1=f"{metrics.top1[0]:.2f}")
-    bar.close()
-    head.eval()
-    for parameter in head.parameters():
-        parameter.requires_grad_(False)
-    return model, head
-
-
-def tiny_deepseek_dir(cache: Path | None = None, progress: bool = True) -> Path:
-    """The toy-trained tiny DeepSeek-V3 checkpoint (with its MTP layer), built and cached on first use."""
-    import shutil
-    import tempfile
-
-    from sglang_spec.models.cache_dir import cache_root
-
-    target = (cache or cache_root()) / CACHE_NAME
-    if (target / _COMPLETE).exists():
-        complete_checkpoint_config(target)
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    model, head = train_tiny_deepseek(progress=progress)
-    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-deepseek-"))
-    save_tiny_deepseek(scratch, model, head)
-    (scratch / _COMPLETE).write_text("toy-trained tiny DeepSeek-V3 with a distilled MTP layer\n")
-    if target.exists():
-        shutil.rmtree(target)
-    scratch.rename(target)
-    return target

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -25,6 +25,9 @@ from safetensors.torch import save_file
 
 from sglang_spec.errors import SpecError
 from sglang_spec.mtp.head import MTPHead
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FORMAT = "sglang_spec.mtp/1"
 HEADER_KEY = "sglang_spec_mtp"
@@ -65,7 +68,7 @@ def read_mtp_header(path: str | Path) -> dict[str, Any]:
     return json.loads(raw)
 
 
-def load_mtp_head(path: str | Path, target: torch.nn.Module) -> MTPHead:
+def load_mtp_head(path: str | Path, target: PreTrainedModel) -> MTPHead:
     """Loads a head saved by ``save_mtp_head`` and attaches it to ``target``, checking that they fit."""
     path = _head_file(path)
     header = read_mtp_header(path)
@@ -126,7 +129,7 @@ _FUSED_EXPERTS = re.compile(r"^block\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def deepseek_mtp_state_dict(head: MTPHead, target: torch.nn.Module) -> dict[str, torch.Tensor]:
+def deepseek_mtp_state_dict(head: MTPHead, target: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The head under DeepSeek's names, ``model.layers.{num_hidden_layers}.*`` (embedding and output head copied
     from the target, as in the released checkpoints)."""
     prefix = f"model.layers.{target.config.num_hidden_layers}."
@@ -153,7 +156,7 @@ def deepseek_mtp_state_dict(head: MTPHead, target: torch.nn.Module) -> dict[str,
     return {name: tensor.detach().clone() for name, tensor in result.items()}
 
 
-def load_deepseek_mtp(checkpoint: str | Path, target: torch.nn.Module, feedback: str = "pre_norm") -> MTPHead:
+def load_deepseek_mtp(checkpoint: str | Path, target: PreTrainedModel, feedback: str = "pre_norm") -> MTPHead:
     """Reads ``model.layers.{num_hidden_layers}.*`` from a DeepSeek-V3/R1 checkpoint folder (sharded through
     ``model.safetensors.index.json`` or a single ``model.safetensors``) into an MTP head for ``target``."""
     checkpoint = Path(checkpoint)
@@ -235,7 +238,7 @@ def _dequantize_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return result
 
 
-def _check_shared(name: str, tensor: torch.Tensor, target: torch.nn.Module, checkpoint: Path) -> None:
+def _check_shared(name: str, tensor: torch.Tensor, target: PreTrainedModel, checkpoint: Path) -> None:
     own = (target.get_output_embeddings() if name.startswith("shared_head") else target.get_input_embeddings()).weight
     if tensor.shape != own.shape:
         raise SpecError(

@@ -16,19 +16,17 @@ states, next tokens) in one causal forward; its last row is the next root's expa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from sglang_spec.decode.masks import attention_mask_for
-from sglang_spec.mtp.head import MTPHead
+from sglang_spec.attention.kv_cache import new_dynamic_cache
+from sglang_spec.attention.masks import attention_mask_for
+from sglang_spec.mtp.head import MTPHead, MTPStepOutput
 from sglang_spec.tree.candidates import CandidateSource, Candidates, GrowingTree
 
-
-def _new_cache():
+if TYPE_CHECKING:
     from transformers import DynamicCache
-
-    return DynamicCache()
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,10 +49,10 @@ class DraftState:
     forwards:     head forwards run so far (a cost counter).
     """
 
-    cache: object
+    cache: DynamicCache
     committed: int
     root_hidden: torch.Tensor
-    root_logits: torch.Tensor | None
+    root_logits: torch.Tensor
     nodes: dict[int, ExpandedNode] = field(default_factory=dict)
     forwards: int = 0
 
@@ -70,9 +68,10 @@ class MTPDrafter:
     def prefill(self, target_hidden: torch.Tensor, tokens: torch.Tensor) -> DraftState:
         """target_hidden: [P, d] the target's final hidden states of the prompt; tokens: [P] the tokens that follow
         each of them (the prompt shifted by one, ending with the first generated token)."""
-        state = DraftState(cache=_new_cache(), committed=0, root_hidden=target_hidden[-1], root_logits=None)
-        self._extend(state, target_hidden, tokens)
-        return state
+        cache = new_dynamic_cache()
+        output = self._append_pairs(cache, 0, target_hidden, tokens)
+        return DraftState(cache=cache, committed=tokens.shape[0], root_hidden=output.hidden[0, -1],
+                          root_logits=output.logits[0, -1], forwards=1)
 
     @torch.no_grad()
     def commit(self, state: DraftState, target_hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
@@ -82,25 +81,27 @@ class MTPDrafter:
         if surplus > 0:
             state.cache.crop(-surplus)
         state.nodes.clear()
-        self._extend(state, target_hidden, next_tokens)
+        output = self._append_pairs(state.cache, state.committed, target_hidden, next_tokens)
+        state.forwards += 1
+        state.committed += next_tokens.shape[0]
+        state.root_hidden = output.hidden[0, -1]
+        state.root_logits = output.logits[0, -1]
 
-    def _extend(self, state: DraftState, target_hidden: torch.Tensor, tokens: torch.Tensor) -> None:
+    def _append_pairs(
+        self, cache: DynamicCache, committed: int, target_hidden: torch.Tensor, tokens: torch.Tensor
+    ) -> MTPStepOutput:
+        """The head over new exact pairs after ``committed`` cached ones: plain causal attention."""
         count = tokens.shape[0]
-        positions = torch.arange(state.committed, state.committed + count, device=tokens.device)[None]
-        # plain causal attention over the committed slots and the new pairs
-        allowed = torch.ones(count, state.committed + count, dtype=torch.bool, device=tokens.device)
-        allowed[:, state.committed :] = torch.tril(allowed[:, state.committed :])
-        output = self.head(
+        positions = torch.arange(committed, committed + count, device=tokens.device)[None]
+        allowed = torch.ones(count, committed + count, dtype=torch.bool, device=tokens.device)
+        allowed[:, committed:] = torch.tril(allowed[:, committed:])
+        return self.head(
             tokens[None],
             target_hidden[None].to(self._dtype),
             positions,
             attention_mask_for(self.config, allowed[None, None], self._dtype),
-            state.cache,
+            cache,
         )
-        state.forwards += 1
-        state.committed += count
-        state.root_hidden = output.hidden[0, -1]
-        state.root_logits = output.logits[0, -1]
 
     @property
     def _dtype(self) -> torch.dtype:

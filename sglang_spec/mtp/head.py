@@ -18,11 +18,15 @@ verification always uses the target's full vocabulary, so output is unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from sglang_spec.errors import SpecError
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 FEEDBACK_MODES = ("pre_norm", "post_norm")
 
@@ -35,7 +39,7 @@ class MTPStepOutput:
     logits: torch.Tensor
 
 
-def _target_classes(target: nn.Module) -> tuple[type, type, type]:
+def _target_classes(target: PreTrainedModel) -> tuple[type, type, type]:
     """(decoder layer, RMSNorm, rotary embedding) classes of a transformers causal LM."""
     base = getattr(target, "model", None)
     layers = getattr(base, "layers", None)
@@ -51,9 +55,14 @@ class MTPHead(nn.Module):
     """One MTP module. Build with ``MTPHead.for_target(target)``; the target's embedding and output head are
     shared (not parameters of the head, not in its state dict)."""
 
+    draft_vocab: torch.Tensor | None  # [V_draft] int64 buffer, or None for the full vocabulary
+    _embed: nn.Module | None  # the target's input embedding (shared, not a submodule)
+    _full_head_weight: torch.Tensor  # [V, d] the target's output head weight (shared)
+    _head_weight: torch.Tensor  # [V_draft, d] its rows for the draft vocabulary
+
     def __init__(
         self,
-        config,
+        config: PretrainedConfig,
         layer_class: type,
         norm_class: type,
         rotary_class: type,
@@ -77,11 +86,12 @@ class MTPHead(nn.Module):
         self.shared_head_norm = norm_class(hidden, eps=eps)
         self.rotary_emb = rotary_class(config=config)
         self.register_buffer("draft_vocab", None if draft_vocab is None else draft_vocab.to(torch.int64).clone())
-        self._embed: nn.Embedding | None = None
-        self._head_weight: torch.Tensor | None = None
+        object.__setattr__(self, "_embed", None)
 
     @classmethod
-    def for_target(cls, target: nn.Module, feedback: str = "pre_norm", draft_vocab: torch.Tensor | None = None) -> MTPHead:
+    def for_target(
+        cls, target: PreTrainedModel, feedback: str = "pre_norm", draft_vocab: torch.Tensor | None = None
+    ) -> MTPHead:
         layer_class, norm_class, rotary_class = _target_classes(target)
         head = cls(target.config, layer_class, norm_class, rotary_class, feedback=feedback, draft_vocab=draft_vocab)
         # transformers initialises a layer's weights in PreTrainedModel.post_init (fused experts start as
@@ -93,7 +103,7 @@ class MTPHead(nn.Module):
         head.to(device=parameter.device, dtype=parameter.dtype)
         return head.attach(target)
 
-    def attach(self, target: nn.Module) -> MTPHead:
+    def attach(self, target: PreTrainedModel) -> MTPHead:
         """Shares the target's input embedding and output head (kept outside this module's parameters)."""
         embed, output = target.get_input_embeddings(), target.get_output_embeddings()
         if embed.weight.shape[1] != self.config.hidden_size:
@@ -106,12 +116,13 @@ class MTPHead(nn.Module):
         if self.draft_vocab is not None and int(self.draft_vocab.max()) >= output.weight.shape[0]:
             raise SpecError("the head's draft vocabulary names tokens outside the target's vocabulary")
         object.__setattr__(self, "_embed", embed)
-        self.refresh_draft_head(output)
+        self.refresh_draft_head(output.weight)
         return self
 
-    def refresh_draft_head(self, output: nn.Module | None = None) -> None:
-        """Caches the (possibly reduced) output head weight; call again after changing ``draft_vocab``."""
-        weight = (output.weight if output is not None else self._full_head_weight).detach()
+    def refresh_draft_head(self, full_head_weight: torch.Tensor | None = None) -> None:
+        """Caches the (possibly reduced) output head weight; call again after changing ``draft_vocab``.
+        full_head_weight: [V, d] the target's output head weight (default: the one attached)."""
+        weight = (full_head_weight if full_head_weight is not None else self._full_head_weight).detach()
         object.__setattr__(self, "_full_head_weight", weight)
         reduced = weight if self.draft_vocab is None else weight.index_select(0, self.draft_vocab.to(weight.device))
         object.__setattr__(self, "_head_weight", reduced)
@@ -135,7 +146,7 @@ class MTPHead(nn.Module):
         previous_hidden: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        past_key_values,
+        past_key_values: DynamicCache | None,
     ) -> MTPStepOutput:
         """input_ids: [B, T] next tokens; previous_hidden: [B, T, d]; position_ids: [B, T]; attention_mask:
         [B, 1, T, S + T] in the target's attention format, or None for plain causal attention over the cache."""

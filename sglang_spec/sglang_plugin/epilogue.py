@@ -13,8 +13,12 @@ to the logits first, and the plugin falls back to SGLang's own path whenever any
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang_spec.kernels.verify_accept import AcceptOutputs
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,7 +28,7 @@ class StaticAccept:
     target: torch.Tensor  # [B * N] int64
     output_ids: torch.Tensor  # [B, depth + 1] int64 scratch output buffer
     output_lens: torch.Tensor  # [B] int64
-    accept: object  # AcceptOutputs
+    accept: AcceptOutputs
     predict_with_spare: torch.Tensor  # [B * N + 1] int32; the last slot absorbs writes for padded path entries
     num_correct_drafts: torch.Tensor  # [B] int32
     accept_index: torch.Tensor  # [B, depth + 1] int32
@@ -60,7 +64,7 @@ class AcceptEpilogue:
     def run(self, logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> StaticAccept:
         """logits [B*N, V]; tokens / parents [B, N] int64 (SGLang's candidates and the tree's parents); num_nodes
         [B]. Greedy accept into the static buffers of this batch size, then SGLang's output format."""
-        from sglang_spec.kernels.verify_accept import accept_walk, target_tokens
+        from sglang_spec.kernels.verify_accept import MatchMode, accept_walk, target_tokens
 
         batch = tokens.shape[0]
         static = self.buffers(batch, logits.device)
@@ -69,7 +73,7 @@ class AcceptEpilogue:
                       False, out=static.target)
         static.output_lens.zero_()
         accept_walk(tokens, parents, num_nodes, self.max_depth, static.output_ids, static.output_lens,
-                    target=static.target, out=static.accept)
+                    MatchMode(static.target), out=static.accept)
         self._to_sglang(static, batch)
         return static
 

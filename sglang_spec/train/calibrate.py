@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
 
 from sglang_spec.errors import SpecError
 from sglang_spec.models.registry import LoadedModel
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.train.distill import TeacherBatch, unrolled_steps
 from sglang_spec.train.traffic import TrafficRecord
-from sglang_spec.train.trainer import encode_record
+from sglang_spec.train.records import encode_record
 from sglang_spec.tree.profile import AcceptanceProfile
 
 
@@ -47,8 +48,6 @@ def calibrate(
     batch_size: int = 8,
     progress: bool = True,
 ) -> Calibration:
-    from tqdm import tqdm
-
     if depth < 1 or max_rank < 1:
         raise SpecError("depth and max-rank must be >= 1")
     if temperature < 0:
@@ -92,9 +91,10 @@ def calibrate(
             if temperature == 0:
                 accepted = (ranked == argmax[:, drafted.token_index, None]).double()
             else:
-                rows = row_offset + drafted.token_index[None, :]  # [B, pairs] rows of flat_logits
-                values = flat_logits[rows[..., None], ranked]  # [B, pairs, R], no [B, pairs, V] copy
-                accepted = torch.exp(values / temperature - log_norm[rows][..., None]).double()
+                assert log_norm is not None
+                flat_rows = row_offset + drafted.token_index[None, :]  # [B, pairs] rows of flat_logits
+                values = flat_logits[flat_rows[..., None], ranked]  # [B, pairs, R], no [B, pairs, V] copy
+                accepted = torch.exp(values / temperature - log_norm[flat_rows][..., None]).double()
             sums[drafted.step - 1] += (accepted * drafted.valid[..., None]).sum((0, 1)).double().cpu()
             counts[drafted.step - 1] += drafted.valid.sum().double().cpu()
         bar.update(len(chunk))

@@ -15,13 +15,17 @@ of p over the draft vocabulary (K = the whole draft vocabulary is the dense case
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from sglang_spec.decode.masks import attention_mask_for
+from sglang_spec.attention.kv_cache import new_dynamic_cache
+from sglang_spec.attention.masks import attention_mask_for
 from sglang_spec.mtp.head import MTPHead
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,7 +48,7 @@ class TeacherBatch:
 
 
 @torch.no_grad()
-def teacher_batch(target: nn.Module, head: MTPHead, sequences: list[list[int]], temperature: float = 1.0) -> TeacherBatch:
+def teacher_batch(target: PreTrainedModel, head: MTPHead, sequences: list[list[int]], temperature: float = 1.0) -> TeacherBatch:
     """Runs the frozen target over right-padded sequences (causal, so padding never leaks backwards)."""
     device = next(target.parameters()).device
     width = max(len(sequence) for sequence in sequences)
@@ -90,15 +94,13 @@ class UnrolledStep:
 
 def unrolled_steps(head: MTPHead, batch: TeacherBatch, unroll: int) -> Iterator[UnrolledStep]:
     """Runs the head ``unroll`` times, feeding back its own hidden states, with inference's attention view."""
-    from transformers import DynamicCache
-
     input_ids, hidden = batch.input_ids, batch.hidden
     size, length = input_ids.shape
     pairs = length - 1  # bases i = 0..T-2
     device = input_ids.device
     dtype = head.eh_proj.weight.dtype
     base = torch.arange(pairs, device=device)
-    cache = DynamicCache()
+    cache = new_dynamic_cache()
     feedback = hidden[:, :pairs].to(dtype)
     for step in range(1, unroll + 1):
         # step s: token t_{i+s} at position i+s-1, supervised by p_{i+s}

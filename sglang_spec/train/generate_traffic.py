@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 import torch
+from tqdm import tqdm
 
 from sglang_spec.models.registry import LoadedModel
 from sglang_spec.train.prompts import PromptSpec
@@ -15,7 +16,7 @@ def prompt_tokens(loaded: LoadedModel, spec: PromptSpec) -> list[int]:
     if spec.messages is not None and loaded.chat:
         return list(loaded.tokenizer.apply_chat_template(list(spec.messages), add_generation_prompt=True,
                                                          tokenize=True, return_dict=False))
-    text = spec.prompt if spec.prompt is not None else "\n".join(m["content"] for m in spec.messages)
+    text = spec.prompt if spec.prompt is not None else "\n".join(m["content"] for m in spec.messages or ())
     return list(loaded.tokenizer.encode(text))
 
 
@@ -33,8 +34,6 @@ def generate_traffic(
 ) -> Iterator[TrafficRecord]:
     """Yields one record per (prompt, completion): the greedy one if asked, then ``samples`` sampled ones, then
     the prompt's reference answer when ``reference`` (marked source="reference")."""
-    from tqdm import tqdm
-
     runs = ([("greedy", 0.0)] if greedy else []) + [(f"sample{i}", temperature) for i in range(samples)]
     encoded = [(spec, prompt_tokens(loaded, spec)) for spec in prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][1]))  # similar lengths batch together

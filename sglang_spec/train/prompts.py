@@ -53,7 +53,7 @@ def humaneval_prompts(first: int = 0, last: int = 163) -> list[PromptSpec]:
 def chatterbot_prompts() -> list[PromptSpec]:
     """Every question of every English chatterbot-corpus dialogue (answer = the corpus reply), deduplicated."""
     try:
-        import yaml
+        import yaml  # PyYAML is the optional `data` extra: only the chatterbot prompt set needs it
     except ImportError:
         raise SpecError("chatterbot prompts need PyYAML: pip install pyyaml") from None
     try:

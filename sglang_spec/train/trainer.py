@@ -8,27 +8,32 @@
 4. Train the head with the unrolled self-distillation objective (``distill.unrolled_loss``), AdamW with warmup
    and cosine decay, gradient clipping; periodic checkpoints (the head as a usable .safetensors plus a
    ``.state.pt`` with optimizer and RNG state); ``resume`` continues from the last checkpoint; Ctrl-C saves one.
+
+``train_head`` runs these as four steps: ``prepare_data`` (1, 2), ``load_or_build_teacher`` (3), ``start_fit`` +
+``fit`` (4) and ``Checkpoints``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import time
-import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+from tqdm import tqdm
 
 from sglang_spec.errors import SpecError
 from sglang_spec.models.registry import LoadedModel
 from sglang_spec.mtp.checkpoint import save_mtp_head
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.train.distill import TeacherBatch, unrolled_loss
+from sglang_spec.train.records import EncodedRecord, encode_record, is_eval_record
 from sglang_spec.train.traffic import TrafficRecord
 
 
@@ -63,44 +68,6 @@ class TrainConfig:
             raise SpecError("save-dtype must be float32, bfloat16 or float16")
 
 
-@dataclass(frozen=True)
-class EncodedRecord:
-    """tokens: prompt + completion + end of turn; completion_start: index of the first completion token."""
-
-    id: str
-    tokens: list[int]
-    completion_start: int
-
-
-def encode_record(loaded: LoadedModel, record: TrafficRecord, seq_len: int) -> EncodedRecord:
-    if record.messages is not None and loaded.chat:
-        prompt = list(loaded.tokenizer.apply_chat_template(list(record.messages), add_generation_prompt=True,
-                                                           tokenize=True, return_dict=False))
-    elif record.messages is not None:
-        prompt = list(loaded.tokenizer.encode("\n".join(m["content"] for m in record.messages)))
-    else:
-        prompt = list(loaded.tokenizer.encode(record.prompt))
-    encode = getattr(loaded.tokenizer, "encode")
-    try:
-        completion = list(encode(record.completion, add_special_tokens=False))
-    except TypeError:  # tokenizers without the keyword (ByteTokenizer)
-        completion = list(encode(record.completion))
-    end = list(loaded.eos_token_ids[:1])
-    tokens = (prompt + completion + end)[:seq_len]
-    return EncodedRecord(record.id, tokens, min(len(prompt), len(tokens)))
-
-
-def split_key(record_id: str) -> str:
-    """Generated records are ``{prompt id}/{greedy|sampleN|reference}``: every completion of one prompt lands in
-    the same split."""
-    return record_id.rsplit("/", 1)[0] if "/" in record_id else record_id
-
-
-def is_eval_record(record_id: str, fraction: float) -> bool:
-    """A stable split by prompt (CRC32 of the split key), so resumed and repeated runs agree."""
-    return (zlib.crc32(split_key(record_id).encode()) % 10_000) < fraction * 10_000
-
-
 def choose_draft_vocab(records: Sequence[EncodedRecord], size: int, vocab_size: int) -> tuple[torch.Tensor | None, float]:
     """The ``size`` most frequent completion tokens (most frequent first) and the share of completion tokens they
     cover. size 0 or >= vocab: None (the full vocabulary), coverage 1."""
@@ -131,8 +98,6 @@ class TeacherCache:
 @torch.no_grad()
 def build_teacher_cache(loaded: LoadedModel, records: Sequence[EncodedRecord], draft_vocab: torch.Tensor | None,
                         top_k: int, progress: bool = True, batch_tokens: int = 2048) -> TeacherCache:
-    from tqdm import tqdm
-
     model = loaded.model
     device = next(model.parameters()).device
     order = sorted(range(len(records)), key=lambda i: len(records[i].tokens))
@@ -223,7 +188,9 @@ def _fingerprint(loaded: LoadedModel, records: Sequence[EncodedRecord], config: 
 
 
 @torch.no_grad()
-def evaluate(head: MTPHead, cache: TeacherCache, rows: Sequence[int], config: TrainConfig, device, dtype) -> list[float]:
+def evaluate(
+    head: MTPHead, cache: TeacherCache, rows: Sequence[int], config: TrainConfig, device: torch.device, dtype: torch.dtype
+) -> list[float]:
     """Top-1 agreement with the target per unrolled step over ``rows`` (all positions)."""
     if not rows:
         return []
@@ -238,6 +205,176 @@ def evaluate(head: MTPHead, cache: TeacherCache, rows: Sequence[int], config: Tr
     return [a / max(c, 1) for a, c in zip(agree, count)]
 
 
+@dataclass(frozen=True, eq=False)
+class TrainingData:
+    """Step 1, data: the encoded records (three tokens or more), their train / eval split by prompt, and the draft
+    vocabulary chosen on the training rows. ``fingerprint`` identifies the data and the teacher settings."""
+
+    records: list[EncodedRecord]
+    train_rows: list[int]
+    eval_rows: list[int]
+    draft_vocab: torch.Tensor | None
+    draft_vocab_coverage: float
+    fingerprint: str
+
+
+def prepare_data(loaded: LoadedModel, records: Sequence[TrafficRecord], config: TrainConfig) -> TrainingData:
+    encoded = [encode_record(loaded, record, config.seq_len) for record in records]
+    encoded = [record for record in encoded if len(record.tokens) >= 3]
+    eval_rows = [i for i, r in enumerate(encoded) if is_eval_record(r.id, config.eval_fraction)]
+    train_rows = [i for i, r in enumerate(encoded) if not is_eval_record(r.id, config.eval_fraction)]
+    if not train_rows:
+        raise SpecError("no training sequences (every record is in the evaluation split or too short)")
+    draft_vocab, coverage = choose_draft_vocab([encoded[i] for i in train_rows], config.draft_vocab,
+                                               loaded.model.config.vocab_size)
+    return TrainingData(encoded, train_rows, eval_rows, draft_vocab, coverage, _fingerprint(loaded, encoded, config))
+
+
+def load_or_build_teacher(
+    loaded: LoadedModel, data: TrainingData, config: TrainConfig, cache_path: Path, progress: bool
+) -> TeacherCache:
+    """Step 2, teacher: the cached teacher pass when it was made from the same data, else a fresh one (saved)."""
+    if cache_path.exists():
+        stored = torch.load(cache_path, weights_only=False)
+        if stored.get("fingerprint") == data.fingerprint:
+            return stored["cache"]
+    cache = build_teacher_cache(loaded, data.records, data.draft_vocab, config.top_k_targets, progress=progress)
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"fingerprint": data.fingerprint, "cache": cache}, cache_path)
+    return cache
+
+
+@dataclass
+class FitState:
+    """Step 3's state, everything a checkpoint saves: the head, its optimizer and schedule, the steps taken,
+    the training seconds and the evaluation history."""
+
+    head: MTPHead
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    step: int = 0
+    elapsed: float = 0.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def learning_rate_factor(step: int, config: TrainConfig) -> float:
+    """Linear warmup over ``config.warmup`` steps, then cosine decay to 10% at ``config.steps``."""
+    if step < config.warmup:
+        return (step + 1) / config.warmup
+    progress_fraction = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress_fraction, 1.0)))
+
+
+def start_fit(
+    loaded: LoadedModel, data: TrainingData, config: TrainConfig, init: MTPHead | None, resume_from: Path | None
+) -> FitState:
+    """A trainable head over the draft vocabulary with AdamW and the schedule, or the state of the checkpoint
+    ``resume_from`` (which must come from the same data and settings)."""
+    device = next(loaded.model.parameters()).device
+    head = init if init is not None else MTPHead.for_target(loaded.model, feedback=config.feedback)
+    head.draft_vocab = None if data.draft_vocab is None else data.draft_vocab.to(device)
+    head.refresh_draft_head()
+    head.train()
+    for parameter in head.parameters():
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(learning_rate_factor, config=config))
+    state = FitState(head, optimizer, scheduler)
+    if resume_from is not None:
+        saved = torch.load(resume_from, weights_only=False)
+        if saved["fingerprint"] != data.fingerprint:
+            raise SpecError(f"{resume_from} was made from other traffic or settings; start over with --force")
+        head.load_state_dict(saved["head"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["rng"])
+        state.step, state.elapsed, state.history = saved["step"], saved["elapsed"], saved["history"]
+    return state
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """Step 4, checkpoints: the head as a usable .safetensors (with a summary in its metadata) and, while training
+    goes on, a ``.state.pt`` next to it with everything ``resume`` needs."""
+
+    out: Path
+    config: TrainConfig
+    data: TrainingData
+    metadata: dict[str, Any]
+
+    @property
+    def state_path(self) -> Path:
+        return _state_path(self.out)
+
+    def save(self, state: FitState, final: bool = False) -> None:
+        state.head.eval()
+        summary = {
+            "steps": state.step,
+            "config": asdict(self.config),
+            "draft_vocab_coverage": self.data.draft_vocab_coverage,
+            "train_sequences": len(self.data.train_rows),
+            "eval_sequences": len(self.data.eval_rows),
+            "history": state.history[-5:],
+            **self.metadata,
+        }
+        save_mtp_head(state.head, self.out, metadata=summary, dtype=getattr(torch, self.config.save_dtype))
+        if not final:
+            torch.save({
+                "step": state.step, "elapsed": state.elapsed, "history": state.history,
+                "fingerprint": self.data.fingerprint, "head": state.head.state_dict(),
+                "optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(),
+                "rng": torch.get_rng_state(),
+            }, self.state_path)
+        state.head.train()
+
+
+def fit(
+    state: FitState,
+    cache: TeacherCache,
+    data: TrainingData,
+    config: TrainConfig,
+    checkpoints: Checkpoints,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool,
+) -> list[float]:
+    """Step 3, fit: AdamW steps on random training batches until ``config.steps``, evaluating and checkpointing
+    every ``config.checkpoint_every`` steps; Ctrl-C saves a checkpoint. Returns the last batch's top-1 per step."""
+    generator = torch.Generator().manual_seed(config.seed + state.step)
+    bar = tqdm(total=config.steps, initial=state.step, desc="training MTP head", disable=not progress)
+    train_top1: list[float] = []
+    try:
+        while state.step < config.steps:
+            tick = time.perf_counter()
+            picks = torch.randint(len(data.train_rows), (config.batch_size,), generator=generator)
+            rows = [data.train_rows[int(i)] for i in picks]
+            # bf16 autocast: float32 master weights and loss, bfloat16 matmuls (2x+ on CPUs with AVX-512 BF16)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16):
+                loss, metrics = unrolled_loss(state.head, make_batch(cache, rows, device, dtype), config.unroll,
+                                              config.step_decay)
+            state.optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(state.head.parameters(), 1.0)
+            state.optimizer.step()
+            state.scheduler.step()
+            state.step += 1
+            state.elapsed += time.perf_counter() - tick
+            train_top1 = metrics.top1
+            bar.update()
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{t:.2f}" for t in metrics.top1))
+            if state.step % config.checkpoint_every == 0 or state.step == config.steps:
+                eval_top1 = evaluate(state.head, cache, data.eval_rows, config, device, dtype)
+                state.history.append({"step": state.step, "loss": loss.item(), "train_top1": train_top1,
+                                      "eval_top1": eval_top1})
+                checkpoints.save(state)
+    except KeyboardInterrupt:
+        checkpoints.save(state)
+        bar.close()
+        raise SpecError(f"interrupted at step {state.step}; continue with --resume") from None
+    bar.close()
+    return train_top1
+
+
 def train_head(
     loaded: LoadedModel,
     records: Sequence[TrafficRecord],
@@ -247,10 +384,9 @@ def train_head(
     resume: bool = False,
     force: bool = False,
     progress: bool = True,
-    metadata: dict | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> TrainSummary:
-    from tqdm import tqdm
-
+    """Data, teacher, fit, checkpoint: trains an MTP head for ``loaded`` on ``records`` and writes it to ``out``."""
     out = Path(out)
     state_path = _state_path(out)
     if not resume and not force and (out.exists() or state_path.exists()):
@@ -258,113 +394,23 @@ def train_head(
     if resume and not state_path.exists():
         raise SpecError(f"nothing to resume: {state_path} does not exist")
     torch.manual_seed(config.seed)
-    encoded = [encode_record(loaded, record, config.seq_len) for record in records]
-    encoded = [record for record in encoded if len(record.tokens) >= 3]
-    eval_rows = [i for i, r in enumerate(encoded) if is_eval_record(r.id, config.eval_fraction)]
-    train_rows = [i for i, r in enumerate(encoded) if not is_eval_record(r.id, config.eval_fraction)]
-    if not train_rows:
-        raise SpecError("no training sequences (every record is in the evaluation split or too short)")
-    draft_vocab, coverage = choose_draft_vocab([encoded[i] for i in train_rows], config.draft_vocab,
-                                               loaded.model.config.vocab_size)
-    fingerprint = _fingerprint(loaded, encoded, config)
-    cache_path = _cache_path(out)
-    cache = None
-    if cache_path.exists():
-        stored = torch.load(cache_path, weights_only=False)
-        if stored.get("fingerprint") == fingerprint:
-            cache = stored["cache"]
-    if cache is None:
-        cache = build_teacher_cache(loaded, encoded, draft_vocab, config.top_k_targets, progress=progress)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"fingerprint": fingerprint, "cache": cache}, cache_path)
-
+    data = prepare_data(loaded, records, config)
+    cache = load_or_build_teacher(loaded, data, config, _cache_path(out), progress)
+    state = start_fit(loaded, data, config, init, state_path if resume else None)
+    checkpoints = Checkpoints(out, config, data, metadata or {})
     device = next(loaded.model.parameters()).device
     dtype = next(loaded.model.parameters()).dtype
-    head = init if init is not None else MTPHead.for_target(loaded.model, feedback=config.feedback)
-    head.draft_vocab = None if draft_vocab is None else draft_vocab.to(device)
-    head.refresh_draft_head()
-    head.train()
-    for parameter in head.parameters():
-        parameter.requires_grad_(True)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-
-    def lr_at(step: int) -> float:
-        if step < config.warmup:
-            return (step + 1) / config.warmup
-        progress_fraction = (step - config.warmup) / max(1, config.steps - config.warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress_fraction, 1.0)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
-    start_step, elapsed, history = 0, 0.0, []
-    if resume:
-        state = torch.load(state_path, weights_only=False)
-        if state["fingerprint"] != fingerprint:
-            raise SpecError(f"{state_path} was made from other traffic or settings; start over with --force")
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        start_step, elapsed, history = state["step"], state["elapsed"], state["history"]
-    generator = torch.Generator().manual_seed(config.seed + start_step)
-
-    def checkpoint(step: int, final: bool = False) -> None:
-        head.eval()
-        summary_meta = {
-            "steps": step,
-            "config": asdict(config),
-            "draft_vocab_coverage": coverage,
-            "train_sequences": len(train_rows),
-            "eval_sequences": len(eval_rows),
-            "history": history[-5:],
-            **(metadata or {}),
-        }
-        save_mtp_head(head, out, metadata=summary_meta, dtype=getattr(torch, config.save_dtype))
-        if not final:
-            torch.save({
-                "step": step, "elapsed": elapsed, "history": history, "fingerprint": fingerprint,
-                "head": head.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": torch.get_rng_state(),
-            }, state_path)
-        head.train()
-
-    bar = tqdm(total=config.steps, initial=start_step, desc="training MTP head", disable=not progress)
-    step = start_step
-    train_top1: list[float] = []
-    try:
-        while step < config.steps:
-            tick = time.perf_counter()
-            rows = [train_rows[int(i)] for i in torch.randint(len(train_rows), (config.batch_size,), generator=generator)]
-            # bf16 autocast: float32 master weights and loss, bfloat16 matmuls (2x+ on CPUs with AVX-512 BF16)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16):
-                loss, metrics = unrolled_loss(head, make_batch(cache, rows, device, dtype), config.unroll,
-                                              config.step_decay)
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            elapsed += time.perf_counter() - tick
-            train_top1 = metrics.top1
-            bar.update()
-            bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{t:.2f}" for t in metrics.top1))
-            if step % config.checkpoint_every == 0 or step == config.steps:
-                eval_top1 = evaluate(head, cache, eval_rows, config, device, dtype)
-                history.append({"step": step, "loss": loss.item(), "train_top1": train_top1, "eval_top1": eval_top1})
-                checkpoint(step)
-    except KeyboardInterrupt:
-        checkpoint(step)
-        bar.close()
-        raise SpecError(f"interrupted at step {step}; continue with --resume") from None
-    bar.close()
-    eval_top1 = evaluate(head, cache, eval_rows, config, device, dtype)
-    checkpoint(step, final=True)
+    train_top1 = fit(state, cache, data, config, checkpoints, device, dtype, progress)
+    eval_top1 = evaluate(state.head, cache, data.eval_rows, config, device, dtype)
+    checkpoints.save(state, final=True)
     state_path.unlink(missing_ok=True)
+    head = state.head
     head.eval()
     for parameter in head.parameters():
         parameter.requires_grad_(False)
     return TrainSummary(
-        steps=step, seconds=elapsed, train_top1=train_top1, eval_top1=eval_top1,
-        draft_vocab_size=head.draft_vocab_size, draft_vocab_coverage=coverage, train_sequences=len(train_rows),
-        eval_sequences=len(eval_rows), train_tokens=sum(len(encoded[i].tokens) for i in train_rows),
+        steps=state.step, seconds=state.elapsed, train_top1=train_top1, eval_top1=eval_top1,
+        draft_vocab_size=head.draft_vocab_size, draft_vocab_coverage=data.draft_vocab_coverage,
+        train_sequences=len(data.train_rows), eval_sequences=len(data.eval_rows),
+        train_tokens=sum(len(data.records[i].tokens) for i in data.train_rows),
     )

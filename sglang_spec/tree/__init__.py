@@ -1,6 +1,6 @@
 """Token trees: structure, acceptance profiles, the four policies, the Sequoia DP, and encoders."""
 
-from sglang_spec.tree.batch import TreeBatch
+from sglang_spec.tree.batch import FlashInferIndptrs, FlashInferPlan, TreeBatch, encode_flashinfer_mask, with_prefix
 from sglang_spec.tree.candidates import (
     CandidateSource,
     Candidates,
@@ -8,8 +8,14 @@ from sglang_spec.tree.candidates import (
     ProfileCandidates,
     SyntheticCandidates,
 )
-from sglang_spec.tree.cost_model import TreeSizeChoice, choose_tree_size
-from sglang_spec.tree.encode_flashinfer import FlashInferTreeMask, encode_flashinfer_mask
+from sglang_spec.tree.cost_model import (
+    CostCurve,
+    TreeSizeChoice,
+    choose_speculation,
+    choose_tree_size,
+    predicted_speedup,
+    step_seconds,
+)
 from sglang_spec.tree.encode_sglang import (
     SGLangDraftEncoding,
     SGLangVerifyMetadata,
@@ -27,7 +33,9 @@ __all__ = [
     "AcceptanceProfile",
     "CandidateSource",
     "Candidates",
-    "FlashInferTreeMask",
+    "CostCurve",
+    "FlashInferIndptrs",
+    "FlashInferPlan",
     "GrowingTree",
     "MAX_BUDGET",
     "MAX_DEPTH",
@@ -43,11 +51,15 @@ __all__ = [
     "TreeMaskMode",
     "TreePolicy",
     "TreeSizeChoice",
+    "choose_speculation",
     "choose_tree_size",
     "decode_sglang_draft",
     "encode_flashinfer_mask",
     "encode_sglang_draft",
     "encode_sglang_verify",
+    "predicted_speedup",
     "sequoia_plan",
     "sequoia_table",
+    "step_seconds",
+    "with_prefix",
 ]

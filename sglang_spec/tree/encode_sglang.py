@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.tree.batch import TreeBatch
+from sglang_spec.tree.batch import TreeBatch, with_prefix
 from sglang_spec.tree.bits import pack_bits_little_endian
 from sglang_spec.tree.token_tree import TokenTree
 
@@ -149,18 +149,15 @@ def encode_sglang_verify(
         raise SpecError(f"got {seq_lens.numel()} seq_lens for {len(trees)} trees")
     batch = TreeBatch.from_trees(trees)
     batch_size = len(trees)
-    masks = [tree.ancestor_mask() for tree in trees]
+    masks = batch.ancestor_mask()
     if mode == TreeMaskMode.FULL_MASK:
         tree_mask = torch.cat(
-            [
-                torch.cat([torch.ones(num_nodes, int(prefix), dtype=torch.bool), mask], dim=1).reshape(-1)
-                for prefix, mask in zip(seq_lens.tolist(), masks)
-            ]
+            [with_prefix(mask, int(prefix)).reshape(-1) for prefix, mask in zip(seq_lens.tolist(), masks)]
         )
     elif mode == TreeMaskMode.QLEN_ONLY:
-        tree_mask = torch.stack(masks).reshape(-1)
+        tree_mask = masks.reshape(-1)
     elif mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
-        tree_mask = pack_rows_little_endian(torch.stack(masks).reshape(batch_size * num_nodes, num_nodes))
+        tree_mask = pack_rows_little_endian(masks.reshape(batch_size * num_nodes, num_nodes))
     else:
         raise SpecError(f"unknown tree mask mode {mode!r}")
     return SGLangVerifyMetadata(

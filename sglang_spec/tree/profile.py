@@ -3,6 +3,9 @@
 File format (JSON): ``{"rank_acceptance": [...], ...}`` where ``rank_acceptance`` is either one list of floats
 (the same for every depth) or a list of lists (row d-1 for draft nodes at depth d; the last row repeats for deeper
 nodes). Entry k is for the (k+1)-th ranked candidate. Other keys are kept as metadata.
+
+``AcceptanceProfile.load(path)`` reads a file, or without one the built-in demo profile shipped in
+``sglang_spec/data/profiles`` (Sequoia's published acceptance vector).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,16 +23,19 @@ from sglang_spec.errors import SpecError
 from sglang_spec.tree.token_tree import TokenTree
 
 _SUM_TOLERANCE = 1e-5
+DEFAULT_PROFILE = "sequoia_demo.json"
 
 
 @dataclass(frozen=True)
 class AcceptanceProfile:
     """rank_acceptance[d][k]: probability that the k-th ranked (0-based) child of an accepted node at depth d is
     accepted (so the child sits at depth d + 1). Rows are padded with zeros to one width; the last row repeats
-    for deeper nodes. Every row sums to at most 1 (the rest is "no child accepted")."""
+    for deeper nodes. Every row sums to at most 1 (the rest is "no child accepted"). ``source`` says where the
+    profile came from (a path, or the built-in name), for reports."""
 
     rank_acceptance: tuple[tuple[float, ...], ...]
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+    source: str = field(default="profile", compare=False)
 
     @classmethod
     def from_obj(cls, obj: Any, source: str = "profile") -> AcceptanceProfile:
@@ -42,7 +49,7 @@ class AcceptanceProfile:
         rows = _parse_rows(values, source)
         width = max(len(row) for row in rows)
         padded = tuple(tuple(row) + (0.0,) * (width - len(row)) for row in rows)
-        return cls(rank_acceptance=padded, metadata=metadata)
+        return cls(rank_acceptance=padded, metadata=metadata, source=source)
 
     @classmethod
     def from_json(cls, path: str | Path) -> AcceptanceProfile:
@@ -56,6 +63,14 @@ class AcceptanceProfile:
         except json.JSONDecodeError as error:
             raise SpecError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
         return cls.from_obj(obj, source=str(path))
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> AcceptanceProfile:
+        """The profile in ``path``, or the built-in demo profile when ``path`` is None."""
+        if path is not None:
+            return cls.from_json(path)
+        resource = resources.files("sglang_spec.data").joinpath("profiles", DEFAULT_PROFILE)
+        return cls.from_obj(json.loads(resource.read_text()), f"built-in {DEFAULT_PROFILE}")
 
     @classmethod
     def uniform(cls, values: Sequence[float]) -> AcceptanceProfile:

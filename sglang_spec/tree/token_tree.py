@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from sglang_spec.errors import SpecError
+from sglang_spec.tree.batch import TreeBatch
 
 # SGLang's JIT tree kernel runs one CUDA block of `num_draft_tokens` threads, so a tree has at most 1024 nodes.
 MAX_TREE_NODES = 1024
@@ -109,14 +110,7 @@ class TokenTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """[n, n] bool; row i is True at i, its ancestors and the root (tree attention mask)."""
-        num_nodes = self.num_nodes
-        mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
-        parents = self.parents.tolist()
-        for node in range(num_nodes):
-            if parents[node] >= 0:
-                mask[node] = mask[parents[node]]
-            mask[node, node] = True
-        return mask
+        return TreeBatch.from_trees([self]).ancestor_mask()[0]
 
     def with_root_token(self, root_token: int) -> TokenTree:
         tokens = self.tokens.clone()

@@ -21,9 +21,10 @@ import torch
 from sglang_spec.errors import SpecError
 from sglang_spec.sampling import sample_from_probs
 from sglang_spec.tree.batch import TreeBatch
-from sglang_spec.verify.result import VerifyResult, finish
+from sglang_spec.verify.result import VerifyResult
+from sglang_spec.verify.walk import WalkRule, walk
 
-RejectionRule = Literal["swor", "iid"]
+RejectionKind = Literal["swor", "iid"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,7 +42,7 @@ class RejectionStep:
     draft_after_reject: torch.Tensor
 
 
-def rejection_step(target: torch.Tensor, draft: torch.Tensor, token: torch.Tensor, rule: RejectionRule) -> RejectionStep:
+def rejection_step(target: torch.Tensor, draft: torch.Tensor, token: torch.Tensor, rule: RejectionKind) -> RejectionStep:
     """target, draft: [R, V] float64 distributions; token: [R] int64 candidate drawn from ``draft``."""
     rows = torch.arange(target.shape[0], device=target.device)
     target_at = target[rows, token]
@@ -65,13 +66,53 @@ def rejection_step(target: torch.Tensor, draft: torch.Tensor, token: torch.Tenso
     return RejectionStep(accept_probability, target_after, draft_after)
 
 
+class RejectionRule(WalkRule):
+    """Try the children in draw order; accept child x with its coin against min(1, p(x) / q(x)); on rejection the
+    node's target and draft distributions become the residuals of ``rejection_step``. The bonus is drawn from the
+    target distribution left at the last node (the residual when every child was rejected)."""
+
+    def __init__(
+        self,
+        batch: TreeBatch,
+        target_probs: torch.Tensor,
+        draft_probs: torch.Tensor,
+        accept_coins: torch.Tensor,
+        bonus_coins: torch.Tensor,
+        rule: RejectionKind,
+    ) -> None:
+        self.tokens = batch.tokens
+        self.target_probs = target_probs
+        self.draft_probs = draft_probs
+        self.accept_coins = accept_coins
+        self.bonus_coins = bonus_coins
+        self.rule = rule
+        self.target = target_probs[:, 0].double()
+        self.draft = draft_probs[:, 0].double()
+
+    def enter(self, rows: torch.Tensor, node: torch.Tensor, active: torch.Tensor) -> None:
+        # a request that stopped keeps the residual it stopped with: its bonus is drawn from it
+        self.target = torch.where(active[:, None], self.target_probs[rows, node].double(), self.target)
+        self.draft = torch.where(active[:, None], self.draft_probs[rows, node].double(), self.draft)
+
+    def score(self, rows: torch.Tensor, node: torch.Tensor, child: torch.Tensor, trying: torch.Tensor) -> torch.Tensor:
+        step = rejection_step(self.target, self.draft, self.tokens[rows, child].clamp(min=0), self.rule)
+        accept = trying & (self.accept_coins[rows, child].double() < step.accept_probability)
+        reject = trying & ~accept
+        self.target = torch.where(reject[:, None], step.target_after_reject, self.target)
+        self.draft = torch.where(reject[:, None], step.draft_after_reject, self.draft)
+        return torch.where(accept, 0.0, -torch.inf).to(torch.float64)
+
+    def bonus(self, rows: torch.Tensor, node: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        return sample_from_probs(self.target, self.bonus_coins[rows, node])
+
+
 def verify_rejection(
     batch: TreeBatch,
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     accept_coins: torch.Tensor,
     bonus_coins: torch.Tensor,
-    rule: RejectionRule = "swor",
+    rule: RejectionKind = "swor",
 ) -> VerifyResult:
     """Walks the tree with ``rule``.
 
@@ -81,37 +122,6 @@ def verify_rejection(
     accept_coins: [B, N] uniform in [0, 1); node v's coin decides v's own acceptance trial.
     bonus_coins:  [B, N] uniform in [0, 1); node v's coin draws the bonus when the walk stops at v.
     """
-    batch_size, max_nodes = batch.tokens.shape
-    rows = torch.arange(batch_size, device=batch.device)
-    active = batch.num_nodes > 0
-    current = torch.zeros(batch_size, dtype=torch.int64, device=batch.device)
-    depth = batch.max_depth()
-    accepted = torch.full((batch_size, depth + 1), -1, dtype=torch.int64, device=batch.device)
-    accepted[:, 0] = torch.where(active, 0, -1)
-    final_target = target_probs[:, 0].double().clone()
-    for level in range(depth + 1):
-        target = target_probs[rows, current].double()
-        draft = draft_probs[rows, current].double()
-        child = torch.where(active, batch.first_child[rows, current], -1)
-        chosen = torch.full_like(child, -1)
-        for _ in range(max_nodes):
-            trying = child >= 0
-            if not bool(trying.any()):
-                break
-            safe = child.clamp(min=0)
-            step = rejection_step(target, draft, batch.tokens[rows, safe].clamp(min=0), rule)
-            accept = trying & (accept_coins[rows, safe].double() < step.accept_probability)
-            reject = trying & ~accept
-            chosen = torch.where(accept, child, chosen)
-            target = torch.where(reject[:, None], step.target_after_reject, target)
-            draft = torch.where(reject[:, None], step.draft_after_reject, draft)
-            child = torch.where(reject, batch.next_sibling[rows, safe], torch.full_like(child, -1))
-        moved = chosen >= 0
-        stopping = active & ~moved
-        final_target = torch.where(stopping[:, None], target, final_target)
-        if level < depth:
-            accepted[:, level + 1] = chosen
-        current = torch.where(moved, chosen, current)
-        active = active & moved
-    bonus = sample_from_probs(final_target, bonus_coins[rows, current])
-    return finish(batch, accepted, bonus)
+    if rule not in ("swor", "iid"):
+        raise SpecError(f"unknown rejection rule {rule!r}; use 'swor' or 'iid'")
+    return walk(batch, RejectionRule(batch, target_probs, draft_probs, accept_coins, bonus_coins, rule))

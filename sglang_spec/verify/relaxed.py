@@ -14,14 +14,54 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from sglang_spec.errors import SpecError
 from sglang_spec.tree.batch import TreeBatch
 from sglang_spec.verify.result import VerifyResult, finish
+from sglang_spec.verify.walk import WalkRule, walk
 
 LOSSY = True  # everything in this module
+
+
+@dataclass(frozen=True)
+class RelaxedAcceptance:
+    """LOSSY opt-in (TensorRT-LLM, DeepSeek-R1 thinking): accept a draft in the target's top-N within ``delta``
+    of the top probability while inside <think> ... </think>. Output no longer equals the target's.
+
+    The one relaxed type: the reference decoder, the kernels and the SGLang plugin's options all take it.
+    top_n:             candidates of the target considered (>= 1).
+    delta:             probability slack inside a thinking span, in [0, 1]; strict (0) outside.
+    think_begin_token, think_end_token: the tokens that open and close a thinking span; -1 while unknown (for
+                       example parsed from a command line before the tokenizer is loaded): the state never toggles.
+    """
+
+    top_n: int
+    delta: float
+    think_begin_token: int = -1
+    think_end_token: int = -1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.top_n, int) or self.top_n < 1:
+            raise SpecError(f"relaxed top_n must be >= 1, got {self.top_n}")
+        if not (0 <= self.delta <= 1):
+            raise SpecError(f"relaxed delta is a probability difference in [0, 1], got {self.delta}")
+
+    def thinking_after(self, tokens: Sequence[int], thinking: bool = False) -> bool:
+        """The thinking state after ``tokens``, starting from ``thinking``."""
+        for token in tokens:
+            if token == self.think_begin_token:
+                thinking = True
+            elif token == self.think_end_token:
+                thinking = False
+        return thinking
+
+    def toggle(self, thinking: torch.Tensor, token: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
+        """[B] bool thinking state after ``token`` [B] where ``emitted`` [B] bool."""
+        thinking = torch.where(emitted & (token == self.think_begin_token), torch.ones_like(thinking), thinking)
+        return torch.where(emitted & (token == self.think_end_token), torch.zeros_like(thinking), thinking)
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,67 +72,71 @@ class RelaxedVerifyResult:
     thinking_after: torch.Tensor
 
 
-def verify_relaxed_topn_delta(
+class RelaxedRule(WalkRule):
+    """TensorRT-LLM's top-N / delta rule on the target's top-N at every node: a child is acceptable when its token
+    is among them and is the argmax or within the request's delta of the top probability; the most probable
+    acceptable child wins (ties: lower index); the bonus is the argmax. Every child is scored."""
+
+    first_acceptable_wins = False
+
+    def __init__(
+        self,
+        batch: TreeBatch,
+        top_tokens: torch.Tensor,
+        top_probs: torch.Tensor,
+        relaxed: RelaxedAcceptance,
+        thinking: torch.Tensor,
+    ) -> None:
+        self.tokens = batch.tokens
+        self.top_tokens = top_tokens
+        self.top_probs = top_probs
+        self.relaxed = relaxed
+        self.thinking = thinking.clone().bool()
+
+    def score(self, rows: torch.Tensor, node: torch.Tensor, child: torch.Tensor, trying: torch.Tensor) -> torch.Tensor:
+        node_tokens = self.top_tokens[rows, node]  # [B, n]
+        node_probs = self.top_probs[rows, node]  # [B, n]
+        top_prob = node_probs[:, 0]
+        slack = torch.where(self.thinking, torch.full_like(top_prob, self.relaxed.delta), torch.zeros_like(top_prob))
+        token = self.tokens[rows, child].clamp(min=0)
+        match = node_tokens == token[:, None]
+        token_prob = torch.where(match, node_probs, torch.zeros_like(node_probs)).sum(-1)
+        acceptable = match.any(-1) & ((token == node_tokens[:, 0]) | (token_prob >= top_prob - slack))
+        return torch.where(acceptable, token_prob.double(), -torch.inf)
+
+    def moved(self, token: torch.Tensor, moved: torch.Tensor) -> None:
+        self.thinking = self.relaxed.toggle(self.thinking, token, moved)
+
+    def bonus(self, rows: torch.Tensor, node: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        bonus = self.top_tokens[rows, node, 0]
+        self.thinking = self.relaxed.toggle(self.thinking, bonus, real)
+        return bonus
+
+
+def verify_relaxed_top_n(
     batch: TreeBatch,
-    target_logits: torch.Tensor,
-    top_n: int,
-    delta: float,
+    top_tokens: torch.Tensor,
+    top_probs: torch.Tensor,
+    relaxed: RelaxedAcceptance,
     thinking: torch.Tensor,
-    think_begin_token: int,
-    think_end_token: int,
 ) -> RelaxedVerifyResult:
-    """target_logits: [B, N, V]; thinking: [B] bool, whether each request is inside a thinking span at the root.
-    The state toggles on ``think_begin_token`` / ``think_end_token`` among the accepted tokens and the bonus."""
-    if top_n < 1:
-        raise SpecError(f"relaxed top_n must be >= 1, got {top_n}")
-    if not (0 <= delta <= 1):
-        raise SpecError(f"relaxed delta is a probability difference in [0, 1], got {delta}")
-    batch_size, max_nodes = batch.tokens.shape
-    rows = torch.arange(batch_size, device=batch.device)
+    """The relaxed rule on precomputed top-N: top_tokens [B, N, n] int64 and top_probs [B, N, n] float32, the
+    target's n most likely tokens at every node and their plain-softmax probabilities, most likely first;
+    thinking: [B] bool, whether each request is inside a thinking span at the root. The state toggles on the
+    think tokens among the accepted tokens and the bonus."""
+    rule = RelaxedRule(batch, top_tokens, top_probs, relaxed, thinking)
+    result = walk(batch, rule)
+    return RelaxedVerifyResult(result, rule.thinking)
+
+
+def verify_relaxed_topn_delta(
+    batch: TreeBatch, target_logits: torch.Tensor, relaxed: RelaxedAcceptance, thinking: torch.Tensor
+) -> RelaxedVerifyResult:
+    """target_logits: [B, N, V]; pi = softmax(logits) (plain softmax, no temperature); see
+    ``verify_relaxed_top_n``."""
     probs = torch.softmax(target_logits.float(), dim=-1)
-    top_probs, top_tokens = torch.topk(probs, min(top_n, probs.shape[-1]), dim=-1)
-    argmax = top_tokens[..., 0]
-    active = batch.num_nodes > 0
-    state = thinking.clone().bool()
-    current = torch.zeros(batch_size, dtype=torch.int64, device=batch.device)
-    depth = batch.max_depth()
-    accepted = torch.full((batch_size, depth + 1), -1, dtype=torch.int64, device=batch.device)
-    accepted[:, 0] = torch.where(active, 0, -1)
-    for level in range(depth):
-        node_probs = probs[rows, current]
-        node_top = top_tokens[rows, current]
-        top1 = top_probs[rows, current, 0]
-        request_delta = torch.where(state, torch.full_like(top1, delta), torch.zeros_like(top1))
-        child = torch.where(active, batch.first_child[rows, current], -1)
-        chosen = torch.full_like(child, -1)
-        chosen_prob = torch.full_like(top1, -1.0)
-        for _ in range(max_nodes):
-            looking = child >= 0
-            if not bool(looking.any()):
-                break
-            safe = child.clamp(min=0)
-            token = batch.tokens[rows, safe].clamp(min=0)
-            token_prob = node_probs[rows, token]
-            in_top = (node_top == token[:, None]).any(-1)
-            ok = looking & in_top & ((token == argmax[rows, current]) | (token_prob >= top1 - request_delta))
-            better = ok & (token_prob > chosen_prob)
-            chosen = torch.where(better, child, chosen)
-            chosen_prob = torch.where(better, token_prob, chosen_prob)
-            child = torch.where(looking, batch.next_sibling[rows, safe], child)
-        moved = chosen >= 0
-        accepted[:, level + 1] = chosen
-        token = batch.tokens[rows, chosen.clamp(min=0)]
-        state = _toggle(state, token, moved, think_begin_token, think_end_token)
-        current = torch.where(moved, chosen, current)
-        active = active & moved
-    bonus = argmax[rows, current]
-    state = _toggle(state, bonus, batch.num_nodes > 0, think_begin_token, think_end_token)
-    return RelaxedVerifyResult(finish(batch, accepted, bonus), state)
-
-
-def _toggle(state: torch.Tensor, token: torch.Tensor, emitted: torch.Tensor, begin: int, end: int) -> torch.Tensor:
-    state = torch.where(emitted & (token == begin), torch.ones_like(state), state)
-    return torch.where(emitted & (token == end), torch.zeros_like(state), state)
+    top_probs, top_tokens = torch.topk(probs, min(relaxed.top_n, probs.shape[-1]), dim=-1)
+    return verify_relaxed_top_n(batch, top_tokens, top_probs, relaxed, thinking)
 
 
 def verify_typical(
@@ -135,11 +179,11 @@ def verify_typical(
     best = score.argmax(-1)
     depth = batch.max_depth()
     accepted = torch.full((batch_size, depth + 1), -1, dtype=torch.int64, device=batch.device)
-    node = best.clone()
+    path_node = best.clone()
     node_depth = torch.where(batch.num_nodes > 0, batch.depths[rows, best], -1)
     for level in range(depth, -1, -1):
         here = node_depth == level
-        accepted[:, level] = torch.where(here, node, accepted[:, level])
-        node = torch.where(here, batch.parents[rows, node].clamp(min=0), node)
+        accepted[:, level] = torch.where(here, path_node, accepted[:, level])
+        path_node = torch.where(here, batch.parents[rows, path_node].clamp(min=0), path_node)
         node_depth = torch.where(here, node_depth - 1, node_depth)
     return finish(batch, accepted, argmax[rows, best])

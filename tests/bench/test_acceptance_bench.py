@@ -1,21 +1,27 @@
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "acceptance.py"
+from sglang_spec.cli import main as cli_main
+from sglang_spec.tree import AcceptanceProfile
+from sglang_spec.tree.cost_model import CostCurve
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def acceptance(monkeypatch):
+    """bench/acceptance.py imported the way the script runs (bench/ on the path, so `import harness` works)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("acceptance")
 
 
 @pytest.mark.slow
-def test_quick_sweep_writes_table_json_and_plots(tiny, tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_acceptance", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+def test_quick_sweep_writes_table_json_and_plots(tiny, tmp_path, acceptance):
     out = tmp_path / "acceptance.json"
-    assert module.main(["--quick", "--out", str(out)]) == 0
+    assert acceptance.main(["--quick", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     methods = {row["method"] for row in report["rows"]}
     assert {"plain", "prompt_lookup", "chain", "eagle", "sequoia", "specexec", "auto"} <= methods
@@ -27,3 +33,21 @@ def test_quick_sweep_writes_table_json_and_plots(tiny, tmp_path, monkeypatch):
     assert (tmp_path / "acceptance.md").read_text().startswith("# Acceptance sweep")
     timing = report["draft_vocabulary"]["default"]
     assert timing["draft_level_seconds"] > 0 and timing["full_vocab_draft_level_seconds"] > 0
+
+
+def test_auto_and_the_bench_predict_the_same_speedup(tiny, acceptance, capsys, tmp_path):
+    """`--auto` and the bench's prediction for the same tree share one step cost (tree/cost_model.step_seconds)."""
+    costs = CostCurve({1: 1e-2, 2: 1e-2, 4: 1.01e-2, 8: 1.02e-2, 16: 1.05e-2, 32: 1.1e-2}, draft_level=4e-4,
+                      step_overhead=6e-4, prefix=200, device="synthetic", plain_token=1.05e-2)
+    costs_path = tmp_path / "costs.json"
+    costs_path.write_text(json.dumps(costs.to_json()))
+    profile_path = tmp_path / "profile.json"
+    profile_path.write_text(json.dumps({"rank_acceptance": [[0.7, 0.15, 0.05], [0.6, 0.2, 0.05]]}))
+    assert cli_main(["generate", "--model", "tiny-deepseek", "--auto", "--depth", "6", "--costs", str(costs_path),
+                     "--acceptance", str(profile_path), "--prompt", "abc", "--max-new-tokens", "4", "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)["auto"]
+    assert auto["budget"] > 0
+    accept_length, speedup = acceptance.profile_prediction(AcceptanceProfile.from_json(profile_path), costs,
+                                                           auto["budget"], auto["depth"])
+    assert accept_length == auto["expected_accept_length"]
+    assert speedup == pytest.approx(auto["predicted_speedup"], rel=1e-12)

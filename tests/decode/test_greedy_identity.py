@@ -7,6 +7,7 @@ import pytest
 
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, compare_with_plain, generate_plain
 from sglang_spec.tree import AcceptanceProfile, TreePolicy
+from sglang_spec.verify import RelaxedAcceptance
 
 PROFILE = AcceptanceProfile.from_obj({"rank_acceptance": [[0.7, 0.15, 0.05], [0.6, 0.15, 0.05]]})
 POLICIES = ["chain", "eagle", "sequoia", "specexec"]
@@ -66,3 +67,13 @@ def test_random_model_with_random_head_is_also_identical(random_tiny, near_tie_r
     model, head = random_tiny
     check_identity(model, head, tiny_prompts(8, seed=2), TreePolicy("specexec", 12, 4, topk=4),
                    GenerationConfig(max_new_tokens=12), 4, near_tie_report)
+
+
+def test_relaxed_rule_with_zero_delta_is_greedy_decoding(tiny, near_tie_report):
+    """The LOSSY relaxed rule runs through the decoder with the one RelaxedAcceptance type; with delta 0 it only
+    accepts the argmax, so the output is plain greedy decoding's."""
+    loaded, head = tiny
+    relaxed = RelaxedAcceptance(top_n=4, delta=0.0, think_begin_token=5, think_end_token=6)
+    policy = TreePolicy("sequoia", budget=10, depth=4, topk=3, profile=PROFILE)
+    check_identity(loaded.model, head, tiny_prompts(6, seed=3), policy,
+                   GenerationConfig(max_new_tokens=16, relaxed=relaxed), 3, near_tie_report)

@@ -10,7 +10,7 @@ from sglang_spec.kernels.kv_commit import (
     paged_tree_slots_reference,
 )
 from sglang_spec.kernels.tree_metadata import build_tree_metadata_reference
-from sglang_spec.kernels.verify_accept import accept_walk_reference
+from sglang_spec.kernels.verify_accept import MatchMode, accept_walk_reference
 
 
 def accepted_paths(seed, batch=5, nodes=10, depth=4):
@@ -27,7 +27,7 @@ def accepted_paths(seed, batch=5, nodes=10, depth=4):
                 target[b * nodes + node] = meta.tokens[b, int(rng.choice(kids))]
     outputs = accept_walk_reference(meta.tokens, meta.parents, data["num_nodes"], depth,
                                     torch.zeros(batch, 8, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
-                                    target=target)
+                                    MatchMode(target))
     slots = torch.from_numpy(rng.permutation(200)[: batch * nodes].reshape(batch, nodes)).long() + 1
     return rng, outputs, data["num_nodes"], slots
 

@@ -4,8 +4,8 @@ import torch
 
 from host_guard import HostAccessGuard
 from sglang_spec.kernels.step import SpecStep, StepConfig
-from sglang_spec.kernels.verify_accept import RelaxedConfig
 from sglang_spec.tree import TokenTree
+from sglang_spec.verify import RelaxedAcceptance
 
 VOCAB, DIM, ROW, SLOTS = 48, 16, 8, 160
 
@@ -110,7 +110,7 @@ def snapshot(step):
 MODE_CONFIGS = {
     "greedy": dict(mode="greedy"),
     "sample": dict(mode="sample"),
-    "relaxed": dict(mode="relaxed", relaxed=RelaxedConfig(top_n=3, delta=0.4, think_begin_token=5, think_end_token=6)),
+    "relaxed": dict(mode="relaxed", relaxed=RelaxedAcceptance(top_n=3, delta=0.4, think_begin_token=5, think_end_token=6)),
 }
 
 

@@ -6,7 +6,8 @@ from helpers import random_candidate_batch
 from sglang_spec.kernels.tree_metadata import build_tree_metadata_reference
 from sglang_spec.kernels.verify_accept import (
     AcceptOutputs,
-    RelaxedConfig,
+    MatchMode,
+    RelaxedMode,
     accept_walk,
     accept_walk_reference,
     target_tokens,
@@ -15,6 +16,7 @@ from sglang_spec.kernels.verify_accept import (
     top_n_probs_reference,
 )
 from sglang_spec.sampling import target_probs_from_logits
+from sglang_spec.verify import RelaxedAcceptance
 
 VOCAB = 40
 BLOCK_V = 16  # several vocabulary blocks per row, so the running carries are exercised
@@ -115,11 +117,11 @@ def test_top_n_probs_equals_reference():
     assert torch.allclose(probs, reference_probs, atol=1e-6)
 
 
-def run_walk(function, meta, num_nodes, depth, **kwargs):
+def run_walk(function, meta, num_nodes, depth, mode):
     batch = meta.tokens.shape[0]
     output_ids = torch.full((batch, 6), -7, dtype=torch.int64)
     output_lens = torch.tensor([0, 2, 4, 5][:batch] + [1] * max(0, batch - 4), dtype=torch.int64)
-    out = function(meta.tokens, meta.parents, num_nodes, depth, output_ids, output_lens, **kwargs)
+    out = function(meta.tokens, meta.parents, num_nodes, depth, output_ids, output_lens, mode)
     return out, output_ids, output_lens
 
 
@@ -134,8 +136,8 @@ def test_accept_walk_match_mode_equals_reference(seed):
     rng, meta, num_nodes, depth = tree_batch(seed, batch=5, nodes=13, topk=3, depth=5)
     logits = logits_favouring_children(rng, meta, 0.9, 6.0)
     target = logits.argmax(-1)
-    kernel = run_walk(accept_walk, meta, num_nodes, depth, target=target)
-    reference = run_walk(accept_walk_reference, meta, num_nodes, depth, target=target)
+    kernel = run_walk(accept_walk, meta, num_nodes, depth, MatchMode(target))
+    reference = run_walk(accept_walk_reference, meta, num_nodes, depth, MatchMode(target))
     assert_same(kernel, reference)
     assert int(kernel[0].accept_length.max()) >= 3  # deep paths really occur
     assert kernel[0].accept_length[num_nodes == 0].tolist() == [0] * int((num_nodes == 0).sum())
@@ -147,12 +149,11 @@ def test_accept_walk_relaxed_mode_equals_reference(seed):
     logits = logits_favouring_children(rng, meta, 0.9, 1.0)  # soft: non-argmax children are often within delta
     batch, nodes = meta.tokens.shape
     think_begin, think_end = int(meta.tokens[0, 1]) if nodes > 1 else 1, 39
-    relaxed = RelaxedConfig(top_n=3, delta=0.3, think_begin_token=think_begin, think_end_token=think_end)
+    relaxed = RelaxedAcceptance(top_n=3, delta=0.3, think_begin_token=think_begin, think_end_token=think_end)
     thinking = torch.tensor(rng.integers(0, 2, size=batch), dtype=torch.int8)
-    top = top_n_probs_reference(logits, relaxed.top_n)
-    kernel = run_walk(accept_walk, meta, num_nodes, depth, top_n=top, thinking=thinking, relaxed=relaxed)
-    reference = run_walk(accept_walk_reference, meta, num_nodes, depth, top_n=top, thinking=thinking,
-                         relaxed=relaxed, logits=logits)
+    mode = RelaxedMode(*top_n_probs_reference(logits, relaxed.top_n), thinking, relaxed)
+    kernel = run_walk(accept_walk, meta, num_nodes, depth, mode)
+    reference = run_walk(accept_walk_reference, meta, num_nodes, depth, mode)
     assert_same(kernel, reference)
 
 
@@ -164,7 +165,7 @@ def test_greedy_accept_agrees_with_sglangs_verify_tree_greedy(sglang_kernels, se
     logits = logits_favouring_children(rng, meta, 0.9, 6.0)
     target = target_tokens(logits, 11, torch.zeros(3), torch.zeros(3).long(), torch.ones(3), torch.zeros(33), False,
                            block_v=BLOCK_V)
-    ours, output_ids, _ = run_walk(accept_walk, meta, num_nodes, depth, target=target)
+    ours, output_ids, _ = run_walk(accept_walk, meta, num_nodes, depth, MatchMode(target))
     predicts, accept_index, accept_num = sglang_kernels.verify_greedy(
         meta.tokens, meta.retrieve_index, meta.first_child, meta.next_sibling, target.reshape(3, 11), depth + 1
     )

@@ -116,7 +116,7 @@ def test_calibrate_max_records_takes_an_even_subset_and_rejects_negatives(tiny, 
 
 
 def test_calibrate_held_out_keeps_exactly_the_training_eval_split(tiny, tiny_traffic, tmp_path, capsys):
-    from sglang_spec.train.trainer import is_eval_record
+    from sglang_spec.train.records import is_eval_record
     from sglang_spec.train.traffic import read_traffic_strict
 
     tiny_traffic, _ = tiny_traffic

@@ -10,6 +10,7 @@ import pytest
 from conftest import DATA_DIR
 from sglang_spec.errors import SpecError
 from sglang_spec.tree import AcceptanceProfile, TokenTree, choose_tree_size, sequoia_plan, sequoia_table
+from sglang_spec.tree.cost_model import CostCurve
 
 MAX_NODES = 12  # budget <= 11
 MAX_LEVELS = 7  # depth <= 6
@@ -133,10 +134,10 @@ def test_reproduces_sequoias_demo_tree():
     config = json.loads((DATA_DIR / "sequoia" / "demo_config.json").read_text())
     demo = json.loads((DATA_DIR / "sequoia" / "demo_tree.json").read_text())
     profile = load_sequoia_vector()
-    verify_times = dict(zip(config["valid_budget"], config["target_time"]))
-    choice = choose_tree_size(
-        profile, verify_times, config["draft_time"], max_depth=config["max_depth"] - 1, allow_no_speculation=False
-    )
+    # Sequoia charges depth + 1 draft passes and no host work: our step cost with an overhead of one draft level
+    costs = CostCurve(verify=dict(zip(config["valid_budget"], config["target_time"])), draft_level=config["draft_time"],
+                      step_overhead=config["draft_time"], prefix=0, device="Sequoia's demo")
+    choice = choose_tree_size(profile, costs, max_depth=config["max_depth"] - 1, allow_no_speculation=False)
     assert (choice.budget + 1, choice.depth + 1) == (4, 4)
     assert choice.expected_accept_length == pytest.approx(2.2914, abs=1e-4)
     assert choice.time_per_token == pytest.approx(4.888, abs=1e-3)
@@ -153,7 +154,8 @@ def test_reproduces_sequoias_demo_tree():
 def test_hardware_choice_can_decline_speculation():
     profile = AcceptanceProfile.uniform([0.3, 0.05])
     # verifying more tokens costs as much as decoding them one by one: no tree can pay
-    choice = choose_tree_size(profile, {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, draft_time=0.2, max_depth=4)
+    costs = CostCurve({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, draft_level=0.2, step_overhead=0.2, prefix=0, device="toy")
+    choice = choose_tree_size(profile, costs, max_depth=4)
     assert choice.budget == 0 and choice.speedup == 1.0
 
 

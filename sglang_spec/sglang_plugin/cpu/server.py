@@ -49,7 +49,8 @@ class CpuModel:
 def prepare_model(name: str, progress: bool = True) -> CpuModel:
     """Builds or converts the model on first use (cached) and, for SmolLM2, exports its shipped MTP head as an
     SGLang draft folder beside it."""
-    from sglang_spec.models.registry import resolve_model_path, shipped_head_path, shipped_profile_path
+    from sglang_spec.catalog import resolve_model_path
+    from sglang_spec.models.registry import shipped_head_path, shipped_profile_path
     from sglang_spec.sglang_plugin.export import export_llama_draft
 
     if name not in CPU_MODELS:
