@@ -24,6 +24,7 @@ from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH, TokenTree
 
 POLICY_NAMES = ("chain", "eagle", "sequoia", "specexec")
 DEFAULT_TOPK = {"chain": 1, "eagle": 4, "sequoia": 8, "specexec": 8}
+MAX_TOPK = 64  # candidates per node: more is hours of drafting for nodes no profile ever accepts
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class TreePolicy:
     budget:  draft nodes, root excluded (1..1023).
     depth:   most draft tokens on one root-to-leaf path (1..64).
     topk:    candidates requested per expanded node: EAGLE's beam width, SpecExec's and Sequoia's maximum number
-             of children per node; None = the policy default (DEFAULT_TOPK). Ignored by chain.
+             of children per node (1..MAX_TOPK); None = the policy default (DEFAULT_TOPK). Ignored by chain.
     profile: acceptance profile; required by sequoia.
     """
 
@@ -57,6 +58,8 @@ class TreePolicy:
             raise SpecError(f"depth {self.depth} exceeds the maximum depth {MAX_DEPTH}")
         if self.topk is not None and (not isinstance(self.topk, int) or self.topk < 1):
             raise SpecError(f"topk must be >= 1, got {self.topk}")
+        if self.topk is not None and self.topk > MAX_TOPK:
+            raise SpecError(f"topk {self.topk} exceeds the maximum {MAX_TOPK} candidates per node")
         if self.name == "sequoia" and self.profile is None:
             raise SpecError("the sequoia policy needs an acceptance profile (--acceptance PROFILE.json)")
         if self.name == "eagle":
