@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from sglang_spec.catalog import load_model
-from sglang_spec.cli.parser import TEMPERATURE_HELP, integer, path_arg, seed, temperature, text_arg
+from sglang_spec.cli.parser import (
+    MAX_SAMPLING_TOP_K,
+    TEMPERATURE_HELP,
+    integer,
+    number,
+    path_arg,
+    seed,
+    temperature,
+    text_arg,
+)
 from sglang_spec.decode.autotune import load_or_measure
 from sglang_spec.decode.decoder import (
     GenerationConfig,
@@ -63,8 +72,10 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens", type=integer(1), default=64,
                         help="at most the model's context minus the longest prompt")
     parser.add_argument("--temperature", type=temperature, default=0.0, help=TEMPERATURE_HELP)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=integer(0, MAX_SAMPLING_TOP_K), default=0,
+                        help="sample among the k most likely tokens (0 = off; past the vocabulary = off)")
+    parser.add_argument("--top-p", type=number(0, 1, low_open=True), default=1.0,
+                        help="nucleus sampling mass in (0, 1] (1 = off)")
     parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--allow-model-mismatch", action="store_true",
                         help="use an --mtp head trained for another model (its metadata names the model)")

@@ -21,6 +21,7 @@ MAX_TEMPERATURE = 100.0
 MAX_BATCH_SIZE = 4096
 MAX_SAMPLES = 1000
 MAX_STEPS = 10_000_000
+MAX_SAMPLING_TOP_K = 2**31 - 1  # any top-k past the vocabulary is off; this only keeps it an int32
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

@@ -82,8 +82,10 @@ CASES = [
     ("prompt longer than the context", ["generate", *TINY, "--no-chat", "--prompt", "x" * 600], "context holds 512"),
     ("topk 10^6", [*GEN, "--policy", "specexec", "--topk", "1000000"], "exceeds the maximum 64"),
     ("topk 0", [*GEN, "--policy", "specexec", "--topk", "0"], "topk must be >= 1"),
-    ("top-p nan", [*GEN, "--top-p", "nan"], "top_p must be in (0, 1]"),
-    ("top-k negative", [*GEN, "--top-k", "-1"], "top_k must be an integer >= 0"),
+    ("top-p nan", [*GEN, "--top-p", "nan"], "--top-p"),
+    ("top-p 0", [*GEN, "--top-p", "0"], "--top-p"),
+    ("top-k negative", [*GEN, "--top-k", "-1"], "--top-k: -1 is out of range"),
+    ("top-k 10^30", [*GEN, "--top-k", "1" + "0" * 30], "--top-k"),
     ("budget 0", [*GEN, "--budget", "0"], "budget must be >= 1"),
     ("non-UTF-8 prompt", ["generate", *TINY, "--prompt", "ab\udcffc"], "is not valid UTF-8"),
     # ---- generate: files

@@ -4,6 +4,8 @@ value it accepts or one ``SpecError`` / ``ValueError`` line, never another excep
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 
@@ -134,3 +136,42 @@ def test_sampling_params(temperature_value, top_k, top_p):
         assert one_line(error)
         return
     assert params.temperature == 0 or params.temperature >= TEMPERATURE_FLOOR
+
+
+numbers_as_text = (st.integers().map(str) | st.floats().map(repr) | st.text(max_size=8)
+                   | st.sampled_from(["1e23", "1e-40", "-0", "nan", "inf", "0x10", "1_000", " 7 ", "１"]))
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.dictionaries(st.sampled_from(["--temperature", "--top-k", "--top-p", "--budget", "--depth", "--topk",
+                                        "--seed", "--max-new-tokens"]), numbers_as_text, max_size=4))
+def test_generate_options_parse_or_fail_in_one_line(options):
+    """What `generate` checks before loading a model: a usage error (one line, exit 2), a SpecError (one line),
+    or settings every later step accepts (the sampling tensors included)."""
+    import torch
+
+    from sglang_spec.cli import build_parser
+    from sglang_spec.tree.policies import TreePolicy
+    from sglang_spec.tree.profile import AcceptanceProfile
+
+    argv = ["generate", "--model", "tiny-deepseek", "--prompt", "x"]
+    for flag, value in options.items():
+        argv += [f"{flag}={value}"]
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = build_parser().parse_args(argv)
+    except SystemExit as exit:
+        err = stderr.getvalue()
+        assert exit.code == 2 and err.count("\n") == 1 and err.startswith("error: ")
+        return
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        TreePolicy(args.policy, budget=args.budget, depth=args.depth, topk=args.topk,
+                   profile=AcceptanceProfile.load(None))
+    except SpecError as error:
+        assert one_line(error)
+        return
+    torch.full((1,), sampling.top_k, dtype=torch.int64)
+    torch.Generator().manual_seed(args.seed)
+    assert args.max_new_tokens >= 1
