@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                                      [int(size) for size in args.tree_sizes.split(",")], config)
         print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in quality[name].items()}),
               flush=True)
-    write_text_atomic(args.out, json.dumps({"command": " ".join(["python", "bench/head_quality.py", *(argv or sys.argv[1:])]),
-                                    "prompts": ids, "max_new_tokens": args.max_new_tokens,
-                                    "head_quality": quality}, indent=1) + "\n")
+    command = " ".join(["python", "bench/head_quality.py", *(argv or sys.argv[1:])])
+    report = {"command": command, "prompts": ids, "max_new_tokens": args.max_new_tokens, "head_quality": quality}
+    write_text_atomic(args.out, json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

@@ -5,8 +5,8 @@ Two launches, each a Triton kernel beside its launcher and its pure-torch refere
 
 1. per node (one program per tree node, a loop over the vocabulary):
    * ``target_tokens``: the target's token at the node. Greedy: argmax (first index on ties). Sampling (per-request
-     temperature >= ``TEMPERATURE_FLOOR``, 1e-5; lower ones are greedy, as everywhere): an inverse-CDF draw with the node's coin from the tempered distribution after top-k and
-     top-p, whose thresholds are found by bisection over float32 bit patterns (no vocabulary sort); the
+     temperature >= ``TEMPERATURE_FLOOR``, 1e-5; lower ones are greedy, as everywhere): an inverse-CDF draw with
+     the node's coin from the tempered distribution after top-k and top-p, whose thresholds are found by bisection over float32 bit patterns (no vocabulary sort); the
      definitions are those of ``sglang_spec.sampling.target_probs_from_logits``.
    * ``top_n_probs`` (relaxed mode): the N most likely tokens and their plain-softmax probabilities.
 2. per request: ``accept_walk`` follows the tree from the root, in the ``AcceptMode`` it is given.

@@ -52,7 +52,8 @@ def target_probs_from_logits(
     """Sampling distribution per row.
 
     logits: [B, ..., V] float. temperature / top_k / top_p: [B] per request (temperature below
-    ``TEMPERATURE_FLOOR``, 0 included = one-hot argmax, top_k 0 = all tokens, top_p 1 = all tokens). Returns float32 probabilities of the same shape as logits.
+    ``TEMPERATURE_FLOOR``, 0 included = one-hot argmax, top_k 0 = all tokens, top_p 1 = all tokens). Returns
+    float32 probabilities of the same shape as logits.
 
     With w = exp((logits - max) / temperature):
     * top-k keeps every token with w >= the k-th largest w (ties at the threshold are all kept);

@@ -38,9 +38,11 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
                         "pass the training run's fraction (its default is 0.05)")
     parser.add_argument("--max-records", type=int, default=0,
                         help="calibrate on at most this many records, an evenly spaced subset (0 = all)")
-    parser.add_argument("--depth", type=integer(1, MAX_DEPTH), default=6, help=f"draft depths measured (1-{MAX_DEPTH})")
+    parser.add_argument("--depth", type=integer(1, MAX_DEPTH), default=6,
+                        help=f"draft depths measured (1-{MAX_DEPTH})")
     parser.add_argument("--max-rank", type=integer(1, MAX_TOPK), default=8,
-                        help=f"candidate ranks measured per depth (1-{MAX_TOPK}, at most the head's draft vocabulary)")
+                        help=f"candidate ranks measured per depth (1-{MAX_TOPK}, at most the head's draft "
+                        f"vocabulary)")
     parser.add_argument("--temperature", type=temperature, default=0.0, help=TEMPERATURE_HELP)
     parser.add_argument("--out", type=path_arg, required=True, help="profile JSON to write")
     parser.add_argument("--force", action="store_true", help="overwrite --out (atomically: a failed run keeps it)")
@@ -75,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     head = load_head_for(loaded, args.mtp, allow_model_mismatch=args.allow_model_mismatch)
     if args.max_rank > head.draft_vocab_size:
-        raise SpecError(f"--max-rank {args.max_rank} exceeds the head's draft vocabulary of {head.draft_vocab_size} "
-                        f"tokens")
+        raise SpecError(f"--max-rank {args.max_rank} exceeds the head's draft vocabulary of "
+                        f"{head.draft_vocab_size} tokens")
     result = calibrate(loaded, head, records, depth=args.depth, max_rank=args.max_rank, temperature=args.temperature)
     profile = result.profile
     metadata = dict(profile.metadata)

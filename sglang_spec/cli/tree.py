@@ -29,7 +29,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         "--topk",
         type=int,
         default=None,
-        help=f"candidates per expanded node, at most {MAX_TOPK} (eagle beam width; specexec/sequoia max children); "
+        help=f"candidates per expanded node, at most {MAX_TOPK} (eagle beam width; specexec/sequoia max "
+        "children); "
         + ", ".join(f"{name} {value}" for name, value in DEFAULT_TOPK.items() if name != "chain"),
     )
     parser.add_argument(

@@ -97,7 +97,7 @@ class LoadedModel:
         room = context - prompt_lengths[longest]
         if max_new_tokens > room:
             raise SpecError(f"{option} {max_new_tokens} runs past {self.name}'s context of {context} tokens after "
-                            f"the {prompt_lengths[longest]}-token {name}; use at most {room}")
+                            f"{name} ({prompt_lengths[longest]} tokens); use at most {room}")
 
 
 def load_model_folder(label: str, path: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:

@@ -110,4 +110,4 @@ def complete_checkpoint_config(path: Path) -> None:
     if all(config.get(name) == value for name, value in CHECKPOINT_CONFIG_FIELDS.items()):
         return
     config.update(CHECKPOINT_CONFIG_FIELDS)
-    write_text_atomic(config_path, json.dumps(config, indent=2) + "\n")  # a cached model is never left half-written
+    write_text_atomic(config_path, json.dumps(config, indent=2) + "\n")  # never a half-written cached model

@@ -70,7 +70,9 @@ def _check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
                             f"(lower the learning rate)")
 
 
-def _read_safetensors(path: Path, names: list[str] | None = None) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+def _read_safetensors(
+    path: Path, names: list[str] | None = None
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """(metadata, tensors) of a safetensors file (``names`` None: all tensors, [] none), or one line saying why
     it cannot be read (truncated, not safetensors, unreadable)."""
     try:
@@ -107,7 +109,8 @@ def read_mtp_header(path: str | Path) -> dict[str, Any]:
         if not isinstance(value, kind) or isinstance(value, bool):
             raise SpecError(f"{path}: the head header's {name!r} must be a {kind.__name__}, got {brief(value)}")
     if header["feedback"] not in FEEDBACK_MODES:
-        raise SpecError(f"{path}: unknown feedback mode {brief(header['feedback'])} (one of {', '.join(FEEDBACK_MODES)})")
+        raise SpecError(f"{path}: unknown feedback mode {brief(header['feedback'])} "
+                        f"(one of {', '.join(FEEDBACK_MODES)})")
     if not isinstance(header.get("metadata", {}), dict):
         raise SpecError(f"{path}: the head header's 'metadata' must be an object")
     return header

@@ -52,7 +52,8 @@ def calibrate(
     if depth < 1 or max_rank < 1:
         raise SpecError("depth and max-rank must be >= 1")
     if max_rank > head.draft_vocab_size:
-        raise SpecError(f"max-rank {max_rank} exceeds the head's draft vocabulary of {head.draft_vocab_size} tokens")
+        raise SpecError(f"max-rank {max_rank} exceeds the head's draft vocabulary of {head.draft_vocab_size} "
+                        f"tokens")
     temperature = SamplingParams(temperature=temperature).temperature  # refuses NaN; below the floor is greedy
     model = loaded.model
     device = next(model.parameters()).device

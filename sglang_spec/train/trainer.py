@@ -238,8 +238,8 @@ def prepare_data(loaded: LoadedModel, records: Sequence[TrafficRecord], config: 
     draft_vocab, coverage = choose_draft_vocab([encoded[i] for i in train_rows], config.draft_vocab, vocab_size)
     draft_size = vocab_size if draft_vocab is None else len(draft_vocab)
     if config.top_k_targets > draft_size:
-        raise SpecError(f"--top-k-targets {config.top_k_targets} exceeds the draft vocabulary of {draft_size} tokens; "
-                        f"use at most {draft_size}")
+        raise SpecError(f"--top-k-targets {config.top_k_targets} exceeds the draft vocabulary of {draft_size} "
+                        f"tokens; use at most {draft_size}")
     return TrainingData(encoded, train_rows, eval_rows, draft_vocab, coverage, _fingerprint(loaded, encoded, config))
 
 
@@ -360,7 +360,8 @@ def load_training_state(path: Path) -> dict[str, Any]:
         if kind is float and isinstance(value, int):
             continue
         if not isinstance(value, kind):
-            raise SpecError(f"{path} is damaged ({key!r} is missing or not a {kind.__name__}); start over with --force")
+            raise SpecError(f"{path} is damaged ({key!r} is missing or not a {kind.__name__}); "
+                            f"start over with --force")
     return saved
 
 
@@ -376,8 +377,8 @@ def resume_config(state_path: Path, given: dict[str, Any]) -> tuple[TrainConfig,
         if name in saved and saved[name] != value:
             flag = "--" + name.replace("_", "-")
             if name in FIXED_ON_RESUME:
-                raise SpecError(f"{flag} {value} conflicts with the saved run's {saved[name]}: it fixes the training "
-                                f"data; resume without it, or start over with --force")
+                raise SpecError(f"{flag} {value} conflicts with the saved run's {saved[name]}: it fixes the "
+                                f"training data; resume without it, or start over with --force")
             notes.append(f"resume: {flag} {value} replaces the saved run's {saved[name]} (the command line wins)")
     return TrainConfig(**{**saved, **given}), notes
 
@@ -444,8 +445,8 @@ def fit(
                 loss, metrics = unrolled_loss(state.head, make_batch(cache, rows, device, dtype), config.unroll,
                                               config.step_decay)
             if not math.isfinite(loss.item()):
-                raise SpecError(f"training diverged at step {state.step + 1}: the loss is {loss.item()}; lower --lr "
-                                f"(now {config.lr:g}); no head was written from the diverged weights")
+                raise SpecError(f"training diverged at step {state.step + 1}: the loss is {loss.item()}; lower "
+                                f"--lr (now {config.lr:g}); no head was written from the diverged weights")
             state.optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(state.head.parameters(), 1.0)

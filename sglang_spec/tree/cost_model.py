@@ -75,7 +75,8 @@ class CostCurve:
             if not (isinstance(key, str) and key.isdigit() and 0 < int(key) <= 1 << 20):
                 raise SpecError(f"cost curve 'verify' key {brief(key)} is not a token count")
             if seconds is None or seconds <= 0:
-                raise SpecError(f"cost curve verify[{brief(key)}] = {brief(value)} is not a positive number of seconds")
+                raise SpecError(f"cost curve verify[{brief(key)}] = {brief(value)} is not a positive number of "
+                                f"seconds")
             sizes[int(key)] = seconds
         times = {}
         for name in ("draft_level", "step_overhead", "plain_token"):
