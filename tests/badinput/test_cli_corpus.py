@@ -155,7 +155,7 @@ CASES = [
     *[(f"train {label}", ["train", *TINY, "--traffic", "{tiny.jsonl}", "--out", W + "h.safetensors", *extra],
        message) for label, extra, message in (
         ("lr 1e30", ["--lr", "1e30"], "--lr: 1e+30 is out of range"),
-        ("lr nan", ["--lr", "nan"], "--lr: nan is not a finite number"),
+        ("lr nan", ["--lr", "nan"], "--lr: 'nan' is not a finite number"),
         ("lr 0", ["--lr", "0"], "--lr: 0 is out of range"),
         ("steps 0", ["--steps", "0"], "--steps"),
         ("batch-size 0", ["--batch-size", "0"], "--batch-size"),
