@@ -25,7 +25,6 @@ HOOKS = (
     (f"{_WORKER}.alloc_memory_pool", "alloc_memory_pool_after", "AFTER"),
     (f"{_WORKER}.draft_forward", "draft_forward_around", "AROUND"),
     ("sglang.srt.speculative.spec_utils.select_top_k_tokens", "select_top_k_tokens_around", "AROUND"),
-    ("sglang.srt.speculative.eagle_utils.organize_draft_results", "organize_draft_results_around", "AROUND"),
     ("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", "correct_drafts_after", "AFTER"),
 )
 RESOLUTION_HOOKS = (
