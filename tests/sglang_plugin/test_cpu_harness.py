@@ -134,7 +134,8 @@ def test_sampling_verify_stand_in_emits_exact_target_samples():
     candidates in the residual is rejected by the same test."""
     target = torch.tensor([[0.30, 0.25, 0.2, 0.1, 0.1, 0.05]] * 5)[None]
     candidates = torch.tensor([[0, 1, 2, 3, 4]])  # root 0, children tokens 1 and 2, grandchildren 3 and 4
-    expected = target[0, 0].numpy()
+    expected = target[0, 0].double().numpy()
+    expected = expected / expected.sum()
     trials = 6000
     counts = run_sampling_verify(target, candidates, trials, sampling.tree_speculative_sampling_target_only)
     assert stats.chisquare(counts, expected * trials).pvalue > 1e-3
