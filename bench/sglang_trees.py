@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     specs = humaneval_prompts(134, 134 + args.num_prompts - 1)
     prompts = [list(tokenizer.apply_chat_template(list(spec.messages), add_generation_prompt=True, tokenize=True,
                                                   return_dict=False)) for spec in specs]
-    scratch = args.out.parent / "sglang_trees_runs"
+    scratch = REPO / "runs" / "sglang_trees"  # server logs (gitignored)
     rows, outputs = [], {}
     for budget in [int(b) for b in args.budgets.split(",")]:
         for policy in POLICIES:
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
                 tree += ["--speculative-acceptance-profile", str(model.profile)]
             port = free_port()
             with SGLangServer(cpu_launch_args(model, port, extra=tree), port,
-                              scratch / f"{policy}-{budget}.log").start() as server:
+                              scratch / f"{policy}-{budget}.log") as server:
                 answers = server.generate(prompts, {"temperature": 0, "max_new_tokens": args.max_new_tokens})
                 width = server.request("/server_info")["speculative_eagle_topk"]
             lengths = [drafts + 1 for answer in answers
