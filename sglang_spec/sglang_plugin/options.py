@@ -9,6 +9,8 @@ arguments), attached to its ServerArgs, checked against the resolved configurati
                                          eagle W = K; sequoia: its tree's widest level; specexec: a static
                                          bound, by default the budget (exact SpecExec)
     --speculative-acceptance-profile P   JSON profile for sequoia (``sglang-spec calibrate``)
+    --speculative-tree-accept {sglang,fused}   who accepts the verified tree: SGLang's eagle_sample (default)
+                                         or the project's fused verify + accept kernels and KV commit
 
 This module imports no sglang; the checks that need resolved values take a view of the ServerArgs.
 """
@@ -44,13 +46,15 @@ BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefill_atte
                   "speculative_draft_attention_backend")
 # the Python-side names of the options (sgl.Engine keyword arguments == argparse dests)
 KEYWORDS = ("speculative_tree_policy", "speculative_tree_budget", "speculative_tree_depth", "speculative_tree_topk",
-            "speculative_tree_width", "speculative_acceptance_profile")
+            "speculative_tree_width", "speculative_acceptance_profile", "speculative_tree_accept")
+ACCEPT_CHOICES = ("sglang", "fused")
 
 
 @dataclass(frozen=True)
 class TreeServerOptions:
     """policy, budget (draft nodes), depth (draft steps), topk (K, children per expanded node), width (W, SGLang's
-    speculative_eagle_topk: nodes expanded per level), profile_path (sequoia)."""
+    speculative_eagle_topk: nodes expanded per level), profile_path (sequoia), accept (who accepts: sglang or
+    fused)."""
 
     policy: str
     budget: int
@@ -58,6 +62,7 @@ class TreeServerOptions:
     topk: int
     width: int
     profile_path: str | None = None
+    accept: str = "sglang"
 
     @property
     def own_loop(self) -> bool:
@@ -98,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "eagle, the tree's widest level for sequoia, the budget for specexec (exact SpecExec)")
     group.add_argument("--speculative-acceptance-profile", default=None, metavar="PATH",
                        help="acceptance profile JSON (sglang-spec calibrate); required by sequoia")
+    group.add_argument("--speculative-tree-accept", choices=ACCEPT_CHOICES, default=None,
+                       help="who accepts the verified tree: SGLang's own eagle_sample (default) or the project's "
+                            "fused verify + accept kernels and KV commit (falls back to SGLang's per batch for "
+                            "penalties, grammar, top-k / top-p sampling and the like)")
 
 
 def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
@@ -132,7 +141,10 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
     TreePolicy(policy, budget=budget, depth=depth, topk=topk,
                profile=AcceptanceProfile.from_json(profile_path) if profile_path else None)
     width = _width(policy, budget, depth, topk, profile_path, values.get("speculative_tree_width"))
-    return TreeServerOptions(policy, budget, depth, topk, width, profile_path)
+    accept = values.get("speculative_tree_accept") or "sglang"
+    if accept not in ACCEPT_CHOICES:
+        raise SpecError(f"--speculative-tree-accept takes {' or '.join(ACCEPT_CHOICES)}, got {accept!r}")
+    return TreeServerOptions(policy, budget, depth, topk, width, profile_path, accept)
 
 
 def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | None, given: int | None) -> int:

@@ -11,13 +11,11 @@ from helpers import targets_following_drafts
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin import hooks
 from sglang_spec.sglang_plugin.draft_tree import DraftLoop, DraftPlan, ancestry_permutation, sequoia_tree, widest_level
-from sglang_spec.sglang_plugin.epilogue import AcceptEpilogue
 from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
 from sglang_spec.tree import (
     AcceptanceProfile,
     TreePolicy,
     SyntheticCandidates,
-    TokenTree,
     TreeBatch,
     TreeMaskMode,
     decode_sglang_draft,
@@ -279,26 +277,3 @@ def test_metrics_hook_counts_acceptance_per_position(sglang_with_plugin, monkeyp
     assert request.spec_correct_drafts_histogram == [1, 1, 1, 2]  # SGLang's own bookkeeping still runs
     assert metrics.rates() == [4 / 5, 3 / 5, 2 / 5]
     assert metrics.mean_accept_length() == pytest.approx(1 + 9 / 5)
-
-
-def test_in_graph_epilogue_matches_sglangs_greedy_verify(sglang_kernels):
-    """Our capture-tail epilogue (fused target tokens + accept walk) returns what eagle_sample returns for greedy
-    batches: predict, accept_index and the accepted-draft counts of verify_tree_greedy."""
-    from helpers import random_tree
-
-    from sglang_spec.tree import encode_sglang_verify
-
-    rng = np.random.default_rng(0)
-    trees = [random_tree(rng, 9, 3, 4, vocab_size=30) for _ in range(3)]
-    meta = encode_sglang_verify(trees, [4, 4, 4])
-    target = targets_following_drafts(rng, trees, 9, accept_rate=0.85, vocab_size=30)
-    logits = torch.nn.functional.one_hot(target.reshape(-1), 30).float() * 5 + torch.rand(27, 30)
-    predicts, accept_index, accept_num = sglang_kernels.verify_greedy(
-        meta.draft_tokens.view(3, 9), meta.retrieve_index, meta.retrieve_next_token, meta.retrieve_next_sibling,
-        logits.argmax(-1).view(3, 9), 5)
-    batch = TreeBatch.from_trees(trees)
-    static = AcceptEpilogue(9, 4).run(logits, batch.tokens, batch.parents, batch.num_nodes)
-    assert torch.equal(static.accept_index, accept_index)
-    assert torch.equal(static.num_correct_drafts, accept_num)
-    written = accept_index[accept_index >= 0].long()
-    assert torch.equal(static.predict[written], predicts[written])
