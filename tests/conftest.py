@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
 from optional_packages import require_sglang
+from paths import TESTS_DIR
 
 _HAS_CUDA_ENV = os.environ.get("SGLANG_SPEC_TEST_GPU") == "1"
 if not _HAS_CUDA_ENV:
@@ -23,10 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-TESTS_DIR = Path(__file__).resolve().parent
 # converted / built models are cached inside the checkout (git-ignored): CI builds them once per run
 os.environ.setdefault("SGLANG_SPEC_CACHE", str(TESTS_DIR.parent / ".cache"))
-DATA_DIR = TESTS_DIR / "data"
 
 
 def _torchvision_importable() -> bool:
