@@ -186,7 +186,7 @@ def main(argv=None) -> int:
             return 2
     model = prepare_model(args.cpu_model) if args.cpu_model else None
     profile = args.acceptance_profile or (str(model.profile) if model and model.profile else None)
-    scratch = args.out.parent / "serving_runs"
+    scratch = REPO / "runs" / "serving_sweep"  # server logs and the held-out dataset (gitignored)
     scratch.mkdir(parents=True, exist_ok=True)
     heldout = write_heldout_dataset(scratch / "heldout.json") if args.dataset == "heldout" else None
     rows = []

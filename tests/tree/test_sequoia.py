@@ -3,17 +3,15 @@
 import functools
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from paths import DATA_DIR
 from sglang_spec.errors import SpecError
 from sglang_spec.tree import AcceptanceProfile, TokenTree, choose_tree_size, sequoia_plan, sequoia_table
 from sglang_spec.tree.cost_model import CostCurve
 
-# not `from conftest import DATA_DIR`: with several conftest.py files that name is whichever pytest loaded last
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 MAX_NODES = 12  # budget <= 11
 MAX_LEVELS = 7  # depth <= 6
 
