@@ -14,6 +14,8 @@ Three kernels, each with its launcher and a pure-torch reference of identical se
 * ``flashinfer_indptrs``: qo / paged-kv / packed-mask indptrs and last-page lengths (one program).
 * ``pack_flashinfer_mask``: each request's N x (prefix + N) rows, prefix columns all ones, packed little-endian
   into whole bytes per request, exactly like FlashInfer's ``segment_packbits(..., bitorder="little")``.
+* ``parents_from_links``: the parent array from first-child / next-sibling links (SGLang's ``retrieve_next_token``
+  / ``retrieve_next_sibling``, local ids), so a verify step that only has SGLang's layout can run the walk.
 """
 
 from __future__ import annotations
@@ -407,3 +409,52 @@ def pack_flashinfer_mask_reference(
         start = int(packed_mask_indptr[b])
         out[start : start + packed.numel()] = packed.to(out.device)
     return out
+
+
+@triton.jit
+def _parents_from_links_kernel(
+    first_child_ptr,  # [B, N] int64 first child per node, -1 when none
+    next_sibling_ptr,  # [B, N] int64 next sibling per node, -1 when none
+    parents_ptr,  # out [B, N] int64, -1 for the root and for nodes no link reaches
+    N: tl.constexpr,
+    N_PAD: tl.constexpr,
+):
+    # one program per request: every node's children chain (first child, then siblings) names it as parent
+    b = tl.program_id(0)
+    nodes = tl.arange(0, N_PAD)
+    tl.store(parents_ptr + b * N + nodes, tl.full([N_PAD], -1, dtype=tl.int64), mask=nodes < N)
+    for node in range(N):
+        child = tl.load(first_child_ptr + b * N + node)
+        hops = 0
+        while (child >= 0) & (hops < N):  # a malformed cycle cannot spin
+            tl.store(parents_ptr + b * N + child, node)
+            child = tl.load(next_sibling_ptr + b * N + child)
+            hops += 1
+
+
+def parents_from_links(first_child: torch.Tensor, next_sibling: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launcher. first_child / next_sibling [B, N] int64 (local ids, -1 = none) -> parents [B, N] int64."""
+    if first_child.shape != next_sibling.shape or first_child.dim() != 2:
+        raise ValueError("first_child and next_sibling must both be [B, N]")
+    batch, nodes = first_child.shape
+    out = out if out is not None else torch.empty_like(first_child)
+    _parents_from_links_kernel[(batch,)](first_child, next_sibling, out, N=nodes,
+                                         N_PAD=max(triton.next_power_of_2(nodes), 2))
+    return out
+
+
+def parents_from_links_reference(first_child: torch.Tensor, next_sibling: torch.Tensor,
+                                 out: torch.Tensor | None = None) -> torch.Tensor:
+    if first_child.shape != next_sibling.shape or first_child.dim() != 2:
+        raise ValueError("first_child and next_sibling must both be [B, N]")
+    parents = torch.full(first_child.shape, -1, dtype=torch.int64)
+    first, sibling = first_child.cpu().tolist(), next_sibling.cpu().tolist()
+    for b, (row_first, row_sibling) in enumerate(zip(first, sibling)):
+        for node, child in enumerate(row_first):
+            hops = 0
+            while child >= 0 and hops < len(row_first):
+                parents[b, child] = node
+                child, hops = row_sibling[child], hops + 1
+    out = out if out is not None else torch.empty_like(first_child)
+    return out.copy_(parents)

@@ -5,13 +5,17 @@ Two launches, each a Triton kernel beside its launcher and its pure-torch refere
 
 1. per node (one program per tree node, a loop over the vocabulary):
    * ``target_tokens``: the target's token at the node. Greedy: argmax (first index on ties). Sampling (per-request
-     temperature > 0): an inverse-CDF draw with the node's coin from the tempered distribution after top-k and
-     top-p, whose thresholds are found by bisection over float32 bit patterns (no vocabulary sort); the
+     temperature >= ``TEMPERATURE_FLOOR``, 1e-5; lower ones are greedy, as everywhere): an inverse-CDF draw with
+     the node's coin from the tempered distribution after top-k and top-p, whose thresholds are found by bisection over float32 bit patterns (no vocabulary sort); the
      definitions are those of ``sglang_spec.sampling.target_probs_from_logits``.
    * ``top_n_probs`` (relaxed mode): the N most likely tokens and their plain-softmax probabilities.
 2. per request: ``accept_walk`` follows the tree from the root, in the ``AcceptMode`` it is given.
    ``MatchMode`` (greedy and lossless sampling, SpecExec's sample-and-match): move to the lowest-index child whose
-   token equals the node's target token. ``RelaxedMode`` (LOSSY, opt-in, TensorRT-LLM's thinking-phase rule): move
+   token equals the node's target token. ``CandidateSampleMode`` (lossless sampling the way SGLang's
+   ``tree_speculative_sampling_target_only`` draws it, ``verify/candidate_first.py``): accept the first child whose
+   bucket in the running sum of the children's target probabilities holds the node's coin; the bonus is drawn from
+   the target without the last node's children by the final coin (``node_normalizers`` gives each node's softmax
+   maximum and sum first). ``RelaxedMode`` (LOSSY, opt-in, TensorRT-LLM's thinking-phase rule): move
    to the most probable child that is in the node's top-N and within ``delta`` of the top probability while inside
    a thinking span (strict outside). The bonus is the target token (relaxed: the argmax) at the last node.
 
@@ -28,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_spec.sampling import sample_from_probs, target_probs_from_logits
+from sglang_spec.sampling import TEMPERATURE_FLOOR, sample_from_probs, target_probs_from_logits
 from sglang_spec.tree.batch import TreeBatch
+from sglang_spec.verify.candidate_first import verify_candidate_first
 from sglang_spec.verify.relaxed import RelaxedAcceptance, verify_relaxed_top_n
 from sglang_spec.verify.result import VerifyResult
 from sglang_spec.verify.walk import walk_matching_children
@@ -61,7 +66,7 @@ def _mass_at_least(row_ptr, V, best, inv_temperature, threshold, BLOCK_V: tl.con
 def _target_tokens_kernel(
     logits_ptr,  # [B * N, V] float logits, row stride logits_stride
     logits_stride,
-    temperature_ptr,  # [B] float32 (0 = greedy)
+    temperature_ptr,  # [B] float32 (below GREEDY_BELOW, 0 included = greedy)
     top_k_ptr,  # [B] int64 (0 = off)
     top_p_ptr,  # [B] float32 (1 = off)
     coins_ptr,  # [B * N] float32 uniform in [0, 1)
@@ -71,6 +76,7 @@ def _target_tokens_kernel(
     SAMPLE: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SEARCH: tl.constexpr,
+    GREEDY_BELOW: tl.constexpr,  # sampling.TEMPERATURE_FLOOR: 1 / T of a smaller T overflows float32
 ):
     # one program per tree node
     row = tl.program_id(0)
@@ -88,7 +94,7 @@ def _target_tokens_kernel(
     token = best_index.to(tl.int64)  # type: ignore[attr-defined]
     if SAMPLE:
         temperature = tl.load(temperature_ptr + request)
-        if temperature > 0:
+        if temperature >= GREEDY_BELOW:
             inv_temperature = 1.0 / temperature
             top_k = tl.load(top_k_ptr + request)
             top_p = tl.load(top_p_ptr + request)
@@ -174,6 +180,7 @@ def target_tokens(
         SAMPLE=sample,
         BLOCK_V=min(block_v, triton.next_power_of_2(logits.shape[1])),
         SEARCH=SEARCH_STEPS,
+        GREEDY_BELOW=TEMPERATURE_FLOOR,
     )
     return out
 
@@ -195,7 +202,8 @@ def target_tokens_reference(
     if sample:
         probs = target_probs_from_logits(grouped, temperature, top_k, top_p)
         result = sample_from_probs(probs, coins.reshape(batch, num_nodes_per_request)).reshape(-1)
-        result = torch.where(temperature.repeat_interleave(num_nodes_per_request) > 0, result, logits.argmax(-1))
+        sampled = temperature.repeat_interleave(num_nodes_per_request) >= TEMPERATURE_FLOOR
+        result = torch.where(sampled, result, logits.argmax(-1))
     else:
         result = logits.float().argmax(-1)
     out = out if out is not None else torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
@@ -278,6 +286,75 @@ def top_n_probs_reference(
     return out
 
 
+@triton.jit
+def _node_normalizers_kernel(
+    logits_ptr,  # [B * N, V] float logits, row stride logits_stride
+    logits_stride,
+    inverse_temperature_ptr,  # [B] float32 (1 / temperature)
+    out_ptr,  # out [B * N, 2] float32: (max logit, sum of exp((x - max) * inverse temperature))
+    V,
+    N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # one program per tree node: the tempered softmax's maximum, then its sum, in two passes (the sum is taken
+    # against the final maximum, so p(x) = exp((x - max) / T) / sum needs nothing else)
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
+    inverse_temperature = tl.load(inverse_temperature_ptr + row // N)
+    offsets = tl.arange(0, BLOCK_V)
+    best = -float("inf")
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(row_ptr + start + offsets, mask=start + offsets < V, other=-float("inf")).to(tl.float32)
+        best = tl.maximum(best, tl.max(x, axis=0))
+    total = 0.0
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(row_ptr + start + offsets, mask=start + offsets < V, other=-float("inf")).to(tl.float32)
+        total += tl.sum(tl.exp((x - best) * inverse_temperature), axis=0)
+    tl.store(out_ptr + row * 2, best)
+    tl.store(out_ptr + row * 2 + 1, total)
+
+
+def node_normalizers(
+    logits: torch.Tensor, num_nodes_per_request: int, inverse_temperature: torch.Tensor,
+    out: torch.Tensor | None = None, block_v: int = 1024,
+) -> torch.Tensor:
+    """Launcher. logits [B * N, V]; inverse_temperature [B] float32 -> [B * N, 2] float32 (max logit, sum of the
+    tempered exponentials), so p(x) = exp((x - max) * inverse_temperature) / sum at every node."""
+    batch = inverse_temperature.shape[0]
+    _check_logits(logits, batch, num_nodes_per_request)
+    out = out if out is not None else torch.empty(logits.shape[0], 2, dtype=torch.float32, device=logits.device)
+    _node_normalizers_kernel[(logits.shape[0],)](
+        logits, logits.stride(0), inverse_temperature, out, logits.shape[1], N=num_nodes_per_request,
+        BLOCK_V=min(block_v, triton.next_power_of_2(logits.shape[1])),
+    )
+    return out
+
+
+def node_normalizers_reference(
+    logits: torch.Tensor, num_nodes_per_request: int, inverse_temperature: torch.Tensor,
+    out: torch.Tensor | None = None, block_v: int = 1024,
+) -> torch.Tensor:
+    batch = inverse_temperature.shape[0]
+    _check_logits(logits, batch, num_nodes_per_request)
+    x = logits.float()
+    best = x.max(-1).values
+    scale = inverse_temperature.float().repeat_interleave(num_nodes_per_request)
+    total = torch.exp((x - best[:, None]) * scale[:, None]).sum(-1)
+    result = torch.stack([best, total], dim=-1)
+    out = out if out is not None else torch.empty_like(result)
+    return out.copy_(result)
+
+
+def node_probabilities(logits: torch.Tensor, num_nodes_per_request: int, inverse_temperature: torch.Tensor,
+                       normalizers: torch.Tensor) -> torch.Tensor:
+    """[B, N, V] float32 target probabilities exp((x - max) * inverse_temperature) / sum, the arithmetic the
+    candidate-sampling walk applies to the tokens it reads."""
+    batch = inverse_temperature.shape[0]
+    scale = inverse_temperature.float().repeat_interleave(num_nodes_per_request)[:, None]
+    probs = torch.exp((logits.float() - normalizers[:, :1]) * scale) / normalizers[:, 1:]
+    return probs.reshape(batch, num_nodes_per_request, -1)
+
+
 @dataclass(frozen=True, eq=False)
 class AcceptOutputs:
     """Per-request results of ``accept_walk`` (D = max_depth).
@@ -314,6 +391,13 @@ def _accept_walk_kernel(
     top_tokens_ptr,  # [B * N, TOP_N] int64 (relaxed mode)
     top_probs_ptr,  # [B * N, TOP_N] float32 (relaxed mode)
     thinking_ptr,  # [B] int8 thinking state at the root (relaxed mode; not read in match mode)
+    logits_ptr,  # [B * N, V] float target logits (sample mode)
+    logits_stride,
+    inverse_temperature_ptr,  # [B] float32 (sample mode)
+    normalizers_ptr,  # [B * N, 2] float32 max logit and tempered sum per node (sample mode)
+    coins_ptr,  # [B * N] float32, node v's coin decides among v's children (sample mode)
+    final_coins_ptr,  # [B] float32, the bonus draw (sample mode)
+    V,
     delta,  # relaxed probability slack inside thinking spans
     think_begin,
     think_end,
@@ -330,8 +414,10 @@ def _accept_walk_kernel(
     MAX_DEPTH: tl.constexpr,
     D_PAD: tl.constexpr,
     RELAXED: tl.constexpr,
+    SAMPLE: tl.constexpr,
     TOP_N: tl.constexpr,
     TOP_N_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     # one program per request; every level looks at all nodes at once and picks the child to follow
     b = tl.program_id(0)
@@ -365,6 +451,18 @@ def _accept_walk_kernel(
             score = tl.where(ok, prob, -1.0)
             best = tl.max(score, axis=0)
             chosen = tl.min(tl.where(ok & (score == best), nodes, N_PAD), axis=0)
+        elif SAMPLE:
+            row = (b * N + current).to(tl.int64)
+            node_max = tl.load(normalizers_ptr + row * 2)
+            node_sum = tl.load(normalizers_ptr + row * 2 + 1)
+            scale = tl.load(inverse_temperature_ptr + b)
+            x = tl.load(logits_ptr + row * logits_stride + tl.where(children, tokens, 0), mask=children,
+                        other=-float("inf")).to(tl.float32)
+            prob = tl.where(children, tl.exp((x - node_max) * scale) / node_sum, 0.0)
+            # children in sibling (= index) order, each accepted when the coin falls in its bucket
+            running = tl.cumsum(prob, axis=0)
+            coin = tl.load(coins_ptr + row)
+            chosen = tl.min(tl.where(children & (prob > 0) & (coin < running), nodes, N_PAD), axis=0)
         else:
             want = tl.load(target_ptr + b * N + current)
             chosen = tl.min(tl.where(children & (tokens == want), nodes, N_PAD), axis=0)
@@ -380,6 +478,36 @@ def _accept_walk_kernel(
         active = active & moved
     if RELAXED:
         bonus = tl.load(top_tokens_ptr + (b * N + current).to(tl.int64) * TOP_N)
+    elif SAMPLE:
+        # the target at the last node without its children (all tried, all rejected), by the final coin
+        row = (b * N + current).to(tl.int64)
+        row_ptr = logits_ptr + row * logits_stride
+        node_max = tl.load(normalizers_ptr + row * 2)
+        node_sum = tl.load(normalizers_ptr + row * 2 + 1)
+        scale = tl.load(inverse_temperature_ptr + b)
+        child_tokens = tl.where((parents == current) & real & (count > 0), tokens, -1)
+        offsets = tl.arange(0, BLOCK_V)
+        mass = 0.0
+        for start in range(0, V, BLOCK_V):
+            index = start + offsets
+            x = tl.load(row_ptr + index, mask=index < V, other=-float("inf")).to(tl.float32)
+            dropped = tl.max((index[:, None] == child_tokens[None, :]).to(tl.int32), axis=1) > 0
+            weight = tl.where((index < V) & ~dropped, tl.exp((x - node_max) * scale) / node_sum, 0.0)
+            mass += tl.sum(weight, axis=0)
+        limit = tl.load(final_coins_ptr + b) * mass
+        carry = 0.0
+        hit = V
+        last = -1
+        for start in range(0, V, BLOCK_V):
+            index = start + offsets
+            x = tl.load(row_ptr + index, mask=index < V, other=-float("inf")).to(tl.float32)
+            dropped = tl.max((index[:, None] == child_tokens[None, :]).to(tl.int32), axis=1) > 0
+            weight = tl.where((index < V) & ~dropped, tl.exp((x - node_max) * scale) / node_sum, 0.0)
+            running = tl.cumsum(weight, axis=0) + carry
+            hit = tl.minimum(hit, tl.min(tl.where((weight > 0) & (running > limit), index, V), axis=0))
+            last = tl.maximum(last, tl.max(tl.where(weight > 0, index, -1), axis=0))
+            carry += tl.sum(weight, axis=0)
+        bonus = tl.where(hit < V, hit, tl.where(last >= 0, last, V - 1)).to(tl.int64)
     else:
         bonus = tl.load(target_ptr + b * N + current)
     bonus = tl.where(count > 0, bonus, -1)
@@ -429,7 +557,26 @@ class RelaxedMode:
     rule: RelaxedAcceptance
 
 
-AcceptMode = Union[MatchMode, RelaxedMode]
+@dataclass(frozen=True, eq=False)
+class CandidateSampleMode:
+    """Lossless sampling with SGLang's coin mapping (``verify_candidate_first``), temperature only.
+
+    Fields:
+      logits:              [B * N, V] float. The target's logits at every node.
+      inverse_temperature: [B] float32. 1 / temperature (> 0) per request.
+      normalizers:         [B * N, 2] float32. Each node's max logit and tempered sum (``node_normalizers``).
+      coins:               [B * N] float32 uniform in [0, 1). Node v's coin decides among v's children.
+      final_coins:         [B] float32 uniform in [0, 1). The bonus draw.
+    """
+
+    logits: torch.Tensor
+    inverse_temperature: torch.Tensor
+    normalizers: torch.Tensor
+    coins: torch.Tensor
+    final_coins: torch.Tensor
+
+
+AcceptMode = Union[MatchMode, CandidateSampleMode, RelaxedMode]
 
 
 def _check_walk_inputs(
@@ -443,6 +590,13 @@ def _check_walk_inputs(
     if isinstance(mode, MatchMode):
         if mode.target.shape != (batch * nodes,):
             raise ValueError(f"MatchMode.target must be [B * N] = [{batch * nodes}]")
+    elif isinstance(mode, CandidateSampleMode):
+        _check_logits(mode.logits, batch, nodes)
+        if mode.normalizers.shape != (batch * nodes, 2) or mode.coins.shape != (batch * nodes,):
+            raise ValueError(f"CandidateSampleMode normalizers / coins must be [B * N, 2] / [B * N] (B * N = "
+                             f"{batch * nodes})")
+        if mode.inverse_temperature.shape != (batch,) or mode.final_coins.shape != (batch,):
+            raise ValueError(f"CandidateSampleMode inverse_temperature / final_coins must be [B] = [{batch}]")
     elif mode.top_tokens.shape != (batch * nodes, mode.rule.top_n) or mode.top_probs.shape != mode.top_tokens.shape:
         expected = f"[B * N, top_n] = [{batch * nodes}, {mode.rule.top_n}]"
         raise ValueError(f"RelaxedMode top_tokens / top_probs must be {expected}")
@@ -464,6 +618,7 @@ def accept_walk(
     batch, nodes = tokens.shape
     out = out if out is not None else AcceptOutputs.empty(batch, max_depth, tokens.device)
     relaxed = isinstance(mode, RelaxedMode)
+    sample = mode if isinstance(mode, CandidateSampleMode) else None
     # the pointers a mode does not use are never read; any int64 / float32 / int8 tensor stands in for them
     target = mode.target if isinstance(mode, MatchMode) else tokens
     top_tokens, top_probs = (mode.top_tokens, mode.top_probs) if isinstance(mode, RelaxedMode) else (tokens, tokens)
@@ -476,6 +631,13 @@ def accept_walk(
         top_tokens,
         top_probs,
         mode.thinking if isinstance(mode, RelaxedMode) else out.thinking,
+        sample.logits if sample else tokens,
+        sample.logits.stride(0) if sample else 0,
+        sample.inverse_temperature if sample else tokens,
+        sample.normalizers if sample else tokens,
+        sample.coins if sample else tokens,
+        sample.final_coins if sample else tokens,
+        sample.logits.shape[1] if sample else 1,
         rule.delta if rule else 0.0,
         rule.think_begin_token if rule else -1,
         rule.think_end_token if rule else -1,
@@ -492,8 +654,10 @@ def accept_walk(
         MAX_DEPTH=max_depth,
         D_PAD=triton.next_power_of_2(max_depth + 1),
         RELAXED=relaxed,
+        SAMPLE=sample is not None,
         TOP_N=rule.top_n if rule else 1,
         TOP_N_PAD=max(triton.next_power_of_2(rule.top_n), 2) if rule else 2,
+        BLOCK_V=min(1024, triton.next_power_of_2(sample.logits.shape[1])) if sample else 16,
     )
     return out
 
@@ -509,12 +673,17 @@ def accept_walk_reference(
     out: AcceptOutputs | None = None,
 ) -> AcceptOutputs:
     """The core rules on the host tree structure, reading the launcher's inputs: ``walk_matching_children``
-    (match mode) or ``verify_relaxed_top_n`` on the same top-N (relaxed mode)."""
+    (match mode), ``verify_candidate_first`` on the same probabilities (sample mode) or ``verify_relaxed_top_n``
+    on the same top-N (relaxed mode)."""
     _check_walk_inputs(tokens, output_ids, output_lens, mode)
     batch, nodes = tokens.shape
     trees = TreeBatch.from_parents(tokens.cpu(), parents.cpu(), num_nodes.cpu())
     if isinstance(mode, MatchMode):
         result = walk_matching_children(trees, mode.target.cpu().reshape(batch, nodes))
+        thinking_after = torch.zeros(batch, dtype=torch.int8)
+    elif isinstance(mode, CandidateSampleMode):
+        probs = node_probabilities(mode.logits.cpu(), nodes, mode.inverse_temperature.cpu(), mode.normalizers.cpu())
+        result = verify_candidate_first(trees, probs, mode.coins.cpu().reshape(batch, nodes), mode.final_coins.cpu())
         thinking_after = torch.zeros(batch, dtype=torch.int8)
     else:
         top_n = mode.rule.top_n

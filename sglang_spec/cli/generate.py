@@ -7,11 +7,22 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from sglang_spec.catalog import load_model
+from sglang_spec.cli.parser import (
+    MAX_SAMPLING_TOP_K,
+    TEMPERATURE_HELP,
+    integer,
+    number,
+    path_arg,
+    seed,
+    temperature,
+    text_arg,
+)
 from sglang_spec.decode.autotune import load_or_measure
 from sglang_spec.decode.decoder import (
     GenerationConfig,
@@ -23,6 +34,7 @@ from sglang_spec.decode.decoder import (
 from sglang_spec.decode.static_runner import supports as static_runner_supports
 from sglang_spec.decode.trace import TracedRequest, render_html, render_terminal
 from sglang_spec.errors import SpecError
+from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.models.cache_dir import cache_root
 from sglang_spec.models.registry import (
     LoadedModel,
@@ -34,11 +46,12 @@ from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.tree.cost_model import CostCurve, choose_speculation
 from sglang_spec.tree.hybrid import HYBRID_POLICY_NAMES, SOURCE_NAMES, HybridPolicy, SourceCalibration
-from sglang_spec.tree.policies import POLICY_NAMES, TreePolicy
+from sglang_spec.tree.policies import MAX_TOPK, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
 # per-policy defaults of --budget / --depth: MTP trees stay small on a CPU; a copied run can be long
 DEFAULT_SIZES = {"mtp": (8, 4), "hybrid": (16, 10), "auto": (32, 12)}
+MAX_MTP_LEVELS = 16  # head forwards per step: more is a typo (each costs about a fifth of a verify)
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -48,8 +61,10 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         description="Drafts a token tree per step with the MTP head, verifies it in one target forward and commits "
         "the accepted path. Greedy output equals plain greedy decoding; sampled output has the target's law.",
     )
-    parser.add_argument("--model", required=True, help="smollm2, tiny-deepseek, or a local model folder")
-    parser.add_argument("--mtp", default=None, help="MTP head (.safetensors) or DeepSeek checkpoint folder; "
+    parser.add_argument("--model", required=True, type=text_arg,
+                        help="smollm2, tiny-deepseek, or a local model folder")
+    parser.add_argument("--mtp", default=None, type=text_arg,
+                        help="MTP head (.safetensors) or DeepSeek checkpoint folder; "
                         "default: the model's own MTP layer or the shipped head")
     parser.add_argument("--policy", choices=POLICY_NAMES + HYBRID_POLICY_NAMES, default=None,
                         help="MTP trees (chain, eagle, sequoia, specexec), context-lookup trees (lookup) or both in "
@@ -58,31 +73,39 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
                         "for MTP trees, 16 for lookup / hybrid; with --auto: the most it may use, default 32)")
     parser.add_argument("--depth", type=int, default=None, help="most draft tokens on one path (default 4 for MTP "
                         "trees, 10 for lookup / hybrid, 12 with --auto: the most it may use)")
-    parser.add_argument("--topk", type=int, default=None, help="candidates per expanded node (policy default)")
-    parser.add_argument("--mtp-levels", type=int, default=2,
-                        help="hybrid: most MTP head forwards per step below the root's children (default 2)")
-    parser.add_argument("--acceptance", type=Path, default=None, metavar="PROFILE.json",
+    parser.add_argument("--topk", type=int, default=None, help="candidates per expanded node (policy default); at "
+                        f"most {MAX_TOPK} and the head's draft vocabulary")
+    parser.add_argument("--mtp-levels", type=integer(0, MAX_MTP_LEVELS), default=2,
+                        help="hybrid: most MTP head forwards per step below the root's children (default 2, at most "
+                        f"{MAX_MTP_LEVELS})")
+    parser.add_argument("--acceptance", type=path_arg, default=None, metavar="PROFILE.json",
                         help="acceptance profile for sequoia (default: the model's shipped profile, else built-in)")
-    parser.add_argument("--calibration", type=Path, default=None, metavar="SOURCES.json",
+    parser.add_argument("--calibration", type=path_arg, default=None, metavar="SOURCES.json",
                         help="lookup / hybrid: per-source acceptance calibration (default: the model's shipped one, "
                         "else a generic prior); learnt further online while decoding")
     parser.add_argument("--auto", action="store_true",
                         help="let this machine's measured cost curve (cached) and the calibrated acceptance choose "
                         "each step's tree: context lookup, MTP head, both, or no speculation; with an MTP policy "
                         "(e.g. --policy sequoia): that policy's budget and depth, or no speculation")
-    parser.add_argument("--costs", type=Path, default=None, metavar="COSTS.json",
+    parser.add_argument("--costs", type=path_arg, default=None, metavar="COSTS.json",
                         help="with --auto: cost curve to read, or to measure and write (default: per model and "
                         "machine in the cache folder)")
-    parser.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", action="append", required=True, type=text_arg,
+                        help="prompt text; repeat for a batch")
+    parser.add_argument("--max-new-tokens", type=integer(1), default=64,
+                        help="at most the model's context minus the longest prompt")
+    parser.add_argument("--temperature", type=temperature, default=0.0, help=TEMPERATURE_HELP)
+    parser.add_argument("--top-k", type=integer(0, MAX_SAMPLING_TOP_K), default=0,
+                        help="sample among the k most likely tokens (0 = off; past the vocabulary = off)")
+    parser.add_argument("--top-p", type=number(0, 1, low_open=True), default=1.0,
+                        help="nucleus sampling mass in (0, 1] (1 = off)")
+    parser.add_argument("--seed", type=seed, default=0)
+    parser.add_argument("--allow-model-mismatch", action="store_true",
+                        help="use an --mtp head trained for another model (its metadata names the model)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
     parser.add_argument("--check", action="store_true", help="also decode without speculation and compare")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--trace", default=None, metavar="TRACE.html",
+    parser.add_argument("--trace", default=None, type=text_arg, metavar="TRACE.html",
                         help="write an HTML view of each step (accepted draft tokens coloured by the source that "
                         "drafted them, the target's correction); '-' prints a coloured terminal view instead")
     parser.set_defaults(run=run)
@@ -119,13 +142,23 @@ def run(args: argparse.Namespace) -> int:
         policy = TreePolicy(name, budget=budget, depth=depth, topk=args.topk, profile=profile)
     if args.mtp is not None and not Path(args.mtp).exists():
         raise SpecError(f"MTP head {args.mtp} does not exist")
-    if args.trace is not None and args.trace != "-" and not Path(args.trace).parent.is_dir():
-        raise SpecError(f"cannot write the trace to {args.trace}: no folder {Path(args.trace).parent}")
+    if args.trace is not None and args.trace != "-":
+        check_output_path(args.trace, force=True, option="--trace")  # written after decoding: fail now, not after
+    if args.auto and args.costs is not None and not args.costs.exists():
+        check_output_path(args.costs, option="--costs")  # measured and written there: fail now, not after
     loaded = load_model(args.model, progress=not args.json)
-    head = load_head_for(loaded, args.mtp) if name != "lookup" else _optional_head(loaded, args.mtp)
+    if name == "lookup":
+        head = _optional_head(loaded, args.mtp, args.allow_model_mismatch)
+    else:
+        head = load_head_for(loaded, args.mtp, allow_model_mismatch=args.allow_model_mismatch)
+    topk = policy.topk if isinstance(policy, HybridPolicy) else 0 if policy.name == "chain" else policy.effective_topk
+    if head is not None and name != "lookup" and topk > head.draft_vocab_size:
+        raise SpecError(f"--topk {topk} exceeds the head's draft vocabulary of {head.draft_vocab_size} tokens; use "
+                        f"at most {head.draft_vocab_size}")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                               eos_token_ids=loaded.eos_token_ids)
     prompts = [loaded.encode_prompt(text, chat=False if args.no_chat else None) for text in args.prompt]
+    loaded.check_lengths([len(prompt) for prompt in prompts], args.max_new_tokens)
     auto = None
     if args.auto:
         if isinstance(policy, HybridPolicy):
@@ -147,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         if args.trace == "-":
             print(render_terminal(traced, loaded.decode), end="")
         else:
-            Path(args.trace).write_text(render_html(traced, loaded.decode, title=f"sglang-spec {report['policy']} "
+            write_text_atomic(args.trace, render_html(traced, loaded.decode, title=f"sglang-spec {report['policy']} "
                                                     f"on {loaded.name}"))
             report["trace"] = args.trace
     if args.json:
@@ -157,11 +190,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _optional_head(loaded: LoadedModel, mtp: str | None) -> MTPHead | None:
+def _optional_head(loaded: LoadedModel, mtp: str | None, allow_model_mismatch: bool) -> MTPHead | None:
     """The lookup policy runs without a head; one is still loaded when asked for or shipped (``--auto`` cost
     curves time a head level)."""
     try:
-        return load_head_for(loaded, mtp)
+        return load_head_for(loaded, mtp, allow_model_mismatch=allow_model_mismatch)
     except SpecError:
         if mtp is not None:
             raise
@@ -283,7 +316,9 @@ def costs_for(loaded: LoadedModel, head: MTPHead | None, costs_path: Path | None
     mode = "greedy" if sampling.greedy else "sampled"
     runner = "static" if static_runner_supports(loaded.model) else "transformers"
     path = costs_path or cache_root() / "costs" / f"{loaded.name}-{dtype}-{mode}-{runner}-{platform.node() or 'host'}.json"
-    return load_or_measure(path, loaded.model, head, sampling), path
+    # our own cache may be rebuilt when it is damaged; a file the user named is theirs: a problem there is refused
+    warn = None if costs_path is not None else (lambda message: print(f"warning: {message}", file=sys.stderr))
+    return load_or_measure(path, loaded.model, head, sampling, on_bad_cache=warn), path
 
 
 def choose_adaptive_policy(

@@ -25,8 +25,13 @@ HOOKS = (
     (f"{_WORKER}.alloc_memory_pool", "alloc_memory_pool_after", "AFTER"),
     (f"{_WORKER}.draft_forward", "draft_forward_around", "AROUND"),
     ("sglang.srt.speculative.spec_utils.select_top_k_tokens", "select_top_k_tokens_around", "AROUND"),
-    ("sglang.srt.speculative.eagle_utils.organize_draft_results", "organize_draft_results_around", "AROUND"),
     ("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", "correct_drafts_after", "AFTER"),
+    ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.__init__", "eagle_worker_init_after", "AFTER"),
+    ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify", "verify_around", "AROUND"),
+    ("sglang.srt.speculative.eagle_utils.eagle_sample", "eagle_sample_around", "AROUND"),
+    ("sglang.srt.speculative.spec_utils.move_accept_tokens_to_target_kvcache", "move_accept_tokens_around", "AROUND"),
+    ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
+     "graph_execute_around", "AROUND"),
 )
 RESOLUTION_HOOKS = (
     ("handle_speculative_decoding", "handle_speculative_decoding_wrapper"),

@@ -51,6 +51,8 @@ def run(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv) -> tuple[t
         if worker.hot_token_id is not None:
             topk_index = worker.hot_token_id[topk_index]
         forward_batch.positions.add_(1)
+        if worker.draft_runner.model_config.model_is_mrope:
+            forward_batch.mrope_positions.add_(1)
         level = loop.next_level(step, level.beam_scores, topk_p, topk_index)
         levels.append(level)
         if step < loop.steps - 1:  # the last level is never forwarded: no state or history to carry

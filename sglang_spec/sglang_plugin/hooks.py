@@ -7,11 +7,14 @@
 | resolution ``handle_speculative_decoding`` | wrap | checks against the resolved speculative settings |
 | resolution ``handle_model_capability_adjustments`` | wrap | the resolved attention backends can run trees |
 | ``_ModelRegistry.resolve_model_cls`` / ``is_arch_supported`` | BEFORE | our draft model classes (``models/``) |
-| ``EagleDraftWorker.__init__`` | AFTER | the draft plan on the device, once per worker; metrics |
+| ``EagleDraftWorker.__init__`` | AFTER | the draft loop's static device state, once per worker; metrics |
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | the draft KV pool can give every branch its own ancestry |
-| ``EagleDraftWorker.draft_forward`` | AROUND | exposes the plan and the draft KV layout to the two hooks below |
-| ``spec_utils.select_top_k_tokens`` | AROUND | plan-forced frontier (sequoia); exact ancestry by KV column copy |
-| ``eagle_utils.organize_draft_results`` | AROUND | the plan's slots as the verified tree (sequoia) |
+| ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_loop``); eagle: SGLang's |
+| ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
+| ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept |
+| ``eagle_utils.eagle_sample`` | AROUND | fused: our verify + accept kernels, or SGLang's path (counted) |
+| ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | fused: the accepted path's KV moved by our kernel |
+| ``DecodeCudaGraphRunner.execute`` | AROUND | fused under CUDA graphs: static tree links in, greedy accept out |
 | ``Req.update_spec_correct_drafts_histogram`` | AFTER | per-position acceptance metrics |
 
 Every hot-path hook reads its settings from the worker it runs for (set at construction), never from globals.
@@ -29,12 +32,9 @@ from typing import Any
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.draft_tree import (
-    DevicePlan,
-    ancestry_permutation,
-    organize_with_plan,
-    select_later_with_plan,
-)
+from sglang_spec.sglang_plugin import draft_loop
+from sglang_spec.sglang_plugin.draft_tree import DraftLoop, ancestry_permutation
+from sglang_spec.sglang_plugin.fused_accept import FusedAccept
 from sglang_spec.sglang_plugin.metrics import METRICS
 from sglang_spec.sglang_plugin.options import (
     ATTRIBUTE,
@@ -168,12 +168,12 @@ def registry_lookup_before(registry, *args, **kwargs):
 # ---------------------------------------------------------------------------------------------- draft worker
 @dataclass
 class DraftSetup:
-    """Built once per draft worker: the static plan (sequoia) on the device, and whether to keep exact ancestry
-    (decided when the draft pool exists)."""
+    """Built once per draft worker: the plugin's draft loop (sequoia / specexec; None keeps SGLang's loop) and
+    whether beams keep exact ancestry (decided when the draft pool exists, in alloc_memory_pool)."""
 
-    plan: DevicePlan | None
+    loop: DraftLoop | None
     exact_ancestry: bool
-    topk: int
+    width: int
     steps: int
 
 
@@ -181,14 +181,15 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
     options: TreeServerOptions | None = getattr(worker.server_args, ATTRIBUTE, None)
     if options is None:
         return result
-    try:
-        plan = options.draft_plan(worker.topk, worker.speculative_num_steps)
-    except SpecError as error:  # validated at start-up already; a mismatch here is a bug, said plainly
-        raise StartupError(error) from None
-    device_plan = None if plan is None else DevicePlan.build(plan, worker.device)
+    loop = None
+    if options.own_loop:
+        try:
+            plan = options.draft_plan()
+        except SpecError as error:  # validated at start-up already; a mismatch here is a bug, said plainly
+            raise StartupError(error) from None
+        loop = DraftLoop.build(worker.topk, options.topk, worker.speculative_num_steps, plan, worker.device)
     # the draft KV pool is allocated later (Scheduler.init_memory_pools): ancestry is decided in alloc_memory_pool
-    worker._sglang_spec = DraftSetup(device_plan, exact_ancestry=False, topk=worker.topk,
-                                     steps=worker.speculative_num_steps)
+    worker._sglang_spec = DraftSetup(loop, exact_ancestry=False, width=worker.topk, steps=worker.speculative_num_steps)
     if getattr(worker.server_args, "enable_metrics", False):
         METRICS.enable_prometheus()
     return result
@@ -196,7 +197,7 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
 
 def alloc_memory_pool_after(result, worker, *args, **kwargs):
     setup: DraftSetup | None = getattr(worker, "_sglang_spec", None)
-    if setup is None or setup.topk == 1:
+    if setup is None or setup.width == 1:
         return result
     pool = worker.draft_runner.token_to_kv_pool
     if not supports_row_permutation(pool):
@@ -231,9 +232,11 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
     setup = getattr(worker, "_sglang_spec", None)
     if setup is None or forward_batch.forward_mode.is_idle():
         return original(worker, forward_batch, *args, **kwargs)
+    if setup.loop is not None:
+        return draft_loop.run(worker, forward_batch, setup.loop, permute_kv)
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
 
-    step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, forward_batch.batch_size, setup.topk,
+    step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, forward_batch.batch_size, setup.width,
                                              setup.steps)
     token = _DRAFT.set(DraftContext(setup, step_locs, worker.draft_runner.token_to_kv_pool))
     try:
@@ -243,18 +246,14 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
 
 
 def select_top_k_tokens_around(original, i, topk_p, topk_index, hidden_states, scores, topk):
+    """SGLang's own selection (eagle), then every new beam's KV column gets its parent beam's history."""
+    result = original(i, topk_p, topk_index, hidden_states, scores, topk)
     context = _DRAFT.get()
-    if context is None or i == 0:
-        return original(i, topk_p, topk_index, hidden_states, scores, topk)
-    setup = context.setup
-    if setup.plan is not None:
-        result = select_later_with_plan(i, topk_p, topk_index, hidden_states, scores, topk, setup.plan)
-    else:
-        result = original(i, topk_p, topk_index, hidden_states, scores, topk)
-    if setup.exact_ancestry and i < setup.steps - 1:  # the last selection runs no further forward
-        parent_beam = (result[3][2] - (topk * topk * (i - 1) + topk)) // topk
-        target, source = ancestry_permutation(parent_beam, context.step_locs, i)
-        permute_kv(context.pool, target, source)
+    if context is None or i == 0 or not context.setup.exact_ancestry or i >= context.setup.steps - 1:
+        return result  # the last selection runs no further forward
+    parent_beam = torch.div(result[3][2] - (topk * topk * (i - 1) + topk), topk, rounding_mode="floor")
+    target, source = ancestry_permutation(parent_beam, context.step_locs, i)
+    permute_kv(context.pool, target, source)
     return result
 
 
@@ -267,11 +266,91 @@ def permute_kv(pool, target, source) -> None:
             buffer[target] = buffer[source]
 
 
-def organize_draft_results_around(original, score_list, token_list, parents_list, num_draft_token):
-    context = _DRAFT.get()
-    if context is not None and context.setup.plan is not None:
-        return organize_with_plan(score_list, token_list, parents_list, num_draft_token, context.setup.plan)
-    return original(score_list, token_list, parents_list, num_draft_token)
+# ---------------------------------------------------------------------------------------------- fused accept
+def eagle_worker_init_after(result, worker, *args, **kwargs):
+    options: TreeServerOptions | None = getattr(worker.server_args, ATTRIBUTE, None)
+    if options is None or options.accept != "fused":
+        return result
+    fused = FusedAccept(worker.speculative_num_draft_tokens, worker.speculative_num_steps, worker.device, METRICS)
+    worker._sglang_spec_fused = fused
+    if getattr(worker.server_args, "enable_metrics", False):
+        METRICS.enable_prometheus()
+    if str(worker.device).startswith("cuda"):
+        worker.target_worker.model_runner.capture_tail_hooks.append(fused.capture_tail)  # before graph capture
+    return result
+
+
+# the FusedAccept of the verify step in progress (set by the worker's verify, read by the hooks it calls)
+_FUSED: contextvars.ContextVar[FusedAccept | None] = contextvars.ContextVar("sglang_spec_fused", default=None)
+# whether the batch of the verify step in progress was accepted by the fused path (its KV commit follows it)
+_FUSED_BATCH: contextvars.ContextVar[bool] = contextvars.ContextVar("sglang_spec_fused_batch", default=False)
+
+
+def verify_around(original, worker, *args, **kwargs):
+    fused = getattr(worker, "_sglang_spec_fused", None)
+    if fused is None:
+        return original(worker, *args, **kwargs)
+    token, batch_token = _FUSED.set(fused), _FUSED_BATCH.set(False)
+    try:
+        return original(worker, *args, **kwargs)
+    finally:
+        _FUSED.reset(token)
+        _FUSED_BATCH.reset(batch_token)
+
+
+def eagle_sample_around(original, verify_input, batch, logits_output, grammar_mask=None, uno_target_max_top_k=None,
+                        **kwargs):
+    fused = _FUSED.get()
+    if fused is None or batch.forward_mode.is_idle():
+        return original(verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k, **kwargs)
+    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.speculative import eagle_utils, spec_utils
+    from sglang.srt.utils.async_probe import sanitize_nan_logits
+
+    reason = fused.fallback_reason(batch, verify_input, grammar_mask, uno_target_max_top_k,
+                                   kwargs.get("watermark_state"), get_spec())
+    if reason is None and spec_utils.SIMULATE_ACC_LEN > 0:
+        reason = "simulated_acceptance"
+    if reason is not None:
+        fused.count(reason)
+        return original(verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k, **kwargs)
+    logits = logits_output.next_token_logits
+    sanitize_nan_logits(logits, "verify: target model logits")
+    coins = None
+    if not batch.sampling_info.is_all_greedy:  # SGLang's own coins, drawn as eagle_sample draws them
+        bs = len(batch.seq_lens)
+        candidates = verify_input.draft_token.reshape(bs, verify_input.draft_token_num)
+        coins = eagle_utils._verify_coins(sampling_info=batch.sampling_info, seq_lens=batch.seq_lens,
+                                          draft_token_num=verify_input.draft_token_num, candidates=candidates,
+                                          device=batch.device)
+    accepted = fused.sample(verify_input, batch, logits, coins)
+    fused.count("fused")
+    _FUSED_BATCH.set(True)
+    return accepted.predict, accepted.accept_lens, accepted.accept_index
+
+
+def move_accept_tokens_around(original, batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator):
+    fused = _FUSED.get()
+    pool = token_to_kv_pool_allocator.get_kvcache()
+    if fused is None or not _FUSED_BATCH.get() or not supports_row_permutation(pool):
+        return original(batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator)
+    nodes = batch.out_cache_loc.shape[0] // len(batch.seq_lens)
+    fused.commit_kv(pool, batch.out_cache_loc, accept_index, num_correct_drafts + 1, nodes)
+    return None
+
+
+def graph_execute_around(original, runner, forward_batch, *args, **kwargs):
+    """Under CUDA graphs: the verify replay's static tree links before it, the greedy accept's readiness after."""
+    fused = _FUSED.get()
+    if fused is None or runner.model_runner.is_draft_worker or not forward_batch.forward_mode.is_target_verify():
+        return original(runner, forward_batch, *args, **kwargs)
+    graph_bs = min((size for size in runner.capture_bs if size >= forward_batch.batch_size), default=None)
+    if graph_bs is not None:
+        fused.before_replay(forward_batch, graph_bs)
+    output = original(runner, forward_batch, *args, **kwargs)
+    if graph_bs is not None:
+        fused.after_replay(forward_batch, graph_bs)
+    return output
 
 
 def correct_drafts_after(result, request, num_correct_drafts):

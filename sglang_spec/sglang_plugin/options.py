@@ -4,8 +4,13 @@ arguments), attached to its ServerArgs, checked against the resolved configurati
     --speculative-tree-policy {eagle,chain,sequoia,specexec}   default: unset, SGLang's behaviour unchanged
     --speculative-tree-budget N          draft nodes per request (SGLang's num_draft_tokens = N + 1)
     --speculative-tree-depth D           draft steps (SGLang's speculative_num_steps)
-    --speculative-tree-topk K            candidates per expanded node (SGLang's speculative_eagle_topk)
+    --speculative-tree-topk K            children per expanded node (the node's top-K draft candidates)
+    --speculative-tree-width W           most nodes expanded on one level (SGLang's speculative_eagle_topk):
+                                         eagle W = K; sequoia: its tree's widest level; specexec: a static
+                                         bound, by default the budget (exact SpecExec)
     --speculative-acceptance-profile P   JSON profile for sequoia (``sglang-spec calibrate``)
+    --speculative-tree-accept {sglang,fused}   who accepts the verified tree: SGLang's eagle_sample (default)
+                                         or the project's fused verify + accept kernels and KV commit
 
 This module imports no sglang; the checks that need resolved values take a view of the ServerArgs.
 """
@@ -18,13 +23,19 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.draft_tree import DraftPlan, sequoia_draft_plan
+from sglang_spec.sglang_plugin.draft_tree import DraftPlan, sequoia_tree, widest_level
 from sglang_spec.tree.policies import POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
 ATTRIBUTE = "_sglang_spec_tree"  # where the parsed options ride on ServerArgs (pickled into subprocesses)
 TREE_ALGORITHMS = ("EAGLE", "NEXTN")
 DEFAULTS = {"budget": 8, "depth": 4, "topk": 4}
+# specexec's default width is its budget: SpecExec expands every node of its best-``budget`` set with children,
+# and levels get wide (held-out HumanEval 130-133, shipped SmolLM2 head, K = 4, depth 5-6: up to 12 / 20 / 47 nodes
+# on one level at budgets 16 / 32 / 64), so only W = budget is exact for every request; a smaller W trades
+# accept length for W rows per draft step
+# policies that run the plugin's own draft loop (the others run SGLang's)
+OWN_LOOP_POLICIES = ("sequoia", "specexec")
 # attention backends whose target-verify and draft-decode paths take a tree (sglang-internals §9); MLA models
 # only fa3 / triton on a GPU. intel_amx is SGLang's CPU backend (QLEN_ONLY tree mask), CPU only.
 MHA_TREE_BACKENDS = ("flashinfer", "fa3", "triton", "fa4")
@@ -35,31 +46,46 @@ BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefill_atte
                   "speculative_draft_attention_backend")
 # the Python-side names of the options (sgl.Engine keyword arguments == argparse dests)
 KEYWORDS = ("speculative_tree_policy", "speculative_tree_budget", "speculative_tree_depth", "speculative_tree_topk",
-            "speculative_acceptance_profile")
+            "speculative_tree_width", "speculative_acceptance_profile", "speculative_tree_accept")
+ACCEPT_CHOICES = ("sglang", "fused")
 
 
 @dataclass(frozen=True)
 class TreeServerOptions:
+    """policy, budget (draft nodes), depth (draft steps), topk (K, children per expanded node), width (W, SGLang's
+    speculative_eagle_topk: nodes expanded per level), profile_path (sequoia), accept (who accepts: sglang or
+    fused)."""
+
     policy: str
     budget: int
     depth: int
     topk: int
+    width: int
     profile_path: str | None = None
+    accept: str = "sglang"
+
+    @property
+    def own_loop(self) -> bool:
+        """Whether the plugin's draft loop runs (else SGLang's own)."""
+        return self.policy in OWN_LOOP_POLICIES
 
     def load_profile(self) -> AcceptanceProfile | None:
         return None if self.profile_path is None else AcceptanceProfile.from_json(self.profile_path)
 
     def tree_policy(self) -> TreePolicy:
-        return TreePolicy(self.policy, budget=self.budget, depth=self.depth, topk=self.topk, profile=self.load_profile())
+        """The reference decoder's policy for the same tree (what the tests compare SGLang against)."""
+        width = self.width if self.policy == "specexec" else None
+        return TreePolicy(self.policy, budget=self.budget, depth=self.depth, topk=self.topk,
+                          profile=self.load_profile(), width=width)
 
-    def draft_plan(self, topk: int, steps: int) -> DraftPlan | None:
-        """The static tree laid over SGLang's draft loop (sequoia), or None (the other policies select at run
-        time). Raises SpecError, one line, when the tree does not fit SGLang's draft shape."""
+    def draft_plan(self) -> DraftPlan | None:
+        """The sequoia tree laid over SGLang's draft slots, or None (the other policies select at run time).
+        Raises SpecError, one line, when the tree does not fit the draft shape."""
         if self.policy != "sequoia":
             return None
         profile = self.load_profile()
         assert profile is not None  # tree_policy() refuses sequoia without a profile
-        return sequoia_draft_plan(profile, self.budget, self.depth, topk, steps)
+        return DraftPlan.from_tree(sequoia_tree(profile, self.budget, self.depth, self.topk), self.width, self.depth)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,9 +97,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-tree-depth", type=int, default=None,
                        help=f"most draft tokens on one path (default {DEFAULTS['depth']})")
     group.add_argument("--speculative-tree-topk", type=int, default=None,
-                       help=f"candidates per expanded node (default {DEFAULTS['topk']}; chain uses 1)")
+                       help=f"children per expanded node (default {DEFAULTS['topk']}; chain uses 1)")
+    group.add_argument("--speculative-tree-width", type=int, default=None,
+                       help="most nodes expanded on one level (SGLang's speculative_eagle_topk); default: topk for "
+                            "eagle, the tree's widest level for sequoia, the budget for specexec (exact SpecExec)")
     group.add_argument("--speculative-acceptance-profile", default=None, metavar="PATH",
                        help="acceptance profile JSON (sglang-spec calibrate); required by sequoia")
+    group.add_argument("--speculative-tree-accept", choices=ACCEPT_CHOICES, default=None,
+                       help="who accepts the verified tree: SGLang's own eagle_sample (default) or the project's "
+                            "fused verify + accept kernels and KV commit (falls back to SGLang's per batch for "
+                            "penalties, grammar, top-k / top-p sampling and the like)")
 
 
 def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
@@ -88,7 +121,7 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
         return None
     if policy not in POLICY_NAMES:
         raise SpecError(f"unknown --speculative-tree-policy {policy!r}; choose one of {', '.join(POLICY_NAMES)}")
-    for name in KEYWORDS[1:4]:
+    for name in KEYWORDS[1:5]:
         value = values.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise SpecError(f"--{name.replace('_', '-')} takes a whole number, got {value!r}")
@@ -103,9 +136,36 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
     profile = values.get("speculative_acceptance_profile")
     if profile is not None and not Path(profile).is_file():
         raise SpecError(f"--speculative-acceptance-profile {profile} does not exist")
-    options = TreeServerOptions(policy, budget, depth, topk, None if profile is None else str(profile))
-    options.tree_policy()  # budget / depth / topk ranges, sequoia needs a profile, eagle slot capacity
-    return options
+    profile_path = None if profile is None else str(profile)
+    # ranges, sequoia's profile, eagle's slot capacity: checked by the reference policy itself
+    TreePolicy(policy, budget=budget, depth=depth, topk=topk,
+               profile=AcceptanceProfile.from_json(profile_path) if profile_path else None)
+    width = _width(policy, budget, depth, topk, profile_path, values.get("speculative_tree_width"))
+    accept = values.get("speculative_tree_accept") or "sglang"
+    if accept not in ACCEPT_CHOICES:
+        raise SpecError(f"--speculative-tree-accept takes {' or '.join(ACCEPT_CHOICES)}, got {accept!r}")
+    return TreeServerOptions(policy, budget, depth, topk, width, profile_path, accept)
+
+
+def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | None, given: int | None) -> int:
+    """SGLang's beams per step for this tree (see the module docstring for the rule per policy)."""
+    if policy in ("chain", "eagle"):
+        if given is not None and given != topk:
+            raise SpecError(f"{policy} runs SGLang's own draft loop, whose width is topk ({topk}); drop "
+                            f"--speculative-tree-width or use sequoia / specexec")
+        return topk
+    if policy == "sequoia":
+        assert profile_path is not None
+        needed = max(topk, widest_level(sequoia_tree(AcceptanceProfile.from_json(profile_path), budget, depth, topk)))
+        if given is not None and given < needed:
+            raise SpecError(f"sequoia's tree for budget {budget} / depth {depth} / topk {topk} expands {needed} nodes "
+                            f"on one level; --speculative-tree-width must be at least {needed}")
+        return given or needed
+    width = given if given is not None else max(topk, budget)
+    if width < topk:
+        raise SpecError(f"--speculative-tree-width {width} is below topk {topk}: the root's {topk} children are "
+                        f"all expanded at the first step")
+    return width
 
 
 def _given(values: Mapping[str, Any], name: str, default: int) -> int:
@@ -120,7 +180,7 @@ def from_namespace(args: argparse.Namespace) -> TreeServerOptions | None:
 def apply_to_server_args(options: TreeServerOptions, server_args) -> None:
     """Before resolution: the tree shape becomes SGLang's own draft shape (steps, topk, verify tokens)."""
     setattr(server_args, ATTRIBUTE, options)
-    for name, value in (("speculative_num_steps", options.depth), ("speculative_eagle_topk", options.topk),
+    for name, value in (("speculative_num_steps", options.depth), ("speculative_eagle_topk", options.width),
                         ("speculative_num_draft_tokens", options.budget + 1)):
         current = getattr(server_args, name)
         if current is not None and current != value:
@@ -139,20 +199,22 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
     if getattr(config, "enable_multi_layer_eagle", False):
         raise SpecError("--enable-multi-layer-eagle runs its own draft worker, which the tree options do not reach; "
                         "drop --enable-multi-layer-eagle or the --speculative-tree-* options")
-    topk, steps = config.speculative_eagle_topk, config.speculative_num_steps
-    capacity = topk + (steps - 1) * topk * topk
+    width, steps = config.speculative_eagle_topk, config.speculative_num_steps
+    topk = min(options.topk, width)
+    capacity = topk + (steps - 1) * width * topk
     if options.budget > capacity:
         raise SpecError(
-            f"--speculative-tree-budget {options.budget} exceeds the {capacity} draft tokens that topk {topk} and "
-            f"depth {steps} can produce (topk + (depth-1)*topk^2); raise --speculative-tree-topk or -depth"
+            f"--speculative-tree-budget {options.budget} exceeds the {capacity} draft tokens that topk {topk}, "
+            f"width {width} and depth {steps} can produce (topk + (depth-1)*width*topk); raise "
+            f"--speculative-tree-topk, -width or -depth"
         )
-    options.draft_plan(topk, steps)  # a sequoia tree that SGLang's draft loop cannot hold fails here
+    options.draft_plan()  # a sequoia tree that the draft loop cannot hold fails here
 
 
 def validate_backends(options: TreeServerOptions, backends: Mapping[str, str | None], is_mla: bool, device: str) -> None:
     """After SGLang's capability adjustments: every attention backend the tree goes through (``backends``: field
     name -> resolved backend, None = falls back to attention_backend) must handle a tree."""
-    if options.topk == 1:
+    if options.width == 1:
         return  # a chain needs no tree mask
     allowed = MLA_TREE_BACKENDS if is_mla else MHA_TREE_BACKENDS
     if device == "cpu":

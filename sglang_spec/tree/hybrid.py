@@ -38,10 +38,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import SpecError, brief
+from sglang_spec.files import read_json
 from sglang_spec.tree.candidates import CandidateSource, GrowingTree
 from sglang_spec.tree.cost_model import CostCurve, step_seconds
 from sglang_spec.tree.ngram import DEFAULT_MAX_NGRAM, NgramIndex
+from sglang_spec.tree.policies import MAX_TOPK
 from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH, TokenTree
 
 HYBRID_POLICY_NAMES = ("lookup", "hybrid")
@@ -113,8 +115,8 @@ class SourceCalibration:
                 source=source,
                 prior_weight=prior_weight,
             )
-        except (KeyError, TypeError, ValueError) as error:
-            raise SpecError(f"{source}: not a source calibration ({error})") from None
+        except (KeyError, TypeError, ValueError, OverflowError) as error:
+            raise SpecError(f"{source}: not a source calibration ({brief(error, 80)})") from None
         calibration._check(source)
         calibration._cap(prior_weight)
         return calibration
@@ -149,13 +151,7 @@ class SourceCalibration:
                 return cls.generic(max_ngram)
             return cls.from_obj(json.loads(resource.read_text()), f"built-in {DEFAULT_CALIBRATION}")
         path = Path(path)
-        try:
-            obj = json.loads(path.read_text())
-        except OSError as error:
-            raise SpecError(f"cannot read calibration {path}: {error.strerror}") from None
-        except json.JSONDecodeError as error:
-            raise SpecError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
-        return cls.from_obj(obj, str(path))
+        return cls.from_obj(read_json(path, "calibration"), str(path))
 
     def to_obj(self) -> dict[str, Any]:
         return {"lookup": self.lookup, "mtp": self.mtp, "both": self.both, "mtp_top1": self.mtp_top1}
@@ -223,8 +219,8 @@ class HybridPolicy:
             raise SpecError(f"depth must be in 1..{MAX_DEPTH}, got {self.depth}")
         if not isinstance(self.mtp_levels, int) or self.mtp_levels < 0:
             raise SpecError(f"mtp_levels must be >= 0, got {self.mtp_levels}")
-        if not isinstance(self.topk, int) or self.topk < 1:
-            raise SpecError(f"topk must be >= 1, got {self.topk}")
+        if not isinstance(self.topk, int) or not 1 <= self.topk <= MAX_TOPK:
+            raise SpecError(f"topk must be in 1..{MAX_TOPK}, got {self.topk}")
         if not isinstance(self.lookup_width, int) or not 1 <= self.lookup_width <= LOOKUP_RANKS:
             raise SpecError(f"lookup_width must be in 1..{LOOKUP_RANKS}, got {self.lookup_width}")
         if not isinstance(self.max_ngram, int) or not 1 <= self.max_ngram <= 32:

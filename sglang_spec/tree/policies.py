@@ -7,8 +7,9 @@ expansion round, under ``budget`` draft nodes and ``depth`` draft levels:
                ``select_top_k_tokens`` + ``organize_draft_results``).
 * ``sequoia``  the DP-optimal static topology for an acceptance profile, instantiated with the top-b ranks at
                each node.
-* ``specexec`` best-first: the ``budget`` nodes with the highest cumulative draft probability, expanding every
-               selected node until the selection no longer changes.
+* ``specexec`` best-first: the ``budget`` nodes with the highest cumulative draft probability. Grown level by
+               level: a level's nodes that are among the best ``budget`` so far are expanded (at most ``width``
+               of them, the best first), since a node outside that set can only have children below it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH, TokenTree
 
 POLICY_NAMES = ("chain", "eagle", "sequoia", "specexec")
 DEFAULT_TOPK = {"chain": 1, "eagle": 4, "sequoia": 8, "specexec": 8}
+MAX_TOPK = 64  # candidates per node: more is hours of drafting for nodes no profile ever accepts
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,10 @@ class TreePolicy:
     budget:  draft nodes, root excluded (1..1023).
     depth:   most draft tokens on one root-to-leaf path (1..64).
     topk:    candidates requested per expanded node: EAGLE's beam width, SpecExec's and Sequoia's maximum number
-             of children per node; None = the policy default (DEFAULT_TOPK). Ignored by chain.
+             of children per node (1..MAX_TOPK); None = the policy default (DEFAULT_TOPK). Ignored by chain.
     profile: acceptance profile; required by sequoia.
+    width:   specexec only: the most nodes expanded on one level (a static bound, as inside SGLang's draft loop);
+             None = no bound (exact SpecExec).
     """
 
     name: str
@@ -43,6 +47,7 @@ class TreePolicy:
     depth: int
     topk: int | None = None
     profile: AcceptanceProfile | None = None
+    width: int | None = None
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
@@ -57,6 +62,11 @@ class TreePolicy:
             raise SpecError(f"depth {self.depth} exceeds the maximum depth {MAX_DEPTH}")
         if self.topk is not None and (not isinstance(self.topk, int) or self.topk < 1):
             raise SpecError(f"topk must be >= 1, got {self.topk}")
+        if self.topk is not None and self.topk > MAX_TOPK:
+            raise SpecError(f"topk {self.topk} exceeds the maximum {MAX_TOPK} candidates per node")
+        if self.width is not None and (self.name != "specexec" or not isinstance(self.width, int) or self.width < 1):
+            raise SpecError(f"width bounds specexec's expanded nodes per level and must be >= 1, got {self.width} "
+                            f"for {self.name}")
         if self.name == "sequoia" and self.profile is None:
             raise SpecError("the sequoia policy needs an acceptance profile (--acceptance PROFILE.json)")
         if self.name == "eagle":
@@ -135,20 +145,17 @@ def _build_sequoia(policy: TreePolicy, tree: GrowingTree, source: CandidateSourc
 
 def _build_specexec(policy: TreePolicy, tree: GrowingTree, source: CandidateSource) -> TokenTree:
     topk = policy.effective_topk
-    expanded: set[int] = set()
-    selected: list[int] = []
-    while True:
-        to_expand = [
-            node for node in [0, *selected] if node not in expanded and tree.depths[node] < policy.depth
-        ]
-        if not to_expand:
+    level = [0]
+    for depth in range(policy.depth):
+        candidates = source.expand(tree, level, topk)
+        children = [child for row, node in enumerate(level) for child in tree.add_children(node, candidates, row, topk)]
+        if depth == policy.depth - 1:
             break
-        candidates = source.expand(tree, to_expand, topk)
-        for row, node in enumerate(to_expand):
-            tree.add_children(node, candidates, row, topk)
-            expanded.add(node)
-        selected = _best(tree, range(1, tree.num_nodes), policy.budget)
-    return tree.subtree(selected)
+        selected = set(_best(tree, range(1, tree.num_nodes), policy.budget))
+        level = _best(tree, [child for child in children if child in selected], policy.width or len(children))
+        if not level:
+            break
+    return tree.subtree(_best(tree, range(1, tree.num_nodes), policy.budget))
 
 
 _BUILDERS: dict[str, Callable[[TreePolicy, GrowingTree, CandidateSource], TokenTree]] = {

@@ -68,12 +68,15 @@ def test_trace_html_and_terminal_views(tiny, capsys, tmp_path):
     "extra, message",
     [
         (["--policy", "hybrid", "--budget", "0"], "budget must be in"),
-        (["--policy", "lookup", "--mtp-levels", "-1"], "mtp_levels must be >= 0"),
+        (["--policy", "lookup", "--mtp-levels", "-1"], "argument --mtp-levels: -1 is out of range"),
         (["--policy", "hybrid", "--calibration", "/nonexistent/sources.json"], "cannot read calibration"),
-        (["--policy", "hybrid", "--trace", "/nonexistent/folder/trace.html"], "cannot write the trace"),
+        (["--policy", "hybrid", "--trace", "{file}/trace.html"], "is not a folder"),
+        (["--policy", "hybrid", "--topk", "65"], "topk must be in 1..64"),
     ],
 )
-def test_bad_input_is_one_error_line(tiny, capsys, extra, message):
+def test_bad_input_is_one_error_line(tiny, capsys, tmp_path, extra, message):
+    (tmp_path / "file").write_text("")
+    extra = [item.replace("{file}", str(tmp_path / "file")) for item in extra]
     code, out, err = run_cli(capsys, "generate", "--model", "tiny-deepseek", "--prompt", "x", *extra)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and message in err, err

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import random_candidate_batch
+from helpers import random_candidate_batch, random_tree
 from sglang_spec.kernels.tree_metadata import (
     FlashInferIndptrs,
     TreeMetadata,
@@ -13,7 +13,7 @@ from sglang_spec.kernels.tree_metadata import (
     pack_flashinfer_mask,
     pack_flashinfer_mask_reference,
 )
-from sglang_spec.tree import encode_flashinfer_mask
+from sglang_spec.tree import TreeBatch, encode_flashinfer_mask
 
 CASES = [
     # batch, max nodes, topk, depth, shapes, padded_every
@@ -82,3 +82,14 @@ def test_flashinfer_mask_kernels_equal_reference_and_core_encoder(case, page_siz
         core = encode_flashinfer_mask([trees[b] for b in full], args["prefix_lens"][full], page_size)
         pieces = [packed[int(indptrs.packed_mask_indptr[b]) : int(indptrs.packed_mask_indptr[b + 1])] for b in full]
         assert torch.equal(torch.cat(pieces), core.packed_mask)
+
+
+def test_parents_from_links_inverts_the_links():
+    from sglang_spec.kernels.tree_metadata import parents_from_links, parents_from_links_reference
+
+    rng = np.random.default_rng(7)
+    trees = [random_tree(rng, 12, 3, 4, vocab_size=20) for _ in range(3)]
+    batch = TreeBatch.from_trees(trees)
+    kernel = parents_from_links(batch.first_child, batch.next_sibling)
+    assert torch.equal(kernel, batch.parents)
+    assert torch.equal(parents_from_links_reference(batch.first_child, batch.next_sibling), batch.parents)

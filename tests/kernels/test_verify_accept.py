@@ -6,10 +6,14 @@ from helpers import random_candidate_batch
 from sglang_spec.kernels.tree_metadata import build_tree_metadata_reference
 from sglang_spec.kernels.verify_accept import (
     AcceptOutputs,
+    CandidateSampleMode,
     MatchMode,
     RelaxedMode,
     accept_walk,
     accept_walk_reference,
+    node_normalizers,
+    node_normalizers_reference,
+    node_probabilities,
     target_tokens,
     target_tokens_reference,
     top_n_probs,
@@ -176,3 +180,40 @@ def test_greedy_accept_agrees_with_sglangs_verify_tree_greedy(sglang_kernels, se
         emitted = [int(predicts[global_ids[b, j]]) for j in range(int(ours.accept_length[b]))]
         start = [0, 2, 4][b]
         assert output_ids[b, start : start + len(emitted)].tolist() == emitted[: 6 - start]
+
+
+def candidate_sample_mode(rng, meta, logits, batch, nodes, function=node_normalizers):
+    inverse_temperature = torch.tensor(rng.uniform(0.6, 2.0, size=batch)).float()
+    normalizers = function(logits, nodes, inverse_temperature, block_v=BLOCK_V)
+    probs = node_probabilities(logits, nodes, inverse_temperature, normalizers)
+    # the running sums of children probabilities are what the coins are compared with: keep coins off them
+    coins = torch.from_numpy(rng.random((batch, nodes))).float()
+    final = torch.from_numpy(rng.random(batch)).float()
+    coins = coins_away_from_boundaries(probs, coins)
+    final = coins_away_from_boundaries(probs[:, 0], final)
+    return CandidateSampleMode(logits, inverse_temperature, normalizers, coins.reshape(-1), final)
+
+
+def test_node_normalizers_equal_reference():
+    rng, meta, _, _ = tree_batch(5)
+    logits = logits_favouring_children(rng, meta, 0.7, 3.0)
+    batch, nodes = meta.tokens.shape
+    inverse_temperature = torch.tensor(rng.uniform(0.5, 2.0, size=batch)).float()
+    kernel = node_normalizers(logits, nodes, inverse_temperature, block_v=BLOCK_V)
+    reference = node_normalizers_reference(logits, nodes, inverse_temperature)
+    assert torch.equal(kernel[:, 0], reference[:, 0])
+    assert torch.allclose(kernel[:, 1], reference[:, 1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_accept_walk_candidate_sample_mode_equals_reference(seed):
+    """SGLang's sampling rule (candidate buckets first, residual without the last node's children by the final
+    coin): kernel and reference read the same logits, normalizers and coins and make the same choices."""
+    rng, meta, num_nodes, depth = tree_batch(seed, batch=5, nodes=13, topk=3, depth=5)
+    logits = logits_favouring_children(rng, meta, 0.9, 3.0)
+    batch, nodes = meta.tokens.shape
+    mode = candidate_sample_mode(rng, meta, logits, batch, nodes)
+    kernel = run_walk(accept_walk, meta, num_nodes, depth, mode)
+    reference = run_walk(accept_walk_reference, meta, num_nodes, depth, mode)
+    assert_same(kernel, reference)
+    assert int(kernel[0].accept_length.max()) >= 2

@@ -1,23 +1,24 @@
-"""The hooked draft path with tensors shaped as SGLang passes them, through SGLang's own downstream Triton twins
-(build tree, greedy verify) under TRITON_INTERPRET=1."""
+"""The draft paths with tensors shaped as SGLang passes them: the plugin's own loop (sequoia, specexec: any number
+of expanded nodes per level up to the width W, each node's top-K children, exact ancestry) and SGLang's loop with
+the exact-ancestry hook (eagle), through SGLang's own downstream Triton twins (build tree, greedy verify) under
+TRITON_INTERPRET=1."""
 
 import numpy as np
 import pytest
 import torch
 
 from helpers import targets_following_drafts
+from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.draft_tree import DevicePlan, DraftPlan
-from sglang_spec.sglang_plugin.epilogue import AcceptEpilogue
+from sglang_spec.sglang_plugin.draft_tree import DraftLoop, DraftPlan, ancestry_permutation, sequoia_tree, widest_level
 from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
 from sglang_spec.tree import (
     AcceptanceProfile,
+    TreePolicy,
     SyntheticCandidates,
-    TokenTree,
     TreeBatch,
     TreeMaskMode,
     decode_sglang_draft,
-    sequoia_plan,
 )
 from sglang_spec.verify import verify_greedy
 
@@ -85,6 +86,40 @@ def check_columns(pool, step_locs, beam_paths, batch, topk, step):
                 assert int(pool.kv_buffer[0][slot, 0, 1]) == expected, (row, beam, earlier)
 
 
+def run_own_loop(loop: DraftLoop, source, roots, budget, pool=None):
+    """``draft_loop.run`` with a synthetic drafter in place of SGLang's draft model: the same DraftLoop calls,
+    the same per-step KV slots and the same ancestry permutation. Returns SGLang's (parent_list,
+    top_scores_index, draft_tokens)."""
+    batch, width, steps = len(roots), loop.width, loop.steps
+
+    def top(paths):
+        distributions = torch.stack([source.distribution(path) for path in paths])
+        return torch.topk(distributions, width, dim=-1)
+
+    step_locs = torch.arange(batch * width * steps).view(batch, width, steps).permute(2, 0, 1).reshape(steps, -1)
+    topk_p, topk_index = top([[root] for root in roots])
+    level = loop.root_level(topk_p, topk_index)
+    levels = [level]
+    beam_paths = [[[root, int(t)] for t in topk_index[row]] for row, root in enumerate(roots)]
+    for step in range(1, steps):
+        if pool is not None:  # the forward at step - 1 writes each beam's KV row at its column slot
+            for row in range(batch):
+                for beam in range(width):
+                    slot = int(step_locs[step - 1, row * width + beam])
+                    pool.kv_buffer[0][slot] = torch.tensor([[step - 1, hash(tuple(beam_paths[row][beam])) % 10_000]])
+            check_columns(pool, step_locs, beam_paths, batch, width, step - 1)
+        topk_p, topk_index = top([path for row in beam_paths for path in row])
+        level = loop.next_level(step, level.beam_scores, topk_p, topk_index)
+        levels.append(level)
+        tokens = level.beam_tokens.view(batch, width)
+        beam_paths = [[beam_paths[r][int(level.parent_beam[r, j])] + [int(tokens[r, j])] for j in range(width)]
+                      for r in range(batch)]
+        if step < steps - 1 and pool is not None:
+            target, source_slots = ancestry_permutation(level.parent_beam, step_locs, step)
+            hooks.permute_kv(pool, target, source_slots)
+    return loop.organize(levels, budget)
+
+
 @pytest.fixture
 def uncompiled(monkeypatch, sglang_with_plugin):
     """SGLang's _select_top_k_tokens_later is torch.compile'd; run its Python body on CPU."""
@@ -96,30 +131,37 @@ def uncompiled(monkeypatch, sglang_with_plugin):
     return spec_utils, eagle_utils
 
 
-@pytest.mark.parametrize("budget, steps, topk", [(10, 4, 3), (15, 5, 4), (6, 3, 2)])
-def test_sequoia_plan_through_sglangs_build_tree_and_greedy_verify(uncompiled, sglang_kernels, budget, steps, topk):
-    spec_utils, eagle_utils = uncompiled
-    plan_tree = sequoia_plan(PROFILE, budget, steps, max_branch=topk)
-    tree = TokenTree.from_parents(list(plan_tree.parents), ranks=list(plan_tree.ranks))
-    setup = hooks.DraftSetup(DevicePlan.build(DraftPlan.from_tree(tree, topk, steps), "cpu"), exact_ancestry=False,
-                             topk=topk, steps=steps)
+def sequoia_loop(budget, steps, topk, width=None):
+    tree = sequoia_tree(PROFILE, budget, steps, topk)
+    width = width or max(topk, widest_level(tree))
+    return tree, DraftLoop.build(width, topk, steps, DraftPlan.from_tree(tree, width, steps), "cpu")
+
+
+def paths_of(tree):
+    return {tuple(int(t) for t in tree.tokens[tree.path(node)]) for node in range(1, tree.num_nodes)}
+
+
+@pytest.mark.parametrize("budget, steps, topk", [(10, 4, 3), (15, 5, 4), (6, 3, 2), (32, 5, 4), (64, 6, 4)])
+def test_sequoia_through_the_own_loop_and_sglangs_build_tree_and_greedy_verify(sglang_kernels, budget, steps, topk):
+    """The DP tree, wider than topk on some level at the larger budgets, comes out of the loop exactly (each node
+    the rank-r candidate of its parent) and SGLang's build-tree / greedy-verify twins accept on it what our
+    reference accepts."""
+    plan_tree, loop = sequoia_loop(budget, steps, topk)
     source = SyntheticCandidates(vocab_size=60, seed=budget, sharpness=1.5)
     roots = [7, 8, 9]
-    parent_list, top_scores_index, draft_tokens = run_draft_loop(
-        spec_utils, eagle_utils, source, roots, topk, steps, budget + 1, setup)
-    # SGLang's own parent rule recovers exactly the Sequoia topology, with each node's rank-r candidate as token
-    decoded = decode_sglang_draft(parent_list, top_scores_index, draft_tokens, torch.tensor(roots), topk)
-    for root, got in zip(roots, decoded):
-        assert got.parents.tolist() == list(plan_tree.parents)
+    parent_list, top_scores_index, draft_tokens = run_own_loop(loop, source, roots, budget)
+    # SGLang's own parent rule (slot // W) recovers exactly the Sequoia topology
+    decoded = decode_sglang_draft(parent_list, top_scores_index, draft_tokens, torch.tensor(roots), loop.width)
+    for got in decoded:
+        assert got.parents.tolist() == plan_tree.parents.tolist()
         for node in range(1, got.num_nodes):
             path = [int(t) for t in got.tokens[got.path(node)[:-1]]]
             ranked = torch.argsort(source.distribution(path), descending=True, stable=True)
-            assert int(ranked[plan_tree.ranks[node]]) == int(got.tokens[node])
-    # SGLang's build-tree and greedy-verify Triton twins on these outputs accept what our reference accepts
+            assert int(ranked[int(plan_tree.ranks[node])]) == int(got.tokens[node])
     from sglang_spec.tree import SGLangDraftEncoding
 
-    encoding = SGLangDraftEncoding(torch.tensor(roots), parent_list, top_scores_index, draft_tokens, topk, steps,
-                                   budget + 1)
+    encoding = SGLangDraftEncoding(torch.tensor(roots), parent_list, top_scores_index, draft_tokens, loop.width,
+                                   steps, budget + 1)
     built = sglang_kernels.build_tree(encoding, torch.tensor([5, 9, 2]), TreeMaskMode.QLEN_ONLY)
     rng = np.random.default_rng(budget)
     target = targets_following_drafts(rng, decoded, budget + 1, accept_rate=0.9, vocab_size=60)
@@ -134,26 +176,63 @@ def test_sequoia_plan_through_sglangs_build_tree_and_greedy_verify(uncompiled, s
     assert int(ours.accept_length.max()) >= 3
 
 
-def test_hooked_draft_path_reads_nothing_on_the_host(uncompiled):
-    """The sequoia plan and exact ancestry inside SGLang's draft loop: no host read, no tensor built from Python
-    data (a host-to-device copy that SGLang's draft CUDA graph could not capture) in our hooks."""
+def test_sequoia_trees_wider_than_topk_are_laid_out():
+    """Budget 32 / depth 5 / topk 4 expands more than 4 nodes on a level: SGLang's own loop (width = topk) cannot
+    hold it, the plugin's loop with width = the widest level can."""
+    tree = sequoia_tree(PROFILE, 32, 5, 4)
+    assert widest_level(tree) > 4
+    with pytest.raises(SpecError, match="frontier holds 4"):
+        DraftPlan.from_tree(tree, 4, 5)
+    DraftPlan.from_tree(tree, widest_level(tree), 5)
+
+
+@pytest.mark.parametrize("budget, steps, topk, width", [(16, 5, 4, 16), (32, 6, 4, 32), (24, 4, 3, 6), (8, 3, 2, 2)])
+def test_specexec_through_the_own_loop_is_the_reference_tree(budget, steps, topk, width):
+    """Best-first on the device (each level's best W candidates, then the best budget of all) gives the reference
+    decoder's SpecExec tree with the same width bound: exactly SpecExec's when W = budget."""
+    source = SyntheticCandidates(vocab_size=40, seed=budget + width, sharpness=1.2)
+    roots = [3, 4]
+    loop = DraftLoop.build(width, topk, steps, None, "cpu")
+    parent_list, top_scores_index, draft_tokens = run_own_loop(loop, source, roots, budget)
+    decoded = decode_sglang_draft(parent_list, top_scores_index, draft_tokens, torch.tensor(roots), width)
+    for root, got in zip(roots, decoded):
+        reference = TreePolicy("specexec", budget=budget, depth=steps, topk=topk, width=width).build(root, source)
+        assert paths_of(got) == paths_of(reference)
+        assert int(got.ranks[1:].max()) < topk
+
+
+def test_own_loop_reads_nothing_on_the_host():
+    """The plugin's loop (tree code, ancestry permutation, organize): no host read and no tensor built from Python
+    data (a host-to-device copy SGLang's draft CUDA graph could not capture)."""
     from host_guard import HostAccessGuard
 
-    spec_utils, eagle_utils = uncompiled
-    topk, steps, budget = 4, 4, 15
-    plan_tree = sequoia_plan(PROFILE, budget, steps, max_branch=topk)
-    tree = TokenTree.from_parents(list(plan_tree.parents), ranks=list(plan_tree.ranks))
-    setup = hooks.DraftSetup(DevicePlan.build(DraftPlan.from_tree(tree, topk, steps), "cpu"), exact_ancestry=True,
-                             topk=topk, steps=steps)
-    source = SyntheticCandidates(vocab_size=60, seed=2, sharpness=1.5)
-    pool = FakePool(2 * topk * steps)
-    with HostAccessGuard(host_only=True) as guard:
-        run_draft_loop(spec_utils, eagle_utils, source, [7, 8], topk, steps, budget + 1, setup, pool)
-    assert guard.events == []
-    with HostAccessGuard(host_only=True) as control:  # building the plan at start-up does copy from the host
-        DevicePlan.build(DraftPlan.from_tree(tree, topk, steps), "cpu")
+    for plan in (True, False):
+        loop = sequoia_loop(32, 5, 4)[1] if plan else DraftLoop.build(16, 4, 5, None, "cpu")
+        source = SyntheticCandidates(vocab_size=60, seed=2, sharpness=1.5)
+        pool = FakePool(2 * loop.width * loop.steps)
+        step_locs = torch.arange(2 * loop.width * loop.steps).view(loop.steps, -1)
+        topk_p, topk_index = torch.topk(torch.stack([source.distribution([r]) for r in (7, 8)]), loop.width, dim=-1)
+        next_p = torch.rand(2 * loop.width, loop.width).sort(dim=-1, descending=True).values
+        next_index = torch.randint(60, (2 * loop.width, loop.width))
+        with HostAccessGuard(host_only=True) as guard:
+            levels = [loop.root_level(topk_p, topk_index)]
+            for step in range(1, loop.steps):
+                levels.append(loop.next_level(step, levels[-1].beam_scores, next_p, next_index))
+                target, source_slots = ancestry_permutation(levels[-1].parent_beam, step_locs, step)
+                hooks.permute_kv(pool, target, source_slots)
+            loop.organize(levels, 32 if plan else 16)
+        assert guard.events == []
+    with HostAccessGuard(host_only=True) as control:  # building the loop at start-up does copy from the host
+        sequoia_loop(32, 5, 4)
     assert any("draft_tree.py" in event for event in control.events)
 
+
+def test_own_loop_keeps_exact_ancestry():
+    source = SyntheticCandidates(vocab_size=40, seed=6, sharpness=1.0)
+    _, loop = sequoia_loop(32, 5, 4)
+    run_own_loop(loop, source, [4, 5], 32, FakePool(2 * loop.width * loop.steps))  # asserts inside
+    loop = DraftLoop.build(12, 3, 5, None, "cpu")
+    run_own_loop(loop, source, [4, 5], 20, FakePool(2 * 12 * 5))
 
 def test_exact_ancestry_by_kv_column_permutation(uncompiled):
     """With the hook, after every frontier choice each beam's draft KV column holds its own ancestors; SGLang's
@@ -161,10 +240,10 @@ def test_exact_ancestry_by_kv_column_permutation(uncompiled):
     spec_utils, eagle_utils = uncompiled
     topk, steps = 3, 5
     source = SyntheticCandidates(vocab_size=40, seed=3, sharpness=1.0)
-    setup = hooks.DraftSetup(None, exact_ancestry=True, topk=topk, steps=steps)
+    setup = hooks.DraftSetup(None, exact_ancestry=True, width=topk, steps=steps)
     pool = FakePool(2 * topk * steps)
     run_draft_loop(spec_utils, eagle_utils, source, [4, 5], topk, steps, 12, setup, pool)  # asserts inside
-    without = hooks.DraftSetup(None, exact_ancestry=False, topk=topk, steps=steps)
+    without = hooks.DraftSetup(None, exact_ancestry=False, width=topk, steps=steps)
     with pytest.raises(AssertionError):
         run_draft_loop(spec_utils, eagle_utils, source, [4, 5], topk, steps, 12, without, FakePool(2 * topk * steps))
 
@@ -198,26 +277,3 @@ def test_metrics_hook_counts_acceptance_per_position(sglang_with_plugin, monkeyp
     assert request.spec_correct_drafts_histogram == [1, 1, 1, 2]  # SGLang's own bookkeeping still runs
     assert metrics.rates() == [4 / 5, 3 / 5, 2 / 5]
     assert metrics.mean_accept_length() == pytest.approx(1 + 9 / 5)
-
-
-def test_in_graph_epilogue_matches_sglangs_greedy_verify(sglang_kernels):
-    """Our capture-tail epilogue (fused target tokens + accept walk) returns what eagle_sample returns for greedy
-    batches: predict, accept_index and the accepted-draft counts of verify_tree_greedy."""
-    from helpers import random_tree
-
-    from sglang_spec.tree import encode_sglang_verify
-
-    rng = np.random.default_rng(0)
-    trees = [random_tree(rng, 9, 3, 4, vocab_size=30) for _ in range(3)]
-    meta = encode_sglang_verify(trees, [4, 4, 4])
-    target = targets_following_drafts(rng, trees, 9, accept_rate=0.85, vocab_size=30)
-    logits = torch.nn.functional.one_hot(target.reshape(-1), 30).float() * 5 + torch.rand(27, 30)
-    predicts, accept_index, accept_num = sglang_kernels.verify_greedy(
-        meta.draft_tokens.view(3, 9), meta.retrieve_index, meta.retrieve_next_token, meta.retrieve_next_sibling,
-        logits.argmax(-1).view(3, 9), 5)
-    batch = TreeBatch.from_trees(trees)
-    static = AcceptEpilogue(9, 4).run(logits, batch.tokens, batch.parents, batch.num_nodes)
-    assert torch.equal(static.accept_index, accept_index)
-    assert torch.equal(static.num_correct_drafts, accept_num)
-    written = accept_index[accept_index >= 0].long()
-    assert torch.equal(static.predict[written], predicts[written])

@@ -23,11 +23,10 @@ def test_load_plugins_discovers_the_entry_point_and_applies_our_hooks(sglang_wit
 
     assert any("sglang_spec" in (source.plugin_name or "") for hooks_ in HookRegistry._hooks.values()
                for _, _, source in hooks_ if source is not None)
-    assert hook_of(eagle_utils.organize_draft_results) is hooks.organize_draft_results_around
     assert hook_of(spec_utils.select_top_k_tokens) is hooks.select_top_k_tokens_around
     assert hook_of(eagle_worker_v2.EagleDraftWorker.draft_forward) is hooks.draft_forward_around
-    # stale `from ... import` bindings are patched too: the worker module calls our organize
-    assert eagle_worker_v2.organize_draft_results is eagle_utils.organize_draft_results
+    # stale `from ... import` bindings are patched too: the worker module calls our select
+    assert eagle_worker_v2.select_top_k_tokens is spec_utils.select_top_k_tokens
     assert hook_of(ServerArgs.add_cli_args) is hooks.add_cli_args_after
 
 
@@ -75,6 +74,9 @@ def test_sglangs_parser_accepts_the_tree_options(sglang_with_plugin, tmp_path):
         (["--speculative-tree-policy", "eagle", "--speculative-num-steps", "7"],
          "--speculative-num-steps 7 contradicts the tree options"),
         (["--speculative-tree-policy", "eagle", "--speculative-tree-depth", "99"], "exceeds the maximum depth 64"),
+        (["--speculative-tree-policy", "eagle", "--speculative-tree-width", "6"], "whose width is topk (4)"),
+        (["--speculative-tree-policy", "specexec", "--speculative-tree-topk", "4", "--speculative-tree-width", "2"],
+         "is below topk 4"),
     ],
 )
 def test_bad_combinations_fail_with_one_line(sglang_with_plugin, argv, message):
@@ -82,6 +84,26 @@ def test_bad_combinations_fail_with_one_line(sglang_with_plugin, argv, message):
         parse(argv)
     text = str(exit_info.value.code)
     assert text.startswith("error: ") and message in text and "\n" not in text
+
+
+def test_width_is_the_trees_widest_level_or_the_specexec_budget(sglang_with_plugin):
+    """SGLang's speculative_eagle_topk is the draft width W: topk for eagle, the Sequoia tree's widest level (here
+    wider than topk), the budget for specexec (exact SpecExec); topk stays the children per node."""
+    from sglang_spec.models.registry import shipped_profile_path
+
+    profile = str(shipped_profile_path("smollm2"))
+    sequoia = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "sequoia",
+                     "--speculative-tree-budget", "31", "--speculative-tree-depth", "6", "--speculative-tree-topk", "4",
+                     "--speculative-acceptance-profile", profile])
+    assert (sequoia._sglang_spec_tree.topk, sequoia._sglang_spec_tree.width, sequoia.speculative_eagle_topk) == (4, 5, 5)
+    specexec = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "specexec",
+                      "--speculative-tree-budget", "32", "--speculative-tree-depth", "6", "--speculative-tree-topk", "4"])
+    assert (specexec.speculative_eagle_topk, specexec.speculative_num_draft_tokens) == (32, 33)
+    bounded = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "specexec",
+                     "--speculative-tree-budget", "32", "--speculative-tree-width", "8"])
+    assert bounded.speculative_eagle_topk == 8 and bounded._sglang_spec_tree.tree_policy().width == 8
+    eagle = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "eagle", "--speculative-tree-topk", "3"])
+    assert eagle.speculative_eagle_topk == 3
 
 
 def test_unknown_policy_is_argparses_own_error(sglang_with_plugin, capsys):
@@ -107,7 +129,7 @@ def test_speculative_checks(config, message):
     from sglang_spec.errors import SpecError
     from sglang_spec.sglang_plugin.options import TreeServerOptions, validate_speculative
 
-    options = TreeServerOptions("eagle", 10, 4, 4)
+    options = TreeServerOptions("eagle", 10, 4, 4, 4)
     good = dict(speculative_algorithm="NEXTN", speculative_eagle_topk=4, speculative_num_steps=4,
                 enable_multi_layer_eagle=False)
     with pytest.raises(SpecError, match=message):
@@ -122,8 +144,8 @@ def test_an_infeasible_sequoia_plan_is_refused_at_resolution(tmp_path):
     from sglang_spec.models.registry import shipped_profile_path
     from sglang_spec.sglang_plugin.options import TreeServerOptions, validate_speculative
 
-    options = TreeServerOptions("sequoia", 31, 6, 4, str(shipped_profile_path("smollm2")))
-    with pytest.raises(SpecError, match="SGLang's frontier holds topk 4"):
+    options = TreeServerOptions("sequoia", 31, 6, 4, 4, str(shipped_profile_path("smollm2")))
+    with pytest.raises(SpecError, match="SGLang's frontier holds 4"):
         validate_speculative(options, ResolvedView(speculative_algorithm="EAGLE", speculative_eagle_topk=4,
                                                    speculative_num_steps=6))
 
@@ -143,12 +165,12 @@ def test_backend_checks_read_every_resolved_backend(backends, is_mla, device, me
     from sglang_spec.errors import SpecError
     from sglang_spec.sglang_plugin.options import TreeServerOptions, validate_backends
 
-    options = TreeServerOptions("eagle", 10, 4, 4)
+    options = TreeServerOptions("eagle", 10, 4, 4, 4)
     with pytest.raises(SpecError, match=message):
         validate_backends(options, backends, is_mla, device)
     validate_backends(options, dict(attention_backend="fa3", decode_attention_backend=None), is_mla, "cuda")
     validate_backends(options, dict(attention_backend="intel_amx"), is_mla, "cpu")
-    validate_backends(TreeServerOptions("chain", 3, 3, 1), backends, is_mla, device)  # a chain needs no tree mask
+    validate_backends(TreeServerOptions("chain", 3, 3, 1, 1), backends, is_mla, device)  # a chain needs no mask
 
 
 def test_resolution_runs_inside_sglangs_pipeline(sglang_with_plugin, tiny):
@@ -162,7 +184,7 @@ def test_resolution_runs_inside_sglangs_pipeline(sglang_with_plugin, tiny):
     server_args.device = "cpu"
     server_args.skip_tokenizer_init = True
     server_args.speculative_num_draft_tokens = 8  # more verify tokens than topk 2 / depth 2 can draft
-    server_args._sglang_spec_tree = type(server_args._sglang_spec_tree)("eagle", 7, 2, 2)
+    server_args._sglang_spec_tree = type(server_args._sglang_spec_tree)("eagle", 7, 2, 2, 2)
     with pytest.raises(SystemExit) as exit_info:
         server_args.resolve_once()
     assert "exceeds the 6 draft tokens" in str(exit_info.value.code)

@@ -7,35 +7,48 @@ log none. Servers are module- or parameter-scoped so pytest starts each configur
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from cpu_server_helpers import SMOLLM2_NEW_TOKENS, running_server
+from optional_packages import require_sglang
 from sglang_spec.sglang_plugin.cpu.server import CpuModel, prepare_model
-
-
-def _require_sglang() -> None:
-    try:
-        import sglang  # noqa: F401
-    except ImportError:
-        if os.environ.get("SGLANG_SPEC_REQUIRE_SGLANG") == "1":
-            raise
-        pytest.skip("sglang is not installed")
 
 
 @pytest.fixture(scope="session")
 def smollm2_cpu() -> CpuModel:
-    _require_sglang()
+    require_sglang()
     return prepare_model("smollm2", progress=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_cpu() -> CpuModel:
-    _require_sglang()
+    require_sglang()
     return prepare_model("tiny-deepseek", progress=False)
 
 
 @pytest.fixture(scope="session")
 def server_logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("sglang-server-logs")
+
+
+@pytest.fixture(scope="session")
+def smollm2_prompts(smollm2_cpu) -> list[list[int]]:
+    """Held-out HumanEval tasks 130-133 (never in the shipped head's training traffic), as chat requests."""
+    from transformers import AutoTokenizer
+
+    from sglang_spec.train.prompts import humaneval_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_cpu.target_dir)
+    return [list(tokenizer.apply_chat_template(list(spec.messages), add_generation_prompt=True, tokenize=True,
+                                               return_dict=False))
+            for spec in humaneval_prompts(130, 133)]
+
+
+@pytest.fixture(scope="session")
+def smollm2_plain(smollm2_cpu, server_logs, smollm2_prompts) -> list[list[int]]:
+    """Greedy output of SGLang's server without speculation on the held-out prompts."""
+    with running_server(smollm2_cpu, server_logs, "smollm2-plain", speculative=False) as server:
+        answers = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
+    return [answer["output_ids"] for answer in answers]

@@ -10,6 +10,7 @@ from typing import Iterator, Sequence
 from sglang_spec.sglang_plugin.cpu.server import CpuModel, SGLangServer, cpu_launch_args, free_port
 
 START_TIMEOUT = float(os.environ.get("SGLANG_SPEC_SERVER_TIMEOUT", "240"))
+SMOLLM2_NEW_TOKENS = 40  # greedy tokens per held-out prompt in the SmolLM2 end-to-end tests
 
 
 def tree_args(policy: str, budget: int, depth: int, topk: int, profile: Path | None = None) -> list[str]:

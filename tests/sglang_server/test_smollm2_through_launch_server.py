@@ -14,50 +14,28 @@ from pathlib import Path
 
 import pytest
 
-from cpu_server_helpers import accept_lengths, mean, running_server, tree_args
+from cpu_server_helpers import SMOLLM2_NEW_TOKENS, accept_lengths, mean, running_server, tree_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
 REPO = Path(__file__).resolve().parents[2]
-MAX_NEW_TOKENS = 40
-# (policy, budget, depth, topk): every policy at two shapes, the README's 15/4/4 among them
+# (policy, budget, depth, topk): every policy at the README's 15/4/4 and a second shape; sequoia and specexec get
+# theirs at budgets 16 / 32 / 64 in test_own_draft_loop.py (the plugin's own draft loop runs both)
 SHAPES = [
     ("chain", 3, 3, 1), ("chain", 5, 5, 1),
     ("eagle", 15, 4, 4), ("eagle", 6, 3, 2),
-    ("sequoia", 15, 4, 4), ("sequoia", 8, 3, 2),
-    ("specexec", 15, 4, 4), ("specexec", 6, 3, 2),
+    ("sequoia", 15, 4, 4), ("specexec", 15, 4, 4),
 ]
 
 
-@pytest.fixture(scope="module")
-def prompts(smollm2_cpu) -> list[list[int]]:
-    """Held-out HumanEval tasks 130-133 (never in the head's training traffic), as chat requests."""
-    from transformers import AutoTokenizer
-
-    from sglang_spec.train.prompts import humaneval_prompts
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_cpu.target_dir)
-    return [list(tokenizer.apply_chat_template(list(spec.messages), add_generation_prompt=True, tokenize=True,
-                                               return_dict=False))
-            for spec in humaneval_prompts(130, 133)]
-
-
-@pytest.fixture(scope="module")
-def plain(smollm2_cpu, server_logs, prompts) -> list[list[int]]:
-    """Greedy output of SGLang's server without speculation."""
-    with running_server(smollm2_cpu, server_logs, "smollm2-plain", speculative=False) as server:
-        answers = server.generate(prompts, {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS})
-    return [answer["output_ids"] for answer in answers]
-
-
 @pytest.fixture(scope="module", params=SHAPES, ids=lambda shape: "{}-{}-{}-{}".format(*shape))
-def tree_run(request, smollm2_cpu, server_logs, prompts):
+def tree_run(request, smollm2_cpu, server_logs, smollm2_prompts):
     """One server per shape (metrics on), the prompts decoded greedily through it, and /metrics before and after."""
     policy, budget, depth, topk = request.param
     extra = tree_args(policy, budget, depth, topk, smollm2_cpu.profile) + ["--enable-metrics"]
     with running_server(smollm2_cpu, server_logs, "smollm2-{}-{}-{}-{}".format(*request.param), extra) as server:
         before = server.request("/metrics")
-        answers = server.generate(prompts, {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS})
+        answers = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
         after = server.request("/metrics")
         extras = None
         if (policy, budget) == ("sequoia", 15):  # the README's tree: also a text request and an sglang.lang program
@@ -67,9 +45,9 @@ def tree_run(request, smollm2_cpu, server_logs, prompts):
     return request.param, answers, before, after, extras
 
 
-def test_greedy_output_equals_plain_decoding(tree_run, plain):
+def test_greedy_output_equals_plain_decoding(tree_run, smollm2_plain):
     shape, answers, *_ = tree_run
-    for index, (answer, expected) in enumerate(zip(answers, plain)):
+    for index, (answer, expected) in enumerate(zip(answers, smollm2_plain)):
         assert answer["output_ids"] == expected, f"{shape}: prompt {index} differs from plain decoding"
     lengths = accept_lengths(answers)
     assert lengths and max(lengths) >= 2, f"{shape}: no draft was ever accepted ({lengths})"
@@ -114,7 +92,7 @@ def test_text_request_and_frontend_program(tree_run):
     assert frontend["avg_spec_accept_length"] > 1.0
 
 
-def test_accept_length_matches_the_reference_decoder(tree_run, prompts, smollm2):
+def test_accept_length_matches_the_reference_decoder(tree_run, smollm2_prompts, smollm2):
     """Sequoia 15/4/4: the mean accept length through SGLang is within 10% of the reference decoder's on the same
     prompts, head and tree (the head is served exactly, norms and reduced vocabulary included)."""
     shape, answers, *_ = tree_run
@@ -128,7 +106,7 @@ def test_accept_length_matches_the_reference_decoder(tree_run, prompts, smollm2)
     policy = TreePolicy("sequoia", budget=15, depth=4, topk=4,
                         profile=AcceptanceProfile.from_json(shipped_profile_path("smollm2")))
     reference = SpeculativeDecoder(loaded.model, head, policy).generate(
-        prompts, GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, eos_token_ids=loaded.eos_token_ids))
+        smollm2_prompts, GenerationConfig(max_new_tokens=SMOLLM2_NEW_TOKENS, eos_token_ids=loaded.eos_token_ids))
     through_sglang = mean(accept_lengths(answers))
     print(f"\nsequoia 15/4/4 mean accept length: SGLang {through_sglang:.3f}, reference decoder "
           f"{reference.accept_length_mean:.3f}")

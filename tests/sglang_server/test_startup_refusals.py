@@ -23,10 +23,10 @@ def launch(model, extra: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "extra, message",
     [
-        # Sequoia's DP tree for budget 31 / depth 6 expands 5 nodes at depth 2: more than SGLang's topk-4 frontier
+        # Sequoia's DP tree for budget 31 / depth 6 / topk 4 expands 5 nodes at depth 2: wider than width 4
         (["--speculative-tree-policy", "sequoia", "--speculative-tree-budget", "31", "--speculative-tree-depth", "6",
-          "--speculative-tree-topk", "4", "--speculative-acceptance-profile", "{profile}"],
-         "SGLang's frontier holds topk 4"),
+          "--speculative-tree-topk", "4", "--speculative-tree-width", "4", "--speculative-acceptance-profile",
+          "{profile}"], "--speculative-tree-width must be at least 5"),
         (["--speculative-tree-policy", "eagle", "--speculative-tree-budget", "8", "--enable-multi-layer-eagle"],
          "--enable-multi-layer-eagle runs its own draft worker"),
         (["--speculative-tree-policy", "eagle", "--speculative-tree-budget", "8", "--attention-backend",

@@ -4,14 +4,18 @@ DeepseekV3ForCausalLMNextN), with the plugin's trees over an MLA draft pool.
 
 Greedy output equals plain decoding for every policy; the accept length matches the reference decoder's; a
 sampled run (temperature 0.7) goes through SGLang's sampling verify and is reproducible with a seed; the tree
-options work as ``sgl.Engine`` keywords.
+options work as ``sgl.Engine`` keywords; ``--speculative-tree-accept fused`` (the project's verify + accept
+kernels and KV commit, run by the Triton interpreter here) gives exactly SGLang's own accept's outputs, greedy and
+seeded-sampled, for every policy, and leaves the batches it does not serve to SGLang's path, counted.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
@@ -22,6 +26,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
 MAX_NEW_TOKENS = 32
 SHAPES = [("chain", 3, 3, 1), ("eagle", 15, 4, 4), ("sequoia", 8, 3, 2), ("specexec", 6, 3, 2)]
+SEED = ["--random-seed", "7"]  # the same seed for SGLang's accept and the fused one: the same coins
+SAMPLED = {"temperature": 0.7, "max_new_tokens": MAX_NEW_TOKENS}
+PENALIZED = {"temperature": 0, "max_new_tokens": 8, "frequency_penalty": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -42,18 +49,36 @@ def plain(tiny_cpu, server_logs, prompts):
     return [answer["output_ids"] for answer in greedy]
 
 
+@dataclass(frozen=True)
+class Served:
+    """One server's answers to the same requests in the same order: greedy, temperature 0.7, and a greedy batch
+    with a frequency penalty (SGLang's accept must serve it); its /metrics text when metrics were on."""
+
+    shape: tuple
+    greedy: list[dict]
+    sampled: list[dict]
+    penalized: list[dict]
+    metrics: str
+
+
+def serve(tiny_cpu, server_logs, prompts, shape, extra, name) -> Served:
+    with running_server(tiny_cpu, server_logs, name, extra) as server:
+        greedy = server.generate(prompts, {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS})
+        sampled = server.generate(prompts, SAMPLED)
+        penalized = server.generate(prompts[:2], PENALIZED)
+        metrics = server.request("/metrics") if "--enable-metrics" in extra else ""
+    return Served(shape, greedy, sampled, penalized, metrics)
+
+
 @pytest.fixture(scope="module", params=SHAPES, ids=lambda shape: "{}-{}-{}-{}".format(*shape))
-def tree_answers(request, tiny_cpu, server_logs, prompts, smollm2_cpu):
-    policy, budget, depth, topk = request.param
-    # any profile gives sequoia a shape to lay over SGLang's loop; the SmolLM2 head's is at hand
-    extra = tree_args(policy, budget, depth, topk, smollm2_cpu.profile)
-    with running_server(tiny_cpu, server_logs, "tiny-{}-{}-{}-{}".format(*request.param), extra) as server:
-        answers = server.generate(prompts, {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS})
-    return request.param, answers
+def tree_answers(request, tiny_cpu, server_logs, prompts, smollm2_cpu) -> Served:
+    # any profile gives sequoia a shape to lay over the draft slots; the SmolLM2 head's is at hand
+    extra = tree_args(*request.param, smollm2_cpu.profile) + SEED
+    return serve(tiny_cpu, server_logs, prompts, request.param, extra, "tiny-{}-{}-{}-{}".format(*request.param))
 
 
 def test_greedy_output_equals_plain_decoding(tree_answers, plain):
-    shape, answers = tree_answers
+    shape, answers = tree_answers.shape, tree_answers.greedy
     assert [answer["output_ids"] for answer in answers] == plain, f"{shape}"
     assert max(accept_lengths(answers)) >= 2
 
@@ -61,10 +86,9 @@ def test_greedy_output_equals_plain_decoding(tree_answers, plain):
 def test_accept_length_matches_the_reference_decoder(tree_answers, prompts, tiny):
     """SGLang drafts with the checkpoint's MTP layer exactly as the reference decoder does when the fed-back
     hidden state is the post-norm one (SGLang's NextN feeds back shared_head.norm's output)."""
-    shape, answers = tree_answers
+    shape, answers = tree_answers.shape, tree_answers.greedy
     if shape[0] not in ("chain", "eagle"):
-        pytest.skip("sequoia / specexec select differently inside SGLang's EAGLE loop until the plugin's own draft "
-                    "loop (compared there)")
+        pytest.skip("sequoia / specexec: compared with the reference decoder in test_own_draft_loop.py (SmolLM2)")
     from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
     from sglang_spec.models.registry import load_head_for
     from sglang_spec.tree import TreePolicy
@@ -79,22 +103,14 @@ def test_accept_length_matches_the_reference_decoder(tree_answers, prompts, tiny
     assert through_sglang == pytest.approx(output.accept_length_mean, rel=0.10)
 
 
-def _sampled(tiny_cpu, server_logs, prompts, name: str, seed: int):
-    extra = tree_args("eagle", 6, 3, 2) + ["--random-seed", str(seed)]
-    with running_server(tiny_cpu, server_logs, name, extra) as server:
-        return server.generate(prompts, {"temperature": 0.7, "max_new_tokens": MAX_NEW_TOKENS})
-
-
-def test_sampled_run_is_reproducible_with_a_seed(tiny_cpu, server_logs, prompts, plain):
-    """Temperature 0.7 through SGLang's sampling verify (tree_speculative_sampling_target_only): two servers with
-    the same --random-seed give the same tokens, and they are not the greedy ones (sampling really happened)."""
-    first = _sampled(tiny_cpu, server_logs, prompts, "tiny-sampled-a", seed=7)
-    second = _sampled(tiny_cpu, server_logs, prompts, "tiny-sampled-b", seed=7)
-    tokens = [answer["output_ids"] for answer in first]
-    assert tokens == [answer["output_ids"] for answer in second]
+def test_sampled_run_is_sampled(tree_answers, plain):
+    """Temperature 0.7 through SGLang's sampling verify (tree_speculative_sampling_target_only): full-length
+    outputs that are not the greedy ones, with drafts accepted. (That a seed reproduces them across servers is
+    shown by the fused-accept comparison below: two servers, the same --random-seed, the same tokens.)"""
+    tokens = [answer["output_ids"] for answer in tree_answers.sampled]
     assert tokens != plain
     assert all(len(row) == MAX_NEW_TOKENS for row in tokens)
-    assert mean(accept_lengths(first)) > 1.0
+    assert mean(accept_lengths(tree_answers.sampled)) > 1.0
 
 
 ENGINE_SCRIPT = """
@@ -119,3 +135,33 @@ def test_tree_options_as_engine_keywords(tiny_cpu, prompts, plain):
     assert finished.returncode == 0 and lines, finished.stderr[-3000:]
     assert json.loads(lines[0][len("RESULT "):]) == plain
     assert "Traceback" not in finished.stderr
+
+
+@pytest.fixture(scope="module")
+def fused_answers(tree_answers, tiny_cpu, server_logs, prompts, smollm2_cpu) -> Served:
+    """The same shape served with --speculative-tree-accept fused (metrics on), the same requests in the same order."""
+    shape = tree_answers.shape
+    extra = tree_args(*shape, smollm2_cpu.profile) + SEED + ["--speculative-tree-accept", "fused", "--enable-metrics"]
+    return serve(tiny_cpu, server_logs, prompts, shape, extra, "tiny-fused-{}-{}-{}-{}".format(*shape))
+
+
+def _counter(metrics: str, outcome: str) -> float:
+    found = re.search(r'^sglang_spec_fused_accept_batches_total\{outcome="%s"\} ([0-9.]+)$' % outcome, metrics, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_fused_accept_equals_sglangs_accept(tree_answers, fused_answers):
+    """Greedy and seeded sampling: our verify + accept kernels and KV commit give exactly the tokens and accept
+    lengths of SGLang's eagle_sample + move_accept_tokens_to_target_kvcache, and served those batches."""
+    for ours, theirs in ((fused_answers.greedy, tree_answers.greedy), (fused_answers.sampled, tree_answers.sampled)):
+        assert [a["output_ids"] for a in ours] == [a["output_ids"] for a in theirs], f"{tree_answers.shape}"
+        assert accept_lengths(ours) == accept_lengths(theirs)
+    assert [a["output_ids"] for a in tree_answers.sampled] != [a["output_ids"] for a in tree_answers.greedy]
+    assert _counter(fused_answers.metrics, "fused") > 0
+
+
+def test_fused_accept_falls_back_per_batch_with_a_counter(tree_answers, fused_answers):
+    """A batch with a frequency penalty is SGLang's to accept: the fused server counts it on /metrics and its
+    output is SGLang's."""
+    assert [a["output_ids"] for a in fused_answers.penalized] == [a["output_ids"] for a in tree_answers.penalized]
+    assert _counter(fused_answers.metrics, "penalties") > 0

@@ -10,7 +10,23 @@ from scipy import stats
 
 from sglang_spec.sampling import sample_from_probs
 from sglang_spec.tree import TokenTree, TreeBatch
-from sglang_spec.verify import rejection_step, verify_rejection, verify_sample_match
+from sglang_spec.verify import (
+    CandidateFirstRule,
+    rejection_step,
+    verify_candidate_first,
+    verify_rejection,
+    verify_sample_match,
+    walk,
+)
+from sglang_spec.verify.candidate_first import first_above
+
+
+class ResidualKeepsCandidates(CandidateFirstRule):
+    """Negative control: SGLang's walk, but the bonus is drawn from the whole target (the rejected candidates not
+    removed), which over-weights them."""
+
+    def bonus(self, rows, node, real):
+        return first_above(self.target_probs[rows, node], self.final_coins)
 
 
 def node_output_law(target, draft, outcome, rule):
@@ -106,6 +122,39 @@ def test_exact_enumeration_sample_and_match_over_its_coin():
         assert accepted == pytest.approx(target[children].sum(), abs=1e-6)
 
 
+@pytest.mark.parametrize("rule", [CandidateFirstRule, ResidualKeepsCandidates])
+def test_exact_enumeration_candidate_first_over_its_coins(rule):
+    """SGLang's candidate-first rule on a one-level tree is piecewise constant in (root coin, final coin):
+    evaluating it at the midpoints of both coins' intervals, weighted by the intervals' areas, gives its exact
+    law: the target for the real rule; off the target for the control."""
+    worst = 0.0
+    for target, draft, count in random_pairs(60, seed=2):
+        vocab = len(target)
+        children = np.argsort(-draft, kind="stable")[:count]
+        tree = TokenTree.from_parents([-1] + [0] * count, tokens=[vocab] + children.tolist())
+        child_edges = np.concatenate([[0.0], np.cumsum(target[children]), [1.0]])
+        residual = target.copy()
+        residual[children] = 0.0 if rule is CandidateFirstRule else residual[children]
+        final_edges = np.concatenate([[0.0], np.cumsum(residual) / residual.sum()])
+        coin_mid, coin_width = (child_edges[:-1] + child_edges[1:]) / 2, np.diff(child_edges)
+        final_mid, final_width = (final_edges[:-1] + final_edges[1:]) / 2, np.diff(final_edges)
+        grid = [(c, f, cw * fw) for c, cw in zip(coin_mid, coin_width) for f, fw in zip(final_mid, final_width)
+                if cw > 0 and fw > 0]
+        batch = TreeBatch.from_trees([tree] * len(grid))
+        probs = torch.tensor(target, dtype=torch.float32).expand(len(grid), count + 1, vocab)
+        coins = torch.zeros(len(grid), count + 1)
+        coins[:, 0] = torch.tensor([c for c, _, _ in grid])
+        finals = torch.tensor([f for _, f, _ in grid])
+        result = walk(batch, rule(batch, probs, coins, finals))
+        law = np.zeros(vocab)
+        np.add.at(law, result.output_tokens[:, 0].numpy(), [w for _, _, w in grid])
+        worst = max(worst, np.abs(law - target).max())
+    if rule is CandidateFirstRule:
+        assert worst < 1e-5
+    else:
+        assert worst > 0.05
+
+
 class ToyLM:
     """Seeded random next-token tables keyed by the whole context (vocabulary 3), for target p and draft q."""
 
@@ -159,6 +208,9 @@ def generate_three_tokens(lm, drafting, rule, trials, seed):
         target_probs = lm.target[node_code]
         if rule == "sample_match":
             result = verify_sample_match(batch, target_probs, torch.rand(trials, 5, generator=generator))
+        elif rule == "candidate_first":
+            result = verify_candidate_first(batch, target_probs, torch.rand(trials, 5, generator=generator),
+                                            torch.rand(trials, generator=generator))
         else:
             result = verify_rejection(
                 batch,
@@ -197,6 +249,7 @@ def chi_square_p_value(lm, outputs):
     "drafting, rule, lossless",
     [
         ("topk", "sample_match", True),
+        ("topk", "candidate_first", True),
         ("swor", "swor", True),
         ("iid", "iid", True),
         ("swor", "iid", False),  # SpecInfer's rule on drafts sampled without replacement

@@ -2,17 +2,24 @@
 
 Each function has the signature of the op SGLang 0.5.23 calls (``sglang/kernels/ops/speculative/*.py``,
 ``mem_cache/allocation.py``, ``kernels/ops/kvcache/cache_move.py``, ``intel_amx_backend.py``), mutates the same
-outputs, and follows the semantics of SGLang's Triton twin of the same op. Tree building and greedy tree
-verification run SGLang's own Triton twins (``spec_tree.py``, the XPU path) under the Triton interpreter, so the
-tree SGLang verifies on this CPU is built by SGLang's code, not ours.
+outputs, and follows the semantics of SGLang's Triton twin of the same op. Greedy tree verification runs SGLang's
+own Triton twin (``spec_tree.py``, the XPU path) under the Triton interpreter. Tree building does too when
+``SGLANG_SPEC_CPU_TRITON_TREE=1``; by default it decodes the draft outputs with sglang_spec's SGLang-ABI codec
+(``tree.encode_sglang``, checked equal to that Triton twin by the tests), because the interpreted kernel costs
+seconds per step at the 32-64-node trees the plugin's own draft loop builds.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import torch
+
+from sglang_spec.tree.encode_sglang import TreeMaskMode, decode_sglang_draft, encode_sglang_verify
+
+TRITON_TREE_FLAG = "SGLANG_SPEC_CPU_TRITON_TREE"
 
 
 def _request_spans(start: torch.Tensor, end: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -93,11 +100,22 @@ def build_draft_decode_metadata_cpu(req_to_token, req_pool_indices, seq_lens, to
 def build_tree_kernel_efficient_cpu(parent_list, top_scores_index, seq_lens, tree_mask, positions, retrieve_index,
                                     retrieve_next_token, retrieve_next_sibling, topk, spec_steps, num_verify_tokens,
                                     tree_mask_mode):
-    from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton
+    if os.environ.get(TRITON_TREE_FLAG) == "1":
+        from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton
 
-    sgl_build_tree_kernel_triton(parent_list, top_scores_index, seq_lens, tree_mask, positions, retrieve_index,
-                                 retrieve_next_token, retrieve_next_sibling, topk, spec_steps, num_verify_tokens,
-                                 tree_mask_mode)
+        sgl_build_tree_kernel_triton(parent_list, top_scores_index, seq_lens, tree_mask, positions, retrieve_index,
+                                     retrieve_next_token, retrieve_next_sibling, topk, spec_steps, num_verify_tokens,
+                                     tree_mask_mode)
+        return
+    batch = top_scores_index.shape[0]
+    placeholder = torch.arange(1, num_verify_tokens, dtype=torch.int64).expand(batch, -1)  # distinct sibling tokens
+    trees = decode_sglang_draft(parent_list.cpu(), top_scores_index.cpu(), placeholder, torch.zeros(batch), topk)
+    built = encode_sglang_verify(trees, seq_lens.cpu(), TreeMaskMode(int(tree_mask_mode)))
+    tree_mask.view(-1)[: built.tree_mask.numel()].copy_(built.tree_mask.reshape(-1).to(tree_mask.dtype))
+    positions.copy_(built.positions)
+    retrieve_index.copy_(built.retrieve_index)
+    retrieve_next_token.copy_(built.retrieve_next_token)
+    retrieve_next_sibling.copy_(built.retrieve_next_sibling)
 
 
 def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,

@@ -139,7 +139,11 @@ class SGLangServer:
 
     def start(self, timeout: float = 300.0) -> SGLangServer:
         """Starts the server and waits until ``/health`` answers; raises SpecError (with the log's tail) when the
-        process dies or the timeout passes, after stopping whatever it started."""
+        process dies or the timeout passes, after stopping whatever it started. Starting a running server is an
+        error: a second launcher on the same port would leak the first one."""
+        if self.process is not None and self.process.poll() is None:
+            raise SpecError(f"this SGLang server (pid {self.process.pid}) is already running; use it as a context "
+                            "manager or call start() once")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("w")
         command = [sys.executable, "-m", "sglang.launch_server", *self.args]
@@ -178,7 +182,10 @@ class SGLangServer:
             return "(no log)"
 
     def __enter__(self) -> SGLangServer:
-        return self.start()
+        """Starts the server unless ``start()`` already did."""
+        if self.process is None or self.process.poll() is not None:
+            self.start()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -1,0 +1,260 @@
+"""``--speculative-tree-accept fused``: SGLang's verify accept and KV commit done by the project's kernels.
+
+In place of ``eagle_sample`` the target's verify logits go through ``kernels/verify_accept.py``: greedy batches
+take the argmax at every node and follow the matching child (``MatchMode``, SGLang's ``verify_tree_greedy``
+rule); temperature-sampled batches draw with SGLang's own coins (``_verify_coins``, seeded when the request is)
+and SGLang's own rule (``CandidateSampleMode``: ``tree_speculative_sampling_target_only`` with thresholds 1), so
+the outputs equal SGLang's accept for the same coins. The tree arrives in SGLang's layout (candidates, first-child /
+next-sibling links) and leaves as exactly what the worker consumes: ``predict [bs * n] int32`` (the token
+emitted after each accepted node, at its global id), ``accept_lens [bs] int32`` (accepted drafts + 1) and
+``accept_index [bs, steps + 1] int32`` (global node ids, -1 padded). The accepted path's KV is moved by
+``kernels/kv_commit.py`` instead of ``move_accept_tokens_to_target_kvcache``.
+
+A batch the fused path does not serve goes to SGLang's own path, counted by reason: penalties, logit bias, grammar,
+watermarks, custom logit processors, top-k / top-p / min-p sampling, rejection-sampling or simulated acceptance,
+accept thresholds below 1 (lossy), UNO's sparse target sampling.
+
+With CUDA graphs the greedy accept runs inside the captured verify graph: ``capture_tail`` records it on the
+graph's static logits and candidates and on this object's static link buffers, which ``before_replay`` fills
+from the batch's verify input before every replay; ``eagle_sample`` then reads the static outputs. That path has
+not run on a GPU yet (docs/gpu-validation.md); eager (every CPU run) computes the same kernels after the forward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglang_spec.kernels.kv_commit import commit_kv
+from sglang_spec.kernels.tree_metadata import parents_from_links
+from sglang_spec.kernels.verify_accept import (
+    AcceptOutputs,
+    CandidateSampleMode,
+    MatchMode,
+    accept_walk,
+    node_normalizers,
+    target_tokens,
+)
+
+
+@dataclass(frozen=True, eq=False)
+class SGLangAccept:
+    """What ``eagle_sample`` returns: predict [bs * n] int32, accept_lens [bs] int32 (drafts + 1), accept_index
+    [bs, steps + 1] int32 (global node ids, -1 padded)."""
+
+    predict: torch.Tensor
+    accept_lens: torch.Tensor
+    accept_index: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class AcceptBuffers:
+    """One batch size's buffers (B requests x N tree nodes, depth D): static under CUDA graphs.
+
+    Fields:
+      first_child, next_sibling: [B, N] int64. The tree's links (SGLang's retrieve arrays), -1 padded.
+      parents:      [B, N] int64. Derived from the links.
+      num_nodes:    [B] int64. N for every request.
+      target:       [B * N] int64. The target's token per node (greedy: argmax).
+      output_ids:   [B, D + 1] int64; output_lens [B] int64. The walk's output buffer (scratch).
+      accept:       the walk's AcceptOutputs.
+      predict_with_spare: [B * N + 1] int32. SGLang's predict plus one slot that absorbs the -1 path entries.
+      accept_lens, accept_index: SGLang's outputs ([B] int32, [B, D + 1] int32).
+    """
+
+    first_child: torch.Tensor
+    next_sibling: torch.Tensor
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+    target: torch.Tensor
+    output_ids: torch.Tensor
+    output_lens: torch.Tensor
+    accept: AcceptOutputs
+    predict_with_spare: torch.Tensor
+    accept_lens: torch.Tensor
+    accept_index: torch.Tensor
+
+    @classmethod
+    def allocate(cls, batch: int, nodes: int, depth: int, device: torch.device | str) -> AcceptBuffers:
+        def ints(*shape: int, fill: int = 0, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=dtype, device=device)
+
+        return cls(
+            first_child=ints(batch, nodes, fill=-1),
+            next_sibling=ints(batch, nodes, fill=-1),
+            parents=ints(batch, nodes, fill=-1),
+            num_nodes=ints(batch, fill=nodes),
+            target=ints(batch * nodes),
+            output_ids=ints(batch, depth + 1),
+            output_lens=ints(batch),
+            accept=AcceptOutputs.empty(batch, depth, device),
+            predict_with_spare=ints(batch * nodes + 1, dtype=torch.int32),
+            accept_lens=ints(batch, dtype=torch.int32),
+            accept_index=ints(batch, depth + 1, fill=-1, dtype=torch.int32),
+        )
+
+    def outputs(self, batch: int) -> SGLangAccept:
+        nodes = self.first_child.shape[1]
+        return SGLangAccept(self.predict_with_spare[: batch * nodes], self.accept_lens[:batch],
+                            self.accept_index[:batch])
+
+
+def run_accept(buffers: AcceptBuffers, candidates: torch.Tensor, logits: torch.Tensor, depth: int,
+               sample: CandidateSampleMode | None = None) -> None:
+    """Verify + accept into ``buffers`` (links already in place): candidates [B, N] int64 (node tokens, root
+    first); logits [B * N, V]. Greedy unless ``sample`` is given. Device ops only: capturable."""
+    batch, nodes = candidates.shape
+    parents_from_links(buffers.first_child, buffers.next_sibling, out=buffers.parents)
+    if sample is None:
+        zeros = torch.zeros(batch, device=logits.device)
+        target_tokens(logits, nodes, zeros, zeros.long(), zeros + 1, zeros.repeat_interleave(nodes), False,
+                      out=buffers.target)
+        mode: MatchMode | CandidateSampleMode = MatchMode(buffers.target)
+    else:
+        mode = sample
+    buffers.output_lens.zero_()
+    accept_walk(candidates, buffers.parents, buffers.num_nodes, depth, buffers.output_ids, buffers.output_lens,
+                mode, out=buffers.accept)
+    _to_sglang(buffers, batch, nodes)
+
+
+def _to_sglang(buffers: AcceptBuffers, batch: int, nodes: int) -> None:
+    """The walk's outputs in eagle_sample's format. predict[global id of path node j] = the token emitted after it
+    (the next accepted draft, or the bonus): exactly the walk's emitted tokens, scattered to the path's ids."""
+    accepted = buffers.accept.accepted_nodes
+    base = (torch.arange(batch, device=accepted.device) * nodes)[:, None]
+    global_ids = torch.where(accepted >= 0, accepted + base, torch.full_like(accepted, -1))
+    buffers.accept_index.copy_(global_ids.to(torch.int32))
+    buffers.accept_lens.copy_(buffers.accept.accept_length.to(torch.int32))
+    # padded path entries go to the spare slot: a boolean-mask scatter would read the mask on the host
+    spare = torch.full_like(global_ids, batch * nodes)
+    index = torch.where(accepted >= 0, global_ids, spare).reshape(-1)
+    buffers.predict_with_spare.zero_()
+    buffers.predict_with_spare.scatter_(0, index, buffers.output_ids.reshape(-1).to(torch.int32))
+
+
+class FusedAccept:
+    """The fused accept of one target worker: eligibility, eager and in-graph runs, the KV commit, counters."""
+
+    def __init__(self, nodes: int, depth: int, device: torch.device | str, metrics: Any) -> None:
+        self.nodes = nodes
+        self.depth = depth
+        self.device = device
+        self.metrics = metrics
+        self.counts: Counter[str] = Counter()  # "fused" and one entry per fallback reason
+        self._eager: dict[int, AcceptBuffers] = {}
+        self._graph: dict[int, AcceptBuffers] = {}  # per captured batch size (static)
+        self._links: AcceptBuffers | None = None  # max captured batch size; the graph buffers view its links
+        self._replayed: int | None = None  # batch size of the last verify replay whose greedy accept is ready
+
+    # ------------------------------------------------------------------------------------------ eligibility
+    def fallback_reason(self, batch: Any, verify_input: Any, grammar_mask: Any, uno_target_max_top_k: Any,
+                        watermark_state: Any, spec: Any) -> str | None:
+        """Why SGLang's own accept must serve this batch, or None when the fused path can."""
+        info = batch.sampling_info
+        checks = (
+            ("penalties", info.acc_additive_penalties is not None or info.acc_scaling_penalties is not None),
+            ("logit_bias", info.logit_bias is not None),
+            ("grammar", grammar_mask is not None),
+            ("watermark", watermark_state is not None and info.has_watermark_candidates),
+            ("custom_logit_processor", bool(getattr(info, "has_custom_logit_processor", False))),
+            ("uno_sparse_sampling", uno_target_max_top_k is not None),
+            ("rejection_sampling", bool(spec.speculative_use_rejection_sampling)),
+            ("lossy_thresholds", spec.speculative_accept_threshold_single != 1.0
+             or spec.speculative_accept_threshold_acc != 1.0),
+            ("top_k_top_p_min_p", not info.is_all_greedy and (info.need_top_k_sampling or info.need_top_p_sampling
+                                                               or info.need_min_p_sampling)),
+            ("tree_width", verify_input.draft_token_num != self.nodes),
+        )
+        return next((reason for reason, applies in checks if applies), None)
+
+    def count(self, outcome: str) -> None:
+        self.counts[outcome] += 1
+        self.metrics.record_accept(outcome)
+
+    # ------------------------------------------------------------------------------------------ eager
+    def sample(self, verify_input: Any, batch: Any, logits: torch.Tensor, coins: tuple[torch.Tensor, torch.Tensor]
+               | None) -> SGLangAccept:
+        """The fused accept after the forward. ``coins``: SGLang's (per-node, final) verify coins for a sampled
+        batch, None for a greedy one."""
+        bs = len(batch.seq_lens)
+        if coins is None and self._replayed == bs:
+            self._replayed = None
+            return self._graph_outputs(bs)
+        buffers = self._eager.get(bs)
+        if buffers is None:
+            buffers = self._eager[bs] = AcceptBuffers.allocate(bs, self.nodes, self.depth, logits.device)
+        buffers.first_child.copy_(verify_input.retrieve_next_token)
+        buffers.next_sibling.copy_(verify_input.retrieve_next_sibling)
+        candidates = verify_input.draft_token.view(bs, self.nodes).long()
+        mode = None
+        if coins is not None:
+            inverse_temperature = 1.0 / batch.sampling_info.temperatures.view(-1).float()
+            normalizers = node_normalizers(logits, self.nodes, inverse_temperature)
+            mode = CandidateSampleMode(logits, inverse_temperature, normalizers, coins[0].reshape(-1).float(),
+                                       coins[1].float())
+        run_accept(buffers, candidates, logits, self.depth, mode)
+        return buffers.outputs(bs)
+
+    # ------------------------------------------------------------------------------------------ CUDA graphs
+    def capture_tail(self, graph_runner: Any, logits_output: Any, forward_batch: Any, num_tokens: int) -> None:
+        """``capture_tail_hooks`` entry: records the greedy accept into the verify graph of this batch size."""
+        if graph_runner.model_runner.is_draft_worker or not forward_batch.forward_mode.is_target_verify():
+            return
+        if getattr(logits_output, "next_token_logits", None) is None:
+            return
+        bs = forward_batch.batch_size
+        if self._links is None or self._links.first_child.shape[0] < bs:
+            self._links = AcceptBuffers.allocate(max(bs, getattr(graph_runner, "max_bs", bs)), self.nodes,
+                                                 self.depth, forward_batch.input_ids.device)
+        buffers = AcceptBuffers.allocate(bs, self.nodes, self.depth, forward_batch.input_ids.device)
+        buffers = _with_links(buffers, self._links, bs)
+        self._graph[bs] = buffers
+        run_accept(buffers, forward_batch.input_ids.view(bs, self.nodes), logits_output.next_token_logits,
+                   self.depth)
+
+    def before_replay(self, forward_batch: Any, graph_bs: int) -> None:
+        """Fills the static links for a verify replay (rows past the batch: no children, so nothing moves)."""
+        self._replayed = None
+        if self._links is None or graph_bs not in self._graph:
+            return
+        bs = forward_batch.batch_size
+        verify_input = forward_batch.spec_info
+        self._links.first_child[:bs].copy_(verify_input.retrieve_next_token)
+        self._links.next_sibling[:bs].copy_(verify_input.retrieve_next_sibling)
+        self._links.first_child[bs:graph_bs].fill_(-1)
+        self._links.next_sibling[bs:graph_bs].fill_(-1)
+
+    def after_replay(self, forward_batch: Any, graph_bs: int) -> None:
+        if graph_bs in self._graph:
+            self._replayed = forward_batch.batch_size
+
+    def _graph_outputs(self, bs: int) -> SGLangAccept:
+        graph_bs = min(size for size in self._graph if size >= bs)
+        return self._graph[graph_bs].outputs(bs)
+
+    # ------------------------------------------------------------------------------------------ KV commit
+    @staticmethod
+    def commit_kv(pool: Any, out_cache_loc: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor,
+                  nodes: int) -> None:
+        """Moves each request's accepted path (global ids in accept_index) to the front of its verify window
+        (out_cache_loc [bs * n]), in every layer buffer of the target pool: what SGLang's
+        move_accept_tokens_to_target_kvcache does, with kernels/kv_commit.py."""
+        bs = accept_lens.shape[0]
+        local = torch.where(accept_index >= 0, accept_index - (torch.arange(bs, device=accept_index.device)
+                                                               * nodes)[:, None], -1).long()
+        tree_slots = out_cache_loc[: bs * nodes].view(bs, nodes).long()
+        buffers = [buffer for name in ("k_buffer", "v_buffer", "kv_buffer") for buffer in getattr(pool, name, None) or ()]
+        num_nodes = torch.full((bs,), nodes, dtype=torch.int64, device=accept_lens.device)
+        freed = torch.empty(bs, nodes, dtype=torch.int64, device=accept_lens.device)
+        commit_kv(buffers, tree_slots, local, accept_lens.long(), num_nodes, freed)
+
+
+def _with_links(buffers: AcceptBuffers, links: AcceptBuffers, bs: int) -> AcceptBuffers:
+    """``buffers`` reading its links from the shared static link buffers (rows [0, bs))."""
+    return AcceptBuffers(links.first_child[:bs], links.next_sibling[:bs], buffers.parents, buffers.num_nodes,
+                         buffers.target, buffers.output_ids, buffers.output_lens, buffers.accept,
+                         buffers.predict_with_spare, buffers.accept_lens, buffers.accept_index)

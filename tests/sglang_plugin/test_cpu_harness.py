@@ -1,0 +1,157 @@
+"""The CPU harness's stand-ins for sgl-kernel ops, each against an independent reference (SGLang's own Triton twin
+where one exists, plain torch otherwise), so the end-to-end tests through SGLang's server rest on checked ops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from sglang_spec.sglang_plugin.cpu import attention, ops, sampling
+from sglang_spec.sglang_plugin.draft_tree import DraftLoop
+from sglang_spec.tree import SyntheticCandidates, TokenTree
+from sglang_spec.tree.encode_sglang import TreeMaskMode, encode_sglang_verify
+
+pytestmark = pytest.mark.sglang
+
+
+def eagle_draft(width: int, children: int, steps: int, budget: int, roots: list[int], seed: int):
+    """Draft outputs in SGLang's EAGLE-2 encoding from the plugin's loop with a synthetic drafter."""
+    source = SyntheticCandidates(vocab_size=50, seed=seed, sharpness=1.3)
+    loop = DraftLoop.build(width, children, steps, None, "cpu")
+
+    def top(paths):
+        return torch.topk(torch.stack([source.distribution(path) for path in paths]), width, dim=-1)
+
+    level = loop.root_level(*top([[root] for root in roots]))
+    levels, paths = [level], [[[root, int(t)] for t in level.tokens[row]] for row, root in enumerate(roots)]
+    for step in range(1, steps):
+        level = loop.next_level(step, level.beam_scores, *top([p for row in paths for p in row]))
+        levels.append(level)
+        tokens = level.beam_tokens.view(len(roots), width)
+        paths = [[paths[r][int(level.parent_beam[r, j])] + [int(tokens[r, j])] for j in range(width)]
+                 for r in range(len(roots))]
+    return loop.organize(levels, budget)
+
+
+@pytest.mark.parametrize("width, children, steps, budget", [(4, 4, 4, 15), (12, 3, 5, 20), (6, 2, 3, 8)])
+@pytest.mark.parametrize("mode", [TreeMaskMode.FULL_MASK, TreeMaskMode.QLEN_ONLY])
+def test_build_tree_stand_in_equals_sglangs_triton_twin(sglang_with_plugin, width, children, steps, budget, mode):
+    from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton
+
+    roots = [3, 4, 5]
+    parent_list, top_scores_index, _ = eagle_draft(width, children, steps, budget, roots, seed=width + budget)
+    seq_lens = torch.tensor([7, 3, 11])
+    n = budget + 1
+    outputs = []
+    for build in (ops.build_tree_kernel_efficient_cpu, sgl_build_tree_kernel_triton):
+        size = n * n * 3 if mode == TreeMaskMode.QLEN_ONLY else int(seq_lens.sum()) * n + n * n * 3
+        tree_mask = torch.full((size,), True)
+        positions = torch.empty(3 * n, dtype=torch.long)
+        retrieve = torch.full((3, 3, n), -1, dtype=torch.long)
+        build(parent_list, top_scores_index, seq_lens, tree_mask, positions, retrieve[0], retrieve[1], retrieve[2],
+              width, steps, n, mode)
+        outputs.append((tree_mask, positions, retrieve))
+    for ours, theirs in zip(*outputs):
+        assert torch.equal(ours, theirs)
+
+
+def test_copy_all_layer_kv_cache_moves_rows_in_place_like_a_gather_then_scatter():
+    layers = [torch.randn(20, 2, 3), torch.randn(20, 5)]
+    expected = [layer.clone() for layer in layers]
+    target, source = torch.tensor([4, 5, 6, 1]), torch.tensor([5, 6, 4, 9])  # overlapping: a permutation of 4, 5, 6
+    for layer in expected:
+        layer[target] = layer[source].clone()
+    pointers = torch.tensor([layer.data_ptr() for layer in layers])
+    strides = torch.tensor([layer[0].numel() * layer.element_size() for layer in layers])
+    ops.copy_all_layer_kv_cache_cpu(pointers, strides, target, source)
+    for layer, want in zip(layers, expected):
+        assert torch.equal(layer, want)
+
+
+def sdpa(q, k, v, allowed, scaling):
+    """Reference attention: q [Q, H, D], k / v [T, Hkv, D], allowed [Q, T] -> [Q, H, Dv]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                           attn_mask=allowed, scale=scaling)
+    return out.transpose(0, 1)
+
+
+def test_extend_attention_with_a_tree_mask_and_decode_attention_match_sdpa():
+    torch.manual_seed(0)
+    slots, heads, kv_heads, dim = 64, 4, 2, 8
+    k_buffer, v_buffer = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    req_to_token = torch.randperm(slots).view(2, 32).to(torch.int32)
+    tree = TokenTree.from_parents([-1, 0, 0, 1, 1, 2])
+    n, prefixes = tree.num_nodes, [5, 9]
+    seq_lens = torch.tensor([prefix + n for prefix in prefixes])
+    q = torch.randn(2 * n, heads, dim)
+    out = torch.empty(2 * n, heads, dim)
+    mask = encode_sglang_verify([tree, tree], torch.tensor(prefixes), TreeMaskMode.QLEN_ONLY).tree_mask
+    attention.extend_attention_cpu(q, None, None, out, k_buffer, v_buffer, 1.0, 1.0, req_to_token, torch.tensor([0, 1]),
+                                   seq_lens, torch.tensor([n, n]), torch.tensor([0, n]), n, 0.3, 0.0, False, 0, None,
+                                   None, mask, True)
+    for row, prefix in enumerate(prefixes):
+        keys = req_to_token[row, : prefix + n].long()
+        allowed = torch.ones(n, prefix + n, dtype=torch.bool)
+        allowed[:, prefix:] = tree.ancestor_mask()
+        want = sdpa(q[row * n:(row + 1) * n], k_buffer[keys], v_buffer[keys], allowed, 0.3)
+        assert torch.allclose(out[row * n:(row + 1) * n], want, atol=1e-5)
+    decoded = torch.empty(2, heads, dim)
+    attention.decode_attention_cpu(q[:2], k_buffer, v_buffer, 1.0, 1.0, decoded, None, None, None, None, req_to_token,
+                                   torch.tensor([0, 1]), torch.tensor([7, 12]), 0.3, 0.0, False, 0, None, None)
+    for row, length in enumerate([7, 12]):
+        keys = req_to_token[row, :length].long()
+        want = sdpa(q[row:row + 1], k_buffer[keys], v_buffer[keys], torch.ones(1, length, dtype=torch.bool), 0.3)
+        assert torch.allclose(decoded[row], want[0], atol=1e-5)
+
+
+def run_sampling_verify(target_probs: torch.Tensor, candidates: torch.Tensor, trials: int, rule) -> np.ndarray:
+    """Emitted-token counts of the first position for one 2-level tree (root -> 2 children -> 1 grandchild each),
+    SGLang's retrieve layout, fresh coins per trial."""
+    n, vocab = candidates.shape[1], target_probs.shape[-1]
+    next_token = torch.tensor([[1, 3, 4, -1, -1]])
+    next_sibling = torch.tensor([[-1, 2, -1, -1, -1]])
+    generator = torch.Generator().manual_seed(1)
+    counts = np.zeros(vocab, dtype=np.int64)
+    for _ in range(trials):
+        predicts = torch.zeros(n, dtype=torch.int32)
+        accept_index = torch.full((1, 3), -1, dtype=torch.int32)
+        accepted = torch.zeros(1, dtype=torch.int32)
+        rule(predicts, accept_index, accepted, candidates, torch.arange(n)[None], next_token, next_sibling,
+             torch.rand(1, n, generator=generator), torch.rand(1, generator=generator), target_probs.clone(),
+             torch.zeros_like(target_probs))
+        counts[int(predicts[0])] += 1
+    return counts
+
+
+@pytest.mark.slow
+def test_sampling_verify_stand_in_emits_exact_target_samples():
+    """SGLang's target-only tree sampling (the stand-in SGLang calls on this CPU): the first emitted token is an exact
+    sample of the target, whether a child is accepted or the residual is drawn; a rule that leaves rejected
+    candidates in the residual is rejected by the same test."""
+    target = torch.tensor([[0.30, 0.25, 0.2, 0.1, 0.1, 0.05]] * 5)[None]
+    candidates = torch.tensor([[0, 1, 2, 3, 4]])  # root 0, children tokens 1 and 2, grandchildren 3 and 4
+    expected = target[0, 0].double().numpy()
+    expected = expected / expected.sum()
+    trials = 6000
+    counts = run_sampling_verify(target, candidates, trials, sampling.tree_speculative_sampling_target_only)
+    assert stats.chisquare(counts, expected * trials).pvalue > 1e-3
+
+    def biased(predicts, accept_index, accepted, candidates, retrieve, next_token, next_sibling, coins, final,
+               target_probs, draft_probs):
+        sampling.tree_speculative_sampling_target_only(
+            predicts, accept_index, accepted, candidates, retrieve, next_token, next_sibling, coins, final,
+            target_probs, torch.zeros_like(draft_probs).as_subclass(_WriteIgnored))
+
+    counts = run_sampling_verify(target, candidates, trials, biased)
+    assert stats.chisquare(counts, expected * trials).pvalue < 1e-6
+
+
+class _WriteIgnored(torch.Tensor):
+    """A draft_probs tensor whose writes are dropped: the biased control's residual keeps rejected candidates."""
+
+    def __setitem__(self, index, value):
+        return None
