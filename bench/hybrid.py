@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", action="append", default=None, metavar="FILE.jsonl",
                         help="a workload per file (default: bench/workloads/{code,chat,extraction}.jsonl)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--prompts-per-workload", type=int, default=0, metavar="N",
+                        help="only the first N prompts of each workload (0 = all; a shorter run on a busy machine)")
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--mtp-tree", default="specexec:8:4", metavar="POLICY:BUDGET:DEPTH",
@@ -296,7 +298,8 @@ def workloads(args: argparse.Namespace, loaded: LoadedModel) -> dict[str, list[l
             prompts.append(piece * 3 + piece[:2])
         return {"toy": prompts}
     files = args.prompts or [str(WORKLOADS / f"{name}.jsonl") for name in ("code", "chat", "extraction")]
-    return {Path(file).stem: [prompt_tokens(loaded, spec) for spec in load_prompts(file)] for file in files}
+    count = args.prompts_per_workload or None
+    return {Path(file).stem: [prompt_tokens(loaded, spec) for spec in load_prompts(file)[:count]] for file in files}
 
 
 def done_when(rows: list[Row], limits: dict[str, Any]) -> list[str]:
@@ -349,8 +352,8 @@ def check_options(args: argparse.Namespace) -> tuple[list[float], list[str]]:
     if not (budget.isdigit() and depth.isdigit()):
         raise SpecError(f"--mtp-tree {args.mtp_tree!r}: give POLICY:BUDGET:DEPTH, e.g. specexec:8:4")
     TreePolicy(name, budget=int(budget), depth=int(depth), topk=4, profile=AcceptanceProfile.load(None))
-    if args.max_new_tokens < 1 or args.context < 16:
-        raise SpecError("--max-new-tokens must be >= 1 and --context >= 16")
+    if args.max_new_tokens < 1 or args.context < 16 or args.prompts_per_workload < 0:
+        raise SpecError("--max-new-tokens must be >= 1, --context >= 16 and --prompts-per-workload >= 0")
     for file in args.prompts or []:
         load_prompts(file)
     return temperatures, methods
