@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from sglang_spec.decode.decoder import GenerationConfig, generate_plain
