@@ -40,6 +40,8 @@ from sglang_spec.decode.decoder import (
     generate_plain,
 )
 from sglang_spec.decode.target import TargetRunner
+from sglang_spec.errors import SpecError
+from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.models.registry import LoadedModel
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
@@ -119,6 +121,11 @@ class Sweep:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:  # a bad --out fails now, not after the run
+        check_output_path(args.out, force=True)
+    except SpecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     torch.manual_seed(args.seed)
     loaded = load_model(args.model)
     heads = load_heads(loaded, args.heads)
@@ -161,10 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         "draft_vocabulary": draft_vocabulary,
         "prediction": prediction_fit(rows),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_text_atomic(args.out, json.dumps(report, indent=1) + "\n")
     markdown = args.out.with_suffix(".md")
-    markdown.write_text(render_markdown(report))
+    write_text_atomic(markdown, render_markdown(report))
     draw_plots(report, args.out.parent, args.out.stem)
     print(render_markdown(report))
     print(f"wrote {args.out}, {markdown} and plots in {args.out.parent}")

@@ -20,6 +20,7 @@ from harness import head_quality, load_heads, load_profiles, load_prompt_tokens
 from sglang_spec.catalog import load_model
 from sglang_spec.decode.decoder import GenerationConfig, generate_plain
 from sglang_spec.errors import SpecError
+from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree-sizes", default="16,32,168")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "head-quality.json")
     args = parser.parse_args(argv)
+    try:  # a bad --out fails now, not after the run
+        check_output_path(args.out, force=True)
+    except SpecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
     loaded = load_model(args.model)
     heads = load_heads(loaded, None)
@@ -53,10 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                                      [int(size) for size in args.tree_sizes.split(",")], config)
         print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in quality[name].items()}),
               flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(["python", "bench/head_quality.py", *(argv or sys.argv[1:])]),
-                                    "prompts": ids, "max_new_tokens": args.max_new_tokens,
-                                    "head_quality": quality}, indent=1) + "\n")
+    command = " ".join(["python", "bench/head_quality.py", *(argv or sys.argv[1:])])
+    report = {"command": command, "prompts": ids, "max_new_tokens": args.max_new_tokens, "head_quality": quality}
+    write_text_atomic(args.out, json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from sglang_spec.errors import SpecError
+from sglang_spec.files import check_output_path, write_text_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -50,6 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:  # a bad --out fails now, not after the run
+        check_output_path(args.out, force=True)
+    except SpecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available() and not args.smoke:
@@ -76,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"op": op, "provider": provider, "batch": batch, "budget": budget, **timing})
                 print(format_row(rows[-1]), flush=True)
     report = {"environment": environment(device), "config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_text_atomic(args.out, json.dumps(report, indent=1) + "\n")
     print_table(rows)
     print(f"\nwrote {args.out}" + ("  (smoke run: CPU interpreter, not kernel timings)" if args.smoke else ""))
     return 0

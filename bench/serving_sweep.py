@@ -115,8 +115,9 @@ def row_from_result(policy: str, budget: int, concurrency: int, result: dict) ->
 
 
 def write_csv_and_plot(rows: list[dict], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as handle:
+    from sglang_spec.files import atomic_write
+
+    with atomic_write(out) as handle:
         writer = csv.DictWriter(handle, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
@@ -168,8 +169,14 @@ def main(argv=None) -> int:
                 print("  " + " ".join(shlex.quote(p) for p in bench_command(args, concurrency, Path("out.jsonl"))))
         return 0
     from sglang_spec.errors import SpecError
+    from sglang_spec.files import check_output_path, write_text_atomic
     from sglang_spec.sglang_plugin.cpu.server import SGLangServer, cpu_launch_args, prepare_model
 
+    try:  # a bad --out fails now, not after the sweep
+        check_output_path(args.out, force=True)
+    except SpecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if args.cpu_model is None:
         import torch
 
@@ -215,7 +222,7 @@ def main(argv=None) -> int:
             server.stop()
     print_table(rows)
     write_csv_and_plot(rows, args.out)
-    (args.out.with_suffix(".json")).write_text(json.dumps(rows, indent=1) + "\n")
+    write_text_atomic(args.out.with_suffix(".json"), json.dumps(rows, indent=1) + "\n")
     print(f"wrote {args.out}, {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
     return 0
 

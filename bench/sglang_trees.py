@@ -16,6 +16,9 @@ import json
 import sys
 from pathlib import Path
 
+from sglang_spec.errors import SpecError
+from sglang_spec.files import check_output_path, write_text_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("eagle", "sequoia", "specexec")
 
@@ -33,6 +36,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        check_output_path(args.out, force=True)
+        check_output_path(args.out.with_suffix(".md"), force=True)
+    except SpecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     from transformers import AutoTokenizer
 
     from sglang_spec.sglang_plugin.cpu.server import SGLangServer, cpu_launch_args, free_port, prepare_model
@@ -65,9 +74,8 @@ def main(argv=None) -> int:
             print(f"{policy:<9} budget {budget:>3}: width {width:>3}, mean accept length {rows[-1]['accept_length']:.3f}",
                   flush=True)
     identical = len({json.dumps(tokens) for tokens in outputs.values()}) == 1
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python bench/sglang_trees.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    args.out.write_text(json.dumps({"rows": rows, "greedy_identical": identical, "command": command.strip(),
+    write_text_atomic(args.out, json.dumps({"rows": rows, "greedy_identical": identical, "command": command.strip(),
                                     "prompts": f"HumanEval {134}-{134 + args.num_prompts - 1}",
                                     "max_new_tokens": args.max_new_tokens}, indent=1) + "\n")
     lines = ["| budget | eagle (SGLang's selection, W = topk) | sequoia (plugin loop) | specexec (plugin loop) |",
@@ -79,7 +87,8 @@ def main(argv=None) -> int:
             cells.append(f"{row['accept_length']:.2f} (W {row['width']})")
         lines.append(f"| {budget} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
-    args.out.with_suffix(".md").write_text(
+    write_text_atomic(
+        args.out.with_suffix(".md"),
         f"Mean accept length through SGLang (SmolLM2-135M + shipped head, {len(prompts)} held-out HumanEval prompts, "
         f"{args.max_new_tokens} greedy tokens, depth {args.depth}, topk {args.topk}); greedy output identical across "
         f"all: {identical}.\n\n{table}\n\n`{command.strip()}`\n")

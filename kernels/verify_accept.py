@@ -5,8 +5,8 @@ Two launches, each a Triton kernel beside its launcher and its pure-torch refere
 
 1. per node (one program per tree node, a loop over the vocabulary):
    * ``target_tokens``: the target's token at the node. Greedy: argmax (first index on ties). Sampling (per-request
-     temperature > 0): an inverse-CDF draw with the node's coin from the tempered distribution after top-k and
-     top-p, whose thresholds are found by bisection over float32 bit patterns (no vocabulary sort); the
+     temperature >= ``TEMPERATURE_FLOOR``, 1e-5; lower ones are greedy, as everywhere): an inverse-CDF draw with
+     the node's coin from the tempered distribution after top-k and top-p, whose thresholds are found by bisection over float32 bit patterns (no vocabulary sort); the
      definitions are those of ``sglang_spec.sampling.target_probs_from_logits``.
    * ``top_n_probs`` (relaxed mode): the N most likely tokens and their plain-softmax probabilities.
 2. per request: ``accept_walk`` follows the tree from the root, in the ``AcceptMode`` it is given.
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_spec.sampling import sample_from_probs, target_probs_from_logits
+from sglang_spec.sampling import TEMPERATURE_FLOOR, sample_from_probs, target_probs_from_logits
 from sglang_spec.tree.batch import TreeBatch
 from sglang_spec.verify.candidate_first import verify_candidate_first
 from sglang_spec.verify.relaxed import RelaxedAcceptance, verify_relaxed_top_n
@@ -66,7 +66,7 @@ def _mass_at_least(row_ptr, V, best, inv_temperature, threshold, BLOCK_V: tl.con
 def _target_tokens_kernel(
     logits_ptr,  # [B * N, V] float logits, row stride logits_stride
     logits_stride,
-    temperature_ptr,  # [B] float32 (0 = greedy)
+    temperature_ptr,  # [B] float32 (below GREEDY_BELOW, 0 included = greedy)
     top_k_ptr,  # [B] int64 (0 = off)
     top_p_ptr,  # [B] float32 (1 = off)
     coins_ptr,  # [B * N] float32 uniform in [0, 1)
@@ -76,6 +76,7 @@ def _target_tokens_kernel(
     SAMPLE: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SEARCH: tl.constexpr,
+    GREEDY_BELOW: tl.constexpr,  # sampling.TEMPERATURE_FLOOR: 1 / T of a smaller T overflows float32
 ):
     # one program per tree node
     row = tl.program_id(0)
@@ -93,7 +94,7 @@ def _target_tokens_kernel(
     token = best_index.to(tl.int64)  # type: ignore[attr-defined]
     if SAMPLE:
         temperature = tl.load(temperature_ptr + request)
-        if temperature > 0:
+        if temperature >= GREEDY_BELOW:
             inv_temperature = 1.0 / temperature
             top_k = tl.load(top_k_ptr + request)
             top_p = tl.load(top_p_ptr + request)
@@ -179,6 +180,7 @@ def target_tokens(
         SAMPLE=sample,
         BLOCK_V=min(block_v, triton.next_power_of_2(logits.shape[1])),
         SEARCH=SEARCH_STEPS,
+        GREEDY_BELOW=TEMPERATURE_FLOOR,
     )
     return out
 
@@ -200,7 +202,8 @@ def target_tokens_reference(
     if sample:
         probs = target_probs_from_logits(grouped, temperature, top_k, top_p)
         result = sample_from_probs(probs, coins.reshape(batch, num_nodes_per_request)).reshape(-1)
-        result = torch.where(temperature.repeat_interleave(num_nodes_per_request) > 0, result, logits.argmax(-1))
+        sampled = temperature.repeat_interleave(num_nodes_per_request) >= TEMPERATURE_FLOOR
+        result = torch.where(sampled, result, logits.argmax(-1))
     else:
         result = logits.float().argmax(-1)
     out = out if out is not None else torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)

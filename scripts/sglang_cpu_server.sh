@@ -6,8 +6,10 @@
 #
 # With no arguments it serves the README's tree (sequoia, budget 15, depth 4, topk 4) with metrics on. Any
 # arguments replace that default and go to python -m sglang_spec.sglang_plugin.cpu (and from there to
-# python -m sglang.launch_server). Try it: curl -s localhost:30000/generate -d '{"text": "def add(a, b):",
-# "sampling_params": {"max_new_tokens": 32, "temperature": 0}}'; curl -s localhost:30000/metrics | grep sglang_spec
+# python -m sglang.launch_server). Try it:
+#   curl -s localhost:30000/generate -H 'Content-Type: application/json' \
+#        -d '{"text": "def add(a, b):", "sampling_params": {"max_new_tokens": 32, "temperature": 0}}'
+#   curl -s localhost:30000/metrics | grep sglang_spec
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh

@@ -14,3 +14,13 @@ class SpecError(ValueError):
         if "\n" in message:
             raise AssertionError(f"SpecError messages must be one line, got {message!r}")
         super().__init__(message)
+
+
+def brief(value: object, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for quoting user input inside a one-line message."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long to print
+        text = f"<{type(value).__name__} too long to print>"
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -13,21 +13,32 @@ import torch
 
 from sglang_spec.errors import SpecError
 
+# Temperatures below this are greedy (argmax), everywhere sampling happens: here, the decoder, the kernels and
+# their references. Dividing logits by a tiny temperature overflows float32 (1 / 3e-39 is past its maximum) and
+# turns the distribution into NaN; below 1e-5 a tempered distribution already is the argmax for any logit gap
+# float32 can resolve at that scale, so nothing a user could want is lost.
+TEMPERATURE_FLOOR = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off. Applied in the order temperature, top-k, top-p."""
+    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off. Applied in the order temperature, top-k, top-p.
+
+    A temperature below ``TEMPERATURE_FLOOR`` (1e-5) is greedy: it is stored as 0."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise SpecError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SpecError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature < TEMPERATURE_FLOOR:
+            object.__setattr__(self, "temperature", 0.0)
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise SpecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
-        if not (0 < self.top_p <= 1):
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
             raise SpecError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
@@ -40,8 +51,9 @@ def target_probs_from_logits(
 ) -> torch.Tensor:
     """Sampling distribution per row.
 
-    logits: [B, ..., V] float. temperature / top_k / top_p: [B] per request (temperature 0 = one-hot argmax,
-    top_k 0 = all tokens, top_p 1 = all tokens). Returns float32 probabilities of the same shape as logits.
+    logits: [B, ..., V] float. temperature / top_k / top_p: [B] per request (temperature below
+    ``TEMPERATURE_FLOOR``, 0 included = one-hot argmax, top_k 0 = all tokens, top_p 1 = all tokens). Returns
+    float32 probabilities of the same shape as logits.
 
     With w = exp((logits - max) / temperature):
     * top-k keeps every token with w >= the k-th largest w (ties at the threshold are all kept);
@@ -55,7 +67,7 @@ def target_probs_from_logits(
     flat = logits.reshape(batch, -1, vocab).float()
     shape = (batch, 1, 1)
     temperature = temperature.to(flat.device, torch.float32).reshape(shape)
-    is_greedy = temperature == 0
+    is_greedy = ~(temperature >= TEMPERATURE_FLOOR)  # NaN too: never a NaN distribution
     safe_temperature = torch.where(is_greedy, torch.ones_like(temperature), temperature)
     weights = torch.exp((flat - flat.max(-1, keepdim=True).values) * (1.0 / safe_temperature))
     sorted_weights = torch.sort(weights, dim=-1, descending=True).values

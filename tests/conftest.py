@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
+
+from optional_packages import require_sglang
+from paths import TESTS_DIR
 
 _HAS_CUDA_ENV = os.environ.get("SGLANG_SPEC_TEST_GPU") == "1"
 if not _HAS_CUDA_ENV:
@@ -21,10 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-TESTS_DIR = Path(__file__).resolve().parent
 # converted / built models are cached inside the checkout (git-ignored): CI builds them once per run
 os.environ.setdefault("SGLANG_SPEC_CACHE", str(TESTS_DIR.parent / ".cache"))
-DATA_DIR = TESTS_DIR / "data"
 
 
 def _torchvision_importable() -> bool:
@@ -68,19 +68,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-def _require_sglang():
-    """sglang must be importable where the set-up script ran (CI); elsewhere its tests skip."""
-    try:
-        import sglang  # noqa: F401
-    except ImportError:
-        if os.environ.get("SGLANG_SPEC_REQUIRE_SGLANG") == "1":
-            raise
-        pytest.skip("sglang is not installed")
-
-
 @pytest.fixture(scope="session")
 def sglang_kernels():
-    _require_sglang()
+    require_sglang()
     from sglang_oracles import SGLangTreeKernels
 
     return SGLangTreeKernels()
@@ -88,7 +78,7 @@ def sglang_kernels():
 
 @pytest.fixture(scope="session")
 def sglang_eagle():
-    _require_sglang()
+    require_sglang()
     from sglang_oracles import SGLangEagleSelection
 
     return SGLangEagleSelection()
@@ -150,7 +140,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def sglang_with_plugin():
     """sglang imported and ``load_plugins()`` run (our entry point discovered through the installed metadata)."""
-    _require_sglang()
+    require_sglang()
     from sglang.srt.plugins import load_plugins
 
     load_plugins()

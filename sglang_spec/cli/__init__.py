@@ -6,8 +6,10 @@ Errors in user input are printed as one line (``error: ...``) with exit status 2
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-from typing import Sequence
+import threading
+from typing import Any, Sequence
 
 from sglang_spec.cli import calibrate as calibrate_command
 from sglang_spec.cli import generate as generate_command
@@ -33,8 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one command; returns the exit status (2 for bad input, with one ``error: ...`` line on stderr)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:  # a usage error (already printed in one line) or --help
+        return exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 2)
+    # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C, so writers remove their temporary files
+    previous = _on_sigterm(_terminate)
     try:
         return int(args.run(args) or 0)
     except SpecError as error:
@@ -43,6 +51,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
+    except _Terminated:
+        sys.stderr.write("terminated\n")
+        return 143
+    finally:
+        _on_sigterm(previous)
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread by SIGTERM (a BaseException, like KeyboardInterrupt, so cleanup code runs and
+    ``except Exception`` does not swallow it)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Installs ``handler`` for SIGTERM and returns the previous one (nothing outside the main thread)."""
+    if threading.current_thread() is not threading.main_thread() or handler is None:
+        return None
+    return signal.signal(signal.SIGTERM, handler)
 
 
 if __name__ == "__main__":

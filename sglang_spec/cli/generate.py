@@ -6,11 +6,22 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sglang_spec.catalog import load_model
+from sglang_spec.cli.parser import (
+    MAX_SAMPLING_TOP_K,
+    TEMPERATURE_HELP,
+    integer,
+    number,
+    path_arg,
+    seed,
+    temperature,
+    text_arg,
+)
 from sglang_spec.decode.autotune import load_or_measure
 from sglang_spec.decode.decoder import (
     GenerationConfig,
@@ -20,12 +31,13 @@ from sglang_spec.decode.decoder import (
     generate_plain,
 )
 from sglang_spec.errors import SpecError
+from sglang_spec.files import check_output_path
 from sglang_spec.models.cache_dir import cache_root
 from sglang_spec.models.registry import LoadedModel, load_head_for, shipped_profile_path
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.tree.cost_model import choose_speculation
-from sglang_spec.tree.policies import POLICY_NAMES, TreePolicy
+from sglang_spec.tree.policies import MAX_TOPK, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
 
@@ -36,28 +48,37 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         description="Drafts a token tree per step with the MTP head, verifies it in one target forward and commits "
         "the accepted path. Greedy output equals plain greedy decoding; sampled output has the target's law.",
     )
-    parser.add_argument("--model", required=True, help="smollm2, tiny-deepseek, or a local model folder")
-    parser.add_argument("--mtp", default=None, help="MTP head (.safetensors) or DeepSeek checkpoint folder; "
+    parser.add_argument("--model", required=True, type=text_arg,
+                        help="smollm2, tiny-deepseek, or a local model folder")
+    parser.add_argument("--mtp", default=None, type=text_arg,
+                        help="MTP head (.safetensors) or DeepSeek checkpoint folder; "
                         "default: the model's own MTP layer or the shipped head")
     parser.add_argument("--policy", choices=POLICY_NAMES, default="sequoia")
     parser.add_argument("--budget", type=int, default=8, help="draft nodes per step, root excluded")
     parser.add_argument("--depth", type=int, default=4, help="most draft tokens on one path (with --auto: the most "
                         "it may choose)")
-    parser.add_argument("--topk", type=int, default=None, help="candidates per expanded node (policy default)")
-    parser.add_argument("--acceptance", type=Path, default=None, metavar="PROFILE.json",
+    parser.add_argument("--topk", type=int, default=None, help="candidates per expanded node (policy default); at "
+                        f"most {MAX_TOPK} and the head's draft vocabulary")
+    parser.add_argument("--acceptance", type=path_arg, default=None, metavar="PROFILE.json",
                         help="acceptance profile for sequoia (default: the model's shipped profile, else built-in)")
     parser.add_argument("--auto", action="store_true",
                         help="pick budget and depth for this machine: sequoia with the calibrated profile and a "
                         "measured cost curve (cached); picks no speculation where none pays")
-    parser.add_argument("--costs", type=Path, default=None, metavar="COSTS.json",
+    parser.add_argument("--costs", type=path_arg, default=None, metavar="COSTS.json",
                         help="with --auto: cost curve to read, or to measure and write (default: per model and "
                         "machine in the cache folder)")
-    parser.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", action="append", required=True, type=text_arg,
+                        help="prompt text; repeat for a batch")
+    parser.add_argument("--max-new-tokens", type=integer(1), default=64,
+                        help="at most the model's context minus the longest prompt")
+    parser.add_argument("--temperature", type=temperature, default=0.0, help=TEMPERATURE_HELP)
+    parser.add_argument("--top-k", type=integer(0, MAX_SAMPLING_TOP_K), default=0,
+                        help="sample among the k most likely tokens (0 = off; past the vocabulary = off)")
+    parser.add_argument("--top-p", type=number(0, 1, low_open=True), default=1.0,
+                        help="nucleus sampling mass in (0, 1] (1 = off)")
+    parser.add_argument("--seed", type=seed, default=0)
+    parser.add_argument("--allow-model-mismatch", action="store_true",
+                        help="use an --mtp head trained for another model (its metadata names the model)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
     parser.add_argument("--check", action="store_true", help="also decode without speculation and compare")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -83,11 +104,17 @@ def run(args: argparse.Namespace) -> int:
                                            profile=profile)
     if args.mtp is not None and not Path(args.mtp).exists():
         raise SpecError(f"MTP head {args.mtp} does not exist")
+    if args.auto and args.costs is not None and not args.costs.exists():
+        check_output_path(args.costs, option="--costs")  # measured and written there: fail now, not after
     loaded = load_model(args.model, progress=not args.json)
-    head = load_head_for(loaded, args.mtp)
+    head = load_head_for(loaded, args.mtp, allow_model_mismatch=args.allow_model_mismatch)
+    if policy is not None and policy.name != "chain" and policy.effective_topk > head.draft_vocab_size:
+        raise SpecError(f"--topk {policy.effective_topk} exceeds the head's draft vocabulary of "
+                        f"{head.draft_vocab_size} tokens; use at most {head.draft_vocab_size}")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                               eos_token_ids=loaded.eos_token_ids)
     prompts = [loaded.encode_prompt(text, chat=False if args.no_chat else None) for text in args.prompt]
+    loaded.check_lengths([len(prompt) for prompt in prompts], args.max_new_tokens)
     auto = None
     if args.auto:
         auto = choose_auto_policy(loaded, head, profile, args.depth, args.costs, sampling)
@@ -198,7 +225,9 @@ def choose_auto_policy(
     # sampled verification costs more per step than greedy, so each mode has its own curve
     mode = "greedy" if sampling.greedy else "sampled"
     path = costs_path or cache_root() / "costs" / f"{loaded.name}-{dtype}-{mode}-{platform.node() or 'host'}.json"
-    costs = load_or_measure(path, loaded.model, head, sampling)
+    # our own cache may be rebuilt when it is damaged; a file the user named is theirs: a problem there is refused
+    warn = None if costs_path is not None else (lambda message: print(f"warning: {message}", file=sys.stderr))
+    costs = load_or_measure(path, loaded.model, head, sampling, on_bad_cache=warn)
     choice = choose_speculation(profile, costs, max_depth=max_depth)
     summary = {"budget": choice.budget, "depth": choice.depth, "predicted_speedup": choice.speedup,
                "expected_accept_length": choice.expected_accept_length, "costs": str(path), "device": costs.device}

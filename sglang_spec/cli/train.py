@@ -4,13 +4,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from sglang_spec.catalog import load_model
+from sglang_spec.cli.parser import MAX_BATCH_SIZE, MAX_STEPS, integer, number, path_arg, seed, text_arg
 from sglang_spec.errors import SpecError
 from sglang_spec.models.registry import load_head_for
-from sglang_spec.train.traffic import read_traffic_strict
-from sglang_spec.train.trainer import TrainConfig, train_head
+from sglang_spec.train.traffic import check_traffic_model, read_traffic_strict
+from sglang_spec.train.trainer import TrainConfig, check_train_paths, resume_config, state_path_for, train_head
+from sglang_spec.tree.token_tree import MAX_DEPTH
+
+
+# the options that are TrainConfig fields; on --resume only the ones given on the command line replace the saved
+# run's settings, so their parser default is None and TrainConfig's default applies otherwise
+_SETTINGS = {
+    "steps": (integer(1, MAX_STEPS), "optimizer steps"),
+    "batch_size": (integer(1, MAX_BATCH_SIZE), "sequences per step"),
+    "seq_len": (integer(3), "tokens per sequence (at most the model's context)"),
+    "unroll": (integer(1, MAX_DEPTH), "recursive drafting steps trained"),
+    "lr": (number(0, 1, low_open=True), "peak learning rate, in (0, 1]"),
+    "draft_vocab": (integer(0), "draft vocabulary size; 0 = full vocabulary"),
+    "top_k_targets": (integer(1), "teacher probabilities kept per position (at most the draft vocabulary)"),
+    "checkpoint_every": (integer(1), "steps between checkpoints"),
+    "eval_fraction": (number(0, 1, high_open=True), "share of prompts held out for evaluation, in [0, 1)"),
+    "seed": (seed, "random seed"),
+}
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -20,41 +39,50 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         help="train an MTP head on traffic (self-distillation, unrolled recursive drafting)",
         description="Matches the target's own next-next-token distribution on the traffic, with the recursive "
         "drafting unrolled so deeper tree levels learn too. The head drafts over the most frequent tokens of the "
-        "traffic (--draft-vocab); verification always uses the full vocabulary, so output is unchanged.",
+        "traffic (--draft-vocab); verification always uses the full vocabulary, so output is unchanged. "
+        "With --resume the saved run's settings apply; the ones given on the command line replace them (each "
+        "change is reported) except those that fix the data (--seq-len, --draft-vocab, --top-k-targets, "
+        "--eval-fraction).",
     )
-    parser.add_argument("--model", required=True, help="smollm2, tiny-deepseek, or a local model folder")
-    parser.add_argument("--traffic", type=Path, action="append", required=True, help="traffic JSONL; repeatable")
-    parser.add_argument("--domain", action="append", default=None, help="keep only these domains; repeatable")
-    parser.add_argument("--out", type=Path, required=True, help="head .safetensors to write")
-    parser.add_argument("--init", default=None, help="start from this head (.safetensors) or DeepSeek checkpoint")
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    parser.add_argument("--unroll", type=int, default=defaults.unroll, help="recursive drafting steps trained")
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab, help="0 = full vocabulary")
-    parser.add_argument("--top-k-targets", type=int, default=defaults.top_k_targets,
-                        help="teacher probabilities kept per position")
-    parser.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
-    parser.add_argument("--eval-fraction", type=float, default=defaults.eval_fraction)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--bf16", action="store_true",
+    parser.add_argument("--model", required=True, type=text_arg,
+                        help="smollm2, tiny-deepseek, or a local model folder")
+    parser.add_argument("--traffic", type=path_arg, action="append", required=True,
+                        help="traffic JSONL; repeatable")
+    parser.add_argument("--domain", action="append", default=None, type=text_arg,
+                        help="keep only these domains; repeatable")
+    parser.add_argument("--out", type=path_arg, required=True, help="head .safetensors to write")
+    parser.add_argument("--init", default=None, type=text_arg,
+                        help="start from this head (.safetensors) or DeepSeek checkpoint")
+    for name, (kind, help_text) in _SETTINGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                            help=f"{help_text} (default {getattr(defaults, name)})")
+    parser.add_argument("--bf16", action="store_true", default=None,
                         help="train with bfloat16 autocast (float32 master weights): faster on bf16-capable CPUs/GPUs")
-    parser.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default=defaults.save_dtype,
-                        help="dtype of the written head (bfloat16 halves it; loading casts back)")
+    parser.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help=f"dtype of the written head (bfloat16 halves it; loading casts back; default "
+                        f"{defaults.save_dtype})")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     parser.add_argument("--force", action="store_true", help="overwrite --out and its training state")
+    parser.add_argument("--allow-model-mismatch", action="store_true",
+                        help="train on traffic (or from an --init head) made by another model")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, unroll=args.unroll, lr=args.lr,
-        draft_vocab=args.draft_vocab, top_k_targets=args.top_k_targets, checkpoint_every=args.checkpoint_every,
-        eval_fraction=args.eval_fraction, seed=args.seed, save_dtype=args.save_dtype,
-        autocast_bf16=args.bf16,
-    )
+    given = {name: getattr(args, name) for name in _SETTINGS if getattr(args, name) is not None}
+    if args.save_dtype is not None:
+        given["save_dtype"] = args.save_dtype
+    if args.bf16:
+        given["autocast_bf16"] = True
+    # everything that can be checked without the model first: a bad --out fails now, not after the teacher pass
+    check_train_paths(args.out, args.resume, args.force)
+    if args.resume:
+        config, notes = resume_config(state_path_for(args.out), given)
+        for note in notes:
+            print(note, file=sys.stderr)
+    else:
+        config = TrainConfig(**given)
     records = read_traffic_strict(args.traffic)
     if args.domain:
         records = [record for record in records if record.domain in args.domain]
@@ -63,7 +91,12 @@ def run(args: argparse.Namespace) -> int:
     if args.init is not None and not Path(args.init).exists():
         raise SpecError(f"--init {args.init} does not exist")
     loaded = load_model(args.model, progress=not args.json)
-    init = load_head_for(loaded, args.init) if args.init is not None else None
+    warning = check_traffic_model(records, loaded.name, args.allow_model_mismatch)
+    if warning:
+        print(warning, file=sys.stderr)
+    init = None
+    if args.init is not None:
+        init = load_head_for(loaded, args.init, allow_model_mismatch=args.allow_model_mismatch)
     summary = train_head(
         loaded, records, config, args.out, init=init, resume=args.resume, force=args.force, progress=not args.json,
         metadata={"model": loaded.name, "traffic": [str(p) for p in args.traffic], "domains": args.domain,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
+from sglang_spec.cli.parser import path_arg
 from sglang_spec.tree.candidates import ProfileCandidates
-from sglang_spec.tree.policies import DEFAULT_TOPK, POLICY_NAMES, TreePolicy
+from sglang_spec.tree.policies import DEFAULT_TOPK, MAX_TOPK, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import DEFAULT_PROFILE, AcceptanceProfile
 from sglang_spec.tree.token_tree import TokenTree
 
@@ -29,12 +29,13 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         "--topk",
         type=int,
         default=None,
-        help="candidates per expanded node (eagle beam width; specexec/sequoia max children); "
+        help=f"candidates per expanded node, at most {MAX_TOPK} (eagle beam width; specexec/sequoia max "
+        "children); "
         + ", ".join(f"{name} {value}" for name, value in DEFAULT_TOPK.items() if name != "chain"),
     )
     parser.add_argument(
         "--acceptance",
-        type=Path,
+        type=path_arg,
         default=None,
         metavar="PROFILE.json",
         help=f"acceptance profile ({{\"rank_acceptance\": [...]}}); default: the built-in {DEFAULT_PROFILE}",

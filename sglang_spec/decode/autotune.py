@@ -9,7 +9,6 @@ flat up to tens of tokens (memory-bound), so the best trees are much larger.
 from __future__ import annotations
 
 import copy
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, generate_plain
 from sglang_spec.decode.target import PrefillOutput, TargetRunner
 from sglang_spec.errors import SpecError
+from sglang_spec.files import read_json, write_json_atomic
 from sglang_spec.mtp.drafter import MTPDrafter
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
@@ -136,13 +136,32 @@ def time_draft_level(head: MTPHead, hidden: torch.Tensor, prompt: torch.Tensor, 
     return _median_time(one_level, repeats)
 
 
-def load_or_measure(path: Path | None, model: PreTrainedModel, head: MTPHead,
-                    sampling: SamplingParams | None = None) -> CostCurve:
-    """A cached cost curve for this machine, or a fresh measurement (a few seconds) saved to ``path``."""
+def load_or_measure(
+    path: Path | None,
+    model: PreTrainedModel,
+    head: MTPHead,
+    sampling: SamplingParams | None = None,
+    on_bad_cache: Callable[[str], None] | None = None,
+) -> CostCurve:
+    """A cached cost curve for this machine, or a fresh measurement (a few seconds) saved to ``path`` atomically.
+
+    A file at ``path`` that cannot be read as a cost curve is refused (``SpecError``), unless ``on_bad_cache`` is
+    given (the default cache, ours to rebuild): then it is told why, and the curve is measured and rewritten."""
     if path is not None and path.exists():
-        return CostCurve.from_json(json.loads(path.read_text()))
+        try:
+            data = read_json(path, "cost curve")  # its messages name the path
+            return CostCurve.from_json(data)
+        except SpecError as error:
+            problem = str(error) if str(path) in str(error) else f"cost curve {path}: {error}"
+            if on_bad_cache is None:
+                raise SpecError(f"{problem}; delete it to measure again") from None
+            on_bad_cache(f"ignoring the damaged cost cache ({problem}); measuring again")
     costs = measure_costs(model, head, sampling=sampling)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(costs.to_json(), indent=1) + "\n")
+        try:
+            write_json_atomic(path, costs.to_json())
+        except SpecError as error:
+            if on_bad_cache is None:
+                raise
+            on_bad_cache(f"the measured cost curve was not cached: {error}")
     return costs

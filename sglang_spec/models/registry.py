@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.mtp.checkpoint import load_deepseek_mtp, load_mtp_head
+from sglang_spec.mtp.checkpoint import head_model, load_deepseek_mtp, load_mtp_head, read_mtp_header
 from sglang_spec.mtp.head import MTPHead
 
 if TYPE_CHECKING:
@@ -76,6 +76,29 @@ class LoadedModel:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
 
+    @property
+    def context_length(self) -> int | None:
+        """The most positions the target was built for (``max_position_embeddings``), None if it does not say."""
+        value = getattr(self.model.config, "max_position_embeddings", None)
+        return value if isinstance(value, int) and value > 0 else None
+
+    def check_lengths(self, prompt_lengths: list[int], max_new_tokens: int, option: str = "--max-new-tokens",
+                      names: list[str] | None = None) -> None:
+        """Refuses a prompt that fills the context, and ``max_new_tokens`` past the context after the longest
+        prompt, in one line each."""
+        context = self.context_length
+        if context is None or not prompt_lengths:
+            return
+        longest = max(range(len(prompt_lengths)), key=lambda index: prompt_lengths[index])
+        name = names[longest] if names is not None else f"prompt {longest}"
+        if prompt_lengths[longest] >= context:
+            raise SpecError(f"{name} has {prompt_lengths[longest]} tokens; {self.name}'s context holds {context}, "
+                            f"so shorten it to at most {context - 1}")
+        room = context - prompt_lengths[longest]
+        if max_new_tokens > room:
+            raise SpecError(f"{option} {max_new_tokens} runs past {self.name}'s context of {context} tokens after "
+                            f"{name} ({prompt_lengths[longest]} tokens); use at most {room}")
+
 
 def load_model_folder(label: str, path: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Loads the transformers model folder ``path`` for decoding (sdpa attention, eval mode, no gradients);
@@ -127,15 +150,22 @@ def shipped_profile_path(model_name: str, temperature: float = 0.0) -> Path | No
     return Path(str(resource)) if resource.is_file() else None
 
 
-def load_head_for(loaded: LoadedModel, mtp: str | Path | None, feedback: str = "pre_norm") -> MTPHead:
+def load_head_for(
+    loaded: LoadedModel, mtp: str | Path | None, feedback: str = "pre_norm", allow_model_mismatch: bool = False
+) -> MTPHead:
     """``--mtp``: an sglang_spec head file, or a DeepSeek checkpoint folder (its MTP layer). Without it: the
-    model's own MTP layer (DeepSeek checkpoints) or the head shipped for a built-in model."""
+    model's own MTP layer (DeepSeek checkpoints) or the head shipped for a built-in model. A head file whose
+    training metadata names another model is refused unless ``allow_model_mismatch``."""
     if mtp is not None:
         path = Path(mtp)
         if not path.exists():
             raise SpecError(f"MTP head {path} does not exist")
         if path.is_dir() and (path / "config.json").exists():
             return load_deepseek_mtp(path, loaded.model, feedback=feedback)
+        trained_for = head_model(read_mtp_header(path))
+        if trained_for is not None and trained_for != loaded.name and not allow_model_mismatch:
+            raise SpecError(f"{path} was trained for {trained_for!r}, not {loaded.name!r}; pass "
+                            f"--allow-model-mismatch to use it anyway")
         return load_mtp_head(path, loaded.model)
     if getattr(loaded.model.config, "num_nextn_predict_layers", 0):
         return load_deepseek_mtp(loaded.path, loaded.model, feedback=feedback)

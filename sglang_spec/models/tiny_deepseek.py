@@ -20,8 +20,8 @@ from typing import Any, TYPE_CHECKING
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
+from sglang_spec.files import write_text_atomic
 from sglang_spec.mtp.checkpoint import deepseek_mtp_state_dict
 from sglang_spec.mtp.head import MTPHead
 
@@ -109,4 +109,4 @@ def complete_checkpoint_config(path: Path) -> None:
     if all(config.get(name) == value for name, value in CHECKPOINT_CONFIG_FIELDS.items()):
         return
     config.update(CHECKPOINT_CONFIG_FIELDS)
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    write_text_atomic(config_path, json.dumps(config, indent=2) + "\n")  # never a half-written cached model

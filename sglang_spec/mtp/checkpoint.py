@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any, TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
 
-from sglang_spec.errors import SpecError
-from sglang_spec.mtp.head import MTPHead
+from sglang_spec.errors import SpecError, brief
+from sglang_spec.files import atomic_write, check_input_file, parse_json, read_json
+from sglang_spec.mtp.head import FEEDBACK_MODES, MTPHead
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -37,10 +38,11 @@ FP8_BLOCK = 128
 def save_mtp_head(
     head: MTPHead, path: str | Path, metadata: dict[str, Any] | None = None, dtype: torch.dtype | None = None
 ) -> Path:
-    """Writes the head to ``path`` (a ``.safetensors`` file); floating tensors in ``dtype`` when given (bfloat16
-    halves a shipped head; loading casts back to the target's dtype)."""
+    """Writes the head to ``path`` (a ``.safetensors`` file) atomically; floating tensors in ``dtype`` when given
+    (bfloat16 halves a shipped head; loading casts back to the target's dtype). A head with a NaN or infinite
+    weight is refused: it could only ever draft garbage."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _check_finite(head.state_dict(), f"the head for {path}")
     header = {
         "format": FORMAT,
         "target_model_type": head.config.model_type,
@@ -54,18 +56,70 @@ def save_mtp_head(
         name: (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor).detach().contiguous()
         for name, tensor in head.state_dict().items()
     }
-    save_file(tensors, str(path), metadata={HEADER_KEY: json.dumps(header)})
+    _check_finite(tensors, f"the head for {path}")  # a cast to float16 can overflow
+    data = save(tensors, metadata={HEADER_KEY: json.dumps(header)})
+    with atomic_write(path, "wb") as handle:
+        handle.write(data)
     return path
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise SpecError(f"{what}: weight {name} has NaN or infinite values; the training diverged "
+                            f"(lower the learning rate)")
+
+
+def _read_safetensors(
+    path: Path, names: list[str] | None = None
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a safetensors file (``names`` None: all tensors, [] none), or one line saying why
+    it cannot be read (truncated, not safetensors, unreadable)."""
+    try:
+        with safe_open(str(path), "pt") as handle:
+            metadata = handle.metadata() or {}
+            wanted = list(handle.keys()) if names is None else names
+            tensors = {name: handle.get_tensor(name) for name in wanted}
+    except SafetensorError as error:
+        raise SpecError(f"{path} is not a readable safetensors file ({str(error).splitlines()[0]})") from None
+    except OSError as error:
+        raise SpecError(f"cannot read {path}: {error.strerror or error}") from None
+    return metadata, tensors
+
+
+# header fields and the types they must have
+_HEADER_FIELDS = {"format": str, "target_model_type": str, "hidden_size": int, "vocab_size": int, "feedback": str}
 
 
 def read_mtp_header(path: str | Path) -> dict[str, Any]:
     path = _head_file(path)
-    with safe_open(str(path), "pt") as handle:
-        raw = (handle.metadata() or {}).get(HEADER_KEY)
+    metadata, _ = _read_safetensors(path, [])
+    raw = metadata.get(HEADER_KEY)
     if raw is None:
         raise SpecError(f"{path} is not an sglang_spec MTP head (no {HEADER_KEY!r} header); for a DeepSeek checkpoint "
                         f"pass its folder")
-    return json.loads(raw)
+    try:
+        header = parse_json(raw)
+    except ValueError as error:
+        raise SpecError(f"{path}: the {HEADER_KEY!r} header is {error}") from None
+    if not isinstance(header, dict):
+        raise SpecError(f"{path}: the {HEADER_KEY!r} header must be a JSON object")
+    for name, kind in _HEADER_FIELDS.items():
+        value = header.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise SpecError(f"{path}: the head header's {name!r} must be a {kind.__name__}, got {brief(value)}")
+    if header["feedback"] not in FEEDBACK_MODES:
+        raise SpecError(f"{path}: unknown feedback mode {brief(header['feedback'])} "
+                        f"(one of {', '.join(FEEDBACK_MODES)})")
+    if not isinstance(header.get("metadata", {}), dict):
+        raise SpecError(f"{path}: the head header's 'metadata' must be an object")
+    return header
+
+
+def head_model(header: dict[str, Any]) -> str | None:
+    """The model a head was trained for, as its training metadata names it (None when it does not)."""
+    model = (header.get("metadata") or {}).get("model")
+    return model if isinstance(model, str) and model else None
 
 
 def load_mtp_head(path: str | Path, target: PreTrainedModel) -> MTPHead:
@@ -74,7 +128,7 @@ def load_mtp_head(path: str | Path, target: PreTrainedModel) -> MTPHead:
     header = read_mtp_header(path)
     config = target.config
     if header.get("format") != FORMAT:
-        raise SpecError(f"{path}: unknown head format {header.get('format')!r} (expected {FORMAT})")
+        raise SpecError(f"{path}: unknown head format {brief(header.get('format'))} (expected {FORMAT})")
     if header["hidden_size"] != config.hidden_size:
         raise SpecError(
             f"{path}: the head's hidden size {header['hidden_size']} does not match the target's {config.hidden_size}"
@@ -87,12 +141,26 @@ def load_mtp_head(path: str | Path, target: PreTrainedModel) -> MTPHead:
         raise SpecError(
             f"{path}: the head was built for a {header['target_model_type']} target, not {config.model_type}"
         )
-    with safe_open(str(path), "pt") as handle:
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    head = MTPHead.for_target(target, feedback=header["feedback"], draft_vocab=tensors.get("draft_vocab"))
+    _, tensors = _read_safetensors(path)
+    draft_vocab = tensors.get("draft_vocab")
+    if draft_vocab is not None:
+        _check_draft_vocab(draft_vocab, config.vocab_size, path)
+    _check_finite(tensors, str(path))
+    head = MTPHead.for_target(target, feedback=header["feedback"], draft_vocab=draft_vocab)
     _load_state(head, tensors, str(path))
     head.refresh_draft_head()
     return head
+
+
+def _check_draft_vocab(draft_vocab: torch.Tensor, vocab_size: int, path: Path) -> None:
+    """The reduced draft vocabulary: distinct target token ids, one dimension."""
+    if draft_vocab.dim() != 1 or draft_vocab.numel() == 0 or draft_vocab.is_floating_point() \
+            or draft_vocab.dtype == torch.bool:
+        raise SpecError(f"{path}: draft_vocab must be a non-empty 1-D integer tensor, got {draft_vocab.dtype} "
+                        f"{tuple(draft_vocab.shape)}")
+    ids = draft_vocab.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or ids.unique().numel() != ids.numel():
+        raise SpecError(f"{path}: draft_vocab must hold distinct token ids in [0, {vocab_size})")
 
 
 def _head_file(path: str | Path) -> Path:
@@ -104,7 +172,7 @@ def _head_file(path: str | Path) -> Path:
         return candidates[0]
     if not path.exists():
         raise SpecError(f"MTP head {path} does not exist")
-    return path
+    return check_input_file(path, "MTP head")
 
 
 def _load_state(head: MTPHead, tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -203,23 +271,29 @@ def load_deepseek_mtp(checkpoint: str | Path, target: PreTrainedModel, feedback:
 def _read_prefixed(checkpoint: Path, prefix: str) -> dict[str, torch.Tensor]:
     index = checkpoint / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index, "checkpoint index")
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise SpecError(f"{index}: 'weight_map' must map tensor names to shard file names")
         shards: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             if name.startswith(prefix):
                 shards.setdefault(shard, []).append(name)
     elif (checkpoint / "model.safetensors").exists():
-        with safe_open(str(checkpoint / "model.safetensors"), "pt") as handle:
-            shards = {"model.safetensors": [name for name in handle.keys() if name.startswith(prefix)]}
+        try:
+            with safe_open(str(checkpoint / "model.safetensors"), "pt") as handle:
+                shards = {"model.safetensors": [name for name in handle.keys() if name.startswith(prefix)]}
+        except SafetensorError as error:
+            raise SpecError(f"{checkpoint / 'model.safetensors'} is not a readable safetensors file "
+                            f"({str(error).splitlines()[0]})") from None
     else:
         raise SpecError(f"{checkpoint}: no model.safetensors.index.json or model.safetensors found")
     result = {}
     for shard, names in shards.items():
-        if not (checkpoint / shard).exists():
-            raise SpecError(f"{checkpoint}: shard {shard} named by the index is missing")
-        with safe_open(str(checkpoint / shard), "pt") as handle:
-            for name in names:
-                result[name[len(prefix) :]] = handle.get_tensor(name)
+        if Path(shard).name != shard or not (checkpoint / shard).is_file():
+            raise SpecError(f"{checkpoint}: shard {shard!r} named by the index is missing")
+        _, tensors = _read_safetensors(checkpoint / shard, names)
+        result.update({name[len(prefix) :]: tensor for name, tensor in tensors.items()})
     return result
 
 

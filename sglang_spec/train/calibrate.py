@@ -23,6 +23,7 @@ from tqdm import tqdm
 from sglang_spec.errors import SpecError
 from sglang_spec.models.registry import LoadedModel
 from sglang_spec.mtp.head import MTPHead
+from sglang_spec.sampling import SamplingParams
 from sglang_spec.train.distill import TeacherBatch, unrolled_steps
 from sglang_spec.train.traffic import TrafficRecord
 from sglang_spec.train.records import encode_record
@@ -50,8 +51,10 @@ def calibrate(
 ) -> Calibration:
     if depth < 1 or max_rank < 1:
         raise SpecError("depth and max-rank must be >= 1")
-    if temperature < 0:
-        raise SpecError("temperature must be >= 0")
+    if max_rank > head.draft_vocab_size:
+        raise SpecError(f"max-rank {max_rank} exceeds the head's draft vocabulary of {head.draft_vocab_size} "
+                        f"tokens")
+    temperature = SamplingParams(temperature=temperature).temperature  # refuses NaN; below the floor is greedy
     model = loaded.model
     device = next(model.parameters()).device
     encoded = [encode_record(loaded, record, seq_len) for record in records]

@@ -1,8 +1,11 @@
-"""``traffic generate``: run the target on a prompt set and record its own completions (batched, left-padded)."""
+"""``traffic generate``: run the target on a prompt set and record its own completions (batched, left-padded).
+
+Records name the model (``meta.model``) and the generation length (``meta.max_new_tokens``); ``skip`` leaves out the
+record ids an interrupted run already finished, so a rerun resumes where it stopped."""
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 import torch
 from tqdm import tqdm
@@ -31,17 +34,21 @@ def generate_traffic(
     seed: int,
     reference: bool,
     progress: bool = True,
+    skip: Collection[str] = (),
 ) -> Iterator[TrafficRecord]:
     """Yields one record per (prompt, completion): the greedy one if asked, then ``samples`` sampled ones, then
-    the prompt's reference answer when ``reference`` (marked source="reference")."""
+    the prompt's reference answer when ``reference`` (marked source="reference"). Record ids in ``skip`` are not
+    generated again."""
     runs = ([("greedy", 0.0)] if greedy else []) + [(f"sample{i}", temperature) for i in range(samples)]
     encoded = [(spec, prompt_tokens(loaded, spec)) for spec in prompts]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][1]))  # similar lengths batch together
+    by_length = sorted(range(len(encoded)), key=lambda i: len(encoded[i][1]))  # similar lengths batch together
     torch.manual_seed(seed)
     pad = loaded.tokenizer.pad_token_id if getattr(loaded.tokenizer, "pad_token_id", None) is not None else 0
-    total = len(order) * len(runs)
-    bar = tqdm(total=total, desc="generating traffic", unit="completion", disable=not progress)
+    todo = {tag: [i for i in by_length if f"{encoded[i][0].id}/{tag}" not in skip] for tag, _ in runs}
+    bar = tqdm(total=sum(map(len, todo.values())), desc="generating traffic", unit="completion",
+               disable=not progress)
     for tag, run_temperature in runs:
+        order = todo[tag]
         for start in range(0, len(order), batch_size):
             chunk = [encoded[i] for i in order[start : start + batch_size]]
             width = max(len(tokens) for _, tokens in chunk)
@@ -75,13 +82,14 @@ def generate_traffic(
                     prompt=spec.prompt,
                     messages=spec.messages if spec.prompt is None else None,
                     source=f"generate {loaded.name} temperature={run_temperature}",
-                    meta={"completion_tokens": len(generated)},
+                    meta={"completion_tokens": len(generated), "model": loaded.name,
+                          "max_new_tokens": max_new_tokens},
                 )
             bar.update(len(chunk))
     bar.close()
     if reference:
         for spec in prompts:
-            if spec.reference:
+            if spec.reference and f"{spec.id}/reference" not in skip:
                 yield TrafficRecord(
                     id=f"{spec.id}/reference", domain=spec.domain, completion=spec.reference, prompt=spec.prompt,
                     messages=spec.messages if spec.prompt is None else None, source="reference",

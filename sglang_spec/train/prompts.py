@@ -11,8 +11,11 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from sglang_spec.errors import SpecError
+from sglang_spec.files import parse_json, read_text
+from sglang_spec.train.traffic import parse_messages
 
 CODE_INSTRUCTION = "Complete the following Python function. Reply with the completed code only.\n\n"
 
@@ -91,26 +94,44 @@ def load_prompts(spec: str) -> list[PromptSpec]:
     path = Path(spec)
     if not path.exists():
         raise SpecError(f"unknown prompt set {spec!r}: use humaneval:A-B, chatterbot, or a file")
+    text = read_text(path, "prompt file")
     if path.suffix == ".jsonl":
         result = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                data = json.loads(line)
-                if "messages" in data:
-                    result.append(PromptSpec(f"{path.stem}/{number}", data.get("domain", "general"),
-                                             messages=tuple(data["messages"])))
-                elif isinstance(data.get("prompt"), str):
-                    result.append(PromptSpec(f"{path.stem}/{number}", data.get("domain", "general"),
-                                             prompt=data["prompt"]))
-                else:
-                    raise ValueError("needs 'prompt' or 'messages'")
-            except (json.JSONDecodeError, ValueError, TypeError) as error:
+                result.append(_jsonl_prompt(parse_json(line), f"{path.stem}/{number}"))
+            except ValueError as error:
                 raise SpecError(f"{path}: line {number}: {error}") from None
+        if not result:
+            raise SpecError(f"{path} holds no prompts")
         return result
-    return [
+    result = [
         PromptSpec(f"{path.stem}/{number}", "general", messages=({"role": "user", "content": line.strip()},))
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        for number, line in enumerate(text.splitlines(), start=1)
         if line.strip()
     ]
+    if not result:
+        raise SpecError(f"{path} holds no prompts (one per line)")
+    return result
+
+
+def _jsonl_prompt(data: Any, prompt_id: str) -> PromptSpec:
+    """One prompt-file line: ``{"prompt": "..."}`` or ``{"messages": [...]}``, optional ``"domain"``."""
+    if not isinstance(data, dict):
+        raise ValueError("a prompt line must be a JSON object with 'prompt' or 'messages'")
+    domain = data.get("domain", "general")
+    if not isinstance(domain, str) or not domain:
+        raise ValueError("'domain' must be a non-empty string")
+    if "messages" in data:
+        spec = PromptSpec(prompt_id, domain, messages=parse_messages(data["messages"]))
+    elif isinstance(data.get("prompt"), str):
+        spec = PromptSpec(prompt_id, domain, prompt=data["prompt"])
+    else:
+        raise ValueError("needs a string 'prompt' or a 'messages' list")
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("a string on this line is not valid Unicode text (an unpaired surrogate)") from None
+    return spec

@@ -1,5 +1,5 @@
 """The model behind ``--model tiny-deepseek``: the tiny DeepSeek-V3 architecture (``models/tiny_deepseek.py``)
-trained for a few seconds on a seeded toy language, with its MTP layer distilled from it, built once and cached.
+trained for a few minutes on a seeded toy language, with its MTP layer distilled from it, built once and cached.
 
 A random model is a chaotic function that no one-layer head can predict; the toy-trained one gives real
 acceptance rates.
@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from sglang_spec.decode.decoder import GenerationConfig, generate_plain
@@ -40,9 +39,26 @@ def train_tiny_deepseek(
     seed: int = 0, target_steps: int = 400, head_steps: int = 300, progress: bool = True
 ) -> tuple[PreTrainedModel, MTPHead]:
     """Trains the tiny model on the toy language, then distils its MTP head (unrolled 3 steps) on the model's own
-    greedy and sampled continuations plus toy text. About half a minute on 2 CPU cores."""
+    greedy and sampled continuations plus toy text.
+
+    One thread: the model is so small that a second thread only waits, and on a busy machine the waiting made a
+    step 5-20x slower (2.6 s instead of 0.14 s per step measured on a shared 2-core CPU: a 17-minute build). One
+    thread also makes the build the same on every machine. About three minutes on a busy 2-core CPU."""
     language = ToyLanguage(TINY_DEEPSEEK_CONFIG["vocab_size"], seed=123 + seed)
     bar = tqdm(total=target_steps + head_steps, desc="building tiny-deepseek (once)", disable=not progress)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, head = _train(language, seed, target_steps, head_steps, bar)
+    finally:
+        torch.set_num_threads(threads)
+    bar.close()
+    return model, head
+
+
+def _train(
+    language: ToyLanguage, seed: int, target_steps: int, head_steps: int, bar: tqdm
+) -> tuple[PreTrainedModel, MTPHead]:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = build_tiny_deepseek(seed)
@@ -74,7 +90,6 @@ def train_tiny_deepseek(
             optimizer.step()
             bar.update()
             bar.set_postfix(head_top1=f"{metrics.top1[0]:.2f}")
-    bar.close()
     head.eval()
     for parameter in head.parameters():
         parameter.requires_grad_(False)
@@ -90,9 +105,13 @@ def tiny_deepseek_dir(cache: Path | None = None, progress: bool = True) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     model, head = train_tiny_deepseek(progress=progress)
     scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-deepseek-"))
-    save_tiny_deepseek(scratch, model, head)
-    (scratch / _COMPLETE).write_text("toy-trained tiny DeepSeek-V3 with a distilled MTP layer\n")
-    if target.exists():
-        shutil.rmtree(target)
-    scratch.rename(target)
+    try:
+        save_tiny_deepseek(scratch, model, head)
+        (scratch / _COMPLETE).write_text("toy-trained tiny DeepSeek-V3 with a distilled MTP layer\n")
+        if target.exists():
+            shutil.rmtree(target)
+        scratch.rename(target)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)  # an interrupted build leaves nothing half-made
+        raise
     return target

@@ -5,7 +5,12 @@
 
 Exactly one of ``prompt`` (raw text) or ``messages`` (chat messages before the completion) is given;
 ``completion`` is the target's own answer. Readers report every malformed line with its number; nothing is
-dropped silently.
+dropped silently. Generated records name the model that wrote them (``meta.model``, and the ``source``);
+``check_traffic_model`` refuses to train or calibrate one model on another's completions.
+
+Writers are atomic (``sglang_spec.files``). ``traffic generate`` appends each finished record to ``OUT.partial``
+(``PartialTraffic``) and renames it onto ``OUT`` at the end, so an interrupted run keeps its work and the same
+command resumes it.
 
 Importers: SGLang's JSON request log (``--log-requests --log-requests-format json --log-requests-level 3``:
 ``request.finished`` events carry the prompt text and the output text) and OpenAI-style chat logs (a line with
@@ -16,11 +21,13 @@ Importers: SGLang's JSON request log (``--log-requests --log-requests-format jso
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import IO, Any, Iterable
 
 from sglang_spec.errors import SpecError
+from sglang_spec.files import atomic_write, check_input_file, check_output_path, parse_json, replace_file
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,17 @@ class TrafficRecord:
             data["meta"] = self.meta
         return json.dumps(data, ensure_ascii=False)
 
+    @property
+    def model(self) -> str | None:
+        """The model whose completion this is: ``meta["model"]``, else the name in a ``generate MODEL
+        temperature=T`` source; None for imported and reference records."""
+        named = self.meta.get("model")
+        if isinstance(named, str) and named:
+            return named
+        if self.source.startswith("generate ") and " temperature=" in self.source:
+            return self.source[len("generate ") :].rsplit(" temperature=", 1)[0]
+        return None
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -56,7 +74,7 @@ class Problem:
         return f"line {self.line}: {self.reason}"
 
 
-def _messages(value: Any) -> tuple[dict[str, str], ...]:
+def parse_messages(value: Any) -> tuple[dict[str, str], ...]:
     if not isinstance(value, list) or not value:
         raise ValueError("'messages' must be a non-empty list")
     result = []
@@ -65,7 +83,10 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
             raise ValueError(f"messages[{index}] needs a string 'role'")
         content = message.get("content")
         if isinstance(content, list):  # OpenAI content parts
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            texts = [part.get("text", "") for part in content if isinstance(part, dict)]
+            if not all(isinstance(text, str) for text in texts):
+                raise ValueError(f"messages[{index}] has a content part whose 'text' is not a string")
+            content = "".join(texts)
         if not isinstance(content, str):
             raise ValueError(f"messages[{index}] needs string 'content'")
         result.append({"role": message["role"], "content": content})
@@ -90,18 +111,29 @@ def parse_record(data: Any, default_id: str) -> TrafficRecord:
     meta = data.get("meta", {})
     if not isinstance(meta, dict):
         raise ValueError("'meta' must be an object")
-    return TrafficRecord(
+    record = TrafficRecord(
         id=str(data.get("id", default_id)),
         domain=domain,
         completion=completion,
         prompt=data["prompt"] if has_prompt else None,
-        messages=_messages(data["messages"]) if has_messages else None,
+        messages=parse_messages(data["messages"]) if has_messages else None,
         source=str(data.get("source", "")),
         meta=meta,
     )
+    return _encodable(record)
+
+
+def _encodable(record: TrafficRecord) -> TrafficRecord:
+    """JSON can spell strings (unpaired surrogates, ``"\\ud800"``) that no tokenizer or UTF-8 file takes."""
+    try:
+        record.to_json().encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("a string in this record is not valid Unicode text (an unpaired surrogate)") from None
+    return record
 
 
 def _lines(path: Path) -> Iterable[tuple[int, str]]:
+    check_input_file(path, "traffic file")
     try:
         with path.open(encoding="utf-8") as handle:
             for number, line in enumerate(handle, start=1):
@@ -119,9 +151,7 @@ def read_traffic(path: str | Path) -> tuple[list[TrafficRecord], list[Problem]]:
     records, problems = [], []
     for number, line in _lines(path):
         try:
-            records.append(parse_record(json.loads(line), f"{path.stem}:{number}"))
-        except json.JSONDecodeError as error:
-            problems.append(Problem(number, f"not JSON ({error.msg})"))
+            records.append(parse_record(parse_json(line), f"{path.stem}:{number}"))
         except ValueError as error:
             problems.append(Problem(number, str(error)))
     return records, problems
@@ -143,18 +173,96 @@ def read_traffic_strict(paths: Iterable[str | Path]) -> list[TrafficRecord]:
 
 
 def write_traffic(records: Iterable[TrafficRecord], path: str | Path, force: bool = False) -> int:
-    path = Path(path)
-    if path.exists() and not force:
-        raise SpecError(f"{path} exists; pass --force to overwrite it")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Writes ``records`` to ``path`` atomically (refused if it exists, unless ``force``); returns the count."""
+    path = check_output_path(path, force)
     count = 0
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    with temporary.open("w", encoding="utf-8") as handle:
+    with atomic_write(path) as handle:
         for record in records:
             handle.write(record.to_json() + "\n")
             count += 1
-    temporary.replace(path)
     return count
+
+
+def check_traffic_model(records: Iterable[TrafficRecord], model: str, allow_mismatch: bool = False) -> str | None:
+    """Refuses records generated by another model than ``model`` (their completions are another model's
+    distribution); with ``allow_mismatch`` returns a one-line warning instead. Records that name no model
+    (imported, reference) pass."""
+    others: dict[str, list[str]] = {}
+    for record in records:
+        source = record.model
+        if source is not None and source != model:
+            others.setdefault(source, []).append(record.id)
+    if not others:
+        return None
+    name, ids = max(others.items(), key=lambda item: len(item[1]))
+    count = sum(len(ids) for ids in others.values())
+    message = (f"{count} traffic record(s) were generated by {name!r}, not {model!r} (e.g. {ids[0]!r})"
+               + (f" and {len(others) - 1} other model(s)" if len(others) > 1 else ""))
+    if allow_mismatch:
+        return f"warning: {message}; using them anyway (--allow-model-mismatch)"
+    raise SpecError(f"{message}; use {model}'s own traffic, or pass --allow-model-mismatch to use them anyway")
+
+
+def partial_path(out: Path) -> Path:
+    """Where ``traffic generate`` appends its finished records until it renames them onto ``out``."""
+    return out.with_name(out.name + ".partial")
+
+
+class PartialTraffic:
+    """``OUT.partial``: records appended (flushed and fsynced) as they finish; ``finish()`` renames the file onto
+    ``OUT``. ``done`` holds the records an earlier, interrupted run finished (a torn last line is cut off)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.path = partial_path(out)
+        check_output_path(self.path, force=True, option="--out")
+        self.done: list[TrafficRecord] = self._read_done()
+        self._handle: IO[str] | None = None
+
+    def _read_done(self) -> list[TrafficRecord]:
+        if not self.path.exists():
+            return []
+        try:
+            data = self.path.read_bytes()
+        except OSError as error:
+            raise SpecError(f"cannot read {self.path}: {error.strerror}") from None
+        complete = data[: data.rfind(b"\n") + 1]  # a line without its newline was being written when stopped
+        if len(complete) != len(data):
+            try:
+                with open(self.path, "r+b") as handle:
+                    handle.truncate(len(complete))
+            except OSError as error:
+                raise SpecError(f"cannot repair {self.path}: {error.strerror}") from None
+        records, problems = read_traffic(self.path)
+        if problems:
+            raise SpecError(f"{self.path} (an interrupted run's records) has a malformed line ({problems[0]}); "
+                            f"delete it to start over")
+        return records
+
+    def append(self, record: TrafficRecord) -> None:
+        if self._handle is None:
+            try:
+                self._handle = open(self.path, "a", encoding="utf-8")
+            except OSError as error:
+                raise SpecError(f"cannot write {self.path}: {error.strerror}") from None
+        try:
+            self._handle.write(record.to_json() + "\n")
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+        except OSError as error:
+            raise SpecError(f"cannot write {self.path}: {error.strerror}") from None
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def finish(self) -> None:
+        """All records are in: ``OUT.partial`` becomes ``OUT`` (atomically)."""
+        self.close()
+        if not self.path.exists():  # nothing was left to generate and nothing was done before
+            self.path.touch()
+        replace_file(self.path, self.out)
 
 
 def import_sglang_log(path: str | Path, domain: str = "imported") -> tuple[list[TrafficRecord], list[Problem], int]:
@@ -172,9 +280,9 @@ def import_sglang_log(path: str | Path, domain: str = "imported") -> tuple[list[
             problems.append(Problem(number, "no JSON object on this line"))
             continue
         try:
-            event = json.loads(line[start:])
-        except json.JSONDecodeError as error:
-            problems.append(Problem(number, f"not JSON ({error.msg})"))
+            event = parse_json(line[start:])
+        except ValueError as error:
+            problems.append(Problem(number, str(error)))
             continue
         if not isinstance(event, dict) or "event" not in event:
             problems.append(Problem(number, "not an SGLang request-log event (no 'event' key)"))
@@ -182,8 +290,8 @@ def import_sglang_log(path: str | Path, domain: str = "imported") -> tuple[list[
         if event["event"] != "request.finished":
             ignored += 1
             continue
-        request, output = event.get("obj") or {}, event.get("out")
-        texts, outs = request.get("text"), output
+        request, outs = event.get("obj"), event.get("out")
+        texts = request.get("text") if isinstance(request, dict) else None
         if isinstance(texts, str) and isinstance(outs, dict):
             pairs = [(texts, outs)]
         elif isinstance(texts, list) and isinstance(outs, list) and len(texts) == len(outs):
@@ -198,12 +306,17 @@ def import_sglang_log(path: str | Path, domain: str = "imported") -> tuple[list[
                 problems.append(Problem(number, "request.finished entry without prompt or output text"))
                 continue
             rid = event.get("rid")
-            rid = rid[index] if isinstance(rid, list) else rid
-            records.append(TrafficRecord(
+            rid = (rid[index] if index < len(rid) else None) if isinstance(rid, list) else rid
+            meta_info = out.get("meta_info") if isinstance(out, dict) else None
+            record = TrafficRecord(
                 id=str(rid or f"{path.stem}:{number}:{index}"), domain=domain, completion=completion, prompt=text,
                 source=f"sglang log {path.name}",
-                meta={"finish_reason": (out.get("meta_info") or {}).get("finish_reason")},
-            ))
+                meta={"finish_reason": meta_info.get("finish_reason") if isinstance(meta_info, dict) else None},
+            )
+            try:
+                records.append(_encodable(record))
+            except ValueError as error:
+                problems.append(Problem(number, str(error)))
     return records, problems, ignored
 
 
@@ -213,10 +326,8 @@ def import_openai_chat(path: str | Path, domain: str = "imported") -> tuple[list
     records, problems = [], []
     for number, line in _lines(path):
         try:
-            data = json.loads(line)
-            records.append(_openai_record(data, f"{path.stem}:{number}", domain, path.name))
-        except json.JSONDecodeError as error:
-            problems.append(Problem(number, f"not JSON ({error.msg})"))
+            data = parse_json(line)
+            records.append(_encodable(_openai_record(data, f"{path.stem}:{number}", domain, path.name)))
         except ValueError as error:
             problems.append(Problem(number, str(error)))
     return records, problems, 0
@@ -227,17 +338,20 @@ def _openai_record(data: Any, default_id: str, domain: str, source: str) -> Traf
         raise ValueError("a chat-log line must be a JSON object")
     record_id = str(data.get("id", default_id))
     if "request" in data or "response" in data:
-        request, response = data.get("request") or {}, data.get("response") or {}
-        messages = _messages(request.get("messages"))
+        request, response = data.get("request"), data.get("response")
+        if not isinstance(request, dict) or not isinstance(response, dict):
+            raise ValueError("'request' and 'response' must both be objects")
+        messages = parse_messages(request.get("messages"))
         choices = response.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise ValueError("response.choices[0] is missing")
-        answer = choices[0].get("message", {}).get("content")
+        message = choices[0].get("message")
+        answer = message.get("content") if isinstance(message, dict) else None
         if not isinstance(answer, str):
             raise ValueError("response.choices[0].message.content is missing")
         return TrafficRecord(record_id, domain, answer, messages=messages, source=f"openai log {source}")
     if "messages" in data:
-        messages = _messages(data["messages"])
+        messages = parse_messages(data["messages"])
         if messages[-1]["role"] != "assistant":
             raise ValueError("the last message must be the assistant's answer")
         if len(messages) < 2:

@@ -8,6 +8,8 @@
 4. Train the head with the unrolled self-distillation objective (``distill.unrolled_loss``), AdamW with warmup
    and cosine decay, gradient clipping; periodic checkpoints (the head as a usable .safetensors plus a
    ``.state.pt`` with optimizer and RNG state); ``resume`` continues from the last checkpoint; Ctrl-C saves one.
+   A NaN or infinite loss stops training (the last checkpoint stays); no file is written non-atomically and no
+   head with a non-finite weight is ever written.
 
 ``train_head`` runs these as four steps: ``prepare_data`` (1, 2), ``load_or_build_teacher`` (3), ``start_fit`` +
 ``fit`` (4) and ``Checkpoints``.
@@ -21,7 +23,7 @@ import json
 import math
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -29,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from sglang_spec.errors import SpecError
+from sglang_spec.files import atomic_write, check_output_path
 from sglang_spec.models.registry import LoadedModel
 from sglang_spec.mtp.checkpoint import save_mtp_head
 from sglang_spec.mtp.head import MTPHead
@@ -64,6 +67,8 @@ class TrainConfig:
             raise SpecError("draft-vocab must be >= 0 (0 = the full vocabulary)")
         if not 0 <= self.eval_fraction < 1:
             raise SpecError("eval-fraction must be in [0, 1)")
+        if not 0 < self.lr <= 1:  # NaN too
+            raise SpecError(f"lr must be in (0, 1], got {self.lr}")
         if self.save_dtype not in ("float32", "bfloat16", "float16"):
             raise SpecError("save-dtype must be float32, bfloat16 or float16")
 
@@ -170,7 +175,7 @@ class TrainSummary:
     train_tokens: int
 
 
-def _state_path(out: Path) -> Path:
+def state_path_for(out: Path) -> Path:
     return out.with_suffix(".state.pt")
 
 
@@ -219,29 +224,64 @@ class TrainingData:
 
 
 def prepare_data(loaded: LoadedModel, records: Sequence[TrafficRecord], config: TrainConfig) -> TrainingData:
+    context = loaded.context_length
+    if context is not None and config.seq_len > context:
+        raise SpecError(f"--seq-len {config.seq_len} exceeds {loaded.name}'s context of {context} tokens; use at "
+                        f"most {context}")
     encoded = [encode_record(loaded, record, config.seq_len) for record in records]
     encoded = [record for record in encoded if len(record.tokens) >= 3]
     eval_rows = [i for i, r in enumerate(encoded) if is_eval_record(r.id, config.eval_fraction)]
     train_rows = [i for i, r in enumerate(encoded) if not is_eval_record(r.id, config.eval_fraction)]
     if not train_rows:
         raise SpecError("no training sequences (every record is in the evaluation split or too short)")
-    draft_vocab, coverage = choose_draft_vocab([encoded[i] for i in train_rows], config.draft_vocab,
-                                               loaded.model.config.vocab_size)
+    vocab_size = loaded.model.config.vocab_size
+    draft_vocab, coverage = choose_draft_vocab([encoded[i] for i in train_rows], config.draft_vocab, vocab_size)
+    draft_size = vocab_size if draft_vocab is None else len(draft_vocab)
+    if config.top_k_targets > draft_size:
+        raise SpecError(f"--top-k-targets {config.top_k_targets} exceeds the draft vocabulary of {draft_size} "
+                        f"tokens; use at most {draft_size}")
     return TrainingData(encoded, train_rows, eval_rows, draft_vocab, coverage, _fingerprint(loaded, encoded, config))
 
 
 def load_or_build_teacher(
     loaded: LoadedModel, data: TrainingData, config: TrainConfig, cache_path: Path, progress: bool
 ) -> TeacherCache:
-    """Step 2, teacher: the cached teacher pass when it was made from the same data, else a fresh one (saved)."""
+    """Step 2, teacher: the cached teacher pass when it was made from the same data, else a fresh one (saved).
+    A cache that cannot be read (damaged, or another version's) is only a cache: it is built again."""
     if cache_path.exists():
-        stored = torch.load(cache_path, weights_only=False)
-        if stored.get("fingerprint") == data.fingerprint:
-            return stored["cache"]
+        cache = _read_teacher_cache(cache_path, data)
+        if cache is not None:
+            return cache
     cache = build_teacher_cache(loaded, data.records, data.draft_vocab, config.top_k_targets, progress=progress)
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"fingerprint": data.fingerprint, "cache": cache}, cache_path)
+    with atomic_write(cache_path, "wb") as handle:
+        torch.save({
+            "fingerprint": data.fingerprint, "hidden": cache.hidden, "target_ids": cache.target_ids,
+            "target_probs": cache.target_probs,
+        }, handle)
     return cache
+
+
+def _read_teacher_cache(path: Path, data: TrainingData) -> TeacherCache | None:
+    """The cached teacher pass for ``data``, or None when the file is damaged, from other data, or malformed.
+    Plain tensors and strings only (``weights_only``): loading runs no pickled code."""
+    try:
+        stored = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception:  # torch raises many types for a damaged file (pickle, zip, runtime errors)
+        return None
+    count = len(data.records)
+    if not isinstance(stored, dict) or stored.get("fingerprint") != data.fingerprint:
+        return None
+    hidden, target_ids, target_probs = (stored.get(name) for name in ("hidden", "target_ids", "target_probs"))
+    if not all(isinstance(items, list) and len(items) == count for items in (hidden, target_ids, target_probs)):
+        return None
+    assert isinstance(hidden, list) and isinstance(target_ids, list) and isinstance(target_probs, list)
+    for record, h, ids, probs in zip(data.records, hidden, target_ids, target_probs):
+        length = len(record.tokens)
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == length for t in (h, ids, probs)):
+            return None
+        if ids.shape != probs.shape or not bool(torch.isfinite(h).all()):
+            return None
+    return TeacherCache(list(data.records), hidden, target_ids, target_probs)
 
 
 @dataclass
@@ -281,15 +321,66 @@ def start_fit(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(learning_rate_factor, config=config))
     state = FitState(head, optimizer, scheduler)
     if resume_from is not None:
-        saved = torch.load(resume_from, weights_only=False)
+        saved = load_training_state(resume_from)
         if saved["fingerprint"] != data.fingerprint:
             raise SpecError(f"{resume_from} was made from other traffic or settings; start over with --force")
-        head.load_state_dict(saved["head"])
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        torch.set_rng_state(saved["rng"])
+        try:
+            head.load_state_dict(saved["head"])
+            optimizer.load_state_dict(saved["optimizer"])
+            scheduler.load_state_dict(saved["scheduler"])
+            torch.set_rng_state(saved["rng"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:
+            raise SpecError(f"{resume_from} does not fit this head ({str(error).splitlines()[0][:120]}); "
+                            f"start over with --force") from None
+        # the learning rate is a setting, not state: this run's (see resume_config) replaces the saved one
+        scheduler.base_lrs = [config.lr for _ in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * learning_rate_factor(saved["step"], config)
         state.step, state.elapsed, state.history = saved["step"], saved["elapsed"], saved["history"]
     return state
+
+
+_STATE_KEYS = {"step": int, "elapsed": float, "history": list, "fingerprint": str, "head": dict, "optimizer": dict,
+               "scheduler": dict, "rng": torch.Tensor}
+# settings that fix the data and the teacher pass: a resumed run cannot change them
+FIXED_ON_RESUME = ("seq_len", "draft_vocab", "top_k_targets", "feedback", "eval_fraction")
+
+
+def load_training_state(path: Path) -> dict[str, Any]:
+    """A ``.state.pt`` checkpoint (tensors and plain values only, ``weights_only``), or one line saying why not."""
+    try:
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as error:  # torch raises many types for a damaged file
+        reason = str(error).splitlines()[0][:100] if str(error) else type(error).__name__
+        raise SpecError(f"{path} is damaged ({reason}); start over with --force") from None
+    if not isinstance(saved, dict):
+        raise SpecError(f"{path} is not a training state; start over with --force")
+    for key, kind in _STATE_KEYS.items():
+        value = saved.get(key)
+        if kind is float and isinstance(value, int):
+            continue
+        if not isinstance(value, kind):
+            raise SpecError(f"{path} is damaged ({key!r} is missing or not a {kind.__name__}); "
+                            f"start over with --force")
+    return saved
+
+
+def resume_config(state_path: Path, given: dict[str, Any]) -> tuple[TrainConfig, list[str]]:
+    """``--resume``: the saved run's settings, with the ones given on this command line in their place (a note
+    for each that differs); settings in ``FIXED_ON_RESUME`` cannot change."""
+    saved = load_training_state(state_path).get("config")
+    names = {f.name for f in fields(TrainConfig)}
+    if not isinstance(saved, dict) or not set(saved) <= names:
+        return TrainConfig(**given), [f"{state_path} predates saved settings: this command line's are used"]
+    notes = []
+    for name, value in given.items():
+        if name in saved and saved[name] != value:
+            flag = "--" + name.replace("_", "-")
+            if name in FIXED_ON_RESUME:
+                raise SpecError(f"{flag} {value} conflicts with the saved run's {saved[name]}: it fixes the "
+                                f"training data; resume without it, or start over with --force")
+            notes.append(f"resume: {flag} {value} replaces the saved run's {saved[name]} (the command line wins)")
+    return TrainConfig(**{**saved, **given}), notes
 
 
 @dataclass(frozen=True)
@@ -304,7 +395,7 @@ class Checkpoints:
 
     @property
     def state_path(self) -> Path:
-        return _state_path(self.out)
+        return state_path_for(self.out)
 
     def save(self, state: FitState, final: bool = False) -> None:
         state.head.eval()
@@ -319,12 +410,13 @@ class Checkpoints:
         }
         save_mtp_head(state.head, self.out, metadata=summary, dtype=getattr(torch, self.config.save_dtype))
         if not final:
-            torch.save({
-                "step": state.step, "elapsed": state.elapsed, "history": state.history,
-                "fingerprint": self.data.fingerprint, "head": state.head.state_dict(),
-                "optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(),
-                "rng": torch.get_rng_state(),
-            }, self.state_path)
+            with atomic_write(self.state_path, "wb") as handle:
+                torch.save({
+                    "step": state.step, "elapsed": state.elapsed, "history": state.history,
+                    "fingerprint": self.data.fingerprint, "head": state.head.state_dict(),
+                    "optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(),
+                    "rng": torch.get_rng_state(), "config": asdict(self.config),
+                }, handle)
         state.head.train()
 
 
@@ -352,6 +444,9 @@ def fit(
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16):
                 loss, metrics = unrolled_loss(state.head, make_batch(cache, rows, device, dtype), config.unroll,
                                               config.step_decay)
+            if not math.isfinite(loss.item()):
+                raise SpecError(f"training diverged at step {state.step + 1}: the loss is {loss.item()}; lower "
+                                f"--lr (now {config.lr:g}); no head was written from the diverged weights")
             state.optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(state.head.parameters(), 1.0)
@@ -375,6 +470,19 @@ def fit(
     return train_top1
 
 
+def check_train_paths(out: Path, resume: bool, force: bool) -> None:
+    """Before any work: ``out``, its training state and its teacher cache can be written, and ``resume`` has a
+    state to resume from; a finished or started run is not overwritten without ``force``."""
+    state_path = state_path_for(out)
+    for path in (out, state_path, _cache_path(out)):
+        check_output_path(path, force=True)  # a folder that exists, no device or folder in the way
+    if resume:
+        if not state_path.exists():
+            raise SpecError(f"nothing to resume: {state_path} does not exist")
+    elif not force and (out.exists() or state_path.exists()):
+        raise SpecError(f"{out} (or its training state) exists; pass --force to overwrite or --resume to continue")
+
+
 def train_head(
     loaded: LoadedModel,
     records: Sequence[TrafficRecord],
@@ -388,11 +496,8 @@ def train_head(
 ) -> TrainSummary:
     """Data, teacher, fit, checkpoint: trains an MTP head for ``loaded`` on ``records`` and writes it to ``out``."""
     out = Path(out)
-    state_path = _state_path(out)
-    if not resume and not force and (out.exists() or state_path.exists()):
-        raise SpecError(f"{out} (or its training state) exists; pass --force to overwrite or --resume to continue")
-    if resume and not state_path.exists():
-        raise SpecError(f"nothing to resume: {state_path} does not exist")
+    state_path = state_path_for(out)
+    check_train_paths(out, resume, force)
     torch.manual_seed(config.seed)
     data = prepare_data(loaded, records, config)
     cache = load_or_build_teacher(loaded, data, config, _cache_path(out), progress)

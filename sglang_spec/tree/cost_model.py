@@ -29,7 +29,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import SpecError, brief
+from sglang_spec.files import finite_number
 from sglang_spec.tree.profile import AcceptanceProfile
 from sglang_spec.tree.sequoia import sequoia_table
 
@@ -57,8 +58,45 @@ class CostCurve:
         return {**asdict(self), "verify": {str(k): v for k, v in self.verify.items()}}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> CostCurve:
-        return cls(**{**data, "verify": {int(k): float(v) for k, v in data["verify"].items()}})
+    def from_json(cls, data: Any) -> CostCurve:
+        """A curve as ``to_json`` wrote it; anything else is a ``SpecError`` saying what is wrong."""
+        if not isinstance(data, dict):
+            raise SpecError("a cost curve must be a JSON object")
+        unknown = sorted(set(data) - _FIELDS)
+        missing = sorted(_REQUIRED - set(data))
+        if unknown or missing:
+            raise SpecError(f"cost curve keys: missing {missing}, unknown {unknown[:3]}")
+        verify = data["verify"]
+        if not isinstance(verify, dict) or not verify:
+            raise SpecError("cost curve 'verify' must be a non-empty object {tokens: seconds}")
+        sizes: dict[int, float] = {}
+        for key, value in verify.items():
+            seconds = finite_number(value)
+            if not (isinstance(key, str) and key.isdigit() and 0 < int(key) <= 1 << 20):
+                raise SpecError(f"cost curve 'verify' key {brief(key)} is not a token count")
+            if seconds is None or seconds <= 0:
+                raise SpecError(f"cost curve verify[{brief(key)}] = {brief(value)} is not a positive number of "
+                                f"seconds")
+            sizes[int(key)] = seconds
+        times = {}
+        for name in ("draft_level", "step_overhead", "plain_token"):
+            if name == "plain_token" and data.get(name) is None:
+                continue
+            seconds = finite_number(data[name])
+            if seconds is None or seconds < 0:
+                raise SpecError(f"cost curve {name!r} = {brief(data[name])} is not a number of seconds >= 0")
+            times[name] = seconds
+        prefix = data["prefix"]
+        if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+            raise SpecError(f"cost curve 'prefix' must be a token count, got {brief(prefix)}")
+        if not isinstance(data["device"], str):
+            raise SpecError("cost curve 'device' must be a string")
+        return cls(verify=sizes, draft_level=times["draft_level"], step_overhead=times["step_overhead"],
+                   prefix=prefix, device=data["device"], plain_token=times.get("plain_token"))
+
+
+_FIELDS = {"verify", "draft_level", "step_overhead", "prefix", "device", "plain_token"}
+_REQUIRED = _FIELDS - {"plain_token"}
 
 
 def verify_seconds(costs: CostCurve, nodes: int) -> float:

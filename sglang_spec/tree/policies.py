@@ -25,6 +25,7 @@ from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH, TokenTree
 
 POLICY_NAMES = ("chain", "eagle", "sequoia", "specexec")
 DEFAULT_TOPK = {"chain": 1, "eagle": 4, "sequoia": 8, "specexec": 8}
+MAX_TOPK = 64  # candidates per node: more is hours of drafting for nodes no profile ever accepts
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class TreePolicy:
     budget:  draft nodes, root excluded (1..1023).
     depth:   most draft tokens on one root-to-leaf path (1..64).
     topk:    candidates requested per expanded node: EAGLE's beam width, SpecExec's and Sequoia's maximum number
-             of children per node; None = the policy default (DEFAULT_TOPK). Ignored by chain.
+             of children per node (1..MAX_TOPK); None = the policy default (DEFAULT_TOPK). Ignored by chain.
     profile: acceptance profile; required by sequoia.
     width:   specexec only: the most nodes expanded on one level (a static bound, as inside SGLang's draft loop);
              None = no bound (exact SpecExec).
@@ -61,6 +62,8 @@ class TreePolicy:
             raise SpecError(f"depth {self.depth} exceeds the maximum depth {MAX_DEPTH}")
         if self.topk is not None and (not isinstance(self.topk, int) or self.topk < 1):
             raise SpecError(f"topk must be >= 1, got {self.topk}")
+        if self.topk is not None and self.topk > MAX_TOPK:
+            raise SpecError(f"topk {self.topk} exceeds the maximum {MAX_TOPK} candidates per node")
         if self.width is not None and (self.name != "specexec" or not isinstance(self.width, int) or self.width < 1):
             raise SpecError(f"width bounds specexec's expanded nodes per level and must be >= 1, got {self.width} "
                             f"for {self.name}")

@@ -19,7 +19,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import SpecError, brief
+from sglang_spec.files import finite_number, read_json, write_text_atomic
 from sglang_spec.tree.token_tree import TokenTree
 
 _SUM_TOLERANCE = 1e-5
@@ -54,15 +55,7 @@ class AcceptanceProfile:
     @classmethod
     def from_json(cls, path: str | Path) -> AcceptanceProfile:
         path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as error:
-            raise SpecError(f"cannot read acceptance profile {path}: {error.strerror}") from None
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise SpecError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
-        return cls.from_obj(obj, source=str(path))
+        return cls.from_obj(read_json(path, "acceptance profile"), source=str(path))
 
     @classmethod
     def load(cls, path: str | Path | None) -> AcceptanceProfile:
@@ -116,7 +109,8 @@ class AcceptanceProfile:
         return {"rank_acceptance": values, **self.metadata}
 
     def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_obj(), indent=1) + "\n")
+        """Writes the profile atomically (a failed write leaves the old file as it was)."""
+        write_text_atomic(path, json.dumps(self.to_obj(), indent=1) + "\n")
 
 
 def _parse_rows(values: Any, source: str) -> list[tuple[float, ...]]:
@@ -129,12 +123,13 @@ def _parse_rows(values: Any, source: str) -> list[tuple[float, ...]]:
     parsed = []
     for row_index, row in enumerate(rows):
         label = f"rank_acceptance[{row_index}]" if nested else "rank_acceptance"
-        if len(row) == 0:
+        if not isinstance(row, list) or len(row) == 0:
             raise SpecError(f"{source}: {label} is empty; give at least the rank-1 acceptance")
         numbers = []
-        for rank, value in enumerate(row):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise SpecError(f"{source}: {label}[{rank}] = {value!r} is not a finite number")
+        for rank, item in enumerate(row):
+            value = finite_number(item)
+            if value is None:
+                raise SpecError(f"{source}: {label}[{rank}] = {brief(item)} is not a finite number")
             if value < 0:
                 raise SpecError(
                     f"{source}: {label}[{rank}] = {value} is negative; acceptance probabilities lie in [0, 1]"

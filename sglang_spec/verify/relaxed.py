@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from sglang_spec.errors import SpecError
+from sglang_spec.sampling import TEMPERATURE_FLOOR
 from sglang_spec.tree.batch import TreeBatch
 from sglang_spec.verify.result import VerifyResult, finish
 from sglang_spec.verify.walk import WalkRule, walk
@@ -143,14 +144,14 @@ def verify_typical(
     batch: TreeBatch, target_logits: torch.Tensor, temperature: float, epsilon: float, alpha: float
 ) -> VerifyResult:
     """target_logits: [B, N, V]. temperature 0 reduces to greedy. Medusa's defaults: epsilon 0.09, alpha 0.3."""
-    if temperature < 0:
+    if not temperature >= 0:  # NaN too
         raise SpecError(f"temperature must be >= 0, got {temperature}")
     if epsilon <= 0 or alpha <= 0:
         raise SpecError("typical acceptance needs epsilon > 0 and alpha > 0 (Medusa: 0.09 and 0.3)")
     batch_size, max_nodes = batch.tokens.shape
     logits = target_logits.float()
     argmax = logits.argmax(-1)
-    if temperature == 0:
+    if temperature < TEMPERATURE_FLOOR:  # greedy, as everywhere (1 / T would overflow)
         probs = torch.nn.functional.one_hot(argmax, logits.shape[-1]).float()
     else:
         probs = torch.softmax(logits / temperature, dim=-1)

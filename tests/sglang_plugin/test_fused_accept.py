@@ -26,9 +26,9 @@ pytestmark = pytest.mark.sglang
 VOCAB = 30
 
 
-def sglang_trees(seed: int, batch: int, nodes: int, depth: int, topk: int):
+def sglang_trees(seed: int, batch: int, nodes: int, depth: int, fanout: int):
     rng = np.random.default_rng(seed)
-    trees = [random_tree(rng, nodes, depth, topk, vocab_size=VOCAB) for _ in range(batch)]
+    trees = [random_tree(rng, nodes, fanout, depth, vocab_size=VOCAB) for _ in range(batch)]
     return rng, trees, encode_sglang_verify(trees, [depth + 1] * batch)
 
 
@@ -47,9 +47,9 @@ def assert_same_accept(buffers: AcceptBuffers, batch: int, predicts, accept_inde
     assert torch.equal(ours.predict[written], predicts[written].to(torch.int32))
 
 
-@pytest.mark.parametrize("seed, batch, nodes, depth, topk", [(0, 3, 9, 4, 3), (1, 2, 16, 5, 4), (2, 4, 6, 5, 1)])
-def test_greedy_accept_equals_sglangs_verify_tree_greedy(sglang_kernels, seed, batch, nodes, depth, topk):
-    rng, trees, meta = sglang_trees(seed, batch, nodes, depth, topk)
+@pytest.mark.parametrize("seed, batch, nodes, depth, fanout", [(0, 3, 9, 4, 3), (1, 2, 16, 5, 4), (2, 4, 6, 5, 1)])
+def test_greedy_accept_equals_sglangs_verify_tree_greedy(sglang_kernels, seed, batch, nodes, depth, fanout):
+    rng, trees, meta = sglang_trees(seed, batch, nodes, depth, fanout)
     target = targets_following_drafts(rng, trees, nodes, accept_rate=0.85, vocab_size=VOCAB)
     logits = torch.nn.functional.one_hot(target.reshape(-1), VOCAB).float() * 5 + torch.rand(batch * nodes, VOCAB)
     predicts, accept_index, accepted_drafts = sglang_kernels.verify_greedy(

@@ -7,33 +7,24 @@ log none. Servers are module- or parameter-scoped so pytest starts each configur
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from cpu_server_helpers import SMOLLM2_NEW_TOKENS, running_server
+from optional_packages import require_sglang
 from sglang_spec.sglang_plugin.cpu.server import CpuModel, prepare_model
-
-
-def _require_sglang() -> None:
-    try:
-        import sglang  # noqa: F401
-    except ImportError:
-        if os.environ.get("SGLANG_SPEC_REQUIRE_SGLANG") == "1":
-            raise
-        pytest.skip("sglang is not installed")
 
 
 @pytest.fixture(scope="session")
 def smollm2_cpu() -> CpuModel:
-    _require_sglang()
+    require_sglang()
     return prepare_model("smollm2", progress=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_cpu() -> CpuModel:
-    _require_sglang()
+    require_sglang()
     return prepare_model("tiny-deepseek", progress=False)
 
 

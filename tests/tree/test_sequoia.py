@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import DATA_DIR
+from paths import DATA_DIR
 from sglang_spec.errors import SpecError
 from sglang_spec.tree import AcceptanceProfile, TokenTree, choose_tree_size, sequoia_plan, sequoia_table
 from sglang_spec.tree.cost_model import CostCurve

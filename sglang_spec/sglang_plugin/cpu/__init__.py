@@ -11,7 +11,9 @@ ModelRunner and EAGLE v2 worker run here unchanged, our plugin included:
   probes expect of a build without that op.
 * ``ops``: the stand-ins (cache-location helpers, KV copy, draft metadata, tree build / greedy verify through
   SGLang's own Triton twins under the Triton interpreter); ``attention``: decode and extend attention, tree mask
-  included, for MHA and MLA pools; ``moe``: the DeepSeek-V3 routing and expert ops.
+  included, for MHA and MLA pools; ``sampling``: the sampling-verify and renormalisation ops (set on SGLang's
+  modules by ``patches``, which also holds the few behaviour hooks a CPU needs). DeepSeek-V3's MoE needs no
+  stand-in: SGLang's own CPU fallback serves it.
 * ``boot/``: put on ``PYTHONPATH`` of every SGLang process (``server_environment``); its ``sitecustomize`` calls
   ``activate`` before anything imports sglang, and it holds the torchvision stand-in.
 * ``server``: start and stop ``python -m sglang.launch_server`` on this CPU by process group, with hard timeouts.
