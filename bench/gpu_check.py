@@ -36,6 +36,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from sglang_spec.errors import SpecError
+from sglang_spec.files import check_output_path, read_text, write_json_atomic, write_text_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "gpu-validation.md"
 GPU_RESULTS = REPO / "docs" / "results" / "gpu-check.json"
@@ -282,25 +285,19 @@ def docs_rows(env: dict, outcomes: dict[str, Outcome]) -> list[str]:
     return rows
 
 
+def check_log(docs: Path) -> str:
+    """The validation log's text, which must end with its log table (rows are appended there)."""
+    text = read_text(docs, "validation log")
+    lines = text.rstrip("\n").splitlines()
+    if not lines or not lines[-1].startswith("|"):
+        raise SpecError(f"{docs} does not end with its log table; move the table to the end of the file")
+    check_output_path(docs, force=True, option="--docs")
+    return text
+
+
 def append_rows(docs: Path, rows: list[str]) -> None:
     """Appends ``rows`` to the log table that ends the file."""
-    text = docs.read_text()
-    if not text.rstrip("\n").splitlines()[-1].startswith("|"):
-        raise SystemExit(f"error: {docs} does not end with its log table; move the table to the end of the file")
-    _write_atomic(docs, text.rstrip("\n") + "\n" + "\n".join(rows) + "\n")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Writes ``text`` to a temporary file beside ``path``, then renames it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    write_text_atomic(docs, check_log(docs).rstrip("\n") + "\n" + "\n".join(rows) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -327,12 +324,18 @@ def link_kernels() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    problem = preflight(args.dry_run)
+    out = args.out or (DRY_RESULTS if args.dry_run else GPU_RESULTS)
+    try:  # a bad --out or log fails now, not after nine minutes
+        check_output_path(out, force=True)
+        if not args.dry_run:
+            check_log(args.docs)
+        problem = preflight(args.dry_run)
+    except SpecError as error:
+        problem = str(error)
     if problem:
-        print(f"error: {problem}")
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     link_kernels()
-    out = args.out or (DRY_RESULTS if args.dry_run else GPU_RESULTS)
     env = environment(args.dry_run)
     mode = "dry run: CPU, tiny sizes, interpreted kernels" if args.dry_run else "CUDA, compiled kernels"
     print(f"GPU checks on {env['device']} ({mode}):")
@@ -351,13 +354,18 @@ def main(argv: list[str] | None = None) -> int:
                "environment": env, "seconds": total,
                "checks": [{"name": check.name, "what": check.what, **asdict(outcomes[check.name])}
                           for check in CHECKS]}
-    _write_atomic(out, json.dumps(results, indent=1) + "\n")
     rows = docs_rows(env, outcomes)
+    try:
+        write_json_atomic(out, results)
+        if not args.dry_run:
+            append_rows(args.docs, rows)
+    except SpecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if args.dry_run:
         print(f"\ndry run: no row appended to {args.docs}; a GPU run would append:")
         print("\n".join(rows))
     else:
-        append_rows(args.docs, rows)
         print(f"\nappended {len(rows)} rows to {args.docs}")
     print(f"results: {out}   ({total:.0f} s)")
     counts = collections.Counter(outcome.status for outcome in outcomes.values())

@@ -16,7 +16,6 @@ commits would go untested. A divergence is excused only where plain decoding's t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ import numpy as np
 import torch
 
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, compare_with_plain, generate_plain
+from sglang_spec.errors import SpecError
+from sglang_spec.files import check_output_path, write_json_atomic
 from sglang_spec.models.tiny_deepseek import build_tiny_deepseek
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.tree import AcceptanceProfile, TreePolicy
@@ -78,6 +79,11 @@ def check_policy(model: torch.nn.Module, head: MTPHead, prompts: list[list[int]]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:  # a bad --out fails now, not after the decoding
+        check_output_path(args.out, force=True)
+    except SpecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     model, head = random_target(args.device)
     rng = np.random.default_rng(0)
@@ -103,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         detail += " (< 3: accepted runs too short to test the commits)"
     report = {"device": str(args.device), "passed": passed, "detail": detail, "policies": results,
               "seconds": time.perf_counter() - started}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json_atomic(args.out, report)
     print(("identical: " if passed else "FAILED: ") + detail)
     return 0 if passed else 1
 

@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 
 from deepseek_v3_layers import DEEPSEEK_V3, TINY, ModelDims, VerifyModel, weight_bytes  # a sibling in bench/
+from sglang_spec.errors import SpecError
+from sglang_spec.files import check_output_path, write_json_atomic
 from sglang_spec.models.registry import SHIPPED_PROFILES
 from sglang_spec.tree.cost_model import CostCurve, choose_tree_size, predicted_speedup
 from sglang_spec.tree.profile import AcceptanceProfile
@@ -169,6 +171,11 @@ def print_report(dims: ModelDims, curves: dict[int, CostCurve], gains: list[dict
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:  # a bad --out fails now, not after the sweep
+        check_output_path(args.out, force=True)
+    except SpecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.tiny:
         print("bench/verify_cost.py times a DeepSeek-V3-sized forward and there is no CUDA device here; run it on a "
@@ -212,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "speedups": gains,
         "profile_choices": choices,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json_atomic(args.out, report)
     print(f"\nwrote {args.out}" + ("  (tiny: harness check, not DeepSeek-V3 timings)" if args.tiny else ""))
     return 0
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from sglang_spec.errors import SpecError
+
 REPO = Path(__file__).resolve().parents[2]
 PAYLOAD_LIMIT = 64 * 2**20  # bytes that may travel with the repository to a bare GPU machine
 
@@ -65,6 +67,12 @@ def test_payload_fits_what_a_gpu_machine_takes():
     assert total <= PAYLOAD_LIMIT, f"tracked files take {total / 2**20:.1f} MiB, over the 64 MiB a GPU machine takes"
 
 
+def test_a_bad_results_path_fails_at_once_in_one_line(tmp_path, capsys):
+    assert load_gpu_check().main(["--dry-run", "--out", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and "directory" in error and error.count("\n") == 1
+
+
 def test_a_check_with_a_missing_module_is_skipped_in_one_line(tmp_path):
     gpu_check = load_gpu_check()
     check = gpu_check.Check("absent", "needs a module nobody has", ("bench/kernels.py",), ("bench/kernels.py",),
@@ -103,5 +111,5 @@ def test_rows_go_at_the_end_of_the_log_table_and_escape_pipes(tmp_path):
     gpu_check.append_rows(docs, rows)
     assert docs.read_text().splitlines()[-len(rows) - 1:] == ["| old | | | | |", *rows]
     docs.write_text("# log\n\nno table at the end\n")
-    with pytest.raises(SystemExit, match="does not end with its log table"):
+    with pytest.raises(SpecError, match="does not end with its log table"):
         gpu_check.append_rows(docs, rows)
