@@ -32,7 +32,7 @@ import torch
 
 from deepseek_v3_layers import DEEPSEEK_V3, TINY, ModelDims, VerifyModel, weight_bytes  # a sibling in bench/
 from sglang_spec.errors import SpecError
-from sglang_spec.files import check_output_path, write_json_atomic
+from sglang_spec.files import check_output_path, read_text, write_json_atomic
 from sglang_spec.models.registry import SHIPPED_PROFILES
 from sglang_spec.tree.cost_model import CostCurve, choose_tree_size, predicted_speedup
 from sglang_spec.tree.profile import AcceptanceProfile
@@ -115,7 +115,7 @@ def cost_curves(dims: ModelDims, pieces: list[dict], prefix: int, device_name: s
 # ------------------------------------------------------------------------------------------------ speedups
 def measured_accept_lengths(path: Path = ACCEPTANCE) -> list[dict]:
     """The tree rows of the acceptance sweep: head, temperature, method, budget, depth, accept_length."""
-    rows = json.loads(path.read_text())["rows"]
+    rows = json.loads(read_text(path, "acceptance results"))["rows"]
     keys = ("head", "temperature", "method", "budget", "depth", "accept_length")
     return [{key: row[key] for key in keys} for row in rows
             if row["method"] in POLICIES and row["budget"] > 0 and math.isfinite(row["accept_length"])]
