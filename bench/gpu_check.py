@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, read_text, write_json_atomic, write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -301,17 +301,17 @@ def append_rows(docs: Path, rows: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ main
-def preflight(dry: bool) -> str | None:
-    """What keeps every check from running, in one line, or None."""
+def preflight(dry: bool) -> None:
+    """Refuses, in one line, what keeps every check from running."""
     missing = [module for module in CORE_MODULES if importlib.util.find_spec(module) is None]
     if missing:
-        return f"{', '.join(missing)} not installed: every check needs torch, triton and numpy"
+        raise SpecError(f"{', '.join(missing)} not installed: every check needs torch, triton and numpy")
     if not dry:
         import torch
 
         if not torch.cuda.is_available():
-            return "torch sees no CUDA device: run this on a GPU machine, or pass --dry-run to check the harness"
-    return None
+            raise SpecError("torch sees no CUDA device: run this on a GPU machine, or pass --dry-run to check the "
+                            "harness")
 
 
 def link_kernels() -> None:
@@ -325,16 +325,10 @@ def link_kernels() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out or (DRY_RESULTS if args.dry_run else GPU_RESULTS)
-    try:  # a bad --out or log fails now, not after nine minutes
-        check_output_path(out, force=True)
-        if not args.dry_run:
-            check_log(args.docs)
-        problem = preflight(args.dry_run)
-    except SpecError as error:
-        problem = str(error)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    check_output_path(out, force=True)  # a bad --out or log fails now, not after nine minutes
+    if not args.dry_run:
+        check_log(args.docs)
+    preflight(args.dry_run)
     link_kernels()
     env = environment(args.dry_run)
     mode = "dry run: CPU, tiny sizes, interpreted kernels" if args.dry_run else "CUDA, compiled kernels"
@@ -355,13 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                "checks": [{"name": check.name, "what": check.what, **asdict(outcomes[check.name])}
                           for check in CHECKS]}
     rows = docs_rows(env, outcomes)
-    try:
-        write_json_atomic(out, results)
-        if not args.dry_run:
-            append_rows(args.docs, rows)
-    except SpecError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    write_json_atomic(out, results)
+    if not args.dry_run:
+        append_rows(args.docs, rows)
     if args.dry_run:
         print(f"\ndry run: no row appended to {args.docs}; a GPU run would append:")
         print("\n".join(rows))
@@ -374,4 +364,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

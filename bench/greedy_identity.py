@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, compare_with_plain, generate_plain
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_json_atomic
 from sglang_spec.models.tiny_deepseek import build_tiny_deepseek
 from sglang_spec.mtp.head import MTPHead
@@ -79,11 +79,7 @@ def check_policy(model: torch.nn.Module, head: MTPHead, prompts: list[list[int]]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:  # a bad --out fails now, not after the decoding
-        check_output_path(args.out, force=True)
-    except SpecError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    check_output_path(args.out, force=True)  # a bad --out fails now, not after the decoding
     started = time.perf_counter()
     model, head = random_target(args.device)
     rng = np.random.default_rng(0)
@@ -115,4 +111,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from deepseek_v3_layers import DEEPSEEK_V3, TINY, ModelDims, VerifyModel, weight_bytes  # a sibling in bench/
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, read_text, write_json_atomic
 from sglang_spec.models.registry import SHIPPED_PROFILES
 from sglang_spec.tree.cost_model import CostCurve, choose_tree_size, predicted_speedup
@@ -171,11 +171,7 @@ def print_report(dims: ModelDims, curves: dict[int, CostCurve], gains: list[dict
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:  # a bad --out fails now, not after the sweep
-        check_output_path(args.out, force=True)
-    except SpecError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    check_output_path(args.out, force=True)  # a bad --out fails now, not after the sweep
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.tiny:
         print("bench/verify_cost.py times a DeepSeek-V3-sized forward and there is no CUDA device here; run it on a "
@@ -225,4 +221,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))
