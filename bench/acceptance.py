@@ -40,7 +40,7 @@ from sglang_spec.decode.decoder import (
     generate_plain,
 )
 from sglang_spec.decode.target import TargetRunner
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.models.registry import LoadedModel
 from sglang_spec.mtp.head import MTPHead
@@ -121,11 +121,7 @@ class Sweep:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:  # a bad --out fails now, not after the run
-        check_output_path(args.out, force=True)
-    except SpecError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    check_output_path(args.out, force=True)  # a bad --out fails now, not after the run
     torch.manual_seed(args.seed)
     loaded = load_model(args.model)
     heads = load_heads(loaded, args.heads)
@@ -466,4 +462,4 @@ def environment(loaded: LoadedModel) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

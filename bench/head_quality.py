@@ -19,7 +19,7 @@ from harness import head_quality, load_heads, load_profiles, load_prompt_tokens
 
 from sglang_spec.catalog import load_model
 from sglang_spec.decode.decoder import GenerationConfig, generate_plain
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.sampling import SamplingParams
 
@@ -36,11 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree-sizes", default="16,32,168")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "head-quality.json")
     args = parser.parse_args(argv)
-    try:  # a bad --out fails now, not after the run
-        check_output_path(args.out, force=True)
-    except SpecError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    check_output_path(args.out, force=True)  # a bad --out fails now, not after the run
 
     loaded = load_model(args.model)
     heads = load_heads(loaded, None)
@@ -67,4 +63,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

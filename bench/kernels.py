@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,11 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:  # a bad --out fails now, not after the run
-        check_output_path(args.out, force=True)
-    except SpecError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    check_output_path(args.out, force=True)  # a bad --out fails now, not after the run
     import torch
 
     if not torch.cuda.is_available() and not args.smoke:
@@ -400,4 +396,4 @@ def environment(device: str) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

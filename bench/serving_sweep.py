@@ -27,6 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sglang_spec.errors import SpecError, exit_status
+from sglang_spec.files import check_output_path, write_text_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = ["policy", "budget", "concurrency", "request_throughput", "output_throughput", "mean_ttft_ms",
           "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "accept_length"]
@@ -168,15 +171,9 @@ def main(argv=None) -> int:
             for concurrency in concurrencies:
                 print("  " + " ".join(shlex.quote(p) for p in bench_command(args, concurrency, Path("out.jsonl"))))
         return 0
-    from sglang_spec.errors import SpecError
-    from sglang_spec.files import check_output_path, write_text_atomic
     from sglang_spec.sglang_plugin.cpu.server import SGLangServer, cpu_launch_args, prepare_model
 
-    try:  # a bad --out fails now, not after the sweep
-        check_output_path(args.out, force=True)
-    except SpecError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    check_output_path(args.out, force=True)  # a bad --out fails now, not after the run
     if args.cpu_model is None:
         import torch
 
@@ -228,4 +225,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

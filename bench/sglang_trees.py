@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,12 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        check_output_path(args.out, force=True)
-        check_output_path(args.out.with_suffix(".md"), force=True)
-    except SpecError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    for out in (args.out, args.out.with_suffix(".md")):  # a bad --out fails now, not after nine servers
+        check_output_path(out, force=True)
     from transformers import AutoTokenizer
 
     from sglang_spec.sglang_plugin.cpu.server import SGLangServer, cpu_launch_args, free_port, prepare_model
@@ -97,4 +93,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))

@@ -6,6 +6,9 @@ A ``SpecError`` message is a single line that says what is wrong and how to fix 
 
 from __future__ import annotations
 
+import sys
+from typing import Callable
+
 
 class SpecError(ValueError):
     """Bad input (a tree, a profile, an option, a file). The message is one line, meant for a user."""
@@ -24,3 +27,12 @@ def brief(value: object, limit: int = 40) -> str:
         text = f"<{type(value).__name__} too long to print>"
     text = text.replace("\n", "\\n")
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def exit_status(main: Callable[[], int]) -> int:
+    """Runs a script's ``main``: bad input (a SpecError) becomes one ``error: ...`` line on stderr and status 2."""
+    try:
+        return main()
+    except SpecError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return 2

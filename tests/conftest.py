@@ -44,10 +44,25 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if _HAS_CUDA_ENV and not _cuda_available():
+        raise pytest.UsageError("SGLANG_SPEC_TEST_GPU=1 compiles the Triton kernels for CUDA, but torch sees no "
+                                "CUDA device; unset it to run the kernels under the interpreter")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``kernel_device``: where the Triton kernels under test run. One device per process, because interpret
+    mode is process-wide: "cpu" (interpreted) by default, "cuda" (compiled) with SGLANG_SPEC_TEST_GPU=1. Inputs
+    are built on the CPU and moved there; references run on the CPU, so both devices meet the same ground truth."""
+    if "kernel_device" in metafunc.fixturenames:
+        metafunc.parametrize("kernel_device", ["cuda" if _HAS_CUDA_ENV else "cpu"])
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _cuda_available():
+    # gpu tests capture CUDA graphs of compiled kernels: interpreted kernels on a GPU would not capture
+    if _HAS_CUDA_ENV and _cuda_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU and SGLANG_SPEC_TEST_GPU=1 (compiled kernels)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

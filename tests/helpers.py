@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -98,3 +101,19 @@ def random_candidate_batch(
         num_nodes=num_nodes,
         trees=trees,
     )
+
+
+def to_device(value: Any, device: str) -> Any:
+    """``value`` with every tensor in it (inside tuples, lists, dicts and dataclasses too) moved to ``device``. On
+    the CPU the very same tensors come back, so in-place outputs stay visible to the caller."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(item, device) for item in value)
+    if isinstance(value, dict):
+        return {key: to_device(item, device) for key, item in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        moved = {field.name: to_device(getattr(value, field.name), device) for field in dataclasses.fields(value)
+                 if field.init}
+        return dataclasses.replace(value, **moved)
+    return value

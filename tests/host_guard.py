@@ -7,7 +7,6 @@ host reads, and tensors built from host (Python) data, which are host-to-device 
 
 from __future__ import annotations
 
-import sys
 import traceback
 from pathlib import Path
 

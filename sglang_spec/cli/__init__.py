@@ -18,7 +18,7 @@ from sglang_spec.cli import traffic as traffic_command
 from sglang_spec.cli import train as train_command
 from sglang_spec.cli import tree as tree_command
 from sglang_spec.cli.parser import OneLineErrorParser
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import exit_status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,10 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C, so writers remove their temporary files
     previous = _on_sigterm(_terminate)
     try:
-        return int(args.run(args) or 0)
-    except SpecError as error:
-        sys.stderr.write(f"error: {error}\n")
-        return 2
+        return exit_status(lambda: int(args.run(args) or 0))
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130

@@ -20,7 +20,6 @@ from typing import Any, TYPE_CHECKING
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
 from sglang_spec.files import write_text_atomic
 from sglang_spec.mtp.checkpoint import deepseek_mtp_state_dict

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sglang_spec.errors import SpecError
+from sglang_spec.files import atomic_path, write_text_atomic
 from sglang_spec.mtp.checkpoint import read_mtp_header
 
 ARCHITECTURE = "LlamaForCausalLMNextN"
@@ -73,15 +74,19 @@ def export_llama_draft(head_path: str | Path, target_dir: str | Path, out_dir: s
     # the draft shares the target's embedding and head (SGLang binds them); its own head is untied
     draft_config = {**config, "architectures": [ARCHITECTURE], "num_hidden_layers": 1, "tie_word_embeddings": False,
                     "torch_dtype": "float32", FEEDBACK_KEY: header["feedback"]}
-    (out_dir / "config.json").write_text(json.dumps(draft_config, indent=1) + "\n")
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(out_dir / "model.safetensors"))
+    # each file replaced atomically (a server may be loading this folder while a second export rewrites it)
+    with atomic_path(out_dir / "model.safetensors") as temporary:
+        save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(temporary))
     for name in _TOKENIZER_FILES:
         if (target_dir / name).exists():
-            shutil.copy(target_dir / name, out_dir / name)
+            with atomic_path(out_dir / name) as temporary:
+                shutil.copy(target_dir / name, temporary)
     token_map = None
     if draft_vocab is not None:
         token_map = out_dir / TOKEN_MAP
-        torch.save(draft_vocab.to(torch.int64).tolist(), token_map)
+        with atomic_path(token_map) as temporary:
+            torch.save(draft_vocab.to(torch.int64).tolist(), temporary)
     elif (out_dir / TOKEN_MAP).exists():
         (out_dir / TOKEN_MAP).unlink()
+    write_text_atomic(out_dir / "config.json", json.dumps(draft_config, indent=1) + "\n")
     return DraftExport(out_dir, token_map)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Iterator, TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from sglang_spec.attention.kv_cache import new_dynamic_cache
 from sglang_spec.attention.masks import attention_mask_for

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from sglang_spec.decode.decoder import GenerationConfig, generate_plain
@@ -68,10 +67,7 @@ def _train(
         for _ in range(target_steps):
             batch = language.sample(32, 48)
             loss = model(input_ids=batch, labels=batch).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            bar.update()
+            _descend(optimizer, loss, bar)
             bar.set_postfix(target_loss=f"{loss.item():.3f}")
         model.eval()
         for parameter in model.parameters():
@@ -86,15 +82,19 @@ def _train(
         for _ in range(head_steps):
             rows = torch.randint(len(sequences), (16,))
             loss, metrics = unrolled_loss(head, teacher_batch(model, head, [sequences[row] for row in rows]), unroll=3)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            bar.update()
+            _descend(optimizer, loss, bar)
             bar.set_postfix(head_top1=f"{metrics.top1[0]:.2f}")
     head.eval()
     for parameter in head.parameters():
         parameter.requires_grad_(False)
     return model, head
+
+
+def _descend(optimizer: torch.optim.Optimizer, loss: torch.Tensor, bar: tqdm) -> None:
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    bar.update()
 
 
 def tiny_deepseek_dir(cache: Path | None = None, progress: bool = True) -> Path:

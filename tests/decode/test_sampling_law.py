@@ -1,7 +1,6 @@
 """Sampling with tree speculation keeps the target's distribution: the joint law of the first three generated
 tokens matches the exact law by chi-square; a deliberately biased acceptance rule fails the same test."""
 
-import itertools
 
 import numpy as np
 import pytest

@@ -1,7 +1,6 @@
 import importlib.util
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 

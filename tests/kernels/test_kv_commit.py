@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import random_candidate_batch
+from helpers import random_candidate_batch, to_device
 from sglang_spec.kernels.kv_commit import (
     commit_kv,
     commit_kv_reference,
@@ -42,14 +42,15 @@ def make_buffers(rng, layout):
 
 @pytest.mark.parametrize("layout", ["mha", "mla", "stacked"])
 @pytest.mark.parametrize("seed", range(3))
-def test_commit_equals_reference_and_moves_the_accepted_rows(layout, seed):
+def test_commit_equals_reference_and_moves_the_accepted_rows(kernel_device, layout, seed):
     rng, outputs, num_nodes, slots = accepted_paths(seed)
     buffers, stacked = make_buffers(rng, layout)
     original = [buffer.clone() for buffer in buffers]
-    kernel_buffers = [buffer.clone() for buffer in buffers]
-    freed = torch.empty_like(slots)
-    commit_kv(kernel_buffers, slots, outputs.accepted_nodes, outputs.accept_length, num_nodes, freed,
-              stacked=stacked, block=16)
+    kernel_buffers = [buffer.clone().to(kernel_device) for buffer in buffers]
+    freed = torch.empty_like(slots, device=kernel_device)
+    path = to_device((slots, outputs.accepted_nodes, outputs.accept_length, num_nodes), kernel_device)
+    commit_kv(kernel_buffers, *path, freed, stacked=stacked, block=16)
+    kernel_buffers, freed = to_device((kernel_buffers, freed), "cpu")
     reference_freed = torch.empty_like(slots)
     commit_kv_reference(buffers, slots, outputs.accepted_nodes, outputs.accept_length, num_nodes, reference_freed,
                         stacked=stacked)
@@ -68,28 +69,31 @@ def test_commit_equals_reference_and_moves_the_accepted_rows(layout, seed):
     assert int(outputs.accept_length.max()) >= 3
 
 
-def test_in_place_hazard_path_reads_before_it_overwrites():
+def test_in_place_hazard_path_reads_before_it_overwrites(kernel_device):
     # path 0 -> 2 -> 5: position 1 <- node 2, position 2 <- node 5; node 2's row is read before it is overwritten
     slots = torch.tensor([[10, 11, 12, 13, 14, 15]])
-    buffer = torch.arange(20 * 4, dtype=torch.float32).reshape(20, 4)
-    before = buffer.clone()
+    before = torch.arange(20 * 4, dtype=torch.float32).reshape(20, 4)
     accepted = torch.tensor([[0, 2, 5, -1]])
-    commit_kv([buffer], slots, accepted, torch.tensor([3]), torch.tensor([6]), torch.empty_like(slots), block=2)
+    args = to_device(([before.clone()], slots, accepted, torch.tensor([3]), torch.tensor([6]), torch.empty_like(slots)),
+                     kernel_device)
+    commit_kv(*args, block=2)
+    buffer = args[0][0].cpu()
     assert torch.equal(buffer[11], before[12]) and torch.equal(buffer[12], before[15])
     assert torch.equal(buffer[10], before[10]) and torch.equal(buffer[13:], before[13:])
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_paged_tree_slots_equal_reference(page_size):
+def test_paged_tree_slots_equal_reference(kernel_device, page_size):
     rng = np.random.default_rng(page_size)
     prefix = torch.from_numpy(rng.integers(0, 50, size=5)).long()
     page_table = torch.from_numpy(rng.permutation(2000)[: 5 * 64].reshape(5, 64)).long()
-    assert torch.equal(paged_tree_slots(page_table, prefix, 9, page_size),
-                       paged_tree_slots_reference(page_table, prefix, 9, page_size))
+    kernel = paged_tree_slots(*to_device((page_table, prefix), kernel_device), 9, page_size).cpu()
+    assert torch.equal(kernel, paged_tree_slots_reference(page_table, prefix, 9, page_size))
 
 
-def test_rows_must_be_contiguous():
+def test_rows_must_be_contiguous(kernel_device):
     buffer = torch.zeros(16, 8, 4).transpose(1, 2)
+    args = ([buffer], torch.zeros(1, 2).long(), torch.zeros(1, 2).long(), torch.ones(1).long(), torch.ones(1).long(),
+            torch.zeros(1, 2).long())
     with pytest.raises(ValueError, match="contiguous"):
-        commit_kv([buffer], torch.zeros(1, 2).long(), torch.zeros(1, 2).long(), torch.ones(1).long(),
-                  torch.ones(1).long(), torch.zeros(1, 2).long())
+        commit_kv(*to_device(args, kernel_device))

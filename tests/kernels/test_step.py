@@ -121,10 +121,11 @@ def config_for(mode, batch=4):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODE_CONFIGS))
-def test_kernel_step_equals_reference_step_over_consecutive_steps(mode):
+def test_kernel_step_equals_reference_step_over_consecutive_steps(kernel_device, mode):
     config = config_for(mode)
-    kernel_step, target = make_step(config, "kernel")
-    reference_step, _ = make_step(config, "reference")
+    # both on the kernel's device: the toy target's float math then gives both steps the very same logits and KV
+    kernel_step, target = make_step(config, "kernel", device=kernel_device)
+    reference_step, _ = make_step(config, "reference", device=kernel_device)
     rng = np.random.default_rng(1)
     deepest = 0
     for _ in range(2):
@@ -140,9 +141,9 @@ def test_kernel_step_equals_reference_step_over_consecutive_steps(mode):
     assert deepest >= 3
 
 
-def test_step_path_reads_nothing_on_the_host_and_allocates_nothing():
+def test_step_path_reads_nothing_on_the_host_and_allocates_nothing(kernel_device):
     config = config_for("greedy", batch=2)
-    step, target = make_step(config, "kernel")
+    step, target = make_step(config, "kernel", device=kernel_device)
     fill_inputs(step.inputs, target.rule, config, np.random.default_rng(0))
     step.run()  # warm-up (a GPU would compile here)
     with HostAccessGuard() as guard:

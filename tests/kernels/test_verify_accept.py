@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import random_candidate_batch
+from helpers import random_candidate_batch, to_device
 from sglang_spec.kernels.tree_metadata import build_tree_metadata_reference
 from sglang_spec.kernels.verify_accept import (
     AcceptOutputs,
@@ -66,29 +66,30 @@ def sampling_params(rng, batch):
     return torch.tensor(temperature).float(), torch.tensor(top_k).long(), torch.tensor(top_p).float()
 
 
-def test_inverse_cdf_over_a_sweep_of_coins():
+def test_inverse_cdf_over_a_sweep_of_coins(kernel_device):
     logits = (torch.randn(VOCAB, generator=torch.Generator().manual_seed(4)) * 0.7).expand(64, VOCAB).contiguous()
     probs = target_probs_from_logits(logits[:, None], torch.ones(64), torch.zeros(64).long(), torch.ones(64))
     coins = coins_away_from_boundaries(probs[:, 0], torch.linspace(0.0, 0.999, 64))
     args = (logits, 1, torch.ones(64), torch.zeros(64).long(), torch.ones(64), coins, True)
-    tokens = target_tokens(*args, block_v=BLOCK_V)
+    tokens = target_tokens(*to_device(args, kernel_device), block_v=BLOCK_V).cpu()
     assert torch.equal(tokens, target_tokens_reference(*args))
     assert len(set(tokens.tolist())) > 20  # the sweep really walks across the distribution
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_target_tokens_greedy_equals_reference(seed):
+def test_target_tokens_greedy_equals_reference(kernel_device, seed):
     rng, meta, _, _ = tree_batch(seed)
     logits = logits_favouring_children(rng, meta, 0.8, 4.0)
     batch, nodes = meta.tokens.shape
     zeros = torch.zeros(batch)
     args = (logits, nodes, zeros, zeros.long(), torch.ones(batch), torch.zeros(batch * nodes), False)
-    assert torch.equal(target_tokens(*args, block_v=BLOCK_V), target_tokens_reference(*args))
+    kernel = target_tokens(*to_device(args, kernel_device), block_v=BLOCK_V).cpu()
+    assert torch.equal(kernel, target_tokens_reference(*args))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
-def test_target_tokens_sampling_equals_reference(seed):
+def test_target_tokens_sampling_equals_reference(kernel_device, seed):
     rng, meta, _, _ = tree_batch(seed, batch=6, nodes=5, padded_every=0)
     logits = logits_favouring_children(rng, meta, 0.6, 2.0)
     batch, nodes = meta.tokens.shape
@@ -96,37 +97,39 @@ def test_target_tokens_sampling_equals_reference(seed):
     probs = target_probs_from_logits(logits.reshape(batch, nodes, -1), temperature, top_k, top_p)
     coins = coins_away_from_boundaries(probs, torch.from_numpy(rng.random((batch, nodes))).float()).reshape(-1)
     args = (logits, nodes, temperature, top_k, top_p, coins, True)
-    kernel = target_tokens(*args, block_v=BLOCK_V)
+    kernel = target_tokens(*to_device(args, kernel_device), block_v=BLOCK_V).cpu()
     reference = target_tokens_reference(*args)
     assert torch.equal(kernel, reference), (kernel, reference, temperature, top_k, top_p)
 
 
-def test_top_k_and_top_p_thresholds_keep_ties():
+def test_top_k_and_top_p_thresholds_keep_ties(kernel_device):
     # weights 1, 1, 0.5, 0.5, 0.25: top-k 3 keeps the two tied 0.5s; top-p 0.5 keeps both tied 1s
     coins = torch.linspace(0.001, 0.999, 16)
     logits = torch.log(torch.tensor([0.25, 1.0, 0.5, 1.0, 0.5])).expand(len(coins), 5).contiguous()
     for top_k, top_p, allowed in [(3, 1.0, {1, 2, 3, 4}), (0, 0.5, {1, 3}), (1, 1.0, {1, 3})]:
         rows = len(coins)
         args = (logits, 1, torch.ones(rows), torch.full((rows,), top_k), torch.full((rows,), top_p), coins, True)
-        tokens = target_tokens(*args, block_v=2)
+        tokens = target_tokens(*to_device(args, kernel_device), block_v=2).cpu()
         assert torch.equal(tokens, target_tokens_reference(*args))
         assert set(tokens.tolist()) == allowed, (top_k, top_p, tokens)
 
 
-def test_top_n_probs_equals_reference():
+def test_top_n_probs_equals_reference(kernel_device):
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
-    tokens, probs = top_n_probs(logits, 4, block_v=BLOCK_V)
+    tokens, probs = to_device(top_n_probs(logits.to(kernel_device), 4, block_v=BLOCK_V), "cpu")
     reference_tokens, reference_probs = top_n_probs_reference(logits, 4)
     assert torch.equal(tokens, reference_tokens)
     assert torch.allclose(probs, reference_probs, atol=1e-6)
 
 
-def run_walk(function, meta, num_nodes, depth, mode):
+def run_walk(function, meta, num_nodes, depth, mode, device="cpu"):
+    """(AcceptOutputs, output_ids, output_lens) on the CPU, from ``function`` run on ``device``."""
     batch = meta.tokens.shape[0]
     output_ids = torch.full((batch, 6), -7, dtype=torch.int64)
     output_lens = torch.tensor([0, 2, 4, 5][:batch] + [1] * max(0, batch - 4), dtype=torch.int64)
-    out = function(meta.tokens, meta.parents, num_nodes, depth, output_ids, output_lens, mode)
-    return out, output_ids, output_lens
+    args = to_device((meta.tokens, meta.parents, num_nodes, depth, output_ids, output_lens, mode), device)
+    out = function(*args)
+    return to_device((out, args[4], args[5]), "cpu")
 
 
 def assert_same(kernel, reference):
@@ -136,11 +139,11 @@ def assert_same(kernel, reference):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_accept_walk_match_mode_equals_reference(seed):
+def test_accept_walk_match_mode_equals_reference(kernel_device, seed):
     rng, meta, num_nodes, depth = tree_batch(seed, batch=5, nodes=13, topk=3, depth=5)
     logits = logits_favouring_children(rng, meta, 0.9, 6.0)
     target = logits.argmax(-1)
-    kernel = run_walk(accept_walk, meta, num_nodes, depth, MatchMode(target))
+    kernel = run_walk(accept_walk, meta, num_nodes, depth, MatchMode(target), kernel_device)
     reference = run_walk(accept_walk_reference, meta, num_nodes, depth, MatchMode(target))
     assert_same(kernel, reference)
     assert int(kernel[0].accept_length.max()) >= 3  # deep paths really occur
@@ -148,7 +151,7 @@ def test_accept_walk_match_mode_equals_reference(seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_accept_walk_relaxed_mode_equals_reference(seed):
+def test_accept_walk_relaxed_mode_equals_reference(kernel_device, seed):
     rng, meta, num_nodes, depth = tree_batch(seed, batch=4, nodes=9, topk=3, depth=4)
     logits = logits_favouring_children(rng, meta, 0.9, 1.0)  # soft: non-argmax children are often within delta
     batch, nodes = meta.tokens.shape
@@ -156,20 +159,20 @@ def test_accept_walk_relaxed_mode_equals_reference(seed):
     relaxed = RelaxedAcceptance(top_n=3, delta=0.3, think_begin_token=think_begin, think_end_token=think_end)
     thinking = torch.tensor(rng.integers(0, 2, size=batch), dtype=torch.int8)
     mode = RelaxedMode(*top_n_probs_reference(logits, relaxed.top_n), thinking, relaxed)
-    kernel = run_walk(accept_walk, meta, num_nodes, depth, mode)
+    kernel = run_walk(accept_walk, meta, num_nodes, depth, mode, kernel_device)
     reference = run_walk(accept_walk_reference, meta, num_nodes, depth, mode)
     assert_same(kernel, reference)
 
 
 @pytest.mark.sglang
 @pytest.mark.parametrize("seed", range(3))
-def test_greedy_accept_agrees_with_sglangs_verify_tree_greedy(sglang_kernels, seed):
+def test_greedy_accept_agrees_with_sglangs_verify_tree_greedy(sglang_kernels, kernel_device, seed):
     rng, meta, num_nodes, depth = tree_batch(seed, batch=3, nodes=11, topk=3, depth=5, padded_every=0,
                                              shapes=("full",))
     logits = logits_favouring_children(rng, meta, 0.9, 6.0)
-    target = target_tokens(logits, 11, torch.zeros(3), torch.zeros(3).long(), torch.ones(3), torch.zeros(33), False,
-                           block_v=BLOCK_V)
-    ours, output_ids, _ = run_walk(accept_walk, meta, num_nodes, depth, MatchMode(target))
+    args = (logits, 11, torch.zeros(3), torch.zeros(3).long(), torch.ones(3), torch.zeros(33), False)
+    target = target_tokens(*to_device(args, kernel_device), block_v=BLOCK_V).cpu()
+    ours, output_ids, _ = run_walk(accept_walk, meta, num_nodes, depth, MatchMode(target), kernel_device)
     predicts, accept_index, accept_num = sglang_kernels.verify_greedy(
         meta.tokens, meta.retrieve_index, meta.first_child, meta.next_sibling, target.reshape(3, 11), depth + 1
     )
@@ -182,9 +185,9 @@ def test_greedy_accept_agrees_with_sglangs_verify_tree_greedy(sglang_kernels, se
         assert output_ids[b, start : start + len(emitted)].tolist() == emitted[: 6 - start]
 
 
-def candidate_sample_mode(rng, meta, logits, batch, nodes, function=node_normalizers):
+def candidate_sample_mode(rng, meta, logits, batch, nodes):
     inverse_temperature = torch.tensor(rng.uniform(0.6, 2.0, size=batch)).float()
-    normalizers = function(logits, nodes, inverse_temperature, block_v=BLOCK_V)
+    normalizers = node_normalizers_reference(logits, nodes, inverse_temperature)
     probs = node_probabilities(logits, nodes, inverse_temperature, normalizers)
     # the running sums of children probabilities are what the coins are compared with: keep coins off them
     coins = torch.from_numpy(rng.random((batch, nodes))).float()
@@ -194,26 +197,26 @@ def candidate_sample_mode(rng, meta, logits, batch, nodes, function=node_normali
     return CandidateSampleMode(logits, inverse_temperature, normalizers, coins.reshape(-1), final)
 
 
-def test_node_normalizers_equal_reference():
+def test_node_normalizers_equal_reference(kernel_device):
     rng, meta, _, _ = tree_batch(5)
     logits = logits_favouring_children(rng, meta, 0.7, 3.0)
     batch, nodes = meta.tokens.shape
     inverse_temperature = torch.tensor(rng.uniform(0.5, 2.0, size=batch)).float()
-    kernel = node_normalizers(logits, nodes, inverse_temperature, block_v=BLOCK_V)
+    kernel = node_normalizers(*to_device((logits, nodes, inverse_temperature), kernel_device), block_v=BLOCK_V).cpu()
     reference = node_normalizers_reference(logits, nodes, inverse_temperature)
     assert torch.equal(kernel[:, 0], reference[:, 0])
     assert torch.allclose(kernel[:, 1], reference[:, 1], rtol=1e-6)
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_accept_walk_candidate_sample_mode_equals_reference(seed):
+def test_accept_walk_candidate_sample_mode_equals_reference(kernel_device, seed):
     """SGLang's sampling rule (candidate buckets first, residual without the last node's children by the final
     coin): kernel and reference read the same logits, normalizers and coins and make the same choices."""
     rng, meta, num_nodes, depth = tree_batch(seed, batch=5, nodes=13, topk=3, depth=5)
     logits = logits_favouring_children(rng, meta, 0.9, 3.0)
     batch, nodes = meta.tokens.shape
     mode = candidate_sample_mode(rng, meta, logits, batch, nodes)
-    kernel = run_walk(accept_walk, meta, num_nodes, depth, mode)
+    kernel = run_walk(accept_walk, meta, num_nodes, depth, mode, kernel_device)
     reference = run_walk(accept_walk_reference, meta, num_nodes, depth, mode)
     assert_same(kernel, reference)
     assert int(kernel[0].accept_length.max()) >= 2

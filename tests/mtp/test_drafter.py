@@ -71,7 +71,8 @@ def test_without_the_tree_mask_siblings_would_leak(random_tiny):
     exact = drafter.expand(state, tree, [second_child])[0]
     leaky_state = fresh_state(model, drafter, prompt, first)
     leaky_tree = GrowingTree(first)
-    a, b = leaky_tree.add(0, 10, 0, 0.5), leaky_tree.add(0, 11, 1, 0.3)
+    a = leaky_tree.add(0, 10, 0, 0.5)
+    leaky_tree.add(0, 11, 1, 0.3)  # the sibling the unmasked head would see
     drafter.expand(leaky_state, leaky_tree, [a])
     width = leaky_state.cache.get_seq_length()
     output = head(torch.tensor([[11]]), leaky_state.root_hidden[None, None], torch.tensor([[len(prompt)]]), None,

@@ -19,7 +19,7 @@ def hook_of(function):
 def test_load_plugins_discovers_the_entry_point_and_applies_our_hooks(sglang_with_plugin):
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.server_args import ServerArgs
-    from sglang.srt.speculative import eagle_utils, eagle_worker_v2, spec_utils
+    from sglang.srt.speculative import eagle_worker_v2, spec_utils
 
     assert any("sglang_spec" in (source.plugin_name or "") for hooks_ in HookRegistry._hooks.values()
                for _, _, source in hooks_ if source is not None)

@@ -3,12 +3,11 @@
 import json
 
 import pytest
-import torch
 
 from sglang_spec.cli import main
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
 from sglang_spec.models.toy_language import ToyLanguage
-from sglang_spec.mtp.checkpoint import load_mtp_head, read_mtp_header
+from sglang_spec.mtp.checkpoint import read_mtp_header
 from sglang_spec.train.traffic import TrafficRecord, write_traffic
 from sglang_spec.tree import TreePolicy
 

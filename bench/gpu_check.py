@@ -1,0 +1,367 @@
+"""Every GPU-only check of the project in one command, for a bare CUDA machine: one results file, and one dated
+row per check appended to docs/gpu-validation.md.
+
+    scripts/gpu_check.sh                  # on a CUDA GPU: under 9 minutes
+    scripts/gpu_check.sh --dry-run        # anywhere: lists the checks and runs each on the CPU at tiny sizes
+
+The machine needs this repository, Python >= 3.10, PyTorch, Triton and numpy (sglang_spec imports it); nothing is
+installed or downloaded. Optional: pytest (the four test-based checks: the tests use its fixtures and
+parametrisation) and transformers + safetensors (greedy identity: the tiny DeepSeek-V3 is a transformers model). A
+check whose modules are missing is skipped with one line naming them. sglang and flashinfer are never needed: the
+tests that compare with them skip.
+
+Each check runs in its own process (a crash or a hang costs that check only) under a time limit, within a
+9-minute budget for the whole run; checks are ordered so that the most telling finish first. ``--dry-run`` hides
+the GPU from every check (CUDA_VISIBLE_DEVICES=""), so kernels run under the Triton interpreter, the gpu-marked
+tests skip and the scripts take their tiny sizes; its results file goes to runs/ and it appends no row to
+docs/gpu-validation.md (it prints the rows it would append).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from sglang_spec.errors import SpecError, exit_status
+from sglang_spec.files import check_output_path, read_text, write_json_atomic, write_text_atomic
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs" / "gpu-validation.md"
+GPU_RESULTS = REPO / "docs" / "results" / "gpu-check.json"
+DRY_RESULTS = REPO / "runs" / "gpu-check-dry-run.json"
+BUDGET_SECONDS = 510  # the checks' share of the 9 minutes; start-up and writing the results take seconds
+MIN_SECONDS = 20  # a check given less than this is skipped as out of time
+CANNOT_RUN_HERE = 3  # a script's exit code for "this machine cannot run me" (too little GPU memory): skipped
+CORE_MODULES = ("torch", "triton", "numpy")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check, run as ``python ARGV`` (a script also gets ``--out FILE``, the JSON it writes); ``dry_argv``
+    replaces ``argv`` in the dry run; ``needs``: modules it imports beyond the core ones; ``limit``: seconds on a
+    GPU (the dry run allows more: CI's CPU is slow and shared)."""
+
+    name: str
+    what: str
+    argv: tuple[str, ...]
+    dry_argv: tuple[str, ...]
+    needs: tuple[str, ...]
+    limit: int
+
+    @property
+    def is_pytest(self) -> bool:
+        return self.argv[:2] == ("-m", "pytest")
+
+
+@dataclass
+class Outcome:
+    """status: passed | failed | skipped; detail: one line; data: what the check measured or counted (JSON)."""
+
+    status: str
+    detail: str
+    seconds: float = 0.0
+    data: dict = field(default_factory=dict)
+    log_tail: list[str] = field(default_factory=list)
+
+
+PYTEST = ("-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider")
+STEP_TESTS = "tests/kernels/test_step.py"
+
+CHECKS = (
+    Check("step_cuda_graph",
+          "CUDA-graph capture and replay of the speculative step (SpecStep: metadata, verify, accept, KV commit) in "
+          "greedy, sampled and relaxed modes, against the reference step",
+          (*PYTEST, STEP_TESTS, "-k", "cuda_graph"), (*PYTEST, STEP_TESTS, "-k", "cuda_graph"), ("pytest",), 120),
+    Check("fused_accept_cuda_graph",
+          "the fused accept (sglang_plugin/fused_accept.py, without sglang) on static buffers over consecutive "
+          "batches, and captured in a CUDA graph, replayed against eager runs",
+          (*PYTEST, "tests/sglang_plugin/test_fused_accept_graph.py"),
+          (*PYTEST, "tests/sglang_plugin/test_fused_accept_graph.py"), ("pytest",), 90),
+    Check("no_host_sync",
+          "the step path under torch.cuda.set_sync_debug_mode('error') with no new allocation, and under the "
+          "host-access guard",
+          (*PYTEST, STEP_TESTS, "-k", "no_host_sync or reads_nothing"),
+          (*PYTEST, STEP_TESTS, "-k", "no_host_sync or reads_nothing"), ("pytest",), 90),
+    Check("verify_cost",
+          "verify forward time against tree size 1..128 at batch 1..64 of a random-weight model with DeepSeek-V3's "
+          "layer dimensions, and the speedups measured accept lengths would give (step_seconds)",
+          ("bench/verify_cost.py",), ("bench/verify_cost.py", "--tiny"), (), 150),
+    Check("greedy_identity",
+          "the reference decoder's greedy identity on this device: random-weight tiny DeepSeek-V3, every policy, "
+          "batch 1 and 4",
+          ("bench/greedy_identity.py",), ("bench/greedy_identity.py", "--tiny"), ("transformers", "safetensors"), 150),
+    Check("kernel_tests",
+          "every kernel test (tests/kernels) compiled for this GPU, against the CPU references (dry run: "
+          "test_kv_commit.py alone)",
+          (*PYTEST, "tests/kernels", "-m", "not gpu", "-k", "not reads_nothing"),
+          (*PYTEST, "tests/kernels/test_kv_commit.py"), ("pytest",), 300),
+    Check("kernel_bench",
+          "bench/kernels.py, reduced sweep (batch 1, 16, 64 x budget 8, 32, 128), CUDA-graph replays",
+          ("bench/kernels.py", "--batch-sizes", "1,16,64", "--budgets", "8,32,128", "--repeats", "20"),
+          ("bench/kernels.py", "--smoke"), (), 150),
+)
+
+
+def command(check: Check, dry: bool, out: Path) -> list[str]:
+    argv = list(check.dry_argv if dry else check.argv)
+    return [sys.executable, *argv] if check.is_pytest else [sys.executable, *argv, "--out", str(out)]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="list the checks and run them on the CPU at tiny sizes; append nothing to the docs")
+    parser.add_argument("--out", type=Path, help=f"results file (default {GPU_RESULTS.relative_to(REPO)}, dry run: "
+                                                 f"{DRY_RESULTS.relative_to(REPO)})")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="the validation log the GPU run appends rows to")
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------ running
+def child_environment(dry: bool) -> dict[str, str]:
+    """The checks' environment: the checkout first on the path, unbuffered output, no hub; a GPU run compiles the
+    kernels for CUDA (SGLANG_SPEC_TEST_GPU=1), a dry run hides the GPU and interprets them."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [env["PYTHONPATH"]] * bool(env.get("PYTHONPATH")))
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("SGLANG_SPEC_REQUIRE_SGLANG", None)  # without sglang its comparison tests skip instead of failing
+    if dry:
+        env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+        env.pop("SGLANG_SPEC_TEST_GPU", None)
+    else:
+        env["SGLANG_SPEC_TEST_GPU"] = "1"
+        env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def run_streaming(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, list[str]]:
+    """Runs ``argv`` in the checkout, echoing its output as it comes; returns (exit code or None when it ran past
+    ``timeout`` and was stopped, its last 40 lines)."""
+    process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               errors="replace", start_new_session=True)
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            print("    " + line, end="", flush=True)
+            tail.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code: int | None = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # its own session: the check and whatever it started
+        process.wait()
+        code = None
+    reader.join(timeout=5)
+    return code, list(tail)
+
+
+_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
+
+
+def judge_pytest(code: int, tail: list[str]) -> Outcome:
+    """Passed: some test passed and none failed. Skipped: every selected test skipped (the reason is given)."""
+    closing = next((line.strip("= ") for line in reversed(tail) if _COUNTS.search(line)), "")
+    summary = re.sub(r" in [\d.]+s( \(.*\))?$", "", closing)  # the counts, without pytest's own timing
+    counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(number)
+              for number, kind in _COUNTS.findall(summary)}
+    reasons = sorted({line.split(": ", 1)[-1] for line in tail if line.startswith("SKIPPED")})
+    failures = [line for line in tail if line.startswith(("FAILED", "ERROR"))]
+    data = {"summary": summary, "counts": counts, "skip_reasons": reasons, "failures": failures}
+    if code == 5:
+        return Outcome("failed", "no test was selected: were the tests renamed? (see bench/gpu_check.py)", data=data)
+    if code != 0 or counts.get("failed") or counts.get("error"):
+        first = f"; first: {failures[0][:300]}" if failures else ""
+        return Outcome("failed", (summary or (tail[-1] if tail else f"pytest exited with {code}")) + first, data=data)
+    if not counts.get("passed"):
+        return Outcome("skipped", f"{summary}: {'; '.join(reasons)}", data=data)
+    return Outcome("passed", summary + (f" ({'; '.join(reasons)})" if reasons else ""), data=data)
+
+
+def judge_script(check: Check, code: int, tail: list[str], out: Path) -> Outcome:
+    """A script's verdict from its exit code and the JSON it wrote."""
+    data = json.loads(out.read_text()) if out.exists() else {}
+    if code == CANNOT_RUN_HERE:
+        return Outcome("skipped", tail[-1] if tail else "the script cannot run on this machine", data=data)
+    if code != 0 or not data:
+        return Outcome("failed", tail[-1] if tail else f"exited with {code} and wrote no results", data=data)
+    summarize = {"verify_cost": _verify_cost_detail, "greedy_identity": lambda d: d["detail"],
+                 "kernel_bench": _kernel_bench_detail}.get(check.name, lambda d: "ran")
+    try:
+        detail = summarize(data)
+    except (KeyError, ValueError, TypeError) as error:  # the check passed; only its one-line summary broke
+        detail = f"ran (no summary: {type(error).__name__} {error})"
+    return Outcome("passed", detail, data=data)
+
+
+def _verify_cost_detail(data: dict) -> str:
+    curves = {int(batch): curve["verify"] for batch, curve in data["cost_curves"].items()}
+    low, high = min(curves), max(curves)
+    sizes = sorted(int(n) for n in curves[low])
+    best = {batch: max((row for row in data["speedups"] if row["batch"] == batch and row["head"] == "code"
+                        and row["temperature"] == 0.0), key=lambda row: row["speedup"]) for batch in (low, high)}
+    return (f"61-layer verify {curves[low][str(sizes[0])] * 1e3:.1f} -> {curves[low][str(sizes[-1])] * 1e3:.1f} ms "
+            f"(n = {sizes[0]} -> {sizes[-1]}) at batch {low}, {curves[high][str(sizes[0])] * 1e3:.1f} -> "
+            f"{curves[high][str(sizes[-1])] * 1e3:.1f} ms at batch {high}; best predicted speedup (code head, T=0) "
+            f"{best[low]['speedup']:.2f}x at batch {low}, {best[high]['speedup']:.2f}x at batch {high}; experts: "
+            f"{data['experts']}")
+
+
+def _kernel_bench_detail(data: dict) -> str:
+    rows = data["rows"]
+    steps = [row for row in rows if row["op"] == "step"]
+    largest = max(steps, key=lambda row: (row["batch"], row["budget"]))
+    graphs = sum(bool(row["cuda_graph"]) for row in rows)
+    return (f"{len(rows)} timings ({graphs} as CUDA-graph replays); whole step {largest['median_us']:.0f} us at batch "
+            f"{largest['batch']}, budget {largest['budget']}")
+
+
+def run_check(check: Check, dry: bool, seconds_left: float, scratch: Path) -> Outcome:
+    missing = [module for module in check.needs if importlib.util.find_spec(module) is None]
+    if missing:
+        return Outcome("skipped", f"needs {', '.join(missing)}, not installed here (python3 -m pip install "
+                                  f"{' '.join(missing)}, or carry the wheels)")
+    limit = check.limit if not dry else 600
+    timeout = min(limit, seconds_left)
+    if timeout < MIN_SECONDS:
+        return Outcome("skipped", f"out of time: {seconds_left:.0f} s left of the {BUDGET_SECONDS} s budget")
+    out = scratch / f"{check.name}.json"
+    started = time.perf_counter()
+    code, tail = run_streaming(command(check, dry, out), child_environment(dry), timeout)
+    if code is None:
+        outcome = Outcome("failed", f"stopped after its {timeout:.0f} s limit")
+    elif check.is_pytest:
+        outcome = judge_pytest(code, tail)
+    else:
+        outcome = judge_script(check, code, tail, out)
+    outcome.seconds = time.perf_counter() - started
+    outcome.log_tail = tail
+    return outcome
+
+
+# ------------------------------------------------------------------------------------------------ recording
+def environment(dry: bool) -> dict:
+    # torch and triton are imported only once preflight has found them, so a missing one is a one-line error
+    import torch
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not dry else "cpu (dry run)"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None  # a copy of the checkout without git
+    return {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "device": device,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "python": platform.python_version(), "commit": commit}
+
+
+def docs_rows(env: dict, outcomes: dict[str, Outcome]) -> list[str]:
+    """One row per check in the validation log's columns: date | issue | device | what ran | result."""
+    rows = []
+    for check in CHECKS:
+        outcome = outcomes[check.name]
+        cells = [env["date"], f"gpu check @ {env['commit'] or 'unknown commit'}", env["device"],
+                 f"`{check.name}`: {check.what}", f"**{outcome.status}** in {outcome.seconds:.0f} s: {outcome.detail}"]
+        rows.append("| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |")
+    return rows
+
+
+def check_log(docs: Path) -> str:
+    """The validation log's text, which must end with its log table (rows are appended there)."""
+    text = read_text(docs, "validation log")
+    lines = text.rstrip("\n").splitlines()
+    if not lines or not lines[-1].startswith("|"):
+        raise SpecError(f"{docs} does not end with its log table; move the table to the end of the file")
+    check_output_path(docs, force=True, option="--docs")
+    return text
+
+
+def append_rows(docs: Path, rows: list[str]) -> None:
+    """Appends ``rows`` to the log table that ends the file."""
+    write_text_atomic(docs, check_log(docs).rstrip("\n") + "\n" + "\n".join(rows) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ main
+def preflight(dry: bool) -> None:
+    """Refuses, in one line, what keeps every check from running."""
+    missing = [module for module in CORE_MODULES if importlib.util.find_spec(module) is None]
+    if missing:
+        raise SpecError(f"{', '.join(missing)} not installed: every check needs torch, triton and numpy")
+    if not dry:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SpecError("torch sees no CUDA device: run this on a GPU machine, or pass --dry-run to check the "
+                            "harness")
+
+
+def link_kernels() -> None:
+    """A checkout that was never pip-installed has no ``sglang_spec.kernels`` (setup.py maps kernels/ there):
+    link it (the link is git-ignored)."""
+    if importlib.util.find_spec("sglang_spec.kernels") is None:
+        (REPO / "sglang_spec" / "kernels").symlink_to(Path("..") / "kernels")
+        print("linked sglang_spec/kernels -> ../kernels (this checkout is not pip-installed)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = args.out or (DRY_RESULTS if args.dry_run else GPU_RESULTS)
+    check_output_path(out, force=True)  # a bad --out or log fails now, not after nine minutes
+    if not args.dry_run:
+        check_log(args.docs)
+    preflight(args.dry_run)
+    link_kernels()
+    env = environment(args.dry_run)
+    mode = "dry run: CPU, tiny sizes, interpreted kernels" if args.dry_run else "CUDA, compiled kernels"
+    print(f"GPU checks on {env['device']} ({mode}):")
+    for number, check in enumerate(CHECKS, 1):
+        print(f"  {number}. {check.name}: {check.what}")
+    started = time.perf_counter()
+    outcomes: dict[str, Outcome] = {}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+        for check in CHECKS:
+            print(f"\n== {check.name}", flush=True)
+            budget_left = BUDGET_SECONDS - (time.perf_counter() - started) if not args.dry_run else float("inf")
+            outcome = outcomes[check.name] = run_check(check, args.dry_run, budget_left, Path(scratch))
+            print(f"== {check.name}: {outcome.status} ({outcome.seconds:.0f} s) {outcome.detail}", flush=True)
+    total = time.perf_counter() - started
+    results = {"command": "scripts/gpu_check.sh" + " --dry-run" * args.dry_run, "dry_run": args.dry_run,
+               "environment": env, "seconds": total,
+               "checks": [{"name": check.name, "what": check.what, **asdict(outcomes[check.name])}
+                          for check in CHECKS]}
+    rows = docs_rows(env, outcomes)
+    write_json_atomic(out, results)
+    if not args.dry_run:
+        append_rows(args.docs, rows)
+    if args.dry_run:
+        print(f"\ndry run: no row appended to {args.docs}; a GPU run would append:")
+        print("\n".join(rows))
+    else:
+        print(f"\nappended {len(rows)} rows to {args.docs}")
+    print(f"results: {out}   ({total:.0f} s)")
+    counts = collections.Counter(outcome.status for outcome in outcomes.values())
+    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    return 1 if counts["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(exit_status(main))

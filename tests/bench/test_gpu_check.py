@@ -1,0 +1,115 @@
+"""``scripts/gpu_check.sh``: the dry run passes on this CPU and lists every check, the GPU run's test selections
+are not empty, what travels to a GPU machine fits its limit, and the harness's recording and time limits work."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_spec.errors import SpecError
+
+REPO = Path(__file__).resolve().parents[2]
+PAYLOAD_LIMIT = 64 * 2**20  # bytes that may travel with the repository to a bare GPU machine
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_dry_run_passes_lists_every_check_and_appends_nothing(tmp_path):
+    gpu_check = load_gpu_check()
+    docs_before = gpu_check.DOCS.read_bytes()
+    out = tmp_path / "results.json"
+    env = {**os.environ, "PYTHON": sys.executable}
+    run = subprocess.run([str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    listing = run.stdout.split("\n\n", 1)[0]
+    for number, check in enumerate(gpu_check.CHECKS, 1):
+        assert f"{number}. {check.name}: " in listing
+    results = json.loads(out.read_text())
+    assert results["dry_run"] and [c["name"] for c in results["checks"]] == [c.name for c in gpu_check.CHECKS]
+    statuses = {check["name"]: check["status"] for check in results["checks"]}
+    assert set(statuses.values()) <= {"passed", "skipped"}
+    # on a CPU only the CUDA-graph capture of the step has nothing to run; everything else ran at tiny sizes
+    assert [name for name, status in statuses.items() if status == "skipped"] == ["step_cuda_graph"]
+    assert gpu_check.DOCS.read_bytes() == docs_before
+    assert "no row appended" in run.stdout
+
+
+@pytest.mark.slow
+def test_each_test_based_check_selects_tests_on_a_gpu():
+    """The GPU run's selections (not the dry run's) must collect tests: a rename would silently empty a check."""
+    gpu_check = load_gpu_check()
+    for check in (check for check in gpu_check.CHECKS if check.is_pytest):
+        run = subprocess.run([sys.executable, *check.argv, "--collect-only"], cwd=REPO, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, f"{check.name}: {run.stdout[-2000:]}"
+
+
+def test_payload_fits_what_a_gpu_machine_takes():
+    """The git-tracked files are what travels to a bare GPU machine: at most 64 MiB."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    paths = [REPO / name for name in listed.decode().split("\0") if name]
+    total = sum(path.lstat().st_size for path in paths if path.is_symlink() or path.exists())
+    assert total <= PAYLOAD_LIMIT, f"tracked files take {total / 2**20:.1f} MiB, over the 64 MiB a GPU machine takes"
+
+
+def test_a_bad_results_path_fails_at_once_in_one_line(tmp_path):
+    """Before any check runs (a GPU run lasts minutes); the other scripts: tests/bench/test_bench_bad_out.py."""
+    with pytest.raises(SpecError, match="directory"):
+        load_gpu_check().main(["--dry-run", "--out", str(tmp_path)])
+
+
+def test_a_check_with_a_missing_module_is_skipped_in_one_line(tmp_path):
+    gpu_check = load_gpu_check()
+    check = gpu_check.Check("absent", "needs a module nobody has", ("bench/kernels.py",), ("bench/kernels.py",),
+                            ("no_such_module_for_gpu_check",), 10)
+    outcome = gpu_check.run_check(check, dry=True, seconds_left=60, scratch=tmp_path)
+    assert outcome.status == "skipped" and "no_such_module_for_gpu_check" in outcome.detail
+    assert "\n" not in outcome.detail
+
+
+def test_a_check_past_its_limit_is_stopped():
+    gpu_check = load_gpu_check()
+    code, tail = gpu_check.run_streaming([sys.executable, "-c", "print('started', flush=True); import time; "
+                                          "time.sleep(60)"], dict(os.environ), timeout=2)
+    assert code is None and tail == ["started"]
+
+
+def test_pytest_verdicts():
+    judge = load_gpu_check().judge_pytest
+    assert judge(0, ["....", "12 passed, 2 skipped in 3.1s"]).status == "passed"
+    skipped = judge(0, ["SKIPPED [3] tests/x.py:5: needs a CUDA GPU", "3 skipped, 6 deselected in 2.85s"])
+    assert skipped.status == "skipped" and "needs a CUDA GPU" in skipped.detail
+    failed = judge(1, ["FAILED tests/x.py::test_y[cuda] - AssertionError: kv0", "1 failed, 3 passed in 1.0s"])
+    assert failed.status == "failed" and "test_y[cuda]" in failed.detail
+    assert judge(5, ["9 deselected in 1.0s"]).status == "failed"
+
+
+def test_rows_go_at_the_end_of_the_log_table_and_escape_pipes(tmp_path):
+    gpu_check = load_gpu_check()
+    outcomes = {check.name: gpu_check.Outcome("passed", "a | b", seconds=3.0) for check in gpu_check.CHECKS}
+    env = {"date": "2026-01-01", "commit": "abc1234", "device": "NVIDIA X"}
+    rows = gpu_check.docs_rows(env, outcomes)
+    assert len(rows) == len(gpu_check.CHECKS) and all(row.count(" | ") == 4 for row in rows)
+    docs = tmp_path / "log.md"
+    table = "| date | issue | device | what ran | result |\n|---|---|---|---|---|\n| old | | | | |\n"
+    docs.write_text("# log\n\n" + table + "\n")
+    gpu_check.append_rows(docs, rows)
+    assert docs.read_text().splitlines()[-len(rows) - 1:] == ["| old | | | | |", *rows]
+    docs.write_text("# log\n\nno table at the end\n")
+    with pytest.raises(SpecError, match="does not end with its log table"):
+        gpu_check.append_rows(docs, rows)
