@@ -50,7 +50,7 @@ from sglang_spec.decode.decoder import (
     compare_with_plain,
     generate_plain,
 )
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import atomic_path, check_output_path, write_text_atomic
 from sglang_spec.models.registry import LoadedModel, load_head_for, shipped_calibration_path, shipped_profile_path
 from sglang_spec.models.toy_language import ToyLanguage
@@ -511,4 +511,4 @@ def environment(loaded: LoadedModel) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))  # bad input found later (a prompt past the context) is one line too

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from sglang_spec.catalog import load_model
-from sglang_spec.errors import SpecError
+from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.decode.static_runner import target_runner_for
 from sglang_spec.tree.batch import TreeBatch
@@ -209,4 +209,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))  # bad input found after the options (a model that does not load) is one line too
