@@ -15,5 +15,8 @@ echo
 echo "== SmolLM2 + shipped head, Sequoia tree (budget 16, depth 5), greedy, checked against plain decoding =="
 $CLI generate --model smollm2 --policy sequoia --budget 16 --depth 5 --max-new-tokens 128 --check --prompt "$PROMPT"
 echo
-echo "== the same, budget and depth chosen for this machine from the measured cost curve (--auto) =="
-$CLI generate --model smollm2 --auto --depth 8 --max-new-tokens 128 --check --prompt "$PROMPT"
+echo "== the same task with a hybrid tree: the head's top-k and the context's n-gram copies in one tree (16 nodes) =="
+$CLI generate --model smollm2 --policy hybrid --max-new-tokens 128 --check --prompt "$PROMPT"
+echo
+echo "== --auto: each step's tree (context, head, both: up to 32 nodes) or none, from this machine's cost curve =="
+$CLI generate --model smollm2 --auto --max-new-tokens 128 --check --prompt "$PROMPT"

@@ -1,5 +1,6 @@
 """``sglang-spec generate``: tree-speculative decoding with the reference decoder, optionally checked against
-plain decoding."""
+plain decoding; MTP trees, context-lookup trees, hybrid trees, or ``--auto`` (each step's tree, or none, chosen
+from this machine's measured costs and calibrated acceptance); ``--trace`` shows who drafted each token."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 import json
 import platform
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +31,27 @@ from sglang_spec.decode.decoder import (
     compare_with_plain,
     generate_plain,
 )
+from sglang_spec.decode.static_runner import supports as static_runner_supports
+from sglang_spec.decode.trace import TracedRequest, render_html, render_terminal
 from sglang_spec.errors import SpecError
-from sglang_spec.files import check_output_path
+from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.models.cache_dir import cache_root
-from sglang_spec.models.registry import LoadedModel, load_head_for, shipped_profile_path
+from sglang_spec.models.registry import (
+    LoadedModel,
+    load_head_for,
+    shipped_calibration_path,
+    shipped_profile_path,
+)
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
-from sglang_spec.tree.cost_model import choose_speculation
+from sglang_spec.tree.cost_model import CostCurve, choose_speculation
+from sglang_spec.tree.hybrid import HYBRID_POLICY_NAMES, SOURCE_NAMES, HybridPolicy, SourceCalibration
 from sglang_spec.tree.policies import MAX_TOPK, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
+
+# per-policy defaults of --budget / --depth: MTP trees stay small on a CPU; a copied run can be long
+DEFAULT_SIZES = {"mtp": (8, 4), "hybrid": (16, 10), "auto": (32, 12)}
+MAX_MTP_LEVELS = 16  # head forwards per step: more is a typo (each costs about a fifth of a verify)
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -53,17 +66,27 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--mtp", default=None, type=text_arg,
                         help="MTP head (.safetensors) or DeepSeek checkpoint folder; "
                         "default: the model's own MTP layer or the shipped head")
-    parser.add_argument("--policy", choices=POLICY_NAMES, default="sequoia")
-    parser.add_argument("--budget", type=int, default=8, help="draft nodes per step, root excluded")
-    parser.add_argument("--depth", type=int, default=4, help="most draft tokens on one path (with --auto: the most "
-                        "it may choose)")
+    parser.add_argument("--policy", choices=POLICY_NAMES + HYBRID_POLICY_NAMES, default=None,
+                        help="MTP trees (chain, eagle, sequoia, specexec), context-lookup trees (lookup) or both in "
+                        "one tree (hybrid); default sequoia, or hybrid with --auto")
+    parser.add_argument("--budget", type=int, default=None, help="draft nodes per step, root excluded (default 8 "
+                        "for MTP trees, 16 for lookup / hybrid; with --auto: the most it may use, default 32)")
+    parser.add_argument("--depth", type=int, default=None, help="most draft tokens on one path (default 4 for MTP "
+                        "trees, 10 for lookup / hybrid, 12 with --auto: the most it may use)")
     parser.add_argument("--topk", type=int, default=None, help="candidates per expanded node (policy default); at "
                         f"most {MAX_TOPK} and the head's draft vocabulary")
+    parser.add_argument("--mtp-levels", type=integer(0, MAX_MTP_LEVELS), default=2,
+                        help="hybrid: most MTP head forwards per step below the root's children (default 2, at most "
+                        f"{MAX_MTP_LEVELS})")
     parser.add_argument("--acceptance", type=path_arg, default=None, metavar="PROFILE.json",
                         help="acceptance profile for sequoia (default: the model's shipped profile, else built-in)")
+    parser.add_argument("--calibration", type=path_arg, default=None, metavar="SOURCES.json",
+                        help="lookup / hybrid: per-source acceptance calibration (default: the model's shipped one, "
+                        "else a generic prior); learnt further online while decoding")
     parser.add_argument("--auto", action="store_true",
-                        help="pick budget and depth for this machine: sequoia with the calibrated profile and a "
-                        "measured cost curve (cached); picks no speculation where none pays")
+                        help="let this machine's measured cost curve (cached) and the calibrated acceptance choose "
+                        "each step's tree: context lookup, MTP head, both, or no speculation; with an MTP policy "
+                        "(e.g. --policy sequoia): that policy's budget and depth, or no speculation")
     parser.add_argument("--costs", type=path_arg, default=None, metavar="COSTS.json",
                         help="with --auto: cost curve to read, or to measure and write (default: per model and "
                         "machine in the cache folder)")
@@ -82,6 +105,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
     parser.add_argument("--check", action="store_true", help="also decode without speculation and compare")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--trace", default=None, type=text_arg, metavar="TRACE.html",
+                        help="write an HTML view of each step (accepted draft tokens coloured by the source that "
+                        "drafted them, the target's correction); '-' prints a coloured terminal view instead")
     parser.set_defaults(run=run)
 
 
@@ -89,35 +115,56 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 class AutoChoice:
     """What ``--auto`` chose: ``policy`` None means plain decoding; ``summary`` goes into the report."""
 
-    policy: TreePolicy | None
+    policy: TreePolicy | HybridPolicy | None
     summary: dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
     # everything that can be checked without the model first, so a typo fails before a model loads
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    name = args.policy or ("hybrid" if args.auto else "sequoia")
+    hybrid = name in HYBRID_POLICY_NAMES
+    default_budget, default_depth = DEFAULT_SIZES["auto" if args.auto and hybrid else "hybrid" if hybrid else "mtp"]
+    budget = default_budget if args.budget is None else args.budget
+    depth = default_depth if args.depth is None else args.depth
     profile_path = args.acceptance
-    if profile_path is None and (args.policy == "sequoia" or args.auto):
+    if profile_path is None and (name == "sequoia" or args.auto):
         profile_path = shipped_profile_path(args.model, args.temperature)
     profile = AcceptanceProfile.load(profile_path)
-    policy: TreePolicy | None = TreePolicy(args.policy, budget=args.budget, depth=args.depth, topk=args.topk,
-                                           profile=profile)
+    policy: TreePolicy | HybridPolicy | None
+    if hybrid:
+        calibration_path = args.calibration or shipped_calibration_path(args.model, args.temperature)
+        calibration = SourceCalibration.load(calibration_path)
+        policy = HybridPolicy(name, budget=budget, depth=depth, mtp_levels=args.mtp_levels,
+                              topk=4 if args.topk is None else args.topk, max_ngram=calibration.max_ngram,
+                              calibration=calibration)
+    else:
+        policy = TreePolicy(name, budget=budget, depth=depth, topk=args.topk, profile=profile)
     if args.mtp is not None and not Path(args.mtp).exists():
         raise SpecError(f"MTP head {args.mtp} does not exist")
+    if args.trace is not None and args.trace != "-":
+        check_output_path(args.trace, force=True, option="--trace")  # written after decoding: fail now, not after
     if args.auto and args.costs is not None and not args.costs.exists():
         check_output_path(args.costs, option="--costs")  # measured and written there: fail now, not after
     loaded = load_model(args.model, progress=not args.json)
-    head = load_head_for(loaded, args.mtp, allow_model_mismatch=args.allow_model_mismatch)
-    if policy is not None and policy.name != "chain" and policy.effective_topk > head.draft_vocab_size:
-        raise SpecError(f"--topk {policy.effective_topk} exceeds the head's draft vocabulary of "
-                        f"{head.draft_vocab_size} tokens; use at most {head.draft_vocab_size}")
+    if name == "lookup":
+        head = _optional_head(loaded, args.mtp, args.allow_model_mismatch)
+    else:
+        head = load_head_for(loaded, args.mtp, allow_model_mismatch=args.allow_model_mismatch)
+    topk = policy.topk if isinstance(policy, HybridPolicy) else 0 if policy.name == "chain" else policy.effective_topk
+    if head is not None and name != "lookup" and topk > head.draft_vocab_size:
+        raise SpecError(f"--topk {topk} exceeds the head's draft vocabulary of {head.draft_vocab_size} tokens; use "
+                        f"at most {head.draft_vocab_size}")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                               eos_token_ids=loaded.eos_token_ids)
     prompts = [loaded.encode_prompt(text, chat=False if args.no_chat else None) for text in args.prompt]
     loaded.check_lengths([len(prompt) for prompt in prompts], args.max_new_tokens)
     auto = None
     if args.auto:
-        auto = choose_auto_policy(loaded, head, profile, args.depth, args.costs, sampling)
+        if isinstance(policy, HybridPolicy):
+            auto = choose_adaptive_policy(loaded, head, policy, args.costs, sampling)
+        else:
+            auto = choose_auto_policy(loaded, head, profile, depth, args.costs, sampling)
         policy = auto.policy
     if args.check:  # warm the kernels up first, so neither timed run pays one-time start-up costs
         generate_plain(loaded.model, prompts[:1], GenerationConfig(max_new_tokens=2, sampling=sampling))
@@ -128,6 +175,14 @@ def run(args: argparse.Namespace) -> int:
     report = _report(loaded, policy, auto, profile, sampling, output)
     if args.check:
         report.update(_check_against_plain(loaded, prompts, config, output))
+    if args.trace is not None:
+        traced = [TracedRequest.of(text, request) for text, request in zip(args.prompt, output.requests)]
+        if args.trace == "-":
+            print(render_terminal(traced, loaded.decode), end="")
+        else:
+            write_text_atomic(args.trace, render_html(traced, loaded.decode, title=f"sglang-spec {report['policy']} "
+                                                    f"on {loaded.name}"))
+            report["trace"] = args.trace
     if args.json:
         print(json.dumps(report))
     else:
@@ -135,15 +190,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _optional_head(loaded: LoadedModel, mtp: str | None, allow_model_mismatch: bool) -> MTPHead | None:
+    """The lookup policy runs without a head; one is still loaded when asked for or shipped (``--auto`` cost
+    curves time a head level)."""
+    try:
+        return load_head_for(loaded, mtp, allow_model_mismatch=allow_model_mismatch)
+    except SpecError:
+        if mtp is not None:
+            raise
+        return None
+
+
 def _report(
     loaded: LoadedModel,
-    policy: TreePolicy | None,
+    policy: TreePolicy | HybridPolicy | None,
     auto: AutoChoice | None,
     profile: AcceptanceProfile,
     sampling: SamplingParams,
     output: GenerationOutput,
 ) -> dict[str, Any]:
     requests = output.requests
+    sources: dict[str, int] = {}
+    for request in requests:  # the tokens kept: a step may run past max_new_tokens or an EOS
+        for source in [source for step in request.steps for source in step.sources][: len(request.tokens)]:
+            sources[SOURCE_NAMES[source]] = sources.get(SOURCE_NAMES[source], 0) + 1
     return {
         "model": loaded.name,
         "policy": policy.name if policy else "none",
@@ -162,6 +232,8 @@ def _report(
         "verify_seconds": output.stats.verify_seconds,
         "total_seconds": output.stats.total_seconds,
         "tokens_per_second": output.tokens_per_second,
+        "tokens_by_source": sources,
+        "plain_steps": sum(1 for request in requests for step in request.steps[1:] if step.tree_nodes == 1),
     }
 
 
@@ -192,11 +264,15 @@ def _print_table(
         print(f"--- prompt {index}: {prompt_text!r}")
         print(loaded.decode(request.tokens))
     auto = report["auto"]
-    if auto is not None:
+    if auto is not None and "predicted_speedup" in auto:
         print(f"--- auto: predicted speedup {auto['predicted_speedup']:.2f}x with budget {auto['budget']}, depth "
               f"{auto['depth']} on {auto['device']}" + (" -> no speculation" if report["policy"] == "none" else ""))
+    elif auto is not None:
+        print(f"--- auto: each step's tree chosen from the cost curve on {auto['device']} (at most {auto['budget']} "
+              f"nodes, depth {auto['depth']}); {report['plain_steps']} of {output.stats.steps} steps without a tree")
     print(f"--- {report['policy']} budget {report['budget']} depth {report['depth']} on {loaded.name}, temperature "
           f"{sampling.temperature}")
+    print("tokens by source: " + ", ".join(f"{k} {v}" for k, v in sorted(report["tokens_by_source"].items())))
     print(f"accept length mean {report['accept_length_mean']:.3f} tokens/step (bonus included) over "
           f"{output.stats.steps} steps; histogram {report['accept_length_histogram']}")
     print(f"draft {output.stats.draft_seconds:.2f} s, verify {output.stats.verify_seconds:.2f} s, "
@@ -214,23 +290,45 @@ def _print_table(
 
 def choose_auto_policy(
     loaded: LoadedModel,
-    head: MTPHead,
+    head: MTPHead | None,
     profile: AcceptanceProfile,
     max_depth: int,
     costs_path: Path | None,
     sampling: SamplingParams,
 ) -> AutoChoice:
     """Measured (or cached) costs + profile -> the sequoia policy to use, or None for plain decoding."""
-    dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
     # sampled verification costs more per step than greedy, so each mode has its own curve
-    mode = "greedy" if sampling.greedy else "sampled"
-    path = costs_path or cache_root() / "costs" / f"{loaded.name}-{dtype}-{mode}-{platform.node() or 'host'}.json"
-    # our own cache may be rebuilt when it is damaged; a file the user named is theirs: a problem there is refused
-    warn = None if costs_path is not None else (lambda message: print(f"warning: {message}", file=sys.stderr))
-    costs = load_or_measure(path, loaded.model, head, sampling, on_bad_cache=warn)
+    costs, path = costs_for(loaded, head, costs_path, sampling)
     choice = choose_speculation(profile, costs, max_depth=max_depth)
     summary = {"budget": choice.budget, "depth": choice.depth, "predicted_speedup": choice.speedup,
                "expected_accept_length": choice.expected_accept_length, "costs": str(path), "device": costs.device}
     if choice.budget == 0:
         return AutoChoice(None, summary)
     return AutoChoice(TreePolicy("sequoia", budget=choice.budget, depth=choice.depth, profile=profile), summary)
+
+
+def costs_for(loaded: LoadedModel, head: MTPHead | None, costs_path: Path | None, sampling: SamplingParams) -> tuple[CostCurve, Path]:
+    """This machine's cost curve for the runner the decoder uses (measured once, cached per model, dtype,
+    sampling mode, runner and host)."""
+    if head is None:
+        raise SpecError("--auto measures a head level too; give --mtp (or use a model with a shipped head)")
+    dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
+    mode = "greedy" if sampling.greedy else "sampled"
+    runner = "static" if static_runner_supports(loaded.model) else "transformers"
+    path = costs_path or cache_root() / "costs" / f"{loaded.name}-{dtype}-{mode}-{runner}-{platform.node() or 'host'}.json"
+    # our own cache may be rebuilt when it is damaged; a file the user named is theirs: a problem there is refused
+    warn = None if costs_path is not None else (lambda message: print(f"warning: {message}", file=sys.stderr))
+    return load_or_measure(path, loaded.model, head, sampling, on_bad_cache=warn), path
+
+
+def choose_adaptive_policy(
+    loaded: LoadedModel, head: MTPHead | None, policy: HybridPolicy, costs_path: Path | None, sampling: SamplingParams
+) -> AutoChoice:
+    """``--auto`` over hybrid candidates: every step keeps the prefix of its best-first tree (context lookup and
+    MTP head candidates by calibrated acceptance) with the least predicted time per token, ``step_seconds`` over
+    1 + the kept nodes' reach, and runs a head level only when it is predicted to pay; no tree at all (a plain
+    step) when none does."""
+    costs, path = costs_for(loaded, head, costs_path, sampling)
+    summary = {"budget": policy.budget, "depth": policy.depth, "policy": policy.name, "costs": str(path),
+               "device": costs.device, "plain_token_seconds": costs.baseline_token}
+    return AutoChoice(replace(policy, costs=costs), summary)

@@ -17,6 +17,7 @@ from typing import Callable, Sequence, TYPE_CHECKING
 import torch
 
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, generate_plain
+from sglang_spec.decode.static_runner import StaticTargetRunner, target_runner_for
 from sglang_spec.decode.target import PrefillOutput, TargetRunner
 from sglang_spec.errors import SpecError
 from sglang_spec.files import read_json, write_json_atomic
@@ -56,7 +57,7 @@ def measure_costs(
     level, on the model's own device and dtype. Plain decoding and the per-step host work are timed with
     ``sampling`` (default greedy): sampled verification costs more per step than greedy."""
     sampling = sampling or SamplingParams()
-    runner = TargetRunner(model)
+    runner = target_runner_for(model)  # the runner the decoder and plain decoding use
     prompt = torch.randint(model.config.vocab_size, (prefix,), generator=torch.Generator().manual_seed(0))
     prefill = runner.prefill(prompt)
     forwards = CostCurve(
@@ -75,7 +76,7 @@ def measure_costs(
 
 
 def _verify_times(
-    runner: TargetRunner, prefill: PrefillOutput, sizes: Sequence[int], repeats: int
+    runner: TargetRunner | StaticTargetRunner, prefill: PrefillOutput, sizes: Sequence[int], repeats: int
 ) -> dict[int, float]:
     """verify[n]: one target forward over an n-token chain after the prefilled prompt."""
     vocab = runner.config.vocab_size
@@ -98,7 +99,7 @@ def _verify_times(
     return verify
 
 
-def _plain_token_seconds(runner: TargetRunner, prompt: torch.Tensor, sampling: SamplingParams) -> float:
+def _plain_token_seconds(runner: TargetRunner | StaticTargetRunner, prompt: torch.Tensor, sampling: SamplingParams) -> float:
     """Plain decoding's seconds per token in its own loop: a 1-token tree forward misses the cache growth and
     per-token host work that plain decoding pays, and underestimating the baseline makes every tree look worse."""
     config = GenerationConfig(max_new_tokens=16, eos_token_ids=(), sampling=sampling)

@@ -8,6 +8,13 @@ One step for a batch of requests:
      asked for, TensorRT-LLM's LOSSY relaxed rule;
   4. commit: each request keeps its accepted path's KV; the MTP head runs over the accepted pairs.
 EOS and max_new_tokens are honoured inside an accepted run: the output stops exactly where plain decoding would.
+
+A ``HybridPolicy`` (``tree/hybrid.py``) adds the context as a candidate source: each request keeps an n-gram index
+of its prompt and generated tokens, the tree mixes lookup and head candidates under one budget, and the decoder
+counts every offered candidate's outcome into its calibration (online). The ``lookup`` policy never runs the head.
+The target runs on the static-cache runner where the model allows (``decode/static_runner.py``), plain decoding
+too, so speedups compare like with like. Every request records its steps (tokens, which source drafted each,
+emission time) for latency and ``--trace``.
 """
 
 from __future__ import annotations
@@ -20,13 +27,16 @@ from typing import Callable, Sequence, TYPE_CHECKING
 
 import torch
 
-from sglang_spec.decode.target import TargetRunner
+from sglang_spec.decode.static_runner import target_runner_for
 from sglang_spec.errors import SpecError
 from sglang_spec.mtp.drafter import DraftState, MTPDrafter
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams, sample_from_probs, target_probs_from_logits
 from sglang_spec.tree.batch import TreeBatch
+from sglang_spec.tree.hybrid import SOURCE_MTP, HybridPolicy, HybridTree, SourceCalibration
+from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
+from sglang_spec.tree.token_tree import TokenTree
 from sglang_spec.verify.greedy import verify_greedy
 from sglang_spec.verify.relaxed import RelaxedAcceptance, verify_relaxed_topn_delta
 from sglang_spec.verify.result import VerifyResult
@@ -51,16 +61,36 @@ class GenerationConfig:
             raise SpecError("relaxed acceptance is a greedy rule (TensorRT-LLM's); use temperature 0 with it")
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step emitted: ``tokens`` in order, ``sources[i]`` who drafted tokens[i] (``tree/hybrid.py``'s
+    SOURCE_* flags; 0 = the target itself: the correction / bonus token, or a plain step's token), the tree's
+    node count (0 for the first token, which prefill yields) and ``time``, seconds from the request's start
+    until the tokens were there."""
+
+    tokens: tuple[int, ...]
+    sources: tuple[int, ...]
+    tree_nodes: int
+    time: float
+
+
 @dataclass
 class RequestOutput:
     """tokens: generated tokens (the prompt excluded); accept_lengths: tokens emitted per speculative step
     (accepted drafts + 1; the first token comes from prefill and is not a step); top2_gaps: plain decoding only,
-    the target's top-1 minus top-2 logit at each generated token (to recognise near-ties)."""
+    the target's top-1 minus top-2 logit at each generated token (to recognise near-ties); steps: what each step
+    emitted and when (the first record is prefill's token)."""
 
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = ""
     accept_lengths: list[int] = field(default_factory=list)
     top2_gaps: list[float] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def token_times(self) -> list[float]:
+        """Seconds from the request's start until each generated token was emitted."""
+        times = [step.time for step in self.steps for _ in step.tokens]
+        return times[: len(self.tokens)]
 
 
 @dataclass
@@ -97,6 +127,12 @@ class GenerationOutput:
 
     def accept_length_histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.accept_lengths).items()))
+
+
+def _record(request: RequestOutput, emitted: Sequence[int], sources: Sequence[int], tree_nodes: int,
+            start: float) -> None:
+    request.steps.append(StepRecord(tuple(int(t) for t in emitted), tuple(sources), tree_nodes,
+                                    time.perf_counter() - start))
 
 
 def _stop(request: RequestOutput, emitted: Sequence[int], config: GenerationConfig) -> bool:
@@ -139,19 +175,22 @@ def _top2_gap(logits: torch.Tensor) -> float:
 def generate_plain(
     model: PreTrainedModel, prompts: Sequence[Sequence[int]], config: GenerationConfig
 ) -> GenerationOutput:
-    """Plain decoding, one request at a time (batch 1, no padding): the baseline speculation must reproduce."""
-    runner = TargetRunner(model)
+    """Plain decoding, one request at a time (batch 1, no padding): the baseline speculation must reproduce. Runs
+    on the same runner as the speculative decoder (``target_runner_for``)."""
+    runner = target_runner_for(model)
     generator = torch.Generator().manual_seed(config.seed)
     stats = GenerationStats()
     outputs = []
     start = time.perf_counter()
     for prompt in prompts:
         request = RequestOutput()
+        request_start = time.perf_counter()
         prefill = runner.prefill(torch.tensor(list(prompt), dtype=torch.int64))
         logits, position = prefill.last_logits, len(prompt)
         while True:
             request.top2_gaps.append(_top2_gap(logits))
             token = _first_token(logits, config, generator)
+            _record(request, [token], [0], 0 if position == len(prompt) else 1, request_start)
             if _stop(request, [token], config):
                 break
             logits = runner.decode_one(token, position, prefill.cache).last_logits
@@ -175,26 +214,40 @@ def lossless_verify(batch: TreeBatch, logits: torch.Tensor, config: GenerationCo
 
 @dataclass
 class _Active:
-    """A request still decoding: its output, root token (the last verified token), drafting state and, for the
-    relaxed rule, whether it is inside a thinking span."""
+    """A request still decoding: its output, root token (the last verified token), the head's drafting state
+    (None when the policy does not use the head), the context index (hybrid policies), when it started and, for
+    the relaxed rule, whether it is inside a thinking span."""
 
     output: RequestOutput
     root: int
-    draft: DraftState
+    draft: DraftState | None
+    context: NgramIndex | None
+    start: float
     thinking: bool = False
 
 
 class SpeculativeDecoder:
-    """Tree-speculative decoding with a transformers target and an MTP head. ``verifier`` replaces the lossless
-    acceptance rule (tests use it to show a biased rule is caught)."""
+    """Tree-speculative decoding with a transformers target and an MTP head, and with hybrid (head + context) or
+    lookup-only trees. ``verifier`` replaces the lossless acceptance rule (tests use it to show a biased rule is
+    caught); ``static_runner`` forces the runner choice (None: the static-cache runner where the model allows).
+    A hybrid decoder's ``calibration`` starts from the policy's prior and learns online across its requests."""
 
     def __init__(
-        self, target: PreTrainedModel, head: MTPHead, policy: TreePolicy, verifier: Verifier = lossless_verify
+        self,
+        target: PreTrainedModel,
+        head: MTPHead | None,
+        policy: TreePolicy | HybridPolicy,
+        verifier: Verifier = lossless_verify,
+        static_runner: bool | None = None,
     ) -> None:
-        self.runner = TargetRunner(target)
-        self.drafter = MTPDrafter(head)
+        uses_head = policy.uses_mtp if isinstance(policy, HybridPolicy) else True
+        if uses_head and head is None:
+            raise SpecError(f"the {policy.name} policy drafts with an MTP head; give one (or use --policy lookup)")
+        self.runner = target_runner_for(target, static_runner)
+        self.drafter = MTPDrafter(head) if uses_head and head is not None else None
         self.policy = policy
         self.verifier = verifier
+        self.calibration: SourceCalibration | None = policy.prior() if isinstance(policy, HybridPolicy) else None
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig) -> GenerationOutput:
@@ -210,7 +263,7 @@ class SpeculativeDecoder:
         states = [request.draft for request in active]
         while active:
             active = self._step(active, config, generator, stats)
-        stats.draft_forwards = sum(state.forwards for state in states)
+        stats.draft_forwards = sum(state.forwards for state in states if state is not None)
         stats.total_seconds = time.perf_counter() - start
         return GenerationOutput(outputs, stats)
 
@@ -222,14 +275,22 @@ class SpeculativeDecoder:
         for prompt in prompts:
             request = RequestOutput()
             outputs.append(request)
+            request_start = time.perf_counter()
             prompt_tensor = torch.tensor(list(prompt), dtype=torch.int64)
             prefill = self.runner.prefill(prompt_tensor)
             root = _first_token(prefill.last_logits, config, generator)
+            _record(request, [root], [0], 0, request_start)
             if _stop(request, [root], config):
                 continue
-            following = torch.cat([prompt_tensor[1:], torch.tensor([root])]).to(prefill.hidden.device)
+            draft = None
+            if self.drafter is not None:
+                following = torch.cat([prompt_tensor[1:], torch.tensor([root])]).to(prefill.hidden.device)
+                draft = self.drafter.prefill(prefill.hidden, following)
+            context = None
+            if isinstance(self.policy, HybridPolicy):
+                context = NgramIndex([*prompt, root], max_ngram=self.policy.max_ngram)
             thinking = config.relaxed is not None and config.relaxed.thinking_after([*prompt, root])
-            active.append(_Active(request, root, self.drafter.prefill(prefill.hidden, following), thinking))
+            active.append(_Active(request, root, draft, context, request_start, thinking))
             prefills.append(prefill)
         if active:
             self.runner.start_batch(prefills)
@@ -241,7 +302,8 @@ class SpeculativeDecoder:
         """One draft / verify / accept / commit round; returns the requests that continue."""
         stats.steps += 1
         tick = time.perf_counter()
-        trees = [self.policy.build(request.root, self.drafter.source(request.draft)) for request in active]
+        hybrid = [self._build(request) for request in active]
+        trees = [built.tree for built in hybrid]
         stats.draft_seconds += time.perf_counter() - tick
 
         tick = time.perf_counter()
@@ -265,17 +327,54 @@ class SpeculativeDecoder:
         for row, request in enumerate(active):
             emitted = result.tokens(row)
             request.output.accept_lengths.append(len(emitted))
+            sources = [hybrid[row].sources[node] for node in kept[row][1:]] + [0]
+            _record(request.output, emitted, sources, trees[row].num_nodes, request.start)
+            if self.calibration is not None:
+                _observe(self.calibration, hybrid[row], kept[row])
             if _stop(request.output, emitted, config):
                 continue
             continuing.append(row)
-            device = forward.hidden.device
-            path = torch.tensor(kept[row], device=device)
-            self.drafter.commit(request.draft, forward.hidden[row].index_select(0, path), torch.tensor(emitted, device=device))
+            if request.draft is not None and self.drafter is not None:
+                device = forward.hidden.device
+                path = torch.tensor(kept[row], device=device)
+                self.drafter.commit(request.draft, forward.hidden[row].index_select(0, path),
+                                    torch.tensor(emitted, device=device))
+            if request.context is not None:
+                request.context.extend(emitted)
             request.root = emitted[-1]
         stats.draft_seconds += time.perf_counter() - tick
         if continuing and len(continuing) < len(active):
             self.runner.select(continuing)
         return [active[row] for row in continuing]
+
+    def _build(self, request: _Active) -> HybridTree:
+        """This step's tree for one request, with each node's source (every node of an MTP policy's tree is the
+        head's)."""
+        source = None if request.draft is None or self.drafter is None else self.drafter.source(request.draft)
+        if isinstance(self.policy, HybridPolicy):
+            assert request.context is not None and self.calibration is not None
+            return self.policy.build(request.root, request.context, source, self.calibration)
+        assert source is not None
+        tree = self.policy.build(request.root, source)
+        return _mtp_only(tree)
+
+
+def _mtp_only(tree: TokenTree) -> HybridTree:
+    count = tree.num_nodes
+    return HybridTree(tree, (0,) + (SOURCE_MTP,) * (count - 1), ((),) * count, (1.0,) * count, 0, math.nan)
+
+
+def _observe(calibration: SourceCalibration, built: HybridTree, path: list[int]) -> None:
+    """Online calibration: every child offered at a node of the accepted path counts once, accepted or not."""
+    parents = built.tree.parents.tolist()
+    on_path = {node: index for index, node in enumerate(path)}
+    for child in range(1, len(parents)):
+        index = on_path.get(parents[child])
+        if index is None:
+            continue
+        accepted = index + 1 < len(path) and path[index + 1] == child
+        for cell in built.cells[child]:
+            calibration.observe(cell, accepted)
 
 
 @dataclass(frozen=True)

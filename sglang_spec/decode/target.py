@@ -27,11 +27,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, eq=False)
 class PrefillOutput:
-    """hidden: [P, d] final (post-norm) hidden states of the prompt; last_logits: [V]; cache: batch-1 cache."""
+    """hidden: [P, d] final (post-norm) hidden states of the prompt; last_logits: [V]; cache: batch-1 cache (a
+    DynamicCache here, a StaticKVCache from ``decode/static_runner.py``)."""
 
     hidden: torch.Tensor
     last_logits: torch.Tensor
-    cache: DynamicCache
+    cache: Any
 
 
 @dataclass(frozen=True, eq=False)

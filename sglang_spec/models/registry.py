@@ -27,6 +27,10 @@ SHIPPED_PROFILES = {
     "smollm2": {0.0: "smollm2-135m-instruct.json", 0.7: "smollm2-135m-instruct-t0.7.json"},
     "smollm2-generic": {0.0: "smollm2-135m-instruct-generic.json", 0.7: "smollm2-135m-instruct-generic-t0.7.json"},
 }
+# per-source acceptance calibrations of hybrid trees (context lookup + the shipped head), per temperature
+SHIPPED_CALIBRATIONS = {
+    "smollm2": {0.0: "smollm2-135m-instruct-sources.json", 0.7: "smollm2-135m-instruct-sources-t0.7.json"},
+}
 
 
 class ByteTokenizer:
@@ -143,6 +147,16 @@ def shipped_head_path(model_name: str) -> Path | None:
 def shipped_profile_path(model_name: str, temperature: float = 0.0) -> Path | None:
     """The shipped profile calibrated at the temperature closest to ``temperature``."""
     files = SHIPPED_PROFILES.get(model_name)
+    if not files:
+        return None
+    file = files[min(files, key=lambda calibrated: abs(calibrated - temperature))]
+    resource = resources.files("sglang_spec.data").joinpath("profiles", file)
+    return Path(str(resource)) if resource.is_file() else None
+
+
+def shipped_calibration_path(model_name: str, temperature: float = 0.0) -> Path | None:
+    """The shipped per-source calibration (``tree/hybrid.SourceCalibration``) nearest to ``temperature``."""
+    files = SHIPPED_CALIBRATIONS.get(model_name)
     if not files:
         return None
     file = files[min(files, key=lambda calibrated: abs(calibrated - temperature))]

@@ -5,12 +5,14 @@ Commands run in-process through ``sglang_spec.cli.main`` (one model load per cas
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import stat
 from pathlib import Path
 
 import pytest
+import torch
 
 from corpus import GOOD_PROFILE, make_corpus
 from sglang_spec.cli import main
@@ -41,6 +43,10 @@ def world(tmp_path_factory, tiny):
     (work / "run.safetensors").write_bytes(b"an earlier head")
     (work / "run.state.pt").write_bytes(b"\x80\x02 not a torch file")
     save_mtp_head(head, work / "good.safetensors", metadata={"model": "tiny-deepseek"})
+    small = copy.deepcopy(head)
+    small.draft_vocab = torch.arange(8)
+    small.refresh_draft_head()
+    save_mtp_head(small, work / "small-vocab.safetensors", metadata={"model": "tiny-deepseek"})
     (work / "good.state.pt").write_bytes(b"\x80\x02 not a torch file")
     return root, {**{name: str(path) for name, path in paths.items()}, **{
         "work": str(work), "tiny.jsonl": str(work / "tiny.jsonl"), "other.jsonl": str(work / "other.jsonl")}}
@@ -107,6 +113,38 @@ CASES = [
         "head-no-header.safetensors", "a-fifo")],
     ("head a folder of nothing", [*GEN, "--mtp", W + "folder"], "expected one .safetensors"),
     ("head of another model", [*GEN, "--mtp", W + "smollm2-head.safetensors"], "trained for 'smollm2'"),
+    # ---- generate: lookup / hybrid trees, --trace
+    ("hybrid budget 0", [*GEN, "--policy", "hybrid", "--budget", "0"], "budget must be in 1..1023"),
+    ("lookup budget 10^6", [*GEN, "--policy", "lookup", "--budget", "1000000"], "budget must be in 1..1023"),
+    ("hybrid depth 0", [*GEN, "--policy", "hybrid", "--depth", "0"], "depth must be in"),
+    ("hybrid topk 10^6", [*GEN, "--policy", "hybrid", "--topk", "1000000"], "topk must be in 1..64"),
+    ("hybrid topk past the draft vocabulary", [*GEN, "--policy", "hybrid", "--topk", "64", "--mtp",
+                                               W + "small-vocab.safetensors"], "exceeds the head's draft vocabulary"),
+    ("mtp-levels -1", [*GEN, "--policy", "hybrid", "--mtp-levels", "-1"], "--mtp-levels: -1 is out of range"),
+    ("mtp-levels 10^6", [*GEN, "--policy", "hybrid", "--mtp-levels", "1000000"], "--mtp-levels"),
+    ("mtp-levels word", [*GEN, "--policy", "hybrid", "--mtp-levels", "two"], "is not an integer"),
+    ("policy unknown", [*GEN, "--policy", "suffix"], "invalid choice"),
+    *[(f"calibration {name}", [*GEN, "--policy", "hybrid", "--calibration", C + name], name) for name in (
+        "sources-truncated.json", "sources-a-list.json", "sources-missing-key.json", "sources-wrong-shape.json",
+        "sources-accepted-past-offered.json", "sources-nan.json", "sources-huge-integer.json",
+        "sources-invalid-utf8.json", "profile-deep.json", "a-fifo", "a-file")],
+    ("calibration a folder", [*GEN, "--policy", "lookup", "--calibration", "{corpus}"], "is a folder"),
+    ("calibration absent", [*GEN, "--policy", "lookup", "--calibration", W + "absent.json"], "absent.json"),
+    ("trace under a file", [*GEN, "--policy", "lookup", "--trace", C + "a-file/t.html"], "is not a folder"),
+    ("trace /dev/full", [*GEN, "--policy", "lookup", "--trace", "/dev/full"], "is a device"),
+    ("trace a folder", [*GEN, "--policy", "lookup", "--trace", W + "folder"], "is a directory"),
+    ("trace a fifo", [*GEN, "--policy", "hybrid", "--trace", C + "a-fifo"], "is a fifo"),
+    ("trace names no file", [*GEN, "--policy", "hybrid", "--trace", ""], "names no file"),
+    ("trace non-UTF-8", [*GEN, "--policy", "hybrid", "--trace", "t\udcff.html"], "not valid UTF-8"),
+    ("auto lookup costs under a file", [*GEN, "--policy", "lookup", "--auto", "--costs", C + "a-file/c.json"],
+     "is not a folder"),
+    ("auto hybrid costs damaged", [*GEN, "--policy", "hybrid", "--auto", "--costs", C + "costs-nan.json"],
+     "costs-nan.json"),
+    ("hybrid head of another model", [*GEN, "--policy", "hybrid", "--mtp", W + "smollm2-head.safetensors"],
+     "trained for 'smollm2'"),
+    ("lookup head corrupt", [*GEN, "--policy", "lookup", "--mtp", C + "head-random.safetensors"],
+     "head-random.safetensors"),
+    ("hybrid past the context", [*GEN, "--policy", "hybrid", "--max-new-tokens", "100000"], "use at most 509"),
     # ---- tree
     ("tree topk 10^6", ["tree", "--policy", "specexec", "--budget", "8", "--depth", "3", "--topk", "1000000"],
      "exceeds the maximum 64"),
@@ -209,6 +247,33 @@ CASES = [
      "is a directory"),
     ("calibrate out under a file", ["calibrate", *TINY, "--traffic", "{tiny.jsonl}", "--out",
                                     C + "a-file/p.json"], "is not a folder"),
+    # ---- calibrate-sources
+    *[(f"calibrate-sources {label}", ["calibrate-sources", *TINY, "--prompts", "{work}/toy.txt", *extra], message)
+      for label, extra, message in (
+        ("out exists", ["--out", W + "existing.json"], "exists; pass --force"),
+        ("out under a file", ["--out", C + "a-file/s.json"], "is not a folder"),
+        ("out /dev/full", ["--out", "/dev/full", "--force"], "is a device"),
+        ("out a folder", ["--out", W + "folder", "--force"], "is a directory"),
+        ("out a fifo", ["--out", C + "a-fifo", "--force"], "is a fifo"),
+        ("max-new-tokens 0", ["--out", W + "s.json", "--max-new-tokens", "0"], "--max-new-tokens: 0"),
+        ("max-new-tokens 10^30", ["--out", W + "s.json", "--max-new-tokens", "1" + "0" * 30], "--max-new-tokens"),
+        ("max-new-tokens past the context", ["--out", W + "s.json", "--max-new-tokens", "100000"], "use at most"),
+        ("temperature nan", ["--out", W + "s.json", "--temperature", "nan"], "temperature must be >= 0"),
+        ("temperature -1", ["--out", W + "s.json", "--temperature", "-1"], "temperature must be >= 0"),
+        ("every 0", ["--out", W + "s.json", "--prompts", "{work}/toy.txt@0"], "after @ give a whole number"),
+        ("every 10^30", ["--out", W + "s.json", "--prompts", "{work}/toy.txt@1" + "0" * 30],
+         "after @ give a whole number"),
+        ("every a word", ["--out", W + "s.json", "--prompts", "{work}/toy.txt@two"], "after @ give a whole number"),
+        ("unknown prompt set", ["--out", W + "s.json", "--prompts", "humaneval:x"], "unknown prompt set"),
+        ("head corrupt", ["--out", W + "s.json", "--mtp", C + "head-truncated.safetensors"],
+         "head-truncated.safetensors"),
+        ("head of another model", ["--out", W + "s.json", "--mtp", W + "smollm2-head.safetensors"],
+         "trained for 'smollm2'"),
+    )],
+    *[(f"calibrate-sources prompts {name}", ["calibrate-sources", *TINY, "--prompts", C + name, "--out",
+                                             W + "s.json"], name)
+      for name in ("prompts-invalid-utf8.txt", "prompts-empty.txt", "prompts-a-list.jsonl", "prompts-deep.jsonl",
+                   "a-fifo")],
 ]
 
 
@@ -217,6 +282,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(world, capsys, argv, m
     root, names = world
     work = Path(names["work"])
     (work / "long.txt").write_text("y" * 100 + "\n")  # 100 tokens + 500 new ones > 512
+    (work / "toy.txt").write_text("abc\nabcabc\n")
     values = {"{corpus}": names["a-fifo"].rsplit("/", 1)[0], "{work}": names["work"],
               "{tiny.jsonl}": names["tiny.jsonl"], "{other.jsonl}": names["other.jsonl"]}
     argv = [_fill(part, values) for part in argv]

@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("script", ["acceptance", "head_quality", "kernels", "serving_sweep", "sglang_trees",
-                                    "verify_cost", "greedy_identity", "gpu_check"])
+                                    "verify_cost", "greedy_identity", "gpu_check", "hybrid", "limits"])
 def test_unwritable_out_is_one_line_and_status_2(script, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")

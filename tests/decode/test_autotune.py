@@ -36,12 +36,14 @@ def _write_curve(path, curve: CostCurve):
 
 
 def test_auto_declines_where_nothing_pays_and_then_is_plain_decoding(tiny, capsys, tmp_path):
-    """With a CPU-like curve (verify time linear in the tokens, host work as large as a forward) --auto runs no
-    speculation, and the output is plain decoding's. Curves are given, not timed, so the decision is exact."""
+    """With a CPU-like curve (verify time linear in the tokens, host work as large as a forward) --auto over
+    sequoia trees runs no speculation, and the output is plain decoding's (``--auto`` over hybrid trees decides per
+    step: tests/cli/test_generate_hybrid.py). Curves are given, not timed, so the decision is exact."""
     steep = CostCurve({1: 1e-3, 2: 2e-3, 4: 4e-3, 8: 8e-3, 16: 16e-3}, draft_level=5e-4, step_overhead=1e-3,
                       prefix=200, device="synthetic")
     costs = _write_curve(tmp_path / "steep.json", steep)
-    assert main(["generate", "--model", "tiny-deepseek", "--auto", "--costs", costs, "--prompt", "abc",
+    assert main(["generate", "--model", "tiny-deepseek", "--policy", "sequoia", "--auto", "--costs", costs,
+                 "--prompt", "abc",
                  "--max-new-tokens", "16", "--check", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["auto"]["budget"] == 0 and report["policy"] == "none"
@@ -52,7 +54,8 @@ def test_auto_speculates_where_verify_is_flat(tiny, capsys, tmp_path):
     flat = CostCurve({1: 1e-2, 2: 1e-2, 4: 1.01e-2, 8: 1.02e-2, 16: 1.05e-2, 32: 1.1e-2}, draft_level=1e-4,
                      step_overhead=1e-4, prefix=200, device="synthetic")
     costs = _write_curve(tmp_path / "flat.json", flat)
-    assert main(["generate", "--model", "tiny-deepseek", "--auto", "--depth", "6", "--costs", costs, "--prompt",
+    assert main(["generate", "--model", "tiny-deepseek", "--policy", "sequoia", "--auto", "--depth", "6", "--costs",
+                 costs, "--prompt",
                  "abc", "--max-new-tokens", "16", "--check", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["policy"] == "sequoia" and report["budget"] == report["auto"]["budget"] >= 4

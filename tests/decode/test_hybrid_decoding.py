@@ -1,0 +1,104 @@
+"""Hybrid and lookup-only trees through the reference decoder: greedy output equals plain decoding token for
+token (tiny DeepSeek-V3 on transformers' forward, SmolLM2 on the static-cache runner), the lookup policy never runs
+the head, every step records who drafted each token, and the decoder's calibration learns online."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, generate_plain
+from sglang_spec.errors import SpecError
+from sglang_spec.models.toy_language import ToyLanguage
+from sglang_spec.tree.cost_model import CostCurve
+from sglang_spec.tree.hybrid import SOURCE_BOTH, SOURCE_LOOKUP, SOURCE_MTP, HybridPolicy
+from test_greedy_identity import check_identity, tiny_prompts
+
+
+def repetitive_prompts(count=12, seed=0):
+    """Toy-language text with repeats, so the context has something to copy (and random prompts, where it
+    mostly has not)."""
+    language = ToyLanguage(512, seed=123 + seed)
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for index in range(count):
+        piece = language.sample(1, int(rng.integers(4, 12)))[0].tolist()
+        prompts.append(piece * int(rng.integers(2, 4)) + piece[: int(rng.integers(0, len(piece)))])
+    return prompts + tiny_prompts(count // 2, seed=seed)
+
+
+def synthetic_costs(verify_step):
+    return CostCurve({n: 0.01 + verify_step * (n - 1) for n in (1, 2, 4, 8, 16, 32)}, draft_level=0.001,
+                     step_overhead=0.0005, prefix=64, device="synthetic", plain_token=0.0105)
+
+
+POLICIES = [
+    HybridPolicy("lookup", budget=8, depth=8),
+    HybridPolicy("hybrid", budget=10, depth=6, mtp_levels=2, topk=3),
+    HybridPolicy("hybrid", budget=16, depth=8, mtp_levels=3, topk=3, lookup_width=3, costs=synthetic_costs(2e-4)),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["lookup", "hybrid", "adaptive"])
+@pytest.mark.parametrize("batch_size", [1, 5])
+def test_tiny_deepseek_greedy_identity(tiny, policy, batch_size, near_tie_report):
+    loaded, head = tiny
+    outputs = check_identity(loaded.model, head, repetitive_prompts(), policy, GenerationConfig(max_new_tokens=24),
+                             batch_size, near_tie_report)
+    sources = [s for request in outputs for step in request.steps[1:] for s in step.sources[:-1]]
+    assert any(s & SOURCE_LOOKUP for s in sources)  # the context's candidates really get accepted
+    if policy.uses_mtp:
+        assert any(s == SOURCE_MTP for s in sources) and any(s == SOURCE_BOTH for s in sources)
+    else:
+        assert set(sources) == {SOURCE_LOOKUP}
+    lengths = [length for request in outputs for length in request.accept_lengths]
+    assert np.mean(lengths) > (2 if policy.uses_mtp else 1.2)
+
+
+def test_step_records_and_online_calibration(tiny):
+    loaded, head = tiny
+    decoder = SpeculativeDecoder(loaded.model, head, HybridPolicy("hybrid", budget=8, depth=6))
+    before = copy.deepcopy(decoder.calibration.to_obj())
+    output = decoder.generate(repetitive_prompts(4), GenerationConfig(max_new_tokens=20))
+    for request in output.requests:
+        steps = request.steps
+        assert [t for step in steps for t in step.tokens][: len(request.tokens)] == request.tokens
+        assert steps[0].tree_nodes == 0 and all(step.sources[-1] == 0 for step in steps)
+        assert [len(step.tokens) for step in steps[1:]] == request.accept_lengths
+        times = request.token_times()
+        assert len(times) == len(request.tokens) and times == sorted(times)
+    after = decoder.calibration.to_obj()
+    offered = lambda obj: sum(cell[1] for row in obj["lookup"] for cell in row) + sum(c[1] for c in obj["both"])
+    assert offered(after) > offered(before)  # every offered lookup candidate was counted
+
+
+def test_the_lookup_policy_needs_no_head(tiny):
+    loaded, _ = tiny
+    decoder = SpeculativeDecoder(loaded.model, None, HybridPolicy("lookup", budget=6, depth=6))
+    assert decoder.drafter is None
+    prompts = repetitive_prompts(3)
+    ours = decoder.generate(prompts, GenerationConfig(max_new_tokens=16))
+    plain = generate_plain(loaded.model, prompts, GenerationConfig(max_new_tokens=16))
+    assert [r.tokens for r in ours.requests] == [r.tokens for r in plain.requests]
+    assert ours.stats.draft_forwards == 0
+    with pytest.raises(SpecError, match="drafts with an MTP head"):
+        SpeculativeDecoder(loaded.model, None, HybridPolicy("hybrid", budget=6, depth=6))
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["lookup", "hybrid"])
+def test_smollm2_greedy_identity(smollm2, name, near_tie_report):
+    from test_smollm2_identity import CHAT
+    from sglang_spec.train.generate_traffic import prompt_tokens
+    from sglang_spec.train.prompts import humaneval_prompts
+
+    loaded, head = smollm2
+    prompts = [prompt_tokens(loaded, spec) for spec in humaneval_prompts(120, 125)]
+    prompts += [loaded.encode_prompt(text) for text in CHAT[:5]]
+    config = GenerationConfig(max_new_tokens=24, eos_token_ids=loaded.eos_token_ids)
+    policy = HybridPolicy(name, budget=12, depth=8, mtp_levels=2)
+    outputs = check_identity(loaded.model, head, prompts, policy, config, batch_size=1, report=near_tie_report)
+    check_identity(loaded.model, head, prompts, policy, config, batch_size=4, report=near_tie_report)
+    lengths = [length for request in outputs for length in request.accept_lengths]
+    assert sum(lengths) / len(lengths) > 1.3
