@@ -117,3 +117,20 @@ def to_device(value: Any, device: str) -> Any:
                  if field.init}
         return dataclasses.replace(value, **moved)
     return value
+
+
+def law_p_value(law: dict[tuple[int, ...], float], samples: list[tuple[int, ...]]) -> float:
+    """Chi-square p-value of ``samples`` against the exact ``law`` (outcome -> probability); cells expected fewer
+    than 5 times are merged into one bin."""
+    from scipy import stats
+
+    counts = {outcome: 0 for outcome in law}
+    for sample in samples:
+        counts[sample] += 1
+    keys = sorted(law, key=lambda k: -law[k])
+    expected = np.array([law[k] for k in keys]) * len(samples)
+    observed = np.array([counts[k] for k in keys], dtype=float)
+    rare = expected < 5
+    expected = np.append(expected[~rare], expected[rare].sum())
+    observed = np.append(observed[~rare], observed[rare].sum())
+    return float(stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)

@@ -15,9 +15,9 @@ draft probability, so it is lossless for any tree that depends only on the past,
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
-from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, lossless_verify
+from helpers import law_p_value
+from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
 from sglang_spec.decode.target import TargetRunner
 from sglang_spec.models.toy_language import ToyLanguage
 from sglang_spec.sampling import SamplingParams, sample_from_probs, target_probs_from_logits
@@ -153,16 +153,7 @@ def test_joint_law_of_the_first_three_tokens_with_hybrid_trees(tiny, name, lossl
     accepted_lookup = sum(1 for request in output.requests for step in request.steps[1:]
                           for source in step.sources[:-1] if source & SOURCE_LOOKUP)
     assert accepted_lookup > TRIALS // 4  # lookup-drafted nodes really are accepted
-    counts = {triple: 0 for triple in law}
-    for request in output.requests:
-        counts[tuple(request.tokens)] += 1
-    keys = sorted(law, key=lambda k: -law[k])
-    expected = np.array([law[k] for k in keys]) * TRIALS
-    observed = np.array([counts[k] for k in keys], dtype=float)
-    rare = expected < 5
-    expected = np.append(expected[~rare], expected[rare].sum())
-    observed = np.append(observed[~rare], observed[rare].sum())
-    p_value = stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+    p_value = law_p_value(law, [tuple(request.tokens) for request in output.requests])
     if lossless:
         assert p_value > 1e-3, p_value
     else:

@@ -2,11 +2,10 @@
 tokens matches the exact law by chi-square; a deliberately biased acceptance rule fails the same test."""
 
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
+from helpers import law_p_value
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, lossless_verify
 from sglang_spec.decode.target import TargetRunner
 from sglang_spec.sampling import SamplingParams, sample_from_probs, target_probs_from_logits
@@ -65,17 +64,7 @@ def test_joint_law_of_the_first_three_tokens(tiny, verifier, lossless):
     decoder = SpeculativeDecoder(loaded.model, head, policy, verifier=verifier)
     output = decoder.generate([PROMPT] * TRIALS, GenerationConfig(max_new_tokens=3, sampling=SAMPLING, seed=7))
     assert output.accept_length_mean > 1.3  # drafts are really accepted, not only bonus tokens
-    counts = {triple: 0 for triple in law}
-    for request in output.requests:
-        counts[tuple(request.tokens)] += 1
-    keys = sorted(law, key=lambda k: -law[k])
-    expected = np.array([law[k] for k in keys]) * TRIALS
-    observed = np.array([counts[k] for k in keys], dtype=float)
-    # merge the rare cells (expected < 5) into one bin
-    rare = expected < 5
-    expected = np.append(expected[~rare], expected[rare].sum())
-    observed = np.append(observed[~rare], observed[rare].sum())
-    p_value = stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+    p_value = law_p_value(law, [tuple(request.tokens) for request in output.requests])
     if lossless:
         assert p_value > 1e-3, p_value
     else:
