@@ -146,17 +146,16 @@ def shipped_head_path(model_name: str) -> Path | None:
 
 def shipped_profile_path(model_name: str, temperature: float = 0.0) -> Path | None:
     """The shipped profile calibrated at the temperature closest to ``temperature``."""
-    files = SHIPPED_PROFILES.get(model_name)
-    if not files:
-        return None
-    file = files[min(files, key=lambda calibrated: abs(calibrated - temperature))]
-    resource = resources.files("sglang_spec.data").joinpath("profiles", file)
-    return Path(str(resource)) if resource.is_file() else None
+    return _nearest_shipped_file(SHIPPED_PROFILES.get(model_name), temperature)
 
 
 def shipped_calibration_path(model_name: str, temperature: float = 0.0) -> Path | None:
     """The shipped per-source calibration (``tree/hybrid.SourceCalibration``) nearest to ``temperature``."""
-    files = SHIPPED_CALIBRATIONS.get(model_name)
+    return _nearest_shipped_file(SHIPPED_CALIBRATIONS.get(model_name), temperature)
+
+
+def _nearest_shipped_file(files: dict[float, str] | None, temperature: float) -> Path | None:
+    """The file in data/profiles/ calibrated at the temperature closest to ``temperature`` (None: none shipped)."""
     if not files:
         return None
     file = files[min(files, key=lambda calibrated: abs(calibrated - temperature))]
