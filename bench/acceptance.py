@@ -31,6 +31,8 @@ import torch
 from harness import head_quality, load_heads, load_profiles, load_prompt_tokens, one_by_one
 
 from sglang_spec.catalog import load_model
+from sglang_spec.cli.parser import OneLineErrorParser, comma_list, integer
+from sglang_spec.cli.parser import temperature as temperature_arg
 from sglang_spec.decode.autotune import measure_costs, time_draft_level
 from sglang_spec.decode.decoder import (
     GenerationConfig,
@@ -49,13 +51,14 @@ from sglang_spec.tree.cost_model import CostCurve, choose_speculation, predicted
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 from sglang_spec.tree.sequoia import sequoia_plan
+from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH
 
 REPO = Path(__file__).resolve().parents[1]
 COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--heads", default=None,
                         help="name=PATH,... (default: the shipped generic and code heads of the model)")
@@ -65,22 +68,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--policies", default="chain,eagle,sequoia,specexec")
-    parser.add_argument("--budgets", default="4,8,16,32,64")
-    parser.add_argument("--depths", default="3,6")
-    parser.add_argument("--temperatures", default="0,0.7")
-    parser.add_argument("--tree-sizes", default="16,32,168", help="tree budgets for the head-quality table")
+    parser.add_argument("--budgets", type=comma_list(integer(1, MAX_BUDGET)), default="4,8,16,32,64")
+    parser.add_argument("--depths", type=comma_list(integer(1, MAX_DEPTH)), default="3,6")
+    parser.add_argument("--temperatures", type=comma_list(temperature_arg), default="0,0.7")
+    parser.add_argument("--tree-sizes", type=comma_list(integer(1, MAX_BUDGET)), default="16,32,168",
+                        help="tree budgets for the head-quality table")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "acceptance.json")
     parser.add_argument("--quick", action="store_true", help="tiny-deepseek and a few configurations")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.prompts, args.num_prompts, args.max_new_tokens = "tiny-deepseek", "toy", 4, 24
-        args.budgets, args.depths, args.temperatures, args.tree_sizes = "4,8", "3", "0,0.7", "8"
+        args.budgets, args.depths, args.temperatures, args.tree_sizes = [4, 8], [3], [0.0, 0.7], [8]
     return args
-
-
-def integers(text: str) -> list[int]:
-    return [int(item) for item in text.split(",")]
 
 
 @dataclass
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model)
     heads = load_heads(loaded, args.heads)
     prompts, prompt_ids = load_prompt_tokens(loaded, args.prompts, args.num_prompts, args.seed)
-    temperatures = [float(t) for t in args.temperatures.split(",")]
+    temperatures = args.temperatures
     profiles = load_profiles(loaded, heads, args.profiles, temperatures)
     first_head = next(iter(heads.values()))
     print(f"measuring the verify-cost curve on {platform.processor() or 'this machine'} ...", flush=True)
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     draft_vocabulary = {name: draft_vocab_timing(loaded, head) for name, head in heads.items()}
     rows: list[Row] = []
     quality = {}
-    progress = Progress(len(heads) * len(temperatures) * len(args.policies.split(",")) * len(integers(args.budgets))
-                        * len(integers(args.depths)))
+    progress = Progress(len(heads) * len(temperatures) * len(args.policies.split(",")) * len(args.budgets)
+                        * len(args.depths))
     for temperature in temperatures:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(temperature=temperature),
                                   seed=args.seed, eos_token_ids=loaded.eos_token_ids)
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(auto_row(sweep, head_name, head, profile))
             if temperature == 0:
                 quality[head_name] = head_quality(loaded, head, prompts, sweep.plain, profile,
-                                                  integers(args.tree_sizes), config)
+                                                  args.tree_sizes, config)
     report = {
         "environment": environment(loaded),
         "command": " ".join([Path(sys.executable).name, "bench/acceptance.py", *(argv or sys.argv[1:])]),
@@ -196,8 +196,8 @@ def policy_rows(sweep: Sweep, head_name: str, head: MTPHead, profile: Acceptance
     temperature = sweep.config.sampling.temperature
     seen: set[tuple[str, int, int]] = set()
     for policy_name in args.policies.split(","):
-        for budget in integers(args.budgets):
-            for depth in integers(args.depths):
+        for budget in args.budgets:
+            for depth in args.depths:
                 progress.step()
                 # a chain has min(budget, depth) nodes: run each distinct chain once
                 key = (policy_name, min(budget, depth) if policy_name == "chain" else budget, depth)

@@ -16,20 +16,25 @@ import json
 import sys
 from pathlib import Path
 
+from sglang_spec.cli.parser import OneLineErrorParser, comma_list, integer
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
+from sglang_spec.tree.policies import MAX_TOPK
+from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("eagle", "sequoia", "specexec")
+HELD_OUT_PROMPTS = 30  # HumanEval 134-163: never in the shipped head's traffic
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budgets", default="16,32,64")
-    parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--topk", type=int, default=4, help="children per expanded node")
-    parser.add_argument("--num-prompts", type=int, default=12)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budgets", type=comma_list(integer(1, MAX_BUDGET)), default="16,32,64")
+    parser.add_argument("--depth", type=integer(1, MAX_DEPTH), default=6)
+    parser.add_argument("--topk", type=integer(1, MAX_TOPK), default=4, help="children per expanded node")
+    parser.add_argument("--num-prompts", type=integer(1, HELD_OUT_PROMPTS), default=12,
+                        help=f"HumanEval 134 onwards (1-{HELD_OUT_PROMPTS})")
+    parser.add_argument("--max-new-tokens", type=integer(1, 1024), default=64)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "sglang_trees.json")
     return parser.parse_args(argv)
 
@@ -50,7 +55,7 @@ def main(argv=None) -> int:
                                                   return_dict=False)) for spec in specs]
     scratch = REPO / "runs" / "sglang_trees"  # server logs (gitignored)
     rows, outputs = [], {}
-    for budget in [int(b) for b in args.budgets.split(",")]:
+    for budget in args.budgets:
         for policy in POLICIES:
             tree = ["--speculative-tree-policy", policy, "--speculative-tree-budget", str(budget),
                     "--speculative-tree-depth", str(args.depth), "--speculative-tree-topk", str(args.topk)]

@@ -10,7 +10,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, TypeVar
 
 from sglang_spec.errors import brief
 from sglang_spec.sampling import TEMPERATURE_FLOOR
@@ -22,6 +22,8 @@ MAX_BATCH_SIZE = 4096
 MAX_SAMPLES = 1000
 MAX_STEPS = 10_000_000
 MAX_SAMPLING_TOP_K = 2**31 - 1  # any top-k past the vocabulary is off; this only keeps it an int32
+
+Item = TypeVar("Item")
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -68,6 +70,19 @@ def number(low: float, high: float, low_open: bool = False, high_open: bool = Fa
         return value
 
     parse.__name__ = "number"
+    return parse
+
+
+def comma_list(item: Callable[[str], Item]) -> Callable[[str], list[Item]]:
+    """An argparse type: one or more comma-separated values, each parsed (and range-checked) by ``item``."""
+
+    def parse(text: str) -> list[Item]:
+        parts = text.split(",")
+        if any(not part.strip() for part in parts):
+            raise argparse.ArgumentTypeError(f"{brief(text)}: give one or more values separated by commas")
+        return [item(part) for part in parts]
+
+    parse.__name__ = "list"
     return parse
 
 

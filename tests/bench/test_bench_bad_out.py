@@ -20,3 +20,15 @@ def test_unwritable_out_is_one_line_and_status_2(script, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "a-file" in lines[0], result.stderr
     assert blocker.read_text() == "not a folder\n"
+
+
+@pytest.mark.parametrize("script, option, value", [
+    ("acceptance", "--budgets", "4,abc"), ("acceptance", "--temperatures", "0,nan"), ("acceptance", "--depths", "0"),
+    ("sglang_trees", "--budgets", "16,,32"), ("sglang_trees", "--num-prompts", "99"),
+])
+def test_bad_list_or_number_option_is_one_line_and_status_2(script, option, value):
+    result = subprocess.run([sys.executable, str(REPO / "bench" / f"{script}.py"), option, value],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: argument {option}:"), result.stderr
