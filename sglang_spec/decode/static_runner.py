@@ -9,7 +9,8 @@ What it does differently from ``TargetRunner`` (transformers' forward over a Dyn
 * a verify writes request b's N tree nodes at slots ``[lengths[b], lengths[b] + N)``; ``commit`` moves only the
   accepted rows that are not already in place (path node i to slot lengths[b] + i; a chain's accepted path never
   moves), in one indexing op over all layers;
-* q/k/v and gate/up weights are concatenated (one matmul each), the residual adds ride on ``addmm``, RMSNorm is
+* q/k/v and gate/up weights are concatenated (one matmul each), every matmul is a ``PackedLinear`` (MKL packed
+  GEMMs at the 4-64 rows of a tree verify, ``decode/packed_linear.py``), RMSNorm is
   ``F.rms_norm``, and RoPE is one complex multiply: q and k rows are permuted within each head so each rotated pair
   (i, i + head_dim/2) sits side by side (a dot product is unchanged by permuting both operands the same way);
 * attention is one ``scaled_dot_product_attention`` call with grouped-query heads; a plain step and a prefill need
@@ -22,12 +23,14 @@ speculation is compared with plain decoding run by this same runner.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from sglang_spec.decode.packed_linear import PackedLinear
 from sglang_spec.decode.target import PrefillOutput, TargetRunner, TreeForwardOutput
 from sglang_spec.tree.batch import TreeBatch
 
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 _GROWTH_SLACK = 256  # slots added past what a forward needs when the cache grows (then it doubles)
+# model -> ((parameter versions, packing), output head, fused layers): one copy of the fused weights per model
+_FUSED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], PackedLinear, list[_Layer]]] = weakref.WeakKeyDictionary()
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -87,17 +92,18 @@ class StaticKVCache:
 @dataclass(frozen=True, eq=False)
 class _Layer:
     input_norm: torch.Tensor  # [d]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, d], q and k rows permuted for complex RoPE
-    output: torch.Tensor  # [d, heads * head_dim].T, ready for addmm
+    qkv: PackedLinear  # weight [(heads + 2 * kv_heads) * head_dim, d], q and k rows permuted for complex RoPE
+    output: PackedLinear  # weight [d, heads * head_dim]
     post_norm: torch.Tensor  # [d]
-    gate_up: torch.Tensor  # [2 * intermediate, d]
-    down: torch.Tensor  # [intermediate, d] (down_proj weight transposed, for addmm)
+    gate_up: PackedLinear  # weight [2 * intermediate, d]
+    down: PackedLinear  # weight [d, intermediate]
 
 
 class StaticTargetRunner:
     """``TargetRunner``'s interface over a static cache and a hand-written Llama forward (see module doc)."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, packing: bool | None = None) -> None:
+        """``packing``: MKL packed GEMMs for tree verifies (None: where this PyTorch has them)."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a Llama-style model this runner reproduces")
         self.model = model
@@ -111,8 +117,8 @@ class StaticTargetRunner:
         base = model.model
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
-        self.lm_head = model.get_output_embeddings().weight
-        self.layers = [self._fuse(layer) for layer in base.layers]
+        self.packing = packing
+        self.lm_head, self.layers = self._weights(model)
         rope = getattr(config, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
         half = self.head_dim // 2
@@ -125,6 +131,25 @@ class StaticTargetRunner:
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
 
     # ---------------------------------------------------------------------------------------------- weights
+    def _weights(self, model: PreTrainedModel) -> tuple[PackedLinear, list[_Layer]]:
+        """The fused layers and output head, shared by every runner of ``model`` (a pack is made once per model
+        and row bucket, not per runner), rebuilt when any parameter changed in place since."""
+        versions = tuple(parameter._version for parameter in model.parameters())
+        key = (versions, self.packing)
+        cached = _FUSED.get(model)
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        lm_head = PackedLinear(model.get_output_embeddings().weight, self.packing)
+        layers = [self._fuse(layer) for layer in model.model.layers]
+        _FUSED[model] = (key, lm_head, layers)
+        return lm_head, layers
+
+    def prepare(self, rows: int) -> None:
+        """Makes the GEMM packs a forward over up to ``rows`` tokens uses now, so the first verify of that size
+        does not pay for them (a server's start-up, like a CUDA graph capture)."""
+        for linear in [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.output, layer.gate_up, layer.down)]:
+            linear.prepare(rows)
+
     def _fuse(self, layer: Any) -> _Layer:
         attention, mlp = layer.self_attn, layer.mlp
         permute = self._pair_permutation()
@@ -134,11 +159,11 @@ class StaticTargetRunner:
         gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]).contiguous()
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=qkv,
-            output=attention.o_proj.weight.detach().t(),
+            qkv=PackedLinear(qkv, self.packing),
+            output=PackedLinear(attention.o_proj.weight, self.packing),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=gate_up,
-            down=mlp.down_proj.weight.detach().t(),
+            gate_up=PackedLinear(gate_up, self.packing),
+            down=PackedLinear(mlp.down_proj.weight, self.packing),
         )
 
     def _pair_permutation(self) -> torch.Tensor:
@@ -175,7 +200,7 @@ class StaticTargetRunner:
         same_start = all(start == starts[0] for start in starts)
         for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.input_norm, self.eps)
-            qkv = F.linear(normed, layer.qkv)  # [B*T, q + 2k]
+            qkv = layer.qkv(normed)  # [B*T, q + 2k]
             rotated = torch.view_as_real(
                 torch.view_as_complex(qkv[:, : q_size + k_size].reshape(batch * width, heads + kv_heads, head_dim // 2, 2))
                 * rotation
@@ -196,12 +221,12 @@ class StaticTargetRunner:
                 scale=self.scale, enable_gqa=heads != kv_heads,
             )  # [B, heads, T, D]
             attended = attended.transpose(1, 2).reshape(batch * width, q_size)
-            hidden = torch.addmm(hidden, attended, layer.output)
+            hidden = layer.output.add_to(hidden, attended)
             normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.post_norm, self.eps)
-            gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
-            hidden = torch.addmm(hidden, F.silu(gate).mul_(up), layer.down)
+            gate, up = layer.gate_up(normed).chunk(2, dim=-1)
+            hidden = layer.down.add_to(hidden, F.silu(gate).mul_(up))
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.final_norm, self.eps)
-        logits = F.linear(hidden, self.lm_head)
+        logits = self.lm_head(hidden)
         return logits.float().reshape(batch, width, -1), hidden.reshape(batch, width, -1)
 
     def _new_cache(self, batch: int, capacity: int) -> StaticKVCache:

@@ -97,3 +97,22 @@ def test_smollm2_at_a_300_token_context(smollm2):
     a, b = ours.verify(batch), theirs.verify(batch)
     assert (a.logits - b.logits).abs().max() < 1e-3  # logits of order 30
     assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
+
+
+def test_fused_weights_are_shared_per_model_and_follow_in_place_changes(tiny_llama):
+    first, second = StaticTargetRunner(tiny_llama), StaticTargetRunner(tiny_llama)
+    assert first.layers is second.layers  # one fused copy (and one set of GEMM packs) per model
+    prompt = torch.arange(1, 9)
+    before = first.prefill(prompt).last_logits
+    weight = tiny_llama.model.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        weight.mul_(0.5)
+    try:
+        third = StaticTargetRunner(tiny_llama)
+        assert third.layers is not first.layers
+        after = third.prefill(prompt).last_logits
+        assert_close(after, TargetRunner(tiny_llama).prefill(prompt).last_logits)
+        assert not torch.allclose(before, after)
+    finally:
+        with torch.no_grad():
+            weight.mul_(2.0)  # the fixture is module-scoped (a power of two: restored exactly)

@@ -1,0 +1,56 @@
+"""PackedLinear (MKL packed GEMMs for a verify's small row counts) computes F.linear's product."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang_spec.decode.packed_linear import PACK_BUCKETS, PackedLinear, mkl_packing_available
+
+needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="this PyTorch has no MKL packed GEMM")
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 16, 17, 33, 64, 65, 200])
+def test_matches_linear_at_every_row_count(rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=generator)
+    x = torch.randn(rows, 40, generator=generator)
+    residual = torch.randn(rows, 96, generator=generator)
+    linear = PackedLinear(weight)
+    torch.testing.assert_close(linear(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear.add_to(residual, x), residual + F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    used = [bucket for bucket in PACK_BUCKETS if rows <= bucket]
+    # 4-64 rows ran on the pack of the smallest bucket that holds them; other counts made no pack
+    expected = {used[0]} if 4 <= rows <= 64 else set()
+    assert set(linear._packs) == expected
+
+
+@needs_mkl
+def test_padding_rows_do_not_leak_into_the_result() -> None:
+    weight = torch.randn(32, 16)
+    linear = PackedLinear(weight)
+    x = torch.randn(5, 16)
+    alone = linear(x)  # padded to 8 rows
+    assert alone.shape == (5, 32)
+    torch.testing.assert_close(alone, linear(torch.cat([x, torch.randn(3, 16)]))[:5], rtol=1e-6, atol=1e-6)
+
+
+def test_other_dtypes_and_disabled_packing_run_linear() -> None:
+    weight = torch.randn(24, 8, dtype=torch.float64)
+    x = torch.randn(16, 8, dtype=torch.float64)
+    linear = PackedLinear(weight)
+    assert not linear.packing
+    assert torch.equal(linear(x), F.linear(x, weight))
+    off = PackedLinear(weight.float(), packing=False)
+    assert torch.equal(off(x.float()), F.linear(x.float(), weight.float())) and not off._packs
+
+
+@needs_mkl
+def test_prepare_makes_every_pack_up_to_the_rows_asked() -> None:
+    linear = PackedLinear(torch.randn(16, 8))
+    linear.prepare(3)
+    assert not linear._packs
+    linear.prepare(17)
+    assert set(linear._packs) == {4, 8, 16, 32}
+    linear.prepare(500)
+    assert set(linear._packs) == set(PACK_BUCKETS)
