@@ -60,7 +60,8 @@ def target_probs_from_logits(
     * top-p keeps, among those, every token with w >= t, where t is the largest value for which the kept mass
       of tokens with w >= t still reaches top_p times the mass kept by top-k (ties kept again).
     The kept mass is renormalised. These threshold definitions are what a GPU kernel can compute without
-    sorting the vocabulary (``kernels/verify_accept.py`` finds the same thresholds by bisection).
+    sorting the vocabulary (``kernels/verify_accept.py`` finds the same thresholds by bisection). Whether any
+    row uses top-k or top-p is read on the host: pass those two as CPU tensors to keep a device stream unsynced.
     """
     batch = logits.shape[0]
     vocab = logits.shape[-1]
@@ -70,22 +71,37 @@ def target_probs_from_logits(
     is_greedy = ~(temperature >= TEMPERATURE_FLOOR)  # NaN too: never a NaN distribution
     safe_temperature = torch.where(is_greedy, torch.ones_like(temperature), temperature)
     weights = torch.exp((flat - flat.max(-1, keepdim=True).values) * (1.0 / safe_temperature))
-    sorted_weights = torch.sort(weights, dim=-1, descending=True).values
     top_k = top_k.to(flat.device, torch.int64).reshape(shape)
-    kth_index = (top_k.clamp(min=1, max=vocab) - 1).expand(batch, flat.shape[1], 1)
-    kth = torch.gather(sorted_weights, -1, kth_index)
-    kth = torch.where((top_k > 0) & (top_k < vocab), kth, torch.zeros_like(kth))
-    kept = torch.where(sorted_weights >= kth, sorted_weights, torch.zeros_like(sorted_weights))
-    # mass of tokens with w >= sorted[i] is the cumulative sum up to the last tie of sorted[i]; the first i whose
-    # cumulative sum reaches the target gives the top-p threshold sorted[i]
     top_p = top_p.to(flat.device, torch.float32).reshape(shape)
-    cumulative = torch.cumsum(kept, dim=-1)
-    target = top_p * cumulative[..., -1:]
-    first = (cumulative < target).sum(-1, keepdim=True).clamp(max=vocab - 1)
-    top_p_threshold = torch.where(top_p < 1, torch.gather(sorted_weights, -1, first), torch.zeros_like(kth))
-    threshold = torch.maximum(kth, top_p_threshold)
-    filtered = torch.where(weights >= threshold, weights, torch.zeros_like(weights))
+    # the thresholds need the sorted weights only where top-p is on; top-k alone needs the k largest, and with
+    # both off every weight is kept (a full sort of [rows, V] costs as much as a forward of a small model)
+    uses_top_p = bool((top_p < 1).any())
+    k_on = (top_k > 0) & (top_k < vocab)
+    uses_top_k = bool(k_on.any())
+    if not uses_top_p and not uses_top_k:
+        threshold = torch.zeros_like(temperature)
+    elif not uses_top_p:
+        largest = int(torch.where(k_on, top_k, torch.ones_like(top_k)).max())
+        top_weights = torch.topk(weights, largest, dim=-1).values
+        kth = torch.gather(top_weights, -1, (top_k.clamp(min=1, max=largest) - 1).expand(batch, flat.shape[1], 1))
+        threshold = torch.where(k_on, kth, torch.zeros_like(kth))
+    else:
+        sorted_weights = torch.sort(weights, dim=-1, descending=True).values
+        kth_index = (top_k.clamp(min=1, max=vocab) - 1).expand(batch, flat.shape[1], 1)
+        kth = torch.gather(sorted_weights, -1, kth_index)
+        kth = torch.where(k_on, kth, torch.zeros_like(kth))
+        kept = torch.where(sorted_weights >= kth, sorted_weights, torch.zeros_like(sorted_weights))
+        # mass of tokens with w >= sorted[i] is the cumulative sum up to the last tie of sorted[i]; the first i
+        # whose cumulative sum reaches the target gives the top-p threshold sorted[i]
+        cumulative = torch.cumsum(kept, dim=-1)
+        target = top_p * cumulative[..., -1:]
+        first = (cumulative < target).sum(-1, keepdim=True).clamp(max=vocab - 1)
+        top_p_threshold = torch.where(top_p < 1, torch.gather(sorted_weights, -1, first), torch.zeros_like(kth))
+        threshold = torch.maximum(kth, top_p_threshold)
+    filtered = weights if not (uses_top_k or uses_top_p) else torch.where(weights >= threshold, weights, 0.0)
     filtered = filtered / filtered.sum(-1, keepdim=True)
+    if not bool(is_greedy.any()):
+        return filtered.reshape(logits.shape)
     one_hot = torch.nn.functional.one_hot(flat.argmax(-1), vocab).to(torch.float32)
     return torch.where(is_greedy, one_hot, filtered).reshape(logits.shape)
 
