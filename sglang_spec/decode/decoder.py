@@ -27,7 +27,7 @@ from typing import Callable, Sequence, TYPE_CHECKING
 
 import torch
 
-from sglang_spec.decode.static_runner import target_runner_for
+from sglang_spec.decode.static_runner import StaticTargetRunner, target_runner_for
 from sglang_spec.errors import SpecError
 from sglang_spec.mtp.drafter import DraftState, MTPDrafter
 from sglang_spec.mtp.head import MTPHead
@@ -40,7 +40,7 @@ from sglang_spec.tree.token_tree import TokenTree
 from sglang_spec.verify.greedy import verify_greedy
 from sglang_spec.verify.relaxed import RelaxedAcceptance, verify_relaxed_topn_delta
 from sglang_spec.verify.result import VerifyResult
-from sglang_spec.verify.sample_match import verify_sample_match
+from sglang_spec.verify.sample_match import verify_sample_match_on_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -209,7 +209,10 @@ def lossless_verify(batch: TreeBatch, logits: torch.Tensor, config: GenerationCo
     if config.sampling.greedy:
         return verify_greedy(batch, logits.argmax(-1))
     coins = torch.rand(batch.batch_size, batch.max_nodes, generator=generator)
-    return verify_sample_match(batch, _probs(logits, config.sampling), coins)
+    sampling, size = config.sampling, batch.batch_size
+    return verify_sample_match_on_path(batch, logits, torch.full((size,), sampling.temperature),
+                                       torch.full((size,), sampling.top_k, dtype=torch.int64),
+                                       torch.full((size,), sampling.top_p), coins)
 
 
 @dataclass
@@ -244,6 +247,8 @@ class SpeculativeDecoder:
         if uses_head and head is None:
             raise SpecError(f"the {policy.name} policy drafts with an MTP head; give one (or use --policy lookup)")
         self.runner = target_runner_for(target, static_runner)
+        if isinstance(self.runner, StaticTargetRunner):
+            self.runner.prepare(policy.budget + 1)  # a batch-1 tree verify of any size this policy builds
         self.drafter = MTPDrafter(head) if uses_head and head is not None else None
         self.policy = policy
         self.verifier = verifier
