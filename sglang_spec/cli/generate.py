@@ -315,7 +315,9 @@ def costs_for(loaded: LoadedModel, head: MTPHead | None, costs_path: Path | None
     dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
     mode = "greedy" if sampling.greedy else "sampled"
     runner = "static" if static_runner_supports(loaded.model) else "transformers"
-    path = costs_path or cache_root() / "costs" / f"{loaded.name}-{dtype}-{mode}-{runner}-{platform.node() or 'host'}.json"
+    # v2: verifies on packed GEMMs and sampled verification on the walked path only: older curves mislead --auto
+    name = f"{loaded.name}-{dtype}-{mode}-{runner}-v2-{platform.node() or 'host'}.json"
+    path = costs_path or cache_root() / "costs" / name
     # our own cache may be rebuilt when it is damaged; a file the user named is theirs: a problem there is refused
     warn = None if costs_path is not None else (lambda message: print(f"warning: {message}", file=sys.stderr))
     return load_or_measure(path, loaded.model, head, sampling, on_bad_cache=warn), path
