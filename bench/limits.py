@@ -8,7 +8,8 @@ largest square one and the model's own shapes), then derives floors: a plain dec
 once (bytes / bandwidth); a verify of n tree tokens must also do 2 * n * params of multiply-adds (flops /
 throughput), so its floor is the larger of the two. Beside the floors: the runner's measured plain step and
 verify of n tree tokens at the given context (the decoder's runner: ``decode/static_runner.py`` where the model
-allows). Timings are medians; run on a quiet machine (the script prints the 1-minute load before and after).
+allows). Timings are medians of rounds that take the forwards in turn; run on a quiet machine (the script prints
+the 1-minute load before and after).
 """
 
 from __future__ import annotations
@@ -44,6 +45,21 @@ def median_seconds(function: Callable[[], object], repeats: int = 9, warmup: int
         function()
         times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+def interleaved_medians(functions: dict[Any, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[Any, float]:
+    """Median seconds of each function, timed in rounds that take them in turn: a slow spell of a shared machine
+    then lands on all of them instead of inflating one."""
+    for _ in range(warmup):
+        for function in functions.values():
+            function()
+    times: dict[Any, list[float]] = {key: [] for key in functions}
+    for _ in range(repeats):
+        for key, function in functions.items():
+            start = time.perf_counter()
+            function()
+            times[key].append(time.perf_counter() - start)
+    return {key: float(np.median(values)) for key, values in times.items()}
 
 
 def memory_bandwidth(megabytes: int = 512) -> float:
@@ -129,13 +145,15 @@ def measure(model: Any, context: int, sizes: tuple[int, ...] = VERIFY_SIZES, rep
     def plain_step() -> None:
         runner.decode_one(5, context, prefill.cache)  # rewrites slot `context`: the cache stays `context` long
 
-    plain = median_seconds(plain_step, repeats)
     runner.start_batch([runner.prefill(prompt)])
-    verify = {}
+    forwards: dict[Any, Callable[[], object]] = {"plain": plain_step}
     for size in sizes:
         batch = TreeBatch.from_trees([verify_tree(size, model.config.vocab_size)])
         # a verify writes its nodes past the committed slots and commits nothing: repeatable as is
-        verify[size] = median_seconds(lambda batch=batch: runner.verify(batch), repeats)
+        forwards[size] = lambda batch=batch: runner.verify(batch)
+    timed = interleaved_medians(forwards, repeats)
+    plain = timed.pop("plain")
+    verify = timed
     memory_floor = shape.weight_bytes / (bandwidth * 1e9)
     floors = {n: max(memory_floor, shape.flops(n, context) / (peak * 1e9)) for n in sizes}
     return {
