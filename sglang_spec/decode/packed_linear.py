@@ -5,11 +5,12 @@ through ``F.linear``: on the 2-core AVX-512 machine this project runs on, SmolLM
 against 20 ms at one row, while the same product with the weight pre-packed by MKL for exactly 16 rows
 (``cblas_sgemm_pack``, what PyTorch's inductor uses when it freezes CPU weights) takes 36 ms. A pack only pays at
 the row count it was made for (a pack for 16 rows run on 12 is slower than ``F.linear``), so rows are padded up to
-a bucket of ``PACK_BUCKETS`` and one pack per bucket is made the first time the bucket is used (about the weight's
-size each, in 0.1-0.2 s for a 135M model).
+a bucket (``PACK_BUCKETS``, plus the exact row counts ``prepare`` is told of: a decoder names its tree size) and
+one pack per bucket is made the first time the bucket is used (about the weight's size each, in 0.1-0.2 s for a
+135M model).
 
 Results equal ``F.linear``'s up to float32 summation order (``F.linear`` itself rounds differently at different
-row counts). Anything else (GPU tensors, other dtypes, 1-3 or more than 64 rows, a PyTorch without MKL) runs
+row counts). Anything else (GPU tensors, other dtypes, 1-3 rows or more than the largest bucket, a PyTorch without MKL) runs
 ``F.linear``.
 """
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 PACK_BUCKETS = (4, 8, 16, 32, 64)  # row counts a pack is made for; 1-3 rows run F.linear as fast
+MAX_EXACT_BUCKET = 128  # largest row count prepare() adds as a bucket of its own
 
 
 def mkl_packing_available() -> bool:
@@ -34,12 +36,13 @@ class PackedLinear:
         if packing is None:
             packing = mkl_packing_available()
         self.packing = packing and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
+        self.buckets = list(PACK_BUCKETS)  # sorted; prepare() adds exact row counts
         self._packs: dict[int, torch.Tensor] = {}
 
     def _bucket(self, rows: int) -> int | None:
         if not self.packing or rows < PACK_BUCKETS[0]:
             return None
-        for bucket in PACK_BUCKETS:
+        for bucket in self.buckets:
             if rows <= bucket:
                 return bucket
         return None
@@ -52,11 +55,15 @@ class PackedLinear:
         return pack
 
     def prepare(self, rows: int) -> None:
-        """Makes now every pack a product with up to ``rows`` rows will use."""
+        """Adds ``rows`` (4 to MAX_EXACT_BUCKET) as a bucket of its own, so a product of exactly that many rows is
+        not padded (a 16-node tree plus its root is 17 rows: padded to 32 it costs ~25% more), and makes now every
+        pack a product with up to ``rows`` rows will use."""
         if not self.packing:
             return
-        largest = self._bucket(rows) or (PACK_BUCKETS[-1] if rows > PACK_BUCKETS[-1] else 0)
-        for bucket in PACK_BUCKETS:
+        if PACK_BUCKETS[0] <= rows <= MAX_EXACT_BUCKET and rows not in self.buckets:
+            self.buckets = sorted([*self.buckets, rows])
+        largest = self._bucket(rows) or (self.buckets[-1] if rows > self.buckets[-1] else 0)
+        for bucket in self.buckets:
             if bucket <= largest:
                 self._pack(bucket)
 

@@ -46,11 +46,15 @@ def test_other_dtypes_and_disabled_packing_run_linear() -> None:
 
 
 @needs_mkl
-def test_prepare_makes_every_pack_up_to_the_rows_asked() -> None:
-    linear = PackedLinear(torch.randn(16, 8))
+def test_prepare_adds_the_exact_row_count_and_makes_every_pack_up_to_it() -> None:
+    weight = torch.randn(16, 8)
+    linear = PackedLinear(weight)
     linear.prepare(3)
     assert not linear._packs
-    linear.prepare(17)
-    assert set(linear._packs) == {4, 8, 16, 32}
-    linear.prepare(500)
-    assert set(linear._packs) == set(PACK_BUCKETS)
+    linear.prepare(17)  # a 16-node tree and its root: a bucket of its own, not padded to 32
+    assert set(linear._packs) == {4, 8, 16, 17}
+    assert linear._bucket(17) == 17 and linear._bucket(18) == 32 and linear._bucket(16) == 16
+    x = torch.randn(17, 8)
+    torch.testing.assert_close(linear(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    linear.prepare(500)  # past the largest exact bucket: every bucket there is
+    assert set(linear._packs) == set(PACK_BUCKETS) | {17}
