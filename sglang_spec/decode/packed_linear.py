@@ -10,8 +10,8 @@ one pack per bucket is made the first time the bucket is used (about the weight'
 135M model).
 
 Results equal ``F.linear``'s up to float32 summation order (``F.linear`` itself rounds differently at different
-row counts). Anything else (GPU tensors, other dtypes, 1-3 rows or more than the largest bucket, a PyTorch without MKL) runs
-``F.linear``.
+row counts). Anything else (GPU tensors, other dtypes, 1-3 rows or more than the largest bucket, a PyTorch
+without MKL) runs ``F.linear``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from sglang_spec.decode.packed_linear import PackedLinear
+from sglang_spec.decode.packed_linear import PackedLinear, mkl_packing_available
 from sglang_spec.decode.target import PrefillOutput, TargetRunner, TreeForwardOutput
 from sglang_spec.tree.batch import TreeBatch
 
@@ -117,7 +117,7 @@ class StaticTargetRunner:
         base = model.model
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
-        self.packing = packing
+        self.packing = mkl_packing_available() if packing is None else packing
         self.lm_head, self.layers = self._weights(model)
         rope = getattr(config, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
@@ -147,7 +147,10 @@ class StaticTargetRunner:
     def prepare(self, rows: int) -> None:
         """Makes the GEMM packs a forward over up to ``rows`` tokens uses now, so the first verify of that size
         does not pay for them (a server's start-up, like a CUDA graph capture)."""
-        for linear in [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.output, layer.gate_up, layer.down)]:
+        linears = [self.lm_head]
+        for layer in self.layers:
+            linears += [layer.qkv, layer.output, layer.gate_up, layer.down]
+        for linear in linears:
             linear.prepare(rows)
 
     def _fuse(self, layer: Any) -> _Layer:
