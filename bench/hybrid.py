@@ -317,7 +317,7 @@ def done_when(rows: list[Row], limits: dict[str, Any]) -> list[str]:
             row = by[(workload, method)]
             if best is not None:
                 ratio = row.tokens_per_second / best.tokens_per_second
-                lines.append(f"{workload}: {method} / best prompt lookup ({best.method}) = {ratio:.2f} (target >= 1.15): "
+                lines.append(f"{workload}: {method} / best prompt lookup ({best.method}) = {ratio:.3f} (target >= 1.15): "
                              + ("met" if ratio >= 1.15 else "NOT met"))
             lines.append(f"{workload}: {method} / plain = {row.speedup:.2f} (target >= 1.5): "
                          + ("met" if row.speedup >= 1.5 else "NOT met"))

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from sglang_spec.catalog import load_model
+from sglang_spec.decode.autotune import interleaved_medians
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.decode.static_runner import target_runner_for
@@ -45,21 +46,6 @@ def median_seconds(function: Callable[[], object], repeats: int = 9, warmup: int
         function()
         times.append(time.perf_counter() - start)
     return float(np.median(times))
-
-
-def interleaved_medians(functions: dict[Any, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[Any, float]:
-    """Median seconds of each function, timed in rounds that take them in turn: a slow spell of a shared machine
-    then lands on all of them instead of inflating one."""
-    for _ in range(warmup):
-        for function in functions.values():
-            function()
-    times: dict[Any, list[float]] = {key: [] for key in functions}
-    for _ in range(repeats):
-        for key, function in functions.items():
-            start = time.perf_counter()
-            function()
-            times[key].append(time.perf_counter() - start)
-    return {key: float(np.median(values)) for key, values in times.items()}
 
 
 def memory_bandwidth(megabytes: int = 512) -> float:
@@ -151,7 +137,7 @@ def measure(model: Any, context: int, sizes: tuple[int, ...] = VERIFY_SIZES, rep
         batch = TreeBatch.from_trees([verify_tree(size, model.config.vocab_size)])
         # a verify writes its nodes past the committed slots and commits nothing: repeatable as is
         forwards[size] = lambda batch=batch: runner.verify(batch)
-    timed = interleaved_medians(forwards, repeats)
+    timed = interleaved_medians(forwards, repeats, warmup=2)
     plain = timed.pop("plain")
     verify = timed
     memory_floor = shape.weight_bytes / (bandwidth * 1e9)

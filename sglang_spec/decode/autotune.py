@@ -12,7 +12,7 @@ import copy
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence, TYPE_CHECKING
+from typing import Any, Callable, Sequence, TYPE_CHECKING
 
 import torch
 
@@ -75,6 +75,21 @@ def measure_costs(
     return replace(forwards, step_overhead=overhead)
 
 
+def interleaved_medians(functions: dict[Any, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[Any, float]:
+    """Median seconds of each function, timed in rounds that take them in turn (after ``warmup`` rounds): a slow
+    spell of a shared machine then lands on all of them instead of inflating one."""
+    for _ in range(warmup):
+        for function in functions.values():
+            function()
+    times: dict[Any, list[float]] = {key: [] for key in functions}
+    for _ in range(repeats):
+        for key, function in functions.items():
+            start = time.perf_counter()
+            function()
+            times[key].append(time.perf_counter() - start)
+    return {key: sorted(values)[len(values) // 2] for key, values in times.items()}
+
+
 def _verify_times(
     runner: TargetRunner | StaticTargetRunner, prefill: PrefillOutput, sizes: Sequence[int], repeats: int
 ) -> dict[int, float]:
@@ -86,7 +101,7 @@ def _verify_times(
     def fresh_batch() -> None:
         runner.start_batch([replace(prefill, cache=copy.deepcopy(prefill.cache))])
 
-    forwards = {}
+    forwards: dict[Any, Callable[[], object]] = {"copy": fresh_batch}  # not part of a step: timed and subtracted
     for size in sizes:
         tree = TokenTree.from_parents(list(range(-1, size - 1)), tokens=torch.randint(vocab, (size,), generator=generator))
 
@@ -94,20 +109,10 @@ def _verify_times(
             fresh_batch()
             runner.verify(TreeBatch.from_trees([tree]))
 
-        forward()  # warm-up (and the GEMM packs of this size)
         forwards[size] = forward
-    # sizes in turn, round after round, so a slow spell of the machine spreads over all of them instead of
-    # inflating one size; the cache copy is not part of a step: timed alone and subtracted
-    samples: dict[int, list[float]] = {size: [] for size in sizes}
-    copies = []
-    for _ in range(repeats):
-        copies.append(_median_time(fresh_batch, 1))
-        for size, forward in forwards.items():
-            start = time.perf_counter()
-            forward()
-            samples[size].append(time.perf_counter() - start)
-    copying = sorted(copies)[len(copies) // 2]
-    verify = {size: max(sorted(times)[len(times) // 2] - copying, 1e-6) for size, times in samples.items()}
+    timed = interleaved_medians(forwards, repeats)
+    copying = timed.pop("copy")
+    verify = {size: max(seconds - copying, 1e-6) for size, seconds in timed.items()}
     # a verify of n tokens costs no more than one of more tokens: what is left of noise must not make a small
     # tree (or the plain step) look dearer than a larger one
     ceiling = float("inf")
