@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -38,14 +37,7 @@ VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def median_seconds(function: Callable[[], object], repeats: int = 9, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return interleaved_medians({"only": function}, repeats, warmup)["only"]
 
 
 def memory_bandwidth(megabytes: int = 512) -> float:

@@ -35,13 +35,8 @@ if TYPE_CHECKING:
 
 
 def _median_time(function: Callable[[], object], repeats: int) -> float:
-    function()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    """Median seconds of one function after one warm-up call."""
+    return interleaved_medians({"only": function}, repeats)["only"]
 
 
 @torch.no_grad()
