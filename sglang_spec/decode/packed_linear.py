@@ -1,17 +1,19 @@
-"""``x @ weight.T`` for a fixed weight, fast at the small row counts of a tree verify on CPU.
+"""``x @ weight.T`` for a fixed weight, fast at the few rows of a decode step or a tree verify on CPU.
 
-A float32 GEMM with 4-64 rows (a verify of a 4-64 node tree) reaches a fraction of the machine's GEMM throughput
-through ``F.linear``: on the 2-core AVX-512 machine this project runs on, SmolLM2's weights at 16 rows take 48 ms
-against 20 ms at one row, while the same product with the weight pre-packed by MKL for exactly 16 rows
-(``cblas_sgemm_pack``, what PyTorch's inductor uses when it freezes CPU weights) takes 36 ms. A pack only pays at
-the row count it was made for (a pack for 16 rows run on 12 is slower than ``F.linear``), so rows are padded up to
-a bucket (``PACK_BUCKETS``, plus the exact row counts ``prepare`` is told of: a decoder names its tree size) and
-one pack per bucket is made the first time the bucket is used (about the weight's size each, in 0.1-0.2 s for a
-135M model).
+Three backends, the best available chosen by default (``best_backend``):
 
+* ``avx512``: the project's AVX-512 kernel over a weight packed once into column panels (``decode/small_gemm.py``),
+  for 1 to ``MAX_SMALL_ROWS`` rows. On the 2-core AVX-512 machine this project runs on, SmolLM2's weights at 16-17
+  rows take 30-32 ms against 36-40 ms on MKL's packs and 46-48 ms through ``F.linear``.
+* ``mkl``: MKL's packed GEMM (``cblas_sgemm_pack``, what PyTorch's inductor uses when it freezes CPU weights) for
+  4-64 rows. A pack only pays at the row count it was made for (a pack for 16 rows run on 12 is slower than
+  ``F.linear``), so rows are padded up to a bucket (``PACK_BUCKETS``, plus the exact row counts ``prepare`` is
+  told of: a decoder names its tree size) and one pack per bucket is made the first time the bucket is used.
+* ``linear``: ``F.linear``.
+
+Anything a backend does not cover (GPU tensors, other dtypes, row counts outside its range) runs ``F.linear``.
 Results equal ``F.linear``'s up to float32 summation order (``F.linear`` itself rounds differently at different
-row counts). Anything else (GPU tensors, other dtypes, 1-3 rows or more than the largest bucket, a PyTorch
-without MKL) runs ``F.linear``.
+row counts).
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-PACK_BUCKETS = (4, 8, 16, 32, 64)  # row counts a pack is made for; 1-3 rows run F.linear as fast
-MAX_EXACT_BUCKET = 128  # largest row count prepare() adds as a bucket of its own
+from sglang_spec.decode.small_gemm import pack_weight, small_gemm, small_gemm_available
+
+BACKENDS = ("avx512", "mkl", "linear")
+MAX_SMALL_ROWS = 64  # the avx512 backend's largest row count; a prefill's hundreds of rows run F.linear
+PACK_BUCKETS = (4, 8, 16, 32, 64)  # row counts an MKL pack is made for; 1-3 rows run F.linear as fast
+MAX_EXACT_BUCKET = 128  # largest row count prepare() adds as an MKL bucket of its own
 
 
 def mkl_packing_available() -> bool:
@@ -28,19 +34,33 @@ def mkl_packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
+def best_backend() -> str:
+    """``avx512`` where the kernel builds and runs, else ``mkl`` where PyTorch has it, else ``linear``."""
+    if small_gemm_available():
+        return "avx512"
+    return "mkl" if mkl_packing_available() else "linear"
+
+
 class PackedLinear:
     """``weight`` [out, in]; calling it on ``x`` [rows, in] returns ``x @ weight.T`` [rows, out]."""
 
-    def __init__(self, weight: torch.Tensor, packing: bool | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, backend: str | None = None) -> None:
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"unknown GEMM backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.weight = weight.detach()
-        if packing is None:
-            packing = mkl_packing_available()
-        self.packing = packing and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
-        self.buckets = list(PACK_BUCKETS)  # sorted; prepare() adds exact row counts
-        self._packs: dict[int, torch.Tensor] = {}
+        if self.weight.device.type != "cpu" or self.weight.dtype != torch.float32:
+            backend = "linear"
+        self.backend = best_backend() if backend is None else backend
+        self.buckets = list(PACK_BUCKETS)  # mkl: sorted; prepare() adds exact row counts
+        self._packs: dict[int, torch.Tensor] = {}  # mkl: bucket -> pack
+        self._panels: torch.Tensor | None = None  # avx512: pack_weight(weight)
+
+    @property
+    def packing(self) -> bool:
+        return self.backend != "linear"
 
     def _bucket(self, rows: int) -> int | None:
-        if not self.packing or rows < PACK_BUCKETS[0]:
+        if self.backend != "mkl" or rows < PACK_BUCKETS[0]:
             return None
         for bucket in self.buckets:
             if rows <= bucket:
@@ -54,11 +74,20 @@ class PackedLinear:
             self._packs[bucket] = pack
         return pack
 
+    def _small_panels(self) -> torch.Tensor:
+        if self._panels is None:
+            self._panels = pack_weight(self.weight)
+        return self._panels
+
     def prepare(self, rows: int) -> None:
-        """Adds ``rows`` (4 to MAX_EXACT_BUCKET) as a bucket of its own, so a product of exactly that many rows is
-        not padded (a 16-node tree plus its root is 17 rows: padded to 32 it costs ~25% more), and makes now every
-        pack a product with up to ``rows`` rows will use."""
-        if not self.packing:
+        """Makes now every pack a product with up to ``rows`` rows will use, so the first one does not pay for it
+        (a server's start-up, like a CUDA graph capture). mkl: also adds ``rows`` (4 to MAX_EXACT_BUCKET) as a
+        bucket of its own, so a product of exactly that many rows is not padded (a 16-node tree plus its root is
+        17 rows: padded to 32 it costs ~25% more)."""
+        if self.backend == "avx512":
+            self._small_panels()
+            return
+        if self.backend != "mkl":
             return
         if PACK_BUCKETS[0] <= rows <= MAX_EXACT_BUCKET and rows not in self.buckets:
             self.buckets = sorted([*self.buckets, rows])
@@ -67,20 +96,29 @@ class PackedLinear:
             if bucket <= largest:
                 self._pack(bucket)
 
-    def _packed(self, x: torch.Tensor, bucket: int) -> torch.Tensor:
+    def _mkl(self, x: torch.Tensor, bucket: int) -> torch.Tensor:
         pack = self._pack(bucket)
         rows = x.shape[0]
         if rows < bucket:
             x = torch.cat([x, x.new_zeros(bucket - rows, x.shape[1])])
         return torch.ops.mkl._mkl_linear(x, pack, self.weight, None, bucket)[:rows]
 
+    def _small(self, rows: int) -> bool:
+        return self.backend == "avx512" and 1 <= rows <= MAX_SMALL_ROWS
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        bucket = self._bucket(x.shape[0])
-        return F.linear(x, self.weight) if bucket is None else self._packed(x, bucket)
+        rows = x.shape[0]
+        if self._small(rows):
+            return small_gemm(x, self._small_panels(), self.weight.shape[0])
+        bucket = self._bucket(rows)
+        return F.linear(x, self.weight) if bucket is None else self._mkl(x, bucket)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + x @ weight.T`` (a new tensor; ``addmm`` where no pack is used)."""
-        bucket = self._bucket(x.shape[0])
+        rows = x.shape[0]
+        if self._small(rows):
+            return small_gemm(x, self._small_panels(), self.weight.shape[0], residual)
+        bucket = self._bucket(rows)
         if bucket is None:
             return torch.addmm(residual, x, self.weight.t())
-        return self._packed(x, bucket).add_(residual)
+        return self._mkl(x, bucket).add_(residual)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from sglang_spec.decode.packed_linear import PackedLinear
 from sglang_spec.errors import SpecError
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class MTPHead(nn.Module):
     _embed: nn.Module | None  # the target's input embedding (shared, not a submodule)
     _full_head_weight: torch.Tensor  # [V, d] the target's output head weight (shared)
     _head_weight: torch.Tensor  # [V_draft, d] its rows for the draft vocabulary
+    _head_linear: PackedLinear  # x @ _head_weight.T at drafting's few rows (decode/packed_linear.py)
 
     def __init__(
         self,
@@ -126,6 +128,8 @@ class MTPHead(nn.Module):
         object.__setattr__(self, "_full_head_weight", weight)
         reduced = weight if self.draft_vocab is None else weight.index_select(0, self.draft_vocab.to(weight.device))
         object.__setattr__(self, "_head_weight", reduced)
+        # drafting runs the output head on 1-k rows: the small-row GEMM of the target's verify (training: F.linear)
+        object.__setattr__(self, "_head_linear", PackedLinear(reduced))
 
     @property
     def vocab_size(self) -> int:
@@ -166,5 +170,8 @@ class MTPHead(nn.Module):
         if isinstance(hidden, tuple):  # older transformers layers return (hidden, ...)
             hidden = hidden[0]
         normed = self.shared_head_norm(hidden)
-        logits = nn.functional.linear(normed, self._head_weight)
+        if torch.is_grad_enabled() and normed.requires_grad:
+            logits = nn.functional.linear(normed, self._head_weight)
+        else:
+            logits = self._head_linear(normed.reshape(-1, normed.shape[-1])).reshape(*normed.shape[:-1], -1)
         return MTPStepOutput(hidden=hidden if self.feedback == "pre_norm" else normed, logits=logits)

@@ -1,0 +1,80 @@
+"""The AVX-512 small-GEMM kernel computes its reference (F.linear, plus the residual) at every row count and shape
+a decode step, a verify or an odd weight can give it, and refuses bad input in one line."""
+
+import pytest
+import torch
+
+from sglang_spec.decode.small_gemm import (
+    PANEL_COLUMNS, SmallGemmUnavailable, load_small_gemm, pack_weight, small_gemm, small_gemm_available,
+    small_gemm_reference,
+)
+
+needs_kernel = pytest.mark.skipif(not small_gemm_available(), reason="no AVX-512 CPU or no C++ compiler here")
+
+
+def test_pack_weight_puts_32_columns_side_by_side_and_pads_with_zeros() -> None:
+    weight = torch.arange(70 * 3, dtype=torch.float32).reshape(70, 3)
+    panels = pack_weight(weight)
+    assert panels.shape == (3, 3, PANEL_COLUMNS) and panels.is_contiguous()
+    for out in range(70):
+        block, column = divmod(out, PANEL_COLUMNS)
+        assert torch.equal(panels[block, :, column], weight[out])
+    assert not panels[2, :, 70 - 64 :].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11, 12, 13, 16, 17, 24, 25, 33, 64, 65])
+@pytest.mark.parametrize("out_features,in_features", [(96, 40), (70, 33), (1, 5), (31, 1), (576, 576)])
+def test_matches_the_reference(rows: int, out_features: int, in_features: int) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    residual = torch.randn(rows, out_features, generator=generator)
+    panels = pack_weight(weight)
+    tolerance = 2e-6 * in_features**0.5  # float32 sums of in_features unit-scale products, in another order
+    torch.testing.assert_close(small_gemm(x, panels, out_features), small_gemm_reference(x, weight),
+                               rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(small_gemm(x, panels, out_features, residual),
+                               small_gemm_reference(x, weight, residual), rtol=tolerance, atol=tolerance)
+
+
+@needs_kernel
+def test_strided_input_zero_rows_and_a_wrong_answer_is_caught() -> None:
+    weight = torch.randn(64, 48)
+    panels = pack_weight(weight)
+    x = torch.randn(48, 10).t()  # not contiguous
+    torch.testing.assert_close(small_gemm(x, panels, 64), small_gemm_reference(x, weight), rtol=1e-5, atol=1e-5)
+    assert small_gemm(torch.empty(0, 48), panels, 64).shape == (0, 64)
+    # the comparison above can fail: a weight changed after packing is not what the panels hold
+    changed = weight.clone()
+    changed[5, 7] += 1.0
+    assert not torch.allclose(small_gemm(x, panels, 64), small_gemm_reference(x, changed), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_bad_input_is_refused_in_one_line() -> None:
+    panels = pack_weight(torch.randn(64, 48))
+    cases = [
+        (torch.randn(4, 47), panels, 64, None, "columns"),
+        (torch.randn(4, 48, dtype=torch.float64), panels, 64, None, "float32"),
+        (torch.randn(4, 48), panels, 65, None, "out_features"),
+        (torch.randn(4, 48), panels, 64, torch.randn(4, 63), "residual"),
+        (torch.randn(4, 48), panels[:, :, :16], 64, None, "pack_weight"),
+    ]
+    for x, packed, out_features, residual, word in cases:
+        with pytest.raises(RuntimeError, match=word) as raised:
+            load_small_gemm().small_gemm(x, packed, out_features, residual)
+        assert "small_gemm:" in str(raised.value).splitlines()[0]
+
+
+def test_unavailable_is_an_error_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_spec.decode import small_gemm as module
+
+    module._build.cache_clear()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    try:
+        with pytest.raises(SmallGemmUnavailable, match="AVX2, not AVX512"):
+            load_small_gemm()
+        assert not small_gemm_available()
+    finally:
+        module._build.cache_clear()
