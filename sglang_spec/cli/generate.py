@@ -31,6 +31,7 @@ from sglang_spec.decode.decoder import (
     compare_with_plain,
     generate_plain,
 )
+from sglang_spec.decode.packed_linear import best_backend
 from sglang_spec.decode.static_runner import supports as static_runner_supports
 from sglang_spec.decode.trace import TracedRequest, render_html, render_terminal
 from sglang_spec.errors import SpecError
@@ -309,14 +310,15 @@ def choose_auto_policy(
 
 def costs_for(loaded: LoadedModel, head: MTPHead | None, costs_path: Path | None, sampling: SamplingParams) -> tuple[CostCurve, Path]:
     """This machine's cost curve for the runner the decoder uses (measured once, cached per model, dtype,
-    sampling mode, runner and host)."""
+    sampling mode, runner and its GEMM backend, and host)."""
     if head is None:
         raise SpecError("--auto measures a head level too; give --mtp (or use a model with a shipped head)")
     dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
     mode = "greedy" if sampling.greedy else "sampled"
-    runner = "static" if static_runner_supports(loaded.model) else "transformers"
-    # v2: verifies on packed GEMMs and sampled verification on the walked path only: older curves mislead --auto
-    name = f"{loaded.name}-{dtype}-{mode}-{runner}-v2-{platform.node() or 'host'}.json"
+    # the static runner's GEMM backend is part of the name: a curve timed on another backend misleads --auto
+    runner = f"static-{best_backend()}" if static_runner_supports(loaded.model) else "transformers"
+    # v3: sampled verification on the walked path only, the grouped-query attention (older curves mislead --auto)
+    name = f"{loaded.name}-{dtype}-{mode}-{runner}-v3-{platform.node() or 'host'}.json"
     path = costs_path or cache_root() / "costs" / name
     # our own cache may be rebuilt when it is damaged; a file the user named is theirs: a problem there is refused
     warn = None if costs_path is not None else (lambda message: print(f"warning: {message}", file=sys.stderr))
