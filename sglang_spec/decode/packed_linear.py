@@ -4,7 +4,7 @@ Three backends, the best available chosen by default (``best_backend``):
 
 * ``avx512``: the project's AVX-512 kernel over a weight packed once into column panels (``decode/small_gemm.py``),
   for 1 to ``MAX_SMALL_ROWS`` rows. On the 2-core AVX-512 machine this project runs on, SmolLM2's weights at 16-17
-  rows take 30-32 ms against 36-40 ms on MKL's packs and 46-48 ms through ``F.linear``.
+  rows take 26-33 ms against 36-41 ms on MKL's packs and 47-55 ms through ``F.linear`` (``bench/packed_gemm.py``).
 * ``mkl``: MKL's packed GEMM (``cblas_sgemm_pack``, what PyTorch's inductor uses when it freezes CPU weights) for
   4-64 rows. A pack only pays at the row count it was made for (a pack for 16 rows run on 12 is slower than
   ``F.linear``), so rows are padded up to a bucket (``PACK_BUCKETS``, plus the exact row counts ``prepare`` is

@@ -2,8 +2,8 @@
 (``small_gemm.cpp``), its launcher and its reference side by side.
 
 On the 2-core AVX-512 machine this project runs on, SmolLM2-135M's weights (538 MB, streamed from memory) at 16-17
-rows take 46-48 ms through ``F.linear`` and 36-40 ms through MKL's packed GEMM, and 30-32 ms here; at one row
-20 ms here against 24 ms (``python bench/packed_gemm.py``). The weight is packed once into 32-column panels
+rows take 47-55 ms through ``F.linear`` and 36-41 ms through MKL's packed GEMM, and 26-33 ms here; at one row
+19.5-24 ms here against 21-27 ms (``python bench/packed_gemm.py``, four runs). The weight is packed once into 32-column panels
 (``pack_weight``) that serve every row count.
 
 The extension is compiled the first time it is needed (``load_small_gemm``, about 25 s with the machine's g++,
