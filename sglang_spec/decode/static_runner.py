@@ -214,7 +214,7 @@ class StaticTargetRunner:
             )  # [B*T, heads + kv_heads, D/2, 2]
             if causal:
                 query = rotated[:, :heads].reshape(batch, width, heads, head_dim).transpose(1, 2)
-            else:  # [B, kv_heads, groups * T, D]: one attention per kv head, no kv repeat (see _grouped)
+            else:  # [B, kv_heads, groups * T, D]: one attention per kv head, no kv repeat (module doc)
                 query = rotated[:, :heads].reshape(batch, width, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
                 query = query.reshape(batch, kv_heads, groups * width, head_dim)
             key = rotated[:, heads:].reshape(batch, width, kv_heads, head_dim).transpose(1, 2)
