@@ -28,6 +28,7 @@ from typing import Callable, Sequence, TYPE_CHECKING
 import torch
 
 from sglang_spec.decode.static_runner import StaticTargetRunner, target_runner_for
+from sglang_spec.decode.switch import SpeculationSwitch
 from sglang_spec.errors import SpecError
 from sglang_spec.mtp.drafter import DraftState, MTPDrafter
 from sglang_spec.mtp.head import MTPHead
@@ -219,7 +220,9 @@ def lossless_verify(batch: TreeBatch, logits: torch.Tensor, config: GenerationCo
 class _Active:
     """A request still decoding: its output, root token (the last verified token), the head's drafting state
     (None when the policy does not use the head), the context index (hybrid policies), when it started and, for
-    the relaxed rule, whether it is inside a thinking span."""
+    the relaxed rule, whether it is inside a thinking span. ``switch`` (``--auto`` with a hybrid policy) sends it
+    to lean plain steps while speculation does not pay; ``waiting``: the (target hidden [d], next token) pairs
+    of those steps, appended to the head in one forward when it drafts again."""
 
     output: RequestOutput
     root: int
@@ -227,6 +230,8 @@ class _Active:
     context: NgramIndex | None
     start: float
     thinking: bool = False
+    switch: SpeculationSwitch | None = None
+    waiting: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
 
 class SpeculativeDecoder:
@@ -291,11 +296,13 @@ class SpeculativeDecoder:
             if self.drafter is not None:
                 following = torch.cat([prompt_tensor[1:], torch.tensor([root])]).to(prefill.hidden.device)
                 draft = self.drafter.prefill(prefill.hidden, following)
-            context = None
+            context, switch = None, None
             if isinstance(self.policy, HybridPolicy):
                 context = NgramIndex([*prompt, root], max_ngram=self.policy.max_ngram)
+                if self.policy.costs is not None:
+                    switch = SpeculationSwitch(self.policy.costs.baseline_token)
             thinking = config.relaxed is not None and config.relaxed.thinking_after([*prompt, root])
-            active.append(_Active(request, root, draft, context, request_start, thinking))
+            active.append(_Active(request, root, draft, context, request_start, thinking, switch))
             prefills.append(prefill)
         if active:
             self.runner.start_batch(prefills)
@@ -306,8 +313,10 @@ class SpeculativeDecoder:
     ) -> list[_Active]:
         """One draft / verify / accept / commit round; returns the requests that continue."""
         stats.steps += 1
-        tick = time.perf_counter()
-        hybrid = [self._build(request) for request in active]
+        tick = step_start = time.perf_counter()
+        lean = [request.switch is not None and request.switch.lean for request in active]
+        hybrid = [_root_only(request.root) if is_lean else self._build(request)
+                  for request, is_lean in zip(active, lean)]
         trees = [built.tree for built in hybrid]
         stats.draft_seconds += time.perf_counter() - tick
 
@@ -340,14 +349,25 @@ class SpeculativeDecoder:
                 continue
             continuing.append(row)
             if request.draft is not None and self.drafter is not None:
-                device = forward.hidden.device
-                path = torch.tensor(kept[row], device=device)
-                self.drafter.commit(request.draft, forward.hidden[row].index_select(0, path),
-                                    torch.tensor(emitted, device=device))
+                if lean[row]:  # the head catches up when it drafts again (_build)
+                    request.waiting.append((forward.hidden[row, 0], emitted[0]))
+                else:
+                    device = forward.hidden.device
+                    path = torch.tensor(kept[row], device=device)
+                    self.drafter.commit(request.draft, forward.hidden[row].index_select(0, path),
+                                        torch.tensor(emitted, device=device))
             if request.context is not None:
                 request.context.extend(emitted)
             request.root = emitted[-1]
-        stats.draft_seconds += time.perf_counter() - tick
+        now = time.perf_counter()
+        stats.draft_seconds += now - tick
+        for row in continuing:
+            switch = active[row].switch
+            if switch is not None:
+                if lean[row]:
+                    switch.observe_plain(now - step_start)
+                else:
+                    switch.observe_speculative(now - step_start, active[row].output.accept_lengths[-1])
         if continuing and len(continuing) < len(active):
             self.runner.select(continuing)
         return [active[row] for row in continuing]
@@ -355,6 +375,11 @@ class SpeculativeDecoder:
     def _build(self, request: _Active) -> HybridTree:
         """This step's tree for one request, with each node's source (every node of an MTP policy's tree is the
         head's)."""
+        if request.waiting and request.draft is not None and self.drafter is not None:
+            hidden = torch.stack([pair[0] for pair in request.waiting])
+            tokens = torch.tensor([pair[1] for pair in request.waiting], device=hidden.device)
+            self.drafter.commit(request.draft, hidden, tokens)  # the lean steps' pairs, one forward
+            request.waiting.clear()
         source = None if request.draft is None or self.drafter is None else self.drafter.source(request.draft)
         if isinstance(self.policy, HybridPolicy):
             assert request.context is not None and self.calibration is not None
@@ -362,6 +387,11 @@ class SpeculativeDecoder:
         assert source is not None
         tree = self.policy.build(request.root, source)
         return _mtp_only(tree)
+
+
+def _root_only(root: int) -> HybridTree:
+    """A lean plain step's tree: the root alone (the target's next token, nothing drafted)."""
+    return HybridTree(TokenTree.from_parents([-1], tokens=[root]), (0,), ((),), (1.0,), 0, 1.0)
 
 
 def _mtp_only(tree: TokenTree) -> HybridTree:

@@ -102,3 +102,56 @@ def test_smollm2_greedy_identity(smollm2, name, near_tie_report):
     check_identity(loaded.model, head, prompts, policy, config, batch_size=4, report=near_tie_report)
     lengths = [length for request in outputs for length in request.accept_lengths]
     assert sum(lengths) / len(lengths) > 1.3
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_lean_plain_stretches_keep_greedy_identity_and_the_head_in_step(tiny, batch_size, near_tie_report,
+                                                                        monkeypatch):
+    """--auto's switch (decode/switch.py) told that plain decoding is always faster: stretches of lean plain steps
+    (no tree, no head forward) between probes; output still equals plain decoding, and after every stretch the
+    head, caught up in one forward, drafts tokens that are accepted again."""
+    from sglang_spec.decode.switch import SpeculationSwitch
+
+    monkeypatch.setattr(SpeculationSwitch, "plain_rate", lambda self: 1e-9)
+    loaded, head = tiny
+    policy = HybridPolicy("hybrid", budget=10, depth=6, mtp_levels=2, topk=3, costs=synthetic_costs(2e-4))
+    outputs = check_identity(loaded.model, head, tiny_prompts(6, seed=2), policy, GenerationConfig(max_new_tokens=160),
+                             batch_size, near_tie_report)
+    after_stretch = []
+    for request in outputs:
+        nodes = [step.tree_nodes for step in request.steps[1:]]
+        # after a window of 8 speculative steps (one may itself be budget 0) 2 lean steps measure plain decoding;
+        # a probe of 4 then loses too and a stretch of 8 follows
+        assert nodes[8:10] == [1, 1] and any(n > 1 for n in nodes[:8])
+        assert nodes[14:22] == [1] * 8 and any(n > 1 for n in nodes[10:14])
+        after_stretch += [s for step, previous in zip(request.steps[2:], nodes) if previous == 1 and step.tree_nodes > 1
+                          for s in step.sources]
+    assert any(s & SOURCE_MTP for s in after_stretch)
+
+
+def test_the_head_caught_up_in_one_forward_drafts_as_if_it_had_followed_every_step(tiny):
+    """Pairs appended to the head's cache one commit at a time or all in one (what a lean stretch defers) give
+    the same next-root draft distribution."""
+    import torch
+
+    from sglang_spec.mtp.drafter import MTPDrafter
+
+    loaded, head = tiny
+    drafter = MTPDrafter(head)
+    generator = torch.Generator().manual_seed(0)
+    hidden_size = loaded.model.config.hidden_size
+    prompt_hidden = torch.randn(12, hidden_size, generator=generator)
+    prompt_tokens = torch.randint(loaded.model.config.vocab_size, (12,), generator=generator)
+    later_hidden = torch.randn(6, hidden_size, generator=generator)
+    later_tokens = torch.randint(loaded.model.config.vocab_size, (6,), generator=generator)
+    stepwise = drafter.prefill(prompt_hidden, prompt_tokens)
+    for index in range(6):
+        drafter.commit(stepwise, later_hidden[index : index + 1], later_tokens[index : index + 1])
+    at_once = drafter.prefill(prompt_hidden, prompt_tokens)
+    drafter.commit(at_once, later_hidden, later_tokens)
+    assert at_once.committed == stepwise.committed == 18
+    torch.testing.assert_close(at_once.root_logits, stepwise.root_logits, rtol=1e-4, atol=1e-4)
+    # and a wrong catch-up (a pair missing) is told apart
+    short = drafter.prefill(prompt_hidden, prompt_tokens)
+    drafter.commit(short, later_hidden[1:], later_tokens[1:])
+    assert not torch.allclose(short.root_logits, stepwise.root_logits, rtol=1e-4, atol=1e-4)
