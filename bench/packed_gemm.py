@@ -1,5 +1,5 @@
 """``PackedLinear``'s backends side by side at a decode step's and a tree verify's row counts, over SmolLM2-shaped
-weights: F.linear, MKL packed GEMMs and the project's AVX-512 kernel (``decode/small_gemm.py``).
+weights: F.linear, MKL packed GEMMs and the project's AVX-512 kernel (``gemm/small_gemm.py``).
 
     python bench/packed_gemm.py                 # rows 1, 4, 8, 16, 17, 32; 2 threads
 
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from sglang_spec.decode.packed_linear import BACKENDS, PackedLinear, mkl_packing_available
-from sglang_spec.decode.small_gemm import small_gemm_available
+from sglang_spec.gemm.packed_linear import BACKENDS, PackedLinear, mkl_packing_available
+from sglang_spec.gemm.small_gemm import small_gemm_available
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of qkv, o, gate_up, down
 LAYERS = 30

@@ -30,7 +30,7 @@ quiet_pip install --disable-pip-version-check -q --no-deps -r requirements-nodep
 quiet_pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 # the AVX-512 small-GEMM kernel, compiled now rather than in the first run (a CPU without AVX-512 or a missing
 # compiler is reported in one line; the decoder then uses MKL's GEMMs)
-.venv/bin/python -c "from sglang_spec.decode.small_gemm import load_small_gemm as l, SmallGemmUnavailable as U
+.venv/bin/python -c "from sglang_spec.gemm.small_gemm import load_small_gemm as l, SmallGemmUnavailable as U
 try: l()
 except U as e: print('note: the AVX-512 small-GEMM kernel is not available here:', e)"
 echo "$want" > .venv/.setup-stamp

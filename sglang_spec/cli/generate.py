@@ -31,7 +31,7 @@ from sglang_spec.decode.decoder import (
     compare_with_plain,
     generate_plain,
 )
-from sglang_spec.decode.packed_linear import best_backend
+from sglang_spec.gemm.packed_linear import best_backend
 from sglang_spec.decode.static_runner import supports as static_runner_supports
 from sglang_spec.decode.trace import TracedRequest, render_html, render_terminal
 from sglang_spec.errors import SpecError

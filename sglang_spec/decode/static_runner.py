@@ -10,7 +10,7 @@ What it does differently from ``TargetRunner`` (transformers' forward over a Dyn
   accepted rows that are not already in place (path node i to slot lengths[b] + i; a chain's accepted path never
   moves), in one indexing op over all layers;
 * q/k/v and gate/up weights are concatenated (one matmul each), every matmul is a ``PackedLinear`` (the project's
-  AVX-512 kernel at a step's or a verify's few rows, else MKL packed GEMMs, ``decode/packed_linear.py``), RMSNorm is
+  AVX-512 kernel at a step's or a verify's few rows, else MKL packed GEMMs, ``gemm/packed_linear.py``), RMSNorm is
   ``F.rms_norm``, and RoPE is one complex multiply: q and k rows are permuted within each head so each rotated pair
   (i, i + head_dim/2) sits side by side (a dot product is unchanged by permuting both operands the same way);
 * attention is one ``scaled_dot_product_attention`` call per layer; in a decode step or a verify the query heads
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from sglang_spec.decode.packed_linear import PackedLinear, best_backend
+from sglang_spec.gemm.packed_linear import PackedLinear, best_backend
 from sglang_spec.decode.target import PrefillOutput, TargetRunner, TreeForwardOutput
 from sglang_spec.tree.batch import TreeBatch
 

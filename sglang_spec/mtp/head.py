@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from sglang_spec.decode.packed_linear import PackedLinear
+from sglang_spec.gemm.packed_linear import PackedLinear
 from sglang_spec.errors import SpecError
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class MTPHead(nn.Module):
     _embed: nn.Module | None  # the target's input embedding (shared, not a submodule)
     _full_head_weight: torch.Tensor  # [V, d] the target's output head weight (shared)
     _head_weight: torch.Tensor  # [V_draft, d] its rows for the draft vocabulary
-    _head_linear: PackedLinear  # x @ _head_weight.T at drafting's few rows (decode/packed_linear.py)
+    _head_linear: PackedLinear  # x @ _head_weight.T at drafting's few rows (gemm/packed_linear.py)
 
     def __init__(
         self,

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from sglang_spec.decode.small_gemm import (
+from sglang_spec.gemm.small_gemm import (
     PANEL_COLUMNS, SmallGemmUnavailable, load_small_gemm, pack_weight, small_gemm, small_gemm_available,
     small_gemm_reference,
 )
@@ -91,7 +91,7 @@ def test_bad_input_is_refused_in_one_line() -> None:
 
 
 def test_unavailable_is_an_error_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_spec.decode import small_gemm as module
+    from sglang_spec.gemm import small_gemm as module
 
     module._build.cache_clear()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang_spec.decode.packed_linear import (
+from sglang_spec.gemm.packed_linear import (
     BACKENDS, MAX_SMALL_ROWS, PACK_BUCKETS, PackedLinear, best_backend, mkl_packing_available,
 )
-from sglang_spec.decode.small_gemm import small_gemm_available
+from sglang_spec.gemm.small_gemm import small_gemm_available
 
 needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="this PyTorch has no MKL packed GEMM")
 AVAILABLE = {"avx512": small_gemm_available(), "mkl": mkl_packing_available(), "linear": True}

@@ -2,7 +2,7 @@
 
 Three backends, the best available chosen by default (``best_backend``):
 
-* ``avx512``: the project's AVX-512 kernel over a weight packed once into column panels (``decode/small_gemm.py``),
+* ``avx512``: the project's AVX-512 kernel over a weight packed once into column panels (``gemm/small_gemm.py``),
   for 1 to ``MAX_SMALL_ROWS`` rows. On the 2-core AVX-512 machine this project runs on, SmolLM2's weights at 16-17
   rows take 26-33 ms against 36-41 ms on MKL's packs and 47-55 ms through ``F.linear`` (``bench/packed_gemm.py``).
 * ``mkl``: MKL's packed GEMM (``cblas_sgemm_pack``, what PyTorch's inductor uses when it freezes CPU weights) for
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sglang_spec.decode.small_gemm import pack_weight, small_gemm, small_gemm_available
+from sglang_spec.gemm.small_gemm import pack_weight, small_gemm, small_gemm_available
 
 BACKENDS = ("avx512", "mkl", "linear")
 MAX_SMALL_ROWS = 64  # the avx512 backend's largest row count; a prefill's hundreds of rows run F.linear

@@ -8,7 +8,7 @@ rows take 47-55 ms through ``F.linear`` and 36-41 ms through MKL's packed GEMM, 
 
 The extension is compiled the first time it is needed (``load_small_gemm``, about 25 s with the machine's g++,
 cached by PyTorch under ``~/.cache/torch_extensions``) and only where the CPU has AVX-512; elsewhere, or when the
-build fails, ``load_small_gemm`` says why and callers use MKL or ``F.linear`` (``decode/packed_linear.py``).
+build fails, ``load_small_gemm`` says why and callers use MKL or ``F.linear`` (``gemm/packed_linear.py``).
 Results equal ``F.linear``'s up to float32 summation order.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils import cpp_extension
 
 PANEL_COLUMNS = 32  # output columns per packed panel (the kernel's kPanel)
 _SOURCE = Path(__file__).with_name("small_gemm.cpp")
@@ -35,8 +36,6 @@ class SmallGemmUnavailable(RuntimeError):
 def _build() -> Any:
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         raise SmallGemmUnavailable(f"the CPU's vector capability is {torch.backends.cpu.get_cpu_capability()}, not AVX512")
-    from torch.utils import cpp_extension
-
     try:
         built = Path(cpp_extension._get_build_directory(_NAME, verbose=False)) / f"{_NAME}.so"
     except Exception:  # a private helper: only decides whether to announce the build
