@@ -16,8 +16,7 @@ import time
 
 import torch
 
-from sglang_spec.gemm.packed_linear import BACKENDS, PackedLinear, mkl_packing_available
-from sglang_spec.gemm.small_gemm import small_gemm_available
+from sglang_spec.gemm.packed_linear import BACKENDS, PackedLinear, available_backends
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of qkv, o, gate_up, down
 LAYERS = 30
@@ -42,7 +41,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    available = {"linear": True, "mkl": mkl_packing_available(), "avx512": small_gemm_available()}
+    available = available_backends()
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(*shape, generator=generator) * 0.02 for _ in range(LAYERS) for shape in LAYER_SHAPES]
     weights.append(torch.randn(*HEAD, generator=generator) * 0.02)
@@ -52,7 +51,7 @@ def main() -> int:
         inputs = {inner: torch.randn(rows, inner, generator=generator) for inner in {w.shape[1] for w in weights}}
         backends = {}
         for name in names:
-            if not available[name]:
+            if name not in available:
                 continue
             products = []
             for weight in weights:

@@ -34,11 +34,16 @@ def mkl_packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
+def available_backends() -> tuple[str, ...]:
+    """The backends that run here, best first (``BACKENDS``' order): ``avx512`` where the kernel builds, ``mkl``
+    where PyTorch has it, ``linear`` always."""
+    runs = {"avx512": small_gemm_available(), "mkl": mkl_packing_available(), "linear": True}
+    return tuple(backend for backend in BACKENDS if runs[backend])
+
+
 def best_backend() -> str:
-    """``avx512`` where the kernel builds and runs, else ``mkl`` where PyTorch has it, else ``linear``."""
-    if small_gemm_available():
-        return "avx512"
-    return "mkl" if mkl_packing_available() else "linear"
+    """The first of ``available_backends()``."""
+    return available_backends()[0]
 
 
 class PackedLinear:

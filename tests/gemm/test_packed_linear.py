@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from sglang_spec.gemm.packed_linear import (
-    BACKENDS, MAX_SMALL_ROWS, PACK_BUCKETS, PackedLinear, best_backend, mkl_packing_available,
+    BACKENDS, MAX_SMALL_ROWS, PACK_BUCKETS, PackedLinear, available_backends, best_backend,
+    mkl_packing_available,
 )
 from sglang_spec.gemm.small_gemm import small_gemm_available
 
@@ -36,6 +37,7 @@ def test_matches_linear_at_every_row_count(backend: str, rows: int) -> None:
 def test_the_default_is_the_best_backend_here_and_a_wrong_name_is_refused() -> None:
     assert PackedLinear(torch.randn(8, 4)).backend == best_backend()
     assert best_backend() == next(backend for backend in BACKENDS if AVAILABLE[backend])
+    assert available_backends() == tuple(backend for backend in BACKENDS if AVAILABLE[backend])
     with pytest.raises(ValueError, match="unknown GEMM backend 'blas'; choose one of avx512, mkl, linear"):
         PackedLinear(torch.randn(8, 4), "blas")
 
