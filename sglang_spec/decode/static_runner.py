@@ -114,6 +114,7 @@ class StaticTargetRunner:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.groups = self.num_heads // self.num_kv_heads  # query heads per kv head
         self.eps = float(config.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         base = model.model
@@ -198,7 +199,7 @@ class StaticTargetRunner:
         batch, width = ids.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, k_size = heads * head_dim, kv_heads * head_dim
-        groups = heads // kv_heads
+        groups = self.groups
         end = max(starts) + width
         cache.reserve(end)
         kv = cache.kv
@@ -322,7 +323,7 @@ class StaticTargetRunner:
             visible[row, 0, :, :length] = True
             visible[row, 0, :, length : length + count] = self._ancestors(tuple(parents[row]))
         bias = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
-        return bias.repeat(1, 1, self.num_heads // self.num_kv_heads, 1).to(self.device)
+        return bias.repeat(1, 1, self.groups, 1).to(self.device)
 
     def _ancestors(self, parents: tuple[int, ...]) -> torch.Tensor:
         """The [N, N] ancestor-or-self mask (root column always on) of one tree shape, built once."""
