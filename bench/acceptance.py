@@ -41,7 +41,7 @@ from sglang_spec.decode.decoder import (
     compare_with_plain,
     generate_plain,
 )
-from sglang_spec.decode.target import TargetRunner
+from sglang_spec.decode.target import TransformersRunner
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.models.registry import LoadedModel
@@ -273,7 +273,7 @@ def draft_vocab_timing(loaded: LoadedModel, head: MTPHead) -> dict[str, float]:
     """One draft level (4 children, 200-token prefix) over the head's reduced draft vocabulary and over the full
     vocabulary: what ``--draft-vocab`` buys per level."""
     prompt = torch.randint(loaded.model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
-    hidden = TargetRunner(loaded.model).prefill(prompt).hidden
+    hidden = TransformersRunner(loaded.model).prefill(prompt).hidden
     reduced = time_draft_level(head, hidden, prompt, repeats=9)
     saved = head.draft_vocab
     try:

@@ -52,13 +52,14 @@ from sglang_spec.decode.decoder import (
 )
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import atomic_path, check_output_path, write_text_atomic
-from sglang_spec.models.registry import LoadedModel, load_head_for, shipped_calibration_path, shipped_profile_path
+from sglang_spec.models.registry import LoadedModel, load_head_for, shipped_profile_path
 from sglang_spec.models.toy_language import ToyLanguage
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.train.generate_traffic import prompt_tokens
 from sglang_spec.train.prompts import load_prompts
 from sglang_spec.tree.cost_model import CostCurve
-from sglang_spec.tree.hybrid import SOURCE_NAMES, HybridPolicy, SourceCalibration
+from sglang_spec.tree.auto import choose_auto
+from sglang_spec.tree.profile import SOURCE_NAMES
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
@@ -197,7 +198,6 @@ class Setup:
     loaded: LoadedModel
     head: Any
     profile: AcceptanceProfile
-    calibration: SourceCalibration | None
     costs: CostCurve
     args: argparse.Namespace
 
@@ -216,17 +216,18 @@ def decoders(setup: Setup) -> dict[str, Callable[[], SpeculativeDecoder]]:
     mtp = TreePolicy(name, budget=int(budget), depth=int(depth), topk=4, profile=setup.profile)
     hybrid_budget, hybrid_depth, levels = sizes(args.hybrid)
     auto_budget, auto_depth, auto_levels = sizes(args.auto)
-    max_ngram = setup.calibration.max_ngram if setup.calibration else 8
-    common = dict(max_ngram=max_ngram, calibration=setup.calibration)
+    sources = setup.profile.sources
+    common: dict[str, Any] = dict(max_ngram=sources.max_ngram if sources else 8, profile=setup.profile)
+    auto = choose_auto(TreePolicy("hybrid", auto_budget, auto_depth, mtp_levels=auto_levels, **common), setup.costs)
+    assert auto.policy is not None  # best-first shapes are sized per step, never refused outright
+    auto_policy = auto.policy
     return {
         "mtp": lambda: SpeculativeDecoder(loaded.model, head, mtp),
-        "lookup": lambda: SpeculativeDecoder(loaded.model, None, HybridPolicy(
+        "lookup": lambda: SpeculativeDecoder(loaded.model, None, TreePolicy(
             "lookup", hybrid_budget, hybrid_depth, **common)),
-        "hybrid": lambda: SpeculativeDecoder(loaded.model, head, HybridPolicy(
+        "hybrid": lambda: SpeculativeDecoder(loaded.model, head, TreePolicy(
             "hybrid", hybrid_budget, hybrid_depth, mtp_levels=levels, **common)),
-        "auto": lambda: SpeculativeDecoder(loaded.model, head, HybridPolicy(
-            "hybrid", auto_budget, auto_depth, mtp_levels=auto_levels, costs=setup.costs,
-            **common)),
+        "auto": lambda: SpeculativeDecoder(loaded.model, head, auto_policy),
     }
 
 
@@ -350,7 +351,7 @@ def check_options(args: argparse.Namespace) -> tuple[list[float], list[str]]:
         raise SpecError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     for option, text in (("--hybrid", args.hybrid), ("--auto", args.auto)):
         budget, depth, levels = sizes(text, option)
-        HybridPolicy("hybrid", budget, depth, mtp_levels=levels)
+        TreePolicy("hybrid", budget, depth, mtp_levels=levels)
     name, budget, depth = args.mtp_tree.split(":") if args.mtp_tree.count(":") == 2 else ("", "", "")
     if not (budget.isdigit() and depth.isdigit()):
         raise SpecError(f"--mtp-tree {args.mtp_tree!r}: give POLICY:BUDGET:DEPTH, e.g. specexec:8:4")
@@ -399,10 +400,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, temperatures: list[flo
         costs = measure_costs(loaded.model, head, sizes=(1, 2, 4, 8, 16) if args.quick else COST_SIZES,
                               repeats=2 if args.quick else 5, sampling=sampling)
         costs_by_temperature[temperature] = costs
-        calibration_path = shipped_calibration_path(loaded.name, temperature)
-        calibration = SourceCalibration.load(calibration_path) if calibration_path else None
         profile = AcceptanceProfile.load(shipped_profile_path(loaded.name, temperature))
-        setup = Setup(loaded, head, profile, calibration, costs, args)
+        setup = Setup(loaded, head, profile, costs, args)
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                                   eos_token_ids=loaded.eos_token_ids)
         generate_plain(loaded.model, next(iter(prompts_by_workload.values()))[:1],

@@ -52,3 +52,5 @@ cp "$RUN/code-t0.7.json" "$PROFILES/smollm2-135m-instruct-t0.7.json"
 cp "$RUN/generic.json" "$PROFILES/smollm2-135m-instruct-generic.json"
 cp "$RUN/generic-t0.7.json" "$PROFILES/smollm2-135m-instruct-generic-t0.7.json"
 echo "installed the heads in $HEADS and the profiles in $PROFILES"
+# the code head's profiles also carry per-source counts for lookup / hybrid trees, measured with the head installed
+./scripts/calibrate_sources.sh

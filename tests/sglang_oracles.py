@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_spec.tree import SGLangDraftEncoding, SyntheticCandidates, TreeMaskMode
+from doubles import SyntheticCandidates
+from sglang_spec.tree import SGLangDraftEncoding, TreeMaskMode
 
 
 @dataclass

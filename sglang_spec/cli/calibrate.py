@@ -1,4 +1,6 @@
-"""``sglang-spec calibrate``: measure a head's per-depth, per-rank acceptance profile on traffic."""
+"""``sglang-spec calibrate``: measure an acceptance profile, the one file every tree policy reads: the head's
+per-depth, per-rank table from traffic (``--traffic``) and the per-source counts of lookup / hybrid trees by
+decoding prompts (``--prompts``), either or both; ``--update`` keeps the sections not measured now."""
 
 from __future__ import annotations
 
@@ -7,28 +9,48 @@ import sys
 
 from sglang_spec.catalog import load_model
 from sglang_spec.cli.parser import TEMPERATURE_HELP, integer, path_arg, temperature, text_arg
-from sglang_spec.errors import SpecError
-from sglang_spec.files import check_output_path
+from sglang_spec.decode.decoder import GenerationConfig
+from sglang_spec.errors import SpecError, brief
+from sglang_spec.files import check_output_path, write_json_atomic
 from sglang_spec.models.registry import load_head_for
-from sglang_spec.train.calibrate import calibrate
+from sglang_spec.sampling import SamplingParams
+from sglang_spec.train.calibrate import calibrate, calibrate_sources
+from sglang_spec.train.generate_traffic import prompt_tokens
+from sglang_spec.train.prompts import PromptSpec, load_prompts
 from sglang_spec.train.records import is_eval_record
-from sglang_spec.train.traffic import check_traffic_model, read_traffic_strict
+from sglang_spec.train.traffic import TrafficRecord, check_traffic_model, read_traffic_strict
 from sglang_spec.tree.policies import MAX_TOPK
+from sglang_spec.tree.profile import AcceptanceProfile
 from sglang_spec.tree.token_tree import MAX_DEPTH
+
+MAX_NEW_TOKENS = 100_000
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "calibrate",
-        help="measure an MTP head's acceptance profile (the JSON the sequoia policy reads)",
-        description="Drafts along the target's own completions in the traffic and records, per depth and rank, how "
-        "often (temperature 0) or how likely (temperature > 0) the head's rank-k candidate is the accepted token.",
+        help="measure an acceptance profile (the JSON every tree policy reads)",
+        description="--traffic: drafts along the target's own completions and records, per depth and rank, how "
+        "often (temperature 0) or how likely (temperature > 0) the head's rank-k candidate is the accepted token "
+        "(the positional table of sequoia trees and --auto). --prompts: decodes prompts with a wide hybrid tree and "
+        "counts, for every candidate offered at an accepted node, whether it was the accepted child, per lookup "
+        "match length and rank, head depth and draft probability, and match length where both sources agree (the "
+        "per-source counts of lookup / hybrid trees). Use prompts and traffic your benchmarks never see.",
     )
     parser.add_argument("--model", required=True, type=text_arg)
     parser.add_argument("--mtp", default=None, type=text_arg,
                         help="head to calibrate (default: the model's own or shipped head)")
-    parser.add_argument("--traffic", type=path_arg, action="append", required=True,
-                        help="traffic JSONL; repeatable")
+    parser.add_argument("--traffic", type=path_arg, action="append", default=None,
+                        help="traffic JSONL for the positional table; repeatable")
+    parser.add_argument("--prompts", action="append", default=None, metavar="SET[@N]", type=text_arg,
+                        help="prompts for the per-source counts (humaneval:A-B, chatterbot, or a file), @N keeps every "
+                        "N-th; repeatable")
+    parser.add_argument("--max-new-tokens", type=integer(1, MAX_NEW_TOKENS), default=96,
+                        help=f"--prompts: tokens decoded per prompt (1-{MAX_NEW_TOKENS}; at most the model's context "
+                        "minus the longest prompt)")
+    parser.add_argument("--update", type=path_arg, default=None, metavar="PROFILE.json",
+                        help="keep this profile's sections that are not measured now (e.g. add --prompts counts to "
+                        "a profile measured from traffic)")
     parser.add_argument("--domain", action="append", default=None, type=text_arg, help="keep only these domains")
     parser.add_argument("--greedy-only", action="store_true",
                         help="use only greedy completions (temperature-0 paths; recommended for --temperature 0)")
@@ -52,12 +74,63 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # options first, so a typo fails before the traffic is read
+    # options first, so a typo fails before the traffic is read or a model loads
+    if not args.traffic and not args.prompts:
+        raise SpecError("give --traffic (the head's positional table), --prompts (per-source counts), or both")
+    if not args.traffic and args.update is None:
+        raise SpecError("--prompts alone measures only the per-source counts; give --traffic too, or --update "
+                        "PROFILE.json to keep that profile's positional table")
     if args.held_out is not None and not 0 < args.held_out < 1:
         raise SpecError(f"--held-out takes the training run's eval fraction in (0, 1), got {args.held_out}")
     if args.max_records < 0:
         raise SpecError(f"--max-records must be >= 0, got {args.max_records}")
     check_output_path(args.out, args.force)
+    base = AcceptanceProfile.load(args.update) if args.update is not None else None
+    records = _records(args) if args.traffic else []
+    specs = _prompt_specs(args.prompts) if args.prompts else []  # a bad file fails here
+    loaded = load_model(args.model)
+    if records:
+        warning = check_traffic_model(records, loaded.name, args.allow_model_mismatch)
+        if warning:
+            print(warning, file=sys.stderr)
+    head = load_head_for(loaded, args.mtp, allow_model_mismatch=args.allow_model_mismatch)
+    if records and args.max_rank > head.draft_vocab_size:
+        raise SpecError(f"--max-rank {args.max_rank} exceeds the head's draft vocabulary of "
+                        f"{head.draft_vocab_size} tokens")
+    prompts = [prompt_tokens(loaded, spec) for spec in specs]
+    if specs:
+        loaded.check_lengths([len(prompt) for prompt in prompts], args.max_new_tokens)
+    if records:
+        result = calibrate(loaded, head, records, depth=args.depth, max_rank=args.max_rank,
+                           temperature=args.temperature)
+        metadata = dict(result.profile.metadata)
+        metadata.update({"model": loaded.name, "head": args.mtp or "default", "traffic": [str(p) for p in args.traffic],
+                         "domains": args.domain, "records": len(records),
+                         "held_out": args.held_out, "greedy_only": args.greedy_only})
+        profile = AcceptanceProfile(result.profile.rank_acceptance, metadata,
+                                    sources=None if base is None else base.sources)
+    else:
+        assert base is not None
+        profile = base
+    obj = profile.to_obj()
+    if prompts:
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(args.temperature),
+                                  eos_token_ids=loaded.eos_token_ids)
+        counts = calibrate_sources(loaded, head, prompts, config)
+        # where the counts came from, inside their section (the parser reads only the count tables)
+        obj["sources"] = {**counts.to_obj(), "model": loaded.name, "prompts": args.prompts,
+                          "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+    write_json_atomic(args.out, obj)
+    print(f"wrote {args.out} at temperature {args.temperature}: "
+          + ", ".join(part for part in (f"positional table from {len(records)} records" if records else "",
+                                        f"per-source counts from {len(prompts)} prompts" if prompts else "") if part))
+    if records:
+        for depth, (row, count) in enumerate(zip(result.profile.rank_acceptance, result.positions), start=1):
+            print(f"  depth {depth}: rank-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f} ({count} positions)")
+    return 0
+
+
+def _records(args: argparse.Namespace) -> list[TrafficRecord]:
     records = read_traffic_strict(args.traffic)
     if args.domain:
         records = [record for record in records if record.domain in args.domain]
@@ -71,23 +144,18 @@ def run(args: argparse.Namespace) -> int:
         # evenly spaced, so every prompt family and domain in the file stays represented
         stride = len(records) / args.max_records
         records = [records[int(index * stride)] for index in range(args.max_records)]
-    loaded = load_model(args.model)
-    warning = check_traffic_model(records, loaded.name, args.allow_model_mismatch)
-    if warning:
-        print(warning, file=sys.stderr)
-    head = load_head_for(loaded, args.mtp, allow_model_mismatch=args.allow_model_mismatch)
-    if args.max_rank > head.draft_vocab_size:
-        raise SpecError(f"--max-rank {args.max_rank} exceeds the head's draft vocabulary of "
-                        f"{head.draft_vocab_size} tokens")
-    result = calibrate(loaded, head, records, depth=args.depth, max_rank=args.max_rank, temperature=args.temperature)
-    profile = result.profile
-    metadata = dict(profile.metadata)
-    metadata.update({"model": loaded.name, "head": args.mtp or "default", "traffic": [str(p) for p in args.traffic],
-                     "domains": args.domain, "records": len(records),
-                     "held_out": args.held_out, "greedy_only": args.greedy_only})
-    out = type(profile)(profile.rank_acceptance, metadata)
-    out.to_json(args.out)
-    print(f"wrote {args.out} from {len(records)} records at temperature {args.temperature}")
-    for depth, (row, count) in enumerate(zip(profile.rank_acceptance, result.positions), start=1):
-        print(f"  depth {depth}: rank-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f} ({count} positions)")
-    return 0
+    return records
+
+
+def _prompt_specs(items: list[str]) -> list[PromptSpec]:
+    sets = []
+    for item in items:
+        name, _, every = item.partition("@")
+        if every and (not every.isascii() or not every.isdigit() or len(every) > 9 or int(every) < 1):
+            raise SpecError(f"--prompts {brief(item)}: after @ give a whole number in 1..999999999 (keep every N-th "
+                            "prompt)")
+        sets.append((name, int(every or 1)))
+    specs = [spec for name, every in sets for spec in load_prompts(name)[::every]]
+    if not specs:
+        raise SpecError("no prompts to calibrate on")
+    return specs

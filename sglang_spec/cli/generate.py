@@ -8,7 +8,6 @@ import argparse
 import json
 import platform
 import sys
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,22 +36,21 @@ from sglang_spec.decode.trace import TracedRequest, render_html, render_terminal
 from sglang_spec.errors import SpecError
 from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.models.cache_dir import cache_root
-from sglang_spec.models.registry import (
-    LoadedModel,
-    load_head_for,
-    shipped_calibration_path,
-    shipped_profile_path,
-)
+from sglang_spec.models.registry import LoadedModel, load_head_for, shipped_profile_path
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
-from sglang_spec.tree.cost_model import CostCurve, choose_speculation
-from sglang_spec.tree.hybrid import HYBRID_POLICY_NAMES, SOURCE_NAMES, HybridPolicy, SourceCalibration
-from sglang_spec.tree.policies import MAX_TOPK, POLICY_NAMES, TreePolicy
-from sglang_spec.tree.profile import AcceptanceProfile
+from sglang_spec.tree.auto import AutoChoice, choose_auto
+from sglang_spec.tree.cost_model import CostCurve
+from sglang_spec.tree.ngram import DEFAULT_MAX_NGRAM
+from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, MAX_TOPK, POLICY_NAMES, TreePolicy
+from sglang_spec.tree.profile import SOURCE_NAMES, AcceptanceProfile
 
 # per-policy defaults of --budget / --depth: MTP trees stay small on a CPU; a copied run can be long
 DEFAULT_SIZES = {"mtp": (8, 4), "hybrid": (16, 10), "auto": (32, 12)}
 MAX_MTP_LEVELS = 16  # head forwards per step: more is a typo (each costs about a fifth of a verify)
+# Raise whenever what a step costs changes (the verify rule's work, the attention, the GEMM kernels): a cached cost
+# curve of other code mispredicts every --auto choice.
+COST_CURVE_VERSION = 3
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -67,7 +65,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--mtp", default=None, type=text_arg,
                         help="MTP head (.safetensors) or DeepSeek checkpoint folder; "
                         "default: the model's own MTP layer or the shipped head")
-    parser.add_argument("--policy", choices=POLICY_NAMES + HYBRID_POLICY_NAMES, default=None,
+    parser.add_argument("--policy", choices=POLICY_NAMES, default=None,
                         help="MTP trees (chain, eagle, sequoia, specexec), context-lookup trees (lookup) or both in "
                         "one tree (hybrid); default sequoia, or hybrid with --auto")
     parser.add_argument("--budget", type=int, default=None, help="draft nodes per step, root excluded (default 8 "
@@ -76,14 +74,13 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
                         "trees, 10 for lookup / hybrid, 12 with --auto: the most it may use)")
     parser.add_argument("--topk", type=int, default=None, help="candidates per expanded node (policy default); at "
                         f"most {MAX_TOPK} and the head's draft vocabulary")
-    parser.add_argument("--mtp-levels", type=integer(0, MAX_MTP_LEVELS), default=2,
+    parser.add_argument("--mtp-levels", type=integer(0, MAX_MTP_LEVELS), default=None,
                         help="hybrid: most MTP head forwards per step below the root's children (default 2, at most "
                         f"{MAX_MTP_LEVELS})")
     parser.add_argument("--acceptance", type=path_arg, default=None, metavar="PROFILE.json",
-                        help="acceptance profile for sequoia (default: the model's shipped profile, else built-in)")
-    parser.add_argument("--calibration", type=path_arg, default=None, metavar="SOURCES.json",
-                        help="lookup / hybrid: per-source acceptance calibration (default: the model's shipped one, "
-                        "else a generic prior); learnt further online while decoding")
+                        help="acceptance profile (`sglang-spec calibrate`): its positional table shapes sequoia trees "
+                        "and --auto, its per-source counts rank lookup / hybrid candidates and are learnt further "
+                        "online (default: the model's shipped profile, else the built-in one and a generic prior)")
     parser.add_argument("--auto", action="store_true",
                         help="let this machine's measured cost curve (cached) and the calibrated acceptance choose "
                         "each step's tree: context lookup, MTP head, both, or no speculation; with an MTP policy "
@@ -112,35 +109,24 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-@dataclass(frozen=True)
-class AutoChoice:
-    """What ``--auto`` chose: ``policy`` None means plain decoding; ``summary`` goes into the report."""
-
-    policy: TreePolicy | HybridPolicy | None
-    summary: dict[str, Any]
-
-
 def run(args: argparse.Namespace) -> int:
     # everything that can be checked without the model first, so a typo fails before a model loads
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     name = args.policy or ("hybrid" if args.auto else "sequoia")
-    hybrid = name in HYBRID_POLICY_NAMES
-    default_budget, default_depth = DEFAULT_SIZES["auto" if args.auto and hybrid else "hybrid" if hybrid else "mtp"]
+    context_shape = name in CONTEXT_POLICY_NAMES
+    default_budget, default_depth = DEFAULT_SIZES["auto" if args.auto and context_shape else "hybrid" if context_shape
+                                                  else "mtp"]
     budget = default_budget if args.budget is None else args.budget
     depth = default_depth if args.depth is None else args.depth
+    if args.mtp_levels is not None and name != "hybrid":
+        raise SpecError(f"--mtp-levels sets the head levels of hybrid trees; the {name} policy has none")
     profile_path = args.acceptance
-    if profile_path is None and (name == "sequoia" or args.auto):
+    if profile_path is None and (name == "sequoia" or context_shape or args.auto):
         profile_path = shipped_profile_path(args.model, args.temperature)
     profile = AcceptanceProfile.load(profile_path)
-    policy: TreePolicy | HybridPolicy | None
-    if hybrid:
-        calibration_path = args.calibration or shipped_calibration_path(args.model, args.temperature)
-        calibration = SourceCalibration.load(calibration_path)
-        policy = HybridPolicy(name, budget=budget, depth=depth, mtp_levels=args.mtp_levels,
-                              topk=4 if args.topk is None else args.topk, max_ngram=calibration.max_ngram,
-                              calibration=calibration)
-    else:
-        policy = TreePolicy(name, budget=budget, depth=depth, topk=args.topk, profile=profile)
+    max_ngram = profile.sources.max_ngram if profile.sources is not None else DEFAULT_MAX_NGRAM
+    asked = TreePolicy(name, budget=budget, depth=depth, topk=args.topk, profile=profile, max_ngram=max_ngram,
+                       mtp_levels=2 if args.mtp_levels is None else args.mtp_levels)
     if args.mtp is not None and not Path(args.mtp).exists():
         raise SpecError(f"MTP head {args.mtp} does not exist")
     if args.trace is not None and args.trace != "-":
@@ -152,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
         head = _optional_head(loaded, args.mtp, args.allow_model_mismatch)
     else:
         head = load_head_for(loaded, args.mtp, allow_model_mismatch=args.allow_model_mismatch)
-    topk = policy.topk if isinstance(policy, HybridPolicy) else 0 if policy.name == "chain" else policy.effective_topk
-    if head is not None and name != "lookup" and topk > head.draft_vocab_size:
+    topk = 0 if name in ("chain", "lookup") else asked.effective_topk
+    if head is not None and topk > head.draft_vocab_size:
         raise SpecError(f"--topk {topk} exceeds the head's draft vocabulary of {head.draft_vocab_size} tokens; use "
                         f"at most {head.draft_vocab_size}")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
@@ -161,11 +147,11 @@ def run(args: argparse.Namespace) -> int:
     prompts = [loaded.encode_prompt(text, chat=False if args.no_chat else None) for text in args.prompt]
     loaded.check_lengths([len(prompt) for prompt in prompts], args.max_new_tokens)
     auto = None
+    policy: TreePolicy | None = asked
     if args.auto:
-        if isinstance(policy, HybridPolicy):
-            auto = choose_adaptive_policy(loaded, head, policy, args.costs, sampling)
-        else:
-            auto = choose_auto_policy(loaded, head, profile, depth, args.costs, sampling)
+        costs, costs_path = costs_for(loaded, head, args.costs, sampling)
+        chosen = choose_auto(asked, costs)
+        auto = AutoChoice(chosen.policy, {**chosen.summary, "costs": str(costs_path)})
         policy = auto.policy
     if args.check:  # warm the kernels up first, so neither timed run pays one-time start-up costs
         generate_plain(loaded.model, prompts[:1], GenerationConfig(max_new_tokens=2, sampling=sampling))
@@ -204,7 +190,7 @@ def _optional_head(loaded: LoadedModel, mtp: str | None, allow_model_mismatch: b
 
 def _report(
     loaded: LoadedModel,
-    policy: TreePolicy | HybridPolicy | None,
+    policy: TreePolicy | None,
     auto: AutoChoice | None,
     profile: AcceptanceProfile,
     sampling: SamplingParams,
@@ -289,25 +275,6 @@ def _print_table(
             print("sampling: outputs are compared in distribution (tests), not token by token")
 
 
-def choose_auto_policy(
-    loaded: LoadedModel,
-    head: MTPHead | None,
-    profile: AcceptanceProfile,
-    max_depth: int,
-    costs_path: Path | None,
-    sampling: SamplingParams,
-) -> AutoChoice:
-    """Measured (or cached) costs + profile -> the sequoia policy to use, or None for plain decoding."""
-    # sampled verification costs more per step than greedy, so each mode has its own curve
-    costs, path = costs_for(loaded, head, costs_path, sampling)
-    choice = choose_speculation(profile, costs, max_depth=max_depth)
-    summary = {"budget": choice.budget, "depth": choice.depth, "predicted_speedup": choice.speedup,
-               "expected_accept_length": choice.expected_accept_length, "costs": str(path), "device": costs.device}
-    if choice.budget == 0:
-        return AutoChoice(None, summary)
-    return AutoChoice(TreePolicy("sequoia", budget=choice.budget, depth=choice.depth, profile=profile), summary)
-
-
 def costs_for(loaded: LoadedModel, head: MTPHead | None, costs_path: Path | None, sampling: SamplingParams) -> tuple[CostCurve, Path]:
     """This machine's cost curve for the runner the decoder uses (measured once, cached per model, dtype,
     sampling mode, runner and its GEMM backend, and host)."""
@@ -317,22 +284,9 @@ def costs_for(loaded: LoadedModel, head: MTPHead | None, costs_path: Path | None
     mode = "greedy" if sampling.greedy else "sampled"
     # the static runner's GEMM backend is part of the name: a curve timed on another backend misleads --auto
     runner = f"static-{best_backend()}" if static_runner_supports(loaded.model) else "transformers"
-    # v3: sampled verification on the walked path only, the grouped-query attention (older curves mislead --auto)
-    name = f"{loaded.name}-{dtype}-{mode}-{runner}-v3-{platform.node() or 'host'}.json"
+    # COST_CURVE_VERSION names what a curve was timed on, so a curve timed on other code is never reused
+    name = f"{loaded.name}-{dtype}-{mode}-{runner}-v{COST_CURVE_VERSION}-{platform.node() or 'host'}.json"
     path = costs_path or cache_root() / "costs" / name
     # our own cache may be rebuilt when it is damaged; a file the user named is theirs: a problem there is refused
     warn = None if costs_path is not None else (lambda message: print(f"warning: {message}", file=sys.stderr))
     return load_or_measure(path, loaded.model, head, sampling, on_bad_cache=warn), path
-
-
-def choose_adaptive_policy(
-    loaded: LoadedModel, head: MTPHead | None, policy: HybridPolicy, costs_path: Path | None, sampling: SamplingParams
-) -> AutoChoice:
-    """``--auto`` over hybrid candidates: every step keeps the prefix of its best-first tree (context lookup and
-    MTP head candidates by calibrated acceptance) with the least predicted time per token, ``step_seconds`` over
-    1 + the kept nodes' reach, and runs a head level only when it is predicted to pay; no tree at all (a plain
-    step) when none does."""
-    costs, path = costs_for(loaded, head, costs_path, sampling)
-    summary = {"budget": policy.budget, "depth": policy.depth, "policy": policy.name, "costs": str(path),
-               "device": costs.device, "plain_token_seconds": costs.baseline_token}
-    return AutoChoice(replace(policy, costs=costs), summary)

@@ -10,6 +10,7 @@ from sglang_spec.tree.candidates import ProfileCandidates
 from sglang_spec.tree.policies import DEFAULT_TOPK, MAX_TOPK, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import DEFAULT_PROFILE, AcceptanceProfile
 from sglang_spec.tree.token_tree import TokenTree
+from sglang_spec.tree.draft import DraftSources
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -47,7 +48,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     profile = AcceptanceProfile.load(args.acceptance)
     policy = TreePolicy(args.policy, budget=args.budget, depth=args.depth, topk=args.topk, profile=profile)
-    tree = policy.build(root_token=0, source=ProfileCandidates(profile))
+    tree = policy.build(0, DraftSources(mtp=ProfileCandidates(profile))).tree
     reach = profile.node_reach_probabilities(tree)
     expected = profile.expected_accept_length(tree)
     if args.json:

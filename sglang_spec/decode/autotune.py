@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence, TYPE_CHECKING
 import torch
 
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, generate_plain
-from sglang_spec.decode.static_runner import StaticTargetRunner, target_runner_for
+from sglang_spec.decode.static_runner import target_runner_for
 from sglang_spec.decode.target import PrefillOutput, TargetRunner
 from sglang_spec.errors import SpecError
 from sglang_spec.files import read_json, write_json_atomic
@@ -86,7 +86,7 @@ def interleaved_medians(functions: dict[Any, Callable[[], object]], repeats: int
 
 
 def _verify_times(
-    runner: TargetRunner | StaticTargetRunner, prefill: PrefillOutput, sizes: Sequence[int], repeats: int
+    runner: TargetRunner, prefill: PrefillOutput, sizes: Sequence[int], repeats: int
 ) -> dict[int, float]:
     """verify[n]: one target forward over an n-token chain after the prefilled prompt (medians over rounds that
     take the sizes in turn, then made non-decreasing in n)."""
@@ -117,7 +117,7 @@ def _verify_times(
     return verify
 
 
-def _plain_token_seconds(runner: TargetRunner | StaticTargetRunner, prompt: torch.Tensor, sampling: SamplingParams) -> float:
+def _plain_token_seconds(runner: TargetRunner, prompt: torch.Tensor, sampling: SamplingParams) -> float:
     """Plain decoding's seconds per token in its own loop: a 1-token tree forward misses the cache growth and
     per-token host work that plain decoding pays, and underestimating the baseline makes every tree look worse."""
     config = GenerationConfig(max_new_tokens=16, eos_token_ids=(), sampling=sampling)

@@ -9,9 +9,10 @@ One step for a batch of requests:
   4. commit: each request keeps its accepted path's KV; the MTP head runs over the accepted pairs.
 EOS and max_new_tokens are honoured inside an accepted run: the output stops exactly where plain decoding would.
 
-A ``HybridPolicy`` (``tree/hybrid.py``) adds the context as a candidate source: each request keeps an n-gram index
-of its prompt and generated tokens, the tree mixes lookup and head candidates under one budget, and the decoder
-counts every offered candidate's outcome into its calibration (online). The ``lookup`` policy never runs the head.
+Drafting goes through the one drafter interface (``tree/drafter.TreeDrafter``): a policy whose shape uses the
+context (lookup, hybrid) gets each request's n-gram index of its prompt and generated tokens as a second candidate
+source beside the head, and every step's outcome is observed into the drafter's per-source counts (online
+calibration). The ``lookup`` policy never runs the head.
 The target runs on the static-cache runner where the model allows (``decode/static_runner.py``), plain decoding
 too, so speedups compare like with like. Every request records its steps (tokens, which source drafted each,
 emission time) for latency and ``--trace``.
@@ -27,17 +28,17 @@ from typing import Callable, Sequence, TYPE_CHECKING
 
 import torch
 
-from sglang_spec.decode.static_runner import StaticTargetRunner, target_runner_for
+from sglang_spec.decode.static_runner import target_runner_for
 from sglang_spec.decode.switch import SpeculationSwitch
 from sglang_spec.errors import SpecError
 from sglang_spec.mtp.drafter import DraftState, MTPDrafter
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams, sample_from_probs, target_probs_from_logits
 from sglang_spec.tree.batch import TreeBatch
-from sglang_spec.tree.hybrid import SOURCE_MTP, HybridPolicy, HybridTree, SourceCalibration
+from sglang_spec.tree.draft import DraftSources, DraftTree
+from sglang_spec.tree.drafter import TreeDrafter
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
-from sglang_spec.tree.token_tree import TokenTree
 from sglang_spec.verify.greedy import verify_greedy
 from sglang_spec.verify.relaxed import RelaxedAcceptance, verify_relaxed_topn_delta
 from sglang_spec.verify.result import VerifyResult
@@ -64,7 +65,7 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step emitted: ``tokens`` in order, ``sources[i]`` who drafted tokens[i] (``tree/hybrid.py``'s
+    """What one step emitted: ``tokens`` in order, ``sources[i]`` who drafted tokens[i] (``tree/profile.py``'s
     SOURCE_* flags; 0 = the target itself: the correction / bonus token, or a plain step's token), the tree's
     node count (0 for the first token, which prefill yields) and ``time``, seconds from the request's start
     until the tokens were there."""
@@ -219,8 +220,9 @@ def lossless_verify(batch: TreeBatch, logits: torch.Tensor, config: GenerationCo
 @dataclass
 class _Active:
     """A request still decoding: its output, root token (the last verified token), the head's drafting state
-    (None when the policy does not use the head), the context index (hybrid policies), when it started and, for
-    the relaxed rule, whether it is inside a thinking span. ``switch`` (``--auto`` with a hybrid policy) sends it
+    (None when the policy does not use the head), the context index (policies that look the context up), when it
+    started and, for the relaxed rule, whether it is inside a thinking span. ``switch`` (a per-step cost curve,
+    ``--auto`` over lookup / hybrid) sends it
     to lean plain steps while speculation does not pay; ``waiting``: the (target hidden [d], next token) pairs
     of those steps, appended to the head in one forward when it drafts again."""
 
@@ -235,29 +237,28 @@ class _Active:
 
 
 class SpeculativeDecoder:
-    """Tree-speculative decoding with a transformers target and an MTP head, and with hybrid (head + context) or
-    lookup-only trees. ``verifier`` replaces the lossless acceptance rule (tests use it to show a biased rule is
-    caught); ``static_runner`` forces the runner choice (None: the static-cache runner where the model allows).
-    A hybrid decoder's ``calibration`` starts from the policy's prior and learns online across its requests."""
+    """Tree-speculative decoding with a transformers target, an MTP head and/or the context as candidate sources,
+    and any ``TreePolicy``. ``verifier`` replaces the lossless acceptance rule (tests use it to show a biased rule
+    is caught); ``static_runner`` forces the runner choice (None: the static-cache runner where the model allows).
+    ``tree_drafter`` proposes every tree; its counts start from the policy's profile and learn online across the
+    decoder's requests."""
 
     def __init__(
         self,
         target: PreTrainedModel,
         head: MTPHead | None,
-        policy: TreePolicy | HybridPolicy,
+        policy: TreePolicy,
         verifier: Verifier = lossless_verify,
         static_runner: bool | None = None,
     ) -> None:
-        uses_head = policy.uses_mtp if isinstance(policy, HybridPolicy) else True
-        if uses_head and head is None:
+        if policy.uses_head and head is None:
             raise SpecError(f"the {policy.name} policy drafts with an MTP head; give one (or use --policy lookup)")
         self.runner = target_runner_for(target, static_runner)
-        if isinstance(self.runner, StaticTargetRunner):
-            self.runner.prepare(policy.budget + 1)  # a batch-1 tree verify of any size this policy builds
-        self.drafter = MTPDrafter(head) if uses_head and head is not None else None
+        self.runner.prepare(policy.budget + 1)  # a batch-1 tree verify of any size this policy builds
+        self.head_drafter = MTPDrafter(head) if policy.uses_head and head is not None else None
+        self.tree_drafter = TreeDrafter(policy)
         self.policy = policy
         self.verifier = verifier
-        self.calibration: SourceCalibration | None = policy.prior() if isinstance(policy, HybridPolicy) else None
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig) -> GenerationOutput:
@@ -293,14 +294,12 @@ class SpeculativeDecoder:
             if _stop(request, [root], config):
                 continue
             draft = None
-            if self.drafter is not None:
+            if self.head_drafter is not None:
                 following = torch.cat([prompt_tensor[1:], torch.tensor([root])]).to(prefill.hidden.device)
-                draft = self.drafter.prefill(prefill.hidden, following)
-            context, switch = None, None
-            if isinstance(self.policy, HybridPolicy):
-                context = NgramIndex([*prompt, root], max_ngram=self.policy.max_ngram)
-                if self.policy.costs is not None:
-                    switch = SpeculationSwitch(self.policy.costs.baseline_token)
+                draft = self.head_drafter.prefill(prefill.hidden, following)
+            context = NgramIndex([*prompt, root], max_ngram=self.policy.max_ngram) if self.policy.uses_context else None
+            costs = self.policy.costs
+            switch = None if costs is None else SpeculationSwitch(costs.baseline_token)
             thinking = config.relaxed is not None and config.relaxed.thinking_after([*prompt, root])
             active.append(_Active(request, root, draft, context, request_start, thinking, switch))
             prefills.append(prefill)
@@ -315,50 +314,19 @@ class SpeculativeDecoder:
         stats.steps += 1
         tick = step_start = time.perf_counter()
         lean = [request.switch is not None and request.switch.lean for request in active]
-        hybrid = [_root_only(request.root) if is_lean else self._build(request)
-                  for request, is_lean in zip(active, lean)]
-        trees = [built.tree for built in hybrid]
+        drafts = self._draft(active, lean)
         stats.draft_seconds += time.perf_counter() - tick
 
         tick = time.perf_counter()
-        batch = TreeBatch.from_trees(trees)
+        batch = TreeBatch.from_trees([draft.tree for draft in drafts])
         forward = self.runner.verify(batch)
-        logits = forward.logits.cpu()
-        if config.relaxed is not None:
-            thinking = torch.tensor([request.thinking for request in active])
-            relaxed = verify_relaxed_topn_delta(batch, logits, config.relaxed, thinking)
-            result = relaxed.result
-            for request, state in zip(active, relaxed.thinking_after.tolist()):
-                request.thinking = state
-        else:
-            result = self.verifier(batch, logits, config, generator)
-        kept = [result.accepted_nodes[row, : int(result.accept_length[row])].tolist() for row in range(len(trees))]
+        result = self._accept(active, batch, forward.logits.cpu(), config, generator)
+        kept = [result.accepted_nodes[row, : int(result.accept_length[row])].tolist() for row in range(len(active))]
         self.runner.commit(kept)
         stats.verify_seconds += time.perf_counter() - tick
 
         tick = time.perf_counter()
-        continuing = []
-        for row, request in enumerate(active):
-            emitted = result.tokens(row)
-            request.output.accept_lengths.append(len(emitted))
-            sources = [hybrid[row].sources[node] for node in kept[row][1:]] + [0]
-            _record(request.output, emitted, sources, trees[row].num_nodes, request.start)
-            if self.calibration is not None:
-                _observe(self.calibration, hybrid[row], kept[row])
-            if _stop(request.output, emitted, config):
-                continue
-            continuing.append(row)
-            if request.draft is not None and self.drafter is not None:
-                if lean[row]:  # the head catches up when it drafts again (_build)
-                    request.waiting.append((forward.hidden[row, 0], emitted[0]))
-                else:
-                    device = forward.hidden.device
-                    path = torch.tensor(kept[row], device=device)
-                    self.drafter.commit(request.draft, forward.hidden[row].index_select(0, path),
-                                        torch.tensor(emitted, device=device))
-            if request.context is not None:
-                request.context.extend(emitted)
-            request.root = emitted[-1]
+        continuing = self._commit(active, drafts, lean, result, kept, forward.hidden, config)
         now = time.perf_counter()
         stats.draft_seconds += now - tick
         for row in continuing:
@@ -372,44 +340,59 @@ class SpeculativeDecoder:
             self.runner.select(continuing)
         return [active[row] for row in continuing]
 
-    def _build(self, request: _Active) -> HybridTree:
-        """This step's tree for one request, with each node's source (every node of an MTP policy's tree is the
-        head's)."""
-        if request.waiting and request.draft is not None and self.drafter is not None:
+    def _draft(self, active: list[_Active], lean: list[bool]) -> list[DraftTree]:
+        """Each request's tree: the drafter's proposal, or the root alone on a lean plain step."""
+        return [DraftTree.root_only(request.root) if is_lean else self._propose(request)
+                for request, is_lean in zip(active, lean)]
+
+    def _accept(self, active: list[_Active], batch: TreeBatch, logits: torch.Tensor, config: GenerationConfig,
+                generator: torch.Generator) -> VerifyResult:
+        """The acceptance rule over the verify logits [B, N, V]: lossless (``verifier``), or the opt-in relaxed
+        rule, which also carries each request's thinking state to the next step."""
+        if config.relaxed is None:
+            return self.verifier(batch, logits, config, generator)
+        thinking = torch.tensor([request.thinking for request in active])
+        relaxed = verify_relaxed_topn_delta(batch, logits, config.relaxed, thinking)
+        for request, state in zip(active, relaxed.thinking_after.tolist()):
+            request.thinking = state
+        return relaxed.result
+
+    def _commit(self, active: list[_Active], drafts: list[DraftTree], lean: list[bool], result: VerifyResult,
+                kept: list[list[int]], hidden: torch.Tensor, config: GenerationConfig) -> list[int]:
+        """Emits each request's accepted tokens (stopping at EOS / max tokens), lets the drafter observe the
+        outcome, and advances the head and the context past them. hidden: [B, N, d] the verify's hidden states.
+        Returns the rows that continue."""
+        continuing = []
+        for row, request in enumerate(active):
+            emitted = result.tokens(row)
+            request.output.accept_lengths.append(len(emitted))
+            sources = [drafts[row].sources[node] for node in kept[row][1:]] + [0]
+            _record(request.output, emitted, sources, drafts[row].tree.num_nodes, request.start)
+            self.tree_drafter.observe(drafts[row], kept[row])
+            if _stop(request.output, emitted, config):
+                continue
+            continuing.append(row)
+            if request.draft is not None and self.head_drafter is not None:
+                if lean[row]:  # the head catches up when it drafts again (_propose)
+                    request.waiting.append((hidden[row, 0], emitted[0]))
+                else:
+                    path = torch.tensor(kept[row], device=hidden.device)
+                    self.head_drafter.commit(request.draft, hidden[row].index_select(0, path),
+                                             torch.tensor(emitted, device=hidden.device))
+            if request.context is not None:
+                request.context.extend(emitted)
+            request.root = emitted[-1]
+        return continuing
+
+    def _propose(self, request: _Active) -> DraftTree:
+        """This step's tree for one request from its sources (after the head catches up on lean steps' pairs)."""
+        if request.waiting and request.draft is not None and self.head_drafter is not None:
             hidden = torch.stack([pair[0] for pair in request.waiting])
             tokens = torch.tensor([pair[1] for pair in request.waiting], device=hidden.device)
-            self.drafter.commit(request.draft, hidden, tokens)  # the lean steps' pairs, one forward
+            self.head_drafter.commit(request.draft, hidden, tokens)  # the lean steps' pairs, one forward
             request.waiting.clear()
-        source = None if request.draft is None or self.drafter is None else self.drafter.source(request.draft)
-        if isinstance(self.policy, HybridPolicy):
-            assert request.context is not None and self.calibration is not None
-            return self.policy.build(request.root, request.context, source, self.calibration)
-        assert source is not None
-        tree = self.policy.build(request.root, source)
-        return _mtp_only(tree)
-
-
-def _root_only(root: int) -> HybridTree:
-    """A lean plain step's tree: the root alone (the target's next token, nothing drafted)."""
-    return HybridTree(TokenTree.from_parents([-1], tokens=[root]), (0,), ((),), (1.0,), 0, 1.0)
-
-
-def _mtp_only(tree: TokenTree) -> HybridTree:
-    count = tree.num_nodes
-    return HybridTree(tree, (0,) + (SOURCE_MTP,) * (count - 1), ((),) * count, (1.0,) * count, 0, math.nan)
-
-
-def _observe(calibration: SourceCalibration, built: HybridTree, path: list[int]) -> None:
-    """Online calibration: every child offered at a node of the accepted path counts once, accepted or not."""
-    parents = built.tree.parents.tolist()
-    on_path = {node: index for index, node in enumerate(path)}
-    for child in range(1, len(parents)):
-        index = on_path.get(parents[child])
-        if index is None:
-            continue
-        accepted = index + 1 < len(path) and path[index + 1] == child
-        for cell in built.cells[child]:
-            calibration.observe(cell, accepted)
+        mtp = None if request.draft is None or self.head_drafter is None else self.head_drafter.source(request.draft)
+        return self.tree_drafter.propose(request.root, DraftSources(mtp=mtp, context=request.context))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """A Llama-family target run close to what a CPU can do: a pre-grown KV cache written in place, fused weights,
-the fewest Python-level ops per step. Same interface as ``TargetRunner`` (prefill, decode_one, start_batch,
-verify, commit, select), so the decoder and plain decoding use whichever runner fits the model.
+the fewest Python-level ops per step. A ``TargetRunner`` like ``TransformersRunner`` (prefill, decode_one,
+start_batch, verify, commit, select), so the decoder and plain decoding use whichever runner fits the model.
 
-What it does differently from ``TargetRunner`` (transformers' forward over a DynamicCache):
+What it does differently from ``TransformersRunner`` (transformers' forward over a DynamicCache):
 
 * one KV tensor for every layer, ``kv [layers, 2, B, kv_heads, capacity, head_dim]``, grown by doubling; a forward
   writes its new rows in place at ``[length, length + T)`` of each request, never concatenating;
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_spec.gemm.packed_linear import PackedLinear, best_backend
-from sglang_spec.decode.target import PrefillOutput, TargetRunner, TreeForwardOutput
+from sglang_spec.decode.target import PrefillOutput, TargetRunner, TransformersRunner, TreeForwardOutput
 from sglang_spec.tree.batch import TreeBatch
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class _Layer:
 
 
 class StaticTargetRunner:
-    """``TargetRunner``'s interface over a static cache and a hand-written Llama forward (see module doc)."""
+    """A ``TargetRunner`` over a static cache and a hand-written Llama forward (see module doc)."""
 
     def __init__(self, model: PreTrainedModel, backend: str | None = None) -> None:
         """``backend``: the GEMM backend of every matmul (``packed_linear.BACKENDS``; None: the best here)."""
@@ -371,9 +371,9 @@ class StaticTargetRunner:
         cache.lengths = list(self.lengths)
 
 
-def target_runner_for(model: PreTrainedModel, static: bool | None = None) -> TargetRunner | StaticTargetRunner:
+def target_runner_for(model: PreTrainedModel, static: bool | None = None) -> TargetRunner:
     """The fastest runner that reproduces ``model``: the static-cache runner for Llama-style models, else
-    transformers' own forward (``TargetRunner``). ``static``: force one (True fails for unsupported models)."""
+    transformers' own forward (``TransformersRunner``). ``static``: force one (True fails for unsupported models)."""
     if static is None:
         static = supports(model)
-    return StaticTargetRunner(model) if static else TargetRunner(model)
+    return StaticTargetRunner(model) if static else TransformersRunner(model)

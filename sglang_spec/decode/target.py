@@ -1,4 +1,6 @@
-"""A transformers causal LM run the way tree verification needs it.
+"""What the decoder needs from a target model (``TargetRunner``, the protocol), and its transformers implementation
+(``TransformersRunner``): a causal LM run the way tree verification needs it. ``decode/static_runner.py`` is the
+other implementation (Llama-style models on a static cache).
 
 KV layout: one cache for the batch, left-aligned per request: request b's committed KV fills slots
 ``[0, lengths[b])`` of every layer and anything past that is stale and masked out. A verify forward appends the N
@@ -12,7 +14,7 @@ DeepSeek-V3 MLA cache, which stores the compressed latent and the rope key as [B
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -43,11 +45,52 @@ class TreeForwardOutput:
     hidden: torch.Tensor
 
 
+class TargetRunner(Protocol):
+    """A target model as the decoder drives it: prompts prefilled one by one, merged into a batch, then per step
+    one verify forward over every request's tree and a commit of each request's accepted path.
+
+    Invariant: after ``start_batch`` the runner holds, per request b, ``lengths[b]`` committed tokens; ``verify``
+    adds none of them; ``commit`` adds exactly the kept nodes; ``select`` drops requests and nothing else."""
+
+    model: PreTrainedModel  # the target it runs
+    config: Any  # the target's transformers config
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def prepare(self, rows: int) -> None:
+        """Builds, before decoding, whatever a verify of up to ``rows`` tree tokens per request needs."""
+
+    def prefill(self, prompt: torch.Tensor) -> PrefillOutput:
+        """One prompt [P] alone (batch 1, causal): its hidden states, last logits and its own cache."""
+
+    def decode_one(self, token: int, position: int, cache: Any) -> PrefillOutput:
+        """Plain decoding: one token at ``position`` appended to a prefill's batch-1 ``cache``."""
+
+    def start_batch(self, prefills: list[PrefillOutput]) -> None:
+        """Merges prefills into the batch that ``verify`` / ``commit`` / ``select`` work on (rows in order)."""
+
+    def verify(self, batch: TreeBatch) -> TreeForwardOutput:
+        """One forward over every request's tree (row b of ``batch``): logits [B, N, V] and hidden [B, N, d] at
+        every node, each node seeing its request's committed tokens, its ancestors and itself."""
+
+    def commit(self, kept_nodes: list[list[int]]) -> None:
+        """After ``verify``: request b keeps the KV of ``kept_nodes[b]`` (its accepted path, root first)."""
+
+    def select(self, rows: list[int]) -> None:
+        """Keeps only these requests, in this order (finished ones leave the batch)."""
+
+
 def _cache_layers(cache: DynamicCache) -> list[Any]:
     return list(cache.layers)
 
 
-class TargetRunner:
+class TransformersRunner:
+    """``TargetRunner`` over transformers' own forward and a DynamicCache (any architecture transformers runs)."""
+
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.config = model.config
@@ -62,6 +105,9 @@ class TargetRunner:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    def prepare(self, rows: int) -> None:
+        """Nothing to build ahead: transformers allocates per forward."""
 
     def _forward(
         self,

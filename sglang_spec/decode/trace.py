@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from sglang_spec.decode.decoder import RequestOutput, StepRecord
-from sglang_spec.tree.hybrid import SOURCE_BOTH, SOURCE_LOOKUP, SOURCE_MTP, SOURCE_NAMES
+from sglang_spec.tree.profile import SOURCE_BOTH, SOURCE_LOOKUP, SOURCE_MTP, SOURCE_NAMES
 
 # background colours per source (HTML) and ANSI 256-colour backgrounds (terminal)
 _HTML_COLOURS = {SOURCE_LOOKUP: "#b7e4c7", SOURCE_MTP: "#bdd7ff", SOURCE_BOTH: "#e2c6ff", 0: "#ffd8a8"}

@@ -18,7 +18,8 @@ from sglang_spec.mtp.head import MTPHead
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-# the shipped heads for built-in models, and their calibrated profiles per sampling temperature
+# the shipped heads for built-in models, and their calibrated profiles per sampling temperature (the SmolLM2 code
+# head's carry per-source counts for lookup / hybrid trees too)
 SHIPPED_HEADS = {
     "smollm2": "smollm2-135m-instruct.safetensors",
     "smollm2-generic": "smollm2-135m-instruct-generic.safetensors",
@@ -26,10 +27,6 @@ SHIPPED_HEADS = {
 SHIPPED_PROFILES = {
     "smollm2": {0.0: "smollm2-135m-instruct.json", 0.7: "smollm2-135m-instruct-t0.7.json"},
     "smollm2-generic": {0.0: "smollm2-135m-instruct-generic.json", 0.7: "smollm2-135m-instruct-generic-t0.7.json"},
-}
-# per-source acceptance calibrations of hybrid trees (context lookup + the shipped head), per temperature
-SHIPPED_CALIBRATIONS = {
-    "smollm2": {0.0: "smollm2-135m-instruct-sources.json", 0.7: "smollm2-135m-instruct-sources-t0.7.json"},
 }
 
 
@@ -147,11 +144,6 @@ def shipped_head_path(model_name: str) -> Path | None:
 def shipped_profile_path(model_name: str, temperature: float = 0.0) -> Path | None:
     """The shipped profile calibrated at the temperature closest to ``temperature``."""
     return _nearest_shipped_file(SHIPPED_PROFILES.get(model_name), temperature)
-
-
-def shipped_calibration_path(model_name: str, temperature: float = 0.0) -> Path | None:
-    """The shipped per-source calibration (``tree/hybrid.SourceCalibration``) nearest to ``temperature``."""
-    return _nearest_shipped_file(SHIPPED_CALIBRATIONS.get(model_name), temperature)
 
 
 def _nearest_shipped_file(files: dict[float, str] | None, temperature: float) -> Path | None:

@@ -28,8 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.tree.profile import AcceptanceProfile
-from sglang_spec.tree.sequoia import sequoia_plan
 from sglang_spec.tree.token_tree import TokenTree
 
 _FORCED = 4.0  # above any probability product, so forced frontier entries sort first
@@ -89,12 +87,6 @@ class DraftPlan:
             frontier.append(tuple(position for _, position in needed))
         slots = tuple(sorted(slot_of[node] for node in range(1, tree.num_nodes)))
         return cls(width=width, steps=steps, frontier=tuple(frontier), slots=slots)
-
-
-def sequoia_tree(profile: AcceptanceProfile, budget: int, depth: int, children: int) -> TokenTree:
-    """Sequoia's DP tree for ``profile`` with at most ``children`` children a node."""
-    sequoia = sequoia_plan(profile, budget, depth, max_branch=children)
-    return TokenTree.from_parents(list(sequoia.parents), ranks=list(sequoia.ranks))
 
 
 def widest_level(tree: TokenTree) -> int:

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.draft_tree import DraftPlan, sequoia_tree, widest_level
-from sglang_spec.tree.policies import POLICY_NAMES, TreePolicy
+from sglang_spec.sglang_plugin.draft_tree import DraftPlan, widest_level
+from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, HEAD_POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
 ATTRIBUTE = "_sglang_spec_tree"  # where the parsed options ride on ServerArgs (pickled into subprocesses)
@@ -83,14 +83,14 @@ class TreeServerOptions:
         Raises SpecError, one line, when the tree does not fit the draft shape."""
         if self.policy != "sequoia":
             return None
-        profile = self.load_profile()
-        assert profile is not None  # tree_policy() refuses sequoia without a profile
-        return DraftPlan.from_tree(sequoia_tree(profile, self.budget, self.depth, self.topk), self.width, self.depth)
+        shape = self.tree_policy().static_shape()
+        assert shape is not None  # sequoia's DP tree
+        return DraftPlan.from_tree(shape, self.width, self.depth)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tree speculation (sglang_spec)")
-    group.add_argument("--speculative-tree-policy", choices=POLICY_NAMES, default=None,
+    group.add_argument("--speculative-tree-policy", choices=HEAD_POLICY_NAMES + CONTEXT_POLICY_NAMES, default=None,
                        help="shape of the MTP draft tree; unset keeps SGLang's behaviour")
     group.add_argument("--speculative-tree-budget", type=int, default=None,
                        help=f"draft nodes per request, root excluded (default {DEFAULTS['budget']})")
@@ -117,10 +117,14 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
         given = [name for name in KEYWORDS[1:] if values.get(name) is not None]
         if given:
             flag = "--" + given[0].replace("_", "-")
-            raise SpecError(f"{flag} needs --speculative-tree-policy (one of {', '.join(POLICY_NAMES)})")
+            raise SpecError(f"{flag} needs --speculative-tree-policy (one of {', '.join(HEAD_POLICY_NAMES)})")
         return None
-    if policy not in POLICY_NAMES:
-        raise SpecError(f"unknown --speculative-tree-policy {policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+    if policy in CONTEXT_POLICY_NAMES:
+        raise SpecError(f"--speculative-tree-policy {policy} is not served through SGLang yet (the context lookup "
+                        f"needs a device-side history); use it in `sglang-spec generate`, or one of "
+                        f"{', '.join(HEAD_POLICY_NAMES)} here")
+    if policy not in HEAD_POLICY_NAMES:
+        raise SpecError(f"unknown --speculative-tree-policy {policy!r}; choose one of {', '.join(HEAD_POLICY_NAMES)}")
     for name in KEYWORDS[1:5]:
         value = values.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -156,7 +160,10 @@ def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | 
         return topk
     if policy == "sequoia":
         assert profile_path is not None
-        needed = max(topk, widest_level(sequoia_tree(AcceptanceProfile.from_json(profile_path), budget, depth, topk)))
+        shape = TreePolicy("sequoia", budget=budget, depth=depth, topk=topk,
+                           profile=AcceptanceProfile.from_json(profile_path)).static_shape()
+        assert shape is not None
+        needed = max(topk, widest_level(shape))
         if given is not None and given < needed:
             raise SpecError(f"sequoia's tree for budget {budget} / depth {depth} / topk {topk} expands {needed} nodes "
                             f"on one level; --speculative-tree-width must be at least {needed}")

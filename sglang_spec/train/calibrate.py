@@ -1,6 +1,6 @@
-"""Measuring a head's positional acceptance profile on traffic (``sglang-spec calibrate``).
+"""Measuring an acceptance profile (``sglang-spec calibrate``): both of its sections.
 
-For every completion position b of the traffic, the head drafts a chain along the target's own continuation,
+* ``calibrate``, the positional table (``rank_acceptance``), from traffic. For every completion position b of the traffic, the head drafts a chain along the target's own continuation,
 exactly as a tree node at depth d sees it (exact pairs up to b, its own recursive pairs after). At depth d the
 head ranks its candidates x_1, x_2, ...; with deterministic top-k children and the lossless sample-and-match
 rule, the rank-k child of an accepted node is the accepted one with probability p_T(x_k), the target's tempered
@@ -9,6 +9,12 @@ rank k is the average of p_T(x_k^(d)) over positions, which is what Sequoia's DP
 
 Positions come from the completions (where drafting happens) and follow the completion's own tokens; calibrate
 on greedy traffic for temperature 0 (the continuation then is the target's argmax path).
+
+* ``calibrate_sources``, the per-source counts (``sources``), by decoding prompts: the decoder's own online
+  calibration run from a negligible prior with a wide hybrid tree (many candidates of every kind offered at every
+  accepted node) counts, for every offered candidate, whether it was the accepted child. Those counts are exactly
+  the conditional acceptance P(accepted | parent accepted) best-first trees multiply along a path. Calibrate on
+  prompts the benchmarks never see (``scripts/calibrate_sources.sh`` uses the heads' training prompts).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
 from sglang_spec.errors import SpecError
 from sglang_spec.models.registry import LoadedModel
 from sglang_spec.mtp.head import MTPHead
@@ -27,7 +34,12 @@ from sglang_spec.sampling import SamplingParams
 from sglang_spec.train.distill import TeacherBatch, unrolled_steps
 from sglang_spec.train.traffic import TrafficRecord
 from sglang_spec.train.records import encode_record
-from sglang_spec.tree.profile import AcceptanceProfile
+from sglang_spec.tree.ngram import DEFAULT_MAX_NGRAM
+from sglang_spec.tree.policies import TreePolicy
+from sglang_spec.tree.profile import AcceptanceProfile, SourceCounts
+
+# a prior this light is outweighed by the first observation of a cell; unobserved cells keep its guess
+_NEGLIGIBLE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -113,3 +125,24 @@ def calibrate(
         "positions_per_depth": [int(c) for c in counts[:usable]],
     })
     return Calibration(profile, [int(c) for c in counts[:usable]], [row[0] for row in rows])
+
+
+def calibrate_sources(
+    loaded: LoadedModel,
+    head: MTPHead,
+    prompts: Sequence[list[int]],
+    config: GenerationConfig,
+    max_ngram: int = DEFAULT_MAX_NGRAM,
+    progress: bool = True,
+) -> SourceCounts:
+    """Counts of accepted / offered candidates per cell, over greedy or sampled decoding (``config``) of
+    ``prompts`` with a wide hybrid tree."""
+    prior = AcceptanceProfile.load(None).with_sources(SourceCounts.generic(max_ngram, weight=_NEGLIGIBLE))
+    policy = TreePolicy("hybrid", budget=32, depth=10, mtp_levels=3, topk=4, lookup_width=4, max_ngram=max_ngram,
+                        profile=prior)
+    decoder = SpeculativeDecoder(loaded.model, head, policy)
+    for prompt in tqdm(prompts, desc="calibrating sources", disable=not progress):
+        decoder.generate([prompt], config)
+    counts = decoder.tree_drafter.counts
+    counts.source = f"{len(prompts)} prompts, temperature {config.sampling.temperature}"
+    return counts

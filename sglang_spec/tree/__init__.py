@@ -1,4 +1,4 @@
-"""Token trees: structure, acceptance profiles, the four policies, the Sequoia DP, and encoders."""
+"""Token trees: structure, acceptance profiles, the policies and the drafter interface, the Sequoia DP, encoders."""
 
 from sglang_spec.tree.batch import FlashInferIndptrs, FlashInferPlan, TreeBatch, encode_flashinfer_mask, with_prefix
 from sglang_spec.tree.candidates import (
@@ -6,7 +6,6 @@ from sglang_spec.tree.candidates import (
     Candidates,
     GrowingTree,
     ProfileCandidates,
-    SyntheticCandidates,
 )
 from sglang_spec.tree.cost_model import (
     CostCurve,
@@ -24,8 +23,10 @@ from sglang_spec.tree.encode_sglang import (
     encode_sglang_draft,
     encode_sglang_verify,
 )
+from sglang_spec.tree.draft import DraftSources, DraftTree
+from sglang_spec.tree.drafter import TreeDrafter
 from sglang_spec.tree.policies import POLICY_NAMES, TreePolicy
-from sglang_spec.tree.profile import AcceptanceProfile
+from sglang_spec.tree.profile import AcceptanceProfile, SourceCounts
 from sglang_spec.tree.sequoia import SequoiaPlan, sequoia_plan, sequoia_table
 from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH, MAX_TREE_NODES, TokenTree
 
@@ -34,6 +35,8 @@ __all__ = [
     "CandidateSource",
     "Candidates",
     "CostCurve",
+    "DraftSources",
+    "DraftTree",
     "FlashInferIndptrs",
     "FlashInferPlan",
     "GrowingTree",
@@ -45,9 +48,10 @@ __all__ = [
     "SGLangDraftEncoding",
     "SGLangVerifyMetadata",
     "SequoiaPlan",
-    "SyntheticCandidates",
+    "SourceCounts",
     "TokenTree",
     "TreeBatch",
+    "TreeDrafter",
     "TreeMaskMode",
     "TreePolicy",
     "TreeSizeChoice",

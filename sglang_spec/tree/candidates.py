@@ -1,4 +1,5 @@
-"""Where tree policies get their draft candidates from, and the workspace they grow trees in.
+"""Where tree policies get their draft candidates from, and the workspace they grow trees in. (Tests draw
+candidates from a seeded stand-in drafter, ``tests/doubles.py``.)
 
 A policy never sees a model: it asks a ``CandidateSource`` for the top-k candidates of some nodes of a
 ``GrowingTree`` (one call per expansion round, so a real drafter runs one batched forward per round) and decides
@@ -8,7 +9,6 @@ which candidates become nodes.
 from __future__ import annotations
 
 import abc
-import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -118,33 +118,4 @@ class ProfileCandidates(CandidateSource):
             rows.append([row[rank] if rank < len(row) else 0.0 for rank in range(k)])
         probs = torch.tensor(rows, dtype=torch.float32).reshape(len(node_ids), k)
         tokens = torch.arange(k, dtype=torch.int64).expand(len(node_ids), k).clone()
-        return Candidates(tokens=tokens, probs=probs)
-
-
-class SyntheticCandidates(CandidateSource):
-    """A seeded stand-in drafter: the next-token distribution after a path is a softmax of Gaussian logits
-    (scaled by ``sharpness``) drawn from a generator seeded by a hash of the path's tokens. Deterministic, so
-    two policies or two processes asking about the same path get the same answer."""
-
-    def __init__(self, vocab_size: int, seed: int = 0, sharpness: float = 3.0) -> None:
-        if vocab_size < 2:
-            raise SpecError(f"vocab_size must be >= 2, got {vocab_size}")
-        self.vocab_size = vocab_size
-        self.seed = seed
-        self.sharpness = sharpness
-
-    def distribution(self, path_tokens: Sequence[int]) -> torch.Tensor:
-        """[vocab_size] float32 next-token distribution after ``path_tokens``."""
-        digest = hashlib.blake2b(
-            np.asarray([self.seed, *path_tokens], dtype=np.int64).tobytes(), digest_size=8
-        ).digest()
-        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
-        logits = torch.randn(self.vocab_size, generator=generator) * self.sharpness
-        return torch.softmax(logits, dim=-1)
-
-    def expand(self, tree: GrowingTree, node_ids: Sequence[int], k: int) -> Candidates:
-        if k > self.vocab_size:
-            raise SpecError(f"top-k {k} exceeds the vocabulary size {self.vocab_size}")
-        distributions = torch.stack([self.distribution(tree.path_tokens(node)) for node in node_ids])
-        probs, tokens = torch.topk(distributions, k, dim=-1)
         return Candidates(tokens=tokens, probs=probs)

@@ -112,11 +112,6 @@ class TokenTree:
         """[n, n] bool; row i is True at i, its ancestors and the root (tree attention mask)."""
         return TreeBatch.from_trees([self]).ancestor_mask()[0]
 
-    def with_root_token(self, root_token: int) -> TokenTree:
-        tokens = self.tokens.clone()
-        tokens[0] = root_token
-        return TokenTree(tokens, self.parents, self.depths, self.ranks, self.draft_probs)
-
     def validate(self, max_depth: int | None = None) -> TokenTree:
         """Checks every invariant in the class docstring; raises SpecError (one line) on the first violation.
         Returns self so construction can chain."""

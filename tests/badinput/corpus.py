@@ -30,9 +30,16 @@ def head_with_header(mtp_header: object) -> bytes:
     return safetensors_bytes(header, b"\0\0\0\0")
 
 
-# a valid per-source calibration (tree/hybrid.SourceCalibration) for matches of up to 2 tokens
+# a valid per-source section of a profile (tree/profile.SourceCounts) for matches of up to 2 tokens
 GOOD_SOURCES = {"lookup": [[[1, 2]] * 4] * 2, "mtp": [[[1, 2]] * 10] * 3, "both": [[1, 2]] * 2,
                 "mtp_top1": [[1, 2]] * 3}
+
+
+
+def _profile_with(sources: object) -> bytes:
+    """An acceptance profile whose positional table is fine and whose ``sources`` section is ``sources``."""
+    return json.dumps({"rank_acceptance": [0.5], "sources": sources}).encode()
+
 
 GOOD_HEADER = {"format": "sglang_spec.mtp/1", "target_model_type": "deepseek_v3", "hidden_size": 64,
                "vocab_size": 512, "feedback": "pre_norm", "draft_vocab_size": 512, "metadata": {}}
@@ -88,16 +95,16 @@ CORPUS: dict[str, Callable[[], bytes]] = {
     "traffic-invalid-utf8.jsonl": lambda: b'{"prompt": "\xff", "completion": "x"}\n',
     "traffic-surrogate.jsonl": lambda: b'{"prompt": "\\udc80", "completion": "x"}\n',
     "traffic-empty.jsonl": lambda: b"",
-    # per-source calibrations (generate --policy lookup | hybrid --calibration)
-    "sources-truncated.json": lambda: b'{"lookup": [[[1, 2]',
-    "sources-a-list.json": lambda: b"[1, 2]",
-    "sources-missing-key.json": lambda: json.dumps({k: v for k, v in GOOD_SOURCES.items() if k != "both"}).encode(),
-    "sources-wrong-shape.json": lambda: json.dumps({**GOOD_SOURCES, "mtp": [[[1, 2]]]}).encode(),
-    "sources-accepted-past-offered.json": lambda: json.dumps({**GOOD_SOURCES, "both": [[3, 2]] * 2}).encode(),
-    "sources-nan.json": lambda: json.dumps({**GOOD_SOURCES, "both": [[float("nan"), 2]] * 2}).encode(),
-    "sources-huge-integer.json": lambda: json.dumps(GOOD_SOURCES).replace("[1, 2]", "[1" + "0" * 400 + ", 2]",
-                                                                          1).encode(),
-    "sources-invalid-utf8.json": lambda: b'{"lookup": "\xff"}',
+    # profiles whose per-source section is damaged (generate --policy lookup | hybrid --acceptance)
+    "sources-truncated.json": lambda: b'{"rank_acceptance": [0.5], "sources": {"lookup": [[[1, 2]',
+    "sources-a-list.json": lambda: _profile_with([1, 2]),
+    "sources-missing-key.json": lambda: _profile_with({k: v for k, v in GOOD_SOURCES.items() if k != "both"}),
+    "sources-wrong-shape.json": lambda: _profile_with({**GOOD_SOURCES, "mtp": [[[1, 2]]]}),
+    "sources-accepted-past-offered.json": lambda: _profile_with({**GOOD_SOURCES, "both": [[3, 2]] * 2}),
+    "sources-nan.json": lambda: _profile_with({**GOOD_SOURCES, "both": [[float("nan"), 2]] * 2}),
+    "sources-huge-integer.json": lambda: _profile_with(GOOD_SOURCES).replace(b"[1, 2]", b"[1" + b"0" * 400 + b", 2]",
+                                                                             1),
+    "sources-invalid-utf8.json": lambda: b'{"rank_acceptance": [0.5], "sources": {"lookup": "\xff"}}',
     "a-file": lambda: b"not a folder\n",
 }
 

@@ -114,22 +114,23 @@ CASES = [
     ("head a folder of nothing", [*GEN, "--mtp", W + "folder"], "expected one .safetensors"),
     ("head of another model", [*GEN, "--mtp", W + "smollm2-head.safetensors"], "trained for 'smollm2'"),
     # ---- generate: lookup / hybrid trees, --trace
-    ("hybrid budget 0", [*GEN, "--policy", "hybrid", "--budget", "0"], "budget must be in 1..1023"),
-    ("lookup budget 10^6", [*GEN, "--policy", "lookup", "--budget", "1000000"], "budget must be in 1..1023"),
-    ("hybrid depth 0", [*GEN, "--policy", "hybrid", "--depth", "0"], "depth must be in"),
-    ("hybrid topk 10^6", [*GEN, "--policy", "hybrid", "--topk", "1000000"], "topk must be in 1..64"),
+    ("hybrid budget 0", [*GEN, "--policy", "hybrid", "--budget", "0"], "budget must be >= 1"),
+    ("lookup budget 10^6", [*GEN, "--policy", "lookup", "--budget", "1000000"], "exceeds the maximum 1023"),
+    ("hybrid depth 0", [*GEN, "--policy", "hybrid", "--depth", "0"], "depth must be >= 1"),
+    ("hybrid topk 10^6", [*GEN, "--policy", "hybrid", "--topk", "1000000"], "exceeds the maximum 64"),
     ("hybrid topk past the draft vocabulary", [*GEN, "--policy", "hybrid", "--topk", "64", "--mtp",
                                                W + "small-vocab.safetensors"], "exceeds the head's draft vocabulary"),
     ("mtp-levels -1", [*GEN, "--policy", "hybrid", "--mtp-levels", "-1"], "--mtp-levels: -1 is out of range"),
     ("mtp-levels 10^6", [*GEN, "--policy", "hybrid", "--mtp-levels", "1000000"], "--mtp-levels"),
     ("mtp-levels word", [*GEN, "--policy", "hybrid", "--mtp-levels", "two"], "is not an integer"),
     ("policy unknown", [*GEN, "--policy", "suffix"], "invalid choice"),
-    *[(f"calibration {name}", [*GEN, "--policy", "hybrid", "--calibration", C + name], name) for name in (
+    ("mtp-levels without hybrid", [*GEN, "--policy", "lookup", "--mtp-levels", "1"], "the lookup policy has none"),
+    *[(f"acceptance sources {name}", [*GEN, "--policy", "hybrid", "--acceptance", C + name], name) for name in (
         "sources-truncated.json", "sources-a-list.json", "sources-missing-key.json", "sources-wrong-shape.json",
         "sources-accepted-past-offered.json", "sources-nan.json", "sources-huge-integer.json",
         "sources-invalid-utf8.json", "profile-deep.json", "a-fifo", "a-file")],
-    ("calibration a folder", [*GEN, "--policy", "lookup", "--calibration", "{corpus}"], "is a folder"),
-    ("calibration absent", [*GEN, "--policy", "lookup", "--calibration", W + "absent.json"], "absent.json"),
+    ("acceptance a folder", [*GEN, "--policy", "lookup", "--acceptance", "{corpus}"], "is a folder"),
+    ("acceptance absent", [*GEN, "--policy", "lookup", "--acceptance", W + "absent.json"], "absent.json"),
     ("trace under a file", [*GEN, "--policy", "lookup", "--trace", C + "a-file/t.html"], "is not a folder"),
     ("trace /dev/full", [*GEN, "--policy", "lookup", "--trace", "/dev/full"], "is a device"),
     ("trace a folder", [*GEN, "--policy", "lookup", "--trace", W + "folder"], "is a directory"),
@@ -247,8 +248,12 @@ CASES = [
      "is a directory"),
     ("calibrate out under a file", ["calibrate", *TINY, "--traffic", "{tiny.jsonl}", "--out",
                                     C + "a-file/p.json"], "is not a folder"),
-    # ---- calibrate-sources
-    *[(f"calibrate-sources {label}", ["calibrate-sources", *TINY, "--prompts", "{work}/toy.txt", *extra], message)
+    # ---- calibrate --prompts (the per-source counts)
+    ("calibrate neither traffic nor prompts", ["calibrate", *TINY, "--out", W + "s.json"], "give --traffic"),
+    ("calibrate prompts without a positional table", ["calibrate", *TINY, "--prompts", "{work}/toy.txt", "--out",
+                                                      W + "s.json"], "--update PROFILE.json"),
+    *[(f"calibrate prompts {label}", ["calibrate", *TINY, "--traffic", "{tiny.jsonl}", "--prompts", "{work}/toy.txt",
+                                      *extra], message)
       for label, extra, message in (
         ("out exists", ["--out", W + "existing.json"], "exists; pass --force"),
         ("out under a file", ["--out", C + "a-file/s.json"], "is not a folder"),
@@ -270,8 +275,8 @@ CASES = [
         ("head of another model", ["--out", W + "s.json", "--mtp", W + "smollm2-head.safetensors"],
          "trained for 'smollm2'"),
     )],
-    *[(f"calibrate-sources prompts {name}", ["calibrate-sources", *TINY, "--prompts", C + name, "--out",
-                                             W + "s.json"], name)
+    *[(f"calibrate prompts file {name}", ["calibrate", *TINY, "--traffic", "{tiny.jsonl}", "--prompts", C + name,
+                                          "--out", W + "s.json"], name)
       for name in ("prompts-invalid-utf8.txt", "prompts-empty.txt", "prompts-a-list.jsonl", "prompts-deep.jsonl",
                    "a-fifo")],
 ]

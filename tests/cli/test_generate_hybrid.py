@@ -67,11 +67,12 @@ def test_trace_html_and_terminal_views(tiny, capsys, tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--policy", "hybrid", "--budget", "0"], "budget must be in"),
+        (["--policy", "hybrid", "--budget", "0"], "budget must be >= 1"),
         (["--policy", "lookup", "--mtp-levels", "-1"], "argument --mtp-levels: -1 is out of range"),
-        (["--policy", "hybrid", "--calibration", "/nonexistent/sources.json"], "cannot read calibration"),
+        (["--policy", "hybrid", "--acceptance", "/nonexistent/profile.json"], "/nonexistent/profile.json"),
+        (["--policy", "sequoia", "--mtp-levels", "1"], "the sequoia policy has none"),
         (["--policy", "hybrid", "--trace", "{file}/trace.html"], "is not a folder"),
-        (["--policy", "hybrid", "--topk", "65"], "topk must be in 1..64"),
+        (["--policy", "hybrid", "--topk", "65"], "exceeds the maximum 64"),
     ],
 )
 def test_bad_input_is_one_error_line(tiny, capsys, tmp_path, extra, message):

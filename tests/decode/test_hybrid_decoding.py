@@ -11,7 +11,8 @@ from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, gen
 from sglang_spec.errors import SpecError
 from sglang_spec.models.toy_language import ToyLanguage
 from sglang_spec.tree.cost_model import CostCurve
-from sglang_spec.tree.hybrid import SOURCE_BOTH, SOURCE_LOOKUP, SOURCE_MTP, HybridPolicy
+from sglang_spec.tree.policies import TreePolicy
+from sglang_spec.tree.profile import SOURCE_BOTH, SOURCE_LOOKUP, SOURCE_MTP
 from test_greedy_identity import check_identity, tiny_prompts
 
 
@@ -33,9 +34,9 @@ def synthetic_costs(verify_step):
 
 
 POLICIES = [
-    HybridPolicy("lookup", budget=8, depth=8),
-    HybridPolicy("hybrid", budget=10, depth=6, mtp_levels=2, topk=3),
-    HybridPolicy("hybrid", budget=16, depth=8, mtp_levels=3, topk=3, lookup_width=3, costs=synthetic_costs(2e-4)),
+    TreePolicy("lookup", budget=8, depth=8),
+    TreePolicy("hybrid", budget=10, depth=6, mtp_levels=2, topk=3),
+    TreePolicy("hybrid", budget=16, depth=8, mtp_levels=3, topk=3, lookup_width=3, costs=synthetic_costs(2e-4)),
 ]
 
 
@@ -47,18 +48,18 @@ def test_tiny_deepseek_greedy_identity(tiny, policy, batch_size, near_tie_report
                              batch_size, near_tie_report)
     sources = [s for request in outputs for step in request.steps[1:] for s in step.sources[:-1]]
     assert any(s & SOURCE_LOOKUP for s in sources)  # the context's candidates really get accepted
-    if policy.uses_mtp:
+    if policy.uses_head:
         assert any(s == SOURCE_MTP for s in sources) and any(s == SOURCE_BOTH for s in sources)
     else:
         assert set(sources) == {SOURCE_LOOKUP}
     lengths = [length for request in outputs for length in request.accept_lengths]
-    assert np.mean(lengths) > (2 if policy.uses_mtp else 1.2)
+    assert np.mean(lengths) > (2 if policy.uses_head else 1.2)
 
 
 def test_step_records_and_online_calibration(tiny):
     loaded, head = tiny
-    decoder = SpeculativeDecoder(loaded.model, head, HybridPolicy("hybrid", budget=8, depth=6))
-    before = copy.deepcopy(decoder.calibration.to_obj())
+    decoder = SpeculativeDecoder(loaded.model, head, TreePolicy("hybrid", budget=8, depth=6))
+    before = copy.deepcopy(decoder.tree_drafter.counts.to_obj())
     output = decoder.generate(repetitive_prompts(4), GenerationConfig(max_new_tokens=20))
     for request in output.requests:
         steps = request.steps
@@ -67,22 +68,22 @@ def test_step_records_and_online_calibration(tiny):
         assert [len(step.tokens) for step in steps[1:]] == request.accept_lengths
         times = request.token_times()
         assert len(times) == len(request.tokens) and times == sorted(times)
-    after = decoder.calibration.to_obj()
+    after = decoder.tree_drafter.counts.to_obj()
     offered = lambda obj: sum(cell[1] for row in obj["lookup"] for cell in row) + sum(c[1] for c in obj["both"])
     assert offered(after) > offered(before)  # every offered lookup candidate was counted
 
 
 def test_the_lookup_policy_needs_no_head(tiny):
     loaded, _ = tiny
-    decoder = SpeculativeDecoder(loaded.model, None, HybridPolicy("lookup", budget=6, depth=6))
-    assert decoder.drafter is None
+    decoder = SpeculativeDecoder(loaded.model, None, TreePolicy("lookup", budget=6, depth=6))
+    assert decoder.head_drafter is None
     prompts = repetitive_prompts(3)
     ours = decoder.generate(prompts, GenerationConfig(max_new_tokens=16))
     plain = generate_plain(loaded.model, prompts, GenerationConfig(max_new_tokens=16))
     assert [r.tokens for r in ours.requests] == [r.tokens for r in plain.requests]
     assert ours.stats.draft_forwards == 0
     with pytest.raises(SpecError, match="drafts with an MTP head"):
-        SpeculativeDecoder(loaded.model, None, HybridPolicy("hybrid", budget=6, depth=6))
+        SpeculativeDecoder(loaded.model, None, TreePolicy("hybrid", budget=6, depth=6))
 
 
 @pytest.mark.slow
@@ -97,7 +98,7 @@ def test_smollm2_greedy_identity(smollm2, name, near_tie_report):
     prompts = [prompt_tokens(loaded, spec) for spec in humaneval_prompts(120, 125)]
     prompts += [loaded.encode_prompt(text) for text in CHAT[:5]]
     config = GenerationConfig(max_new_tokens=24, eos_token_ids=loaded.eos_token_ids)
-    policy = HybridPolicy(name, budget=12, depth=8, mtp_levels=2)
+    policy = TreePolicy(name, budget=12, depth=8, mtp_levels=2)
     outputs = check_identity(loaded.model, head, prompts, policy, config, batch_size=1, report=near_tie_report)
     check_identity(loaded.model, head, prompts, policy, config, batch_size=4, report=near_tie_report)
     lengths = [length for request in outputs for length in request.accept_lengths]
@@ -114,7 +115,7 @@ def test_lean_plain_stretches_keep_greedy_identity_and_the_head_in_step(tiny, ba
 
     monkeypatch.setattr(SpeculationSwitch, "plain_rate", lambda self: 1e-9)
     loaded, head = tiny
-    policy = HybridPolicy("hybrid", budget=10, depth=6, mtp_levels=2, topk=3, costs=synthetic_costs(2e-4))
+    policy = TreePolicy("hybrid", budget=10, depth=6, mtp_levels=2, topk=3, costs=synthetic_costs(2e-4))
     outputs = check_identity(loaded.model, head, tiny_prompts(6, seed=2), policy, GenerationConfig(max_new_tokens=160),
                              batch_size, near_tie_report)
     after_stretch = []

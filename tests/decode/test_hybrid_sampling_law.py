@@ -18,11 +18,13 @@ import torch
 
 from helpers import law_p_value
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
-from sglang_spec.decode.target import TargetRunner
+from sglang_spec.decode.target import TransformersRunner
 from sglang_spec.models.toy_language import ToyLanguage
 from sglang_spec.sampling import SamplingParams, sample_from_probs, target_probs_from_logits
 from sglang_spec.tree import TokenTree, TreeBatch
-from sglang_spec.tree.hybrid import SOURCE_LOOKUP, HybridPolicy
+from sglang_spec.tree.drafter import TreeDrafter
+from sglang_spec.tree.policies import TreePolicy
+from sglang_spec.tree.profile import SOURCE_LOOKUP
 from sglang_spec.verify import verify_sample_match
 from sglang_spec.verify.walk import walk_matching_children
 
@@ -98,7 +100,7 @@ def sampling_probs(logits):
 
 def exact_law(model, prompt):
     """P(x1, x2, x3) over the top-3 supports, from plain target forwards."""
-    runner = TargetRunner(model)
+    runner = TransformersRunner(model)
     law = {}
     first = sampling_probs(runner.prefill(torch.tensor(prompt)).last_logits)
     for a in torch.nonzero(first).flatten().tolist():
@@ -110,18 +112,22 @@ def exact_law(model, prompt):
     return law
 
 
-class BiasedDecoder(SpeculativeDecoder):
-    """Keeps each step's hybrid trees so the biased rule can read the nodes' calibrated confidences."""
+class RecordingDrafter(TreeDrafter):
+    """Keeps each step's proposed trees so the biased rule can read the nodes' calibrated confidences."""
 
-    def _build(self, request):
-        built = super()._build(request)
+    def __init__(self, policy):
+        super().__init__(policy)
+        self.built = []
+
+    def propose(self, root_token, sources):
+        built = super().propose(root_token, sources)
         self.built.append(built)
         return built
 
 
 def biased_verifier(decoder):
     def verify(batch, logits, config, generator):
-        built, decoder.built = decoder.built, []
+        built, decoder.tree_drafter.built = decoder.tree_drafter.built, []
         probs = target_probs_from_logits(logits, torch.ones(batch.batch_size), torch.full((batch.batch_size,), 3),
                                          torch.ones(batch.batch_size))
         draws = iter(torch.rand(batch.batch_size * batch.max_nodes * 8, generator=generator).tolist())
@@ -144,9 +150,9 @@ def test_joint_law_of_the_first_three_tokens_with_hybrid_trees(tiny, name, lossl
     loaded, head = tiny
     prompt = toy_prompt(loaded.model)
     law = exact_law(loaded.model, prompt)
-    policy = HybridPolicy(name, budget=6, depth=3, mtp_levels=1, topk=2, lookup_width=2)
-    decoder = BiasedDecoder(loaded.model, head, policy)
-    decoder.built = []
+    policy = TreePolicy(name, budget=6, depth=3, mtp_levels=1, topk=2, lookup_width=2)
+    decoder = SpeculativeDecoder(loaded.model, head, policy)
+    decoder.tree_drafter = RecordingDrafter(policy)
     if not lossless:
         decoder.verifier = biased_verifier(decoder)
     output = decoder.generate([prompt] * TRIALS, GenerationConfig(max_new_tokens=3, sampling=SAMPLING, seed=11))

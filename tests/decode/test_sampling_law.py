@@ -7,7 +7,7 @@ import torch
 
 from helpers import law_p_value
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, lossless_verify
-from sglang_spec.decode.target import TargetRunner
+from sglang_spec.decode.target import TransformersRunner
 from sglang_spec.sampling import SamplingParams, sample_from_probs, target_probs_from_logits
 from sglang_spec.tree import AcceptanceProfile, TreePolicy
 from sglang_spec.verify.walk import walk_matching_children
@@ -24,7 +24,7 @@ def sampling_probs(logits):
 
 def exact_law(model):
     """P(x1, x2, x3) for every triple in the top-3 supports, from plain target forwards."""
-    runner = TargetRunner(model)
+    runner = TransformersRunner(model)
     law = {}
     first = sampling_probs(runner.prefill(torch.tensor(PROMPT)).last_logits)
     for a in torch.nonzero(first).flatten().tolist():

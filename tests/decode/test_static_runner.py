@@ -1,5 +1,5 @@
 """The static-cache runner computes what transformers computes: same logits (to float32 rounding) as
-``TargetRunner`` for prefill, plain steps, tree verifies, commits of accepted paths (chains and branches), batches of
+``TransformersRunner`` for prefill, plain steps, tree verifies, commits of accepted paths (chains and branches), batches of
 requests with different lengths, finished requests leaving, and a cache that grows past its first capacity."""
 
 import numpy as np
@@ -8,7 +8,7 @@ import torch
 
 from helpers import random_tree
 from sglang_spec.decode.static_runner import StaticTargetRunner, supports, target_runner_for
-from sglang_spec.decode.target import TargetRunner
+from sglang_spec.decode.target import TransformersRunner
 from sglang_spec.tree.batch import TreeBatch
 
 TOLERANCE = 2e-4  # float32 logits of order 10; sums in another order
@@ -37,13 +37,13 @@ def assert_close(ours, theirs):
 def test_runner_choice(tiny_llama, tiny):
     assert supports(tiny_llama) and isinstance(target_runner_for(tiny_llama), StaticTargetRunner)
     loaded, _ = tiny  # tiny DeepSeek-V3 (MLA): transformers' own forward
-    assert not supports(loaded.model) and isinstance(target_runner_for(loaded.model), TargetRunner)
+    assert not supports(loaded.model) and isinstance(target_runner_for(loaded.model), TransformersRunner)
     with pytest.raises(ValueError, match="not a Llama-style model"):
         StaticTargetRunner(loaded.model)
 
 
 def test_prefill_and_plain_steps(tiny_llama):
-    ours, theirs = StaticTargetRunner(tiny_llama), TargetRunner(tiny_llama)
+    ours, theirs = StaticTargetRunner(tiny_llama), TransformersRunner(tiny_llama)
     prompt = torch.tensor([3, 14, 15, 92, 65, 35, 89, 79])
     a, b = ours.prefill(prompt), theirs.prefill(prompt)
     assert_close(a.last_logits, b.last_logits)
@@ -61,7 +61,7 @@ def test_prefill_and_plain_steps(tiny_llama):
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_verify_commit_and_select_match_transformers(tiny_llama, batch_size):
     rng = np.random.default_rng(batch_size)
-    ours, theirs = StaticTargetRunner(tiny_llama), TargetRunner(tiny_llama)
+    ours, theirs = StaticTargetRunner(tiny_llama), TransformersRunner(tiny_llama)
     prompts = [torch.from_numpy(rng.integers(97, size=int(rng.integers(3, 40)))) for _ in range(batch_size)]
     ours.start_batch([ours.prefill(p) for p in prompts])
     theirs.start_batch([theirs.prefill(p) for p in prompts])
@@ -88,7 +88,7 @@ def test_verify_commit_and_select_match_transformers(tiny_llama, batch_size):
 @pytest.mark.model
 def test_smollm2_at_a_300_token_context(smollm2):
     loaded, _ = smollm2
-    ours, theirs = StaticTargetRunner(loaded.model), TargetRunner(loaded.model)
+    ours, theirs = StaticTargetRunner(loaded.model), TransformersRunner(loaded.model)
     prompt = torch.randint(loaded.model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
     ours.start_batch([ours.prefill(prompt)])
     theirs.start_batch([theirs.prefill(prompt)])
@@ -111,7 +111,7 @@ def test_fused_weights_are_shared_per_model_and_follow_in_place_changes(tiny_lla
         third = StaticTargetRunner(tiny_llama)
         assert third.layers is not first.layers
         after = third.prefill(prompt).last_logits
-        assert_close(after, TargetRunner(tiny_llama).prefill(prompt).last_logits)
+        assert_close(after, TransformersRunner(tiny_llama).prefill(prompt).last_logits)
         assert not torch.allclose(before, after)
     finally:
         with torch.no_grad():

@@ -3,7 +3,7 @@ max_new_tokens cut, per-source counts."""
 
 from sglang_spec.decode.decoder import StepRecord
 from sglang_spec.decode.trace import TracedRequest, render_html, render_terminal, source_counts
-from sglang_spec.tree.hybrid import SOURCE_BOTH, SOURCE_LOOKUP, SOURCE_MTP
+from sglang_spec.tree.profile import SOURCE_BOTH, SOURCE_LOOKUP, SOURCE_MTP
 
 
 def decode(tokens):

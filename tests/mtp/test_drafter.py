@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sglang_spec.decode.target import TargetRunner
+from sglang_spec.decode.target import TransformersRunner
 from sglang_spec.mtp.drafter import MTPDrafter
 from sglang_spec.tree import GrowingTree, TreePolicy
 from sglang_spec.tree.candidates import CandidateSource
@@ -24,7 +24,7 @@ class Recorder(CandidateSource):
 
 
 def fresh_state(model, drafter, prompt, first):
-    prefill = TargetRunner(model).prefill(torch.tensor(prompt))
+    prefill = TransformersRunner(model).prefill(torch.tensor(prompt))
     return drafter.prefill(prefill.hidden, torch.tensor(prompt[1:] + [first]))
 
 

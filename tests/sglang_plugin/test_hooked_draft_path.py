@@ -7,20 +7,21 @@ import numpy as np
 import pytest
 import torch
 
+from doubles import SyntheticCandidates
 from helpers import targets_following_drafts
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.draft_tree import DraftLoop, DraftPlan, ancestry_permutation, sequoia_tree, widest_level
+from sglang_spec.sglang_plugin.draft_tree import DraftLoop, DraftPlan, ancestry_permutation, widest_level
 from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
 from sglang_spec.tree import (
     AcceptanceProfile,
     TreePolicy,
-    SyntheticCandidates,
     TreeBatch,
     TreeMaskMode,
     decode_sglang_draft,
 )
 from sglang_spec.verify import verify_greedy
+from sglang_spec.tree.draft import DraftSources
 
 pytestmark = pytest.mark.sglang
 PROFILE = AcceptanceProfile.uniform([0.55, 0.2, 0.1, 0.05])
@@ -132,7 +133,8 @@ def uncompiled(monkeypatch, sglang_with_plugin):
 
 
 def sequoia_loop(budget, steps, topk, width=None):
-    tree = sequoia_tree(PROFILE, budget, steps, topk)
+    tree = TreePolicy("sequoia", budget=budget, depth=steps, topk=topk, profile=PROFILE).static_shape()
+    assert tree is not None
     width = width or max(topk, widest_level(tree))
     return tree, DraftLoop.build(width, topk, steps, DraftPlan.from_tree(tree, width, steps), "cpu")
 
@@ -179,7 +181,8 @@ def test_sequoia_through_the_own_loop_and_sglangs_build_tree_and_greedy_verify(s
 def test_sequoia_trees_wider_than_topk_are_laid_out():
     """Budget 32 / depth 5 / topk 4 expands more than 4 nodes on a level: SGLang's own loop (width = topk) cannot
     hold it, the plugin's loop with width = the widest level can."""
-    tree = sequoia_tree(PROFILE, 32, 5, 4)
+    tree = TreePolicy("sequoia", budget=32, depth=5, topk=4, profile=PROFILE).static_shape()
+    assert tree is not None
     assert widest_level(tree) > 4
     with pytest.raises(SpecError, match="frontier holds 4"):
         DraftPlan.from_tree(tree, 4, 5)
@@ -196,7 +199,7 @@ def test_specexec_through_the_own_loop_is_the_reference_tree(budget, steps, topk
     parent_list, top_scores_index, draft_tokens = run_own_loop(loop, source, roots, budget)
     decoded = decode_sglang_draft(parent_list, top_scores_index, draft_tokens, torch.tensor(roots), width)
     for root, got in zip(roots, decoded):
-        reference = TreePolicy("specexec", budget=budget, depth=steps, topk=topk, width=width).build(root, source)
+        reference = TreePolicy("specexec", budget=budget, depth=steps, topk=topk, width=width).build(root, DraftSources(mtp=source)).tree
         assert paths_of(got) == paths_of(reference)
         assert int(got.ranks[1:].max()) < topk
 

@@ -77,6 +77,9 @@ def test_sglangs_parser_accepts_the_tree_options(sglang_with_plugin, tmp_path):
         (["--speculative-tree-policy", "eagle", "--speculative-tree-width", "6"], "whose width is topk (4)"),
         (["--speculative-tree-policy", "specexec", "--speculative-tree-topk", "4", "--speculative-tree-width", "2"],
          "is below topk 4"),
+        # shapes of the one policy type that SGLang does not serve yet: refused, never silently a head-only tree
+        (["--speculative-tree-policy", "hybrid"], "--speculative-tree-policy hybrid is not served through SGLang yet"),
+        (["--speculative-tree-policy", "lookup"], "--speculative-tree-policy lookup is not served through SGLang yet"),
     ],
 )
 def test_bad_combinations_fail_with_one_line(sglang_with_plugin, argv, message):

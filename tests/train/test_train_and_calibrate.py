@@ -9,7 +9,7 @@ from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
 from sglang_spec.models.toy_language import ToyLanguage
 from sglang_spec.mtp.checkpoint import read_mtp_header
 from sglang_spec.train.traffic import TrafficRecord, write_traffic
-from sglang_spec.tree import TreePolicy
+from sglang_spec.tree import AcceptanceProfile, TreePolicy
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +130,33 @@ def test_calibrate_held_out_keeps_exactly_the_training_eval_split(tiny, tiny_tra
     assert main(["calibrate", "--model", "tiny-deepseek", "--traffic", str(tiny_traffic), "--held-out", "5",
                  "--out", str(tmp_path / "bad.json")]) != 0
     assert "--held-out takes the training run's eval fraction" in capsys.readouterr().err
+
+
+def test_one_calibrate_command_measures_both_sections_of_one_profile(tiny, tiny_traffic, tmp_path, capsys):
+    """--traffic gives the positional table, --prompts the per-source counts, in one file that generate reads;
+    --update adds counts to a profile without re-measuring its table."""
+    loaded, _ = tiny
+    tiny_traffic, prompts = tiny_traffic
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": loaded.decode(p)}) + "\n" for p in prompts[:3]))
+    both = tmp_path / "both.json"
+    assert main(["calibrate", "--model", "tiny-deepseek", "--traffic", str(tiny_traffic), "--depth", "2",
+                 "--max-rank", "2", "--prompts", str(prompt_file), "--max-new-tokens", "12", "--out", str(both)]) == 0
+    profile = AcceptanceProfile.from_json(both)
+    assert profile.num_rows == 2 and profile.sources is not None
+    offered = sum(cell[1] for row in profile.sources.lookup for cell in row) + sum(c[1] for c in profile.sources.both)
+    assert offered > 1  # the negligible prior (1e-3 a cell) outweighed by counted candidates
+    assert json.loads(both.read_text())["sources"]["max_new_tokens"] == 12  # where the counts came from
+    # --update: a table measured earlier, counts measured now
+    table_only = tmp_path / "table.json"
+    profile.with_sources(None).to_json(table_only)
+    updated = tmp_path / "updated.json"
+    assert main(["calibrate", "--model", "tiny-deepseek", "--prompts", str(prompt_file), "--max-new-tokens", "12",
+                 "--update", str(table_only), "--out", str(updated)]) == 0
+    again = AcceptanceProfile.from_json(updated)
+    assert again.rank_acceptance == profile.rank_acceptance and again.sources is not None
+    assert again.sources.to_obj() == profile.sources.to_obj()  # same prompts, same greedy decoding, same counts
+    capsys.readouterr()
+    assert main(["generate", "--model", "tiny-deepseek", "--policy", "hybrid", "--acceptance", str(both),
+                 "--prompt", "abc", "--max-new-tokens", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["policy"] == "hybrid"

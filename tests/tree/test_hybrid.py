@@ -1,4 +1,5 @@
-"""Hybrid trees: lookup and head candidates in one best-first tree under one budget, with calibrated estimates."""
+"""Best-first trees (the lookup and hybrid shapes of TreePolicy): lookup and head candidates in one tree under one
+budget, with calibrated estimates from the profile's per-source counts."""
 
 import json
 import math
@@ -6,17 +7,22 @@ import math
 import pytest
 import torch
 
+from doubles import SyntheticCandidates
 from sglang_spec.errors import SpecError
-from sglang_spec.tree.candidates import CandidateSource, Candidates, SyntheticCandidates
+from sglang_spec.tree.candidates import CandidateSource, Candidates
 from sglang_spec.tree.cost_model import CostCurve
-from sglang_spec.tree.hybrid import (
+from sglang_spec.tree.draft import DraftSources
+from sglang_spec.tree.drafter import TreeDrafter
+from sglang_spec.tree.ngram import NgramIndex
+from sglang_spec.tree.policies import TreePolicy
+from sglang_spec.tree.profile import (
+    PRIOR_WEIGHT,
     SOURCE_BOTH,
     SOURCE_LOOKUP,
     SOURCE_MTP,
-    HybridPolicy,
-    SourceCalibration,
+    AcceptanceProfile,
+    SourceCounts,
 )
-from sglang_spec.tree.ngram import NgramIndex
 
 VOCAB = 40
 
@@ -74,8 +80,8 @@ def check_tree(built, policy, context, source):
 
 def test_lookup_tree_copies_the_context_and_never_calls_a_head():
     context = copy_context()
-    policy = HybridPolicy("lookup", budget=8, depth=8)
-    built = policy.build(14, context, RecordingSource(), SourceCalibration.generic())
+    policy = TreePolicy("lookup", budget=8, depth=8)
+    built = policy.build(14, DraftSources(mtp=RecordingSource(), context=context), SourceCounts.generic())
     check_tree(built, policy, context, None)
     assert set(built.sources[1:]) == {SOURCE_LOOKUP} and built.mtp_forwards == 0
     # the best path is the copy of the phrase after "7 8 9 10"
@@ -88,8 +94,8 @@ def test_lookup_tree_copies_the_context_and_never_calls_a_head():
 def test_hybrid_tree_mixes_both_sources_under_one_budget(levels):
     context = copy_context()
     source = RecordingSource()
-    policy = HybridPolicy("hybrid", budget=12, depth=6, mtp_levels=levels, topk=3)
-    built = policy.build(14, context, source, SourceCalibration.generic())
+    policy = TreePolicy("hybrid", budget=12, depth=6, mtp_levels=levels, topk=3)
+    built = policy.build(14, DraftSources(mtp=source, context=context), SourceCounts.generic())
     check_tree(built, policy, context, source)
     assert built.tree.num_nodes == 13
     assert SOURCE_LOOKUP in built.sources or SOURCE_BOTH in built.sources
@@ -105,8 +111,9 @@ def test_a_token_both_sources_propose_is_one_node_rated_by_the_both_cell():
             tokens = torch.tensor([[6, 9, 10][:k]] * len(node_ids))
             return Candidates(tokens=tokens, probs=torch.tensor([[0.5, 0.3, 0.1][:k]] * len(node_ids)))
 
-    calibration = SourceCalibration.generic()
-    built = HybridPolicy("hybrid", budget=3, depth=1, mtp_levels=0, topk=3).build(5, context, Agrees(), calibration)
+    calibration = SourceCounts.generic()
+    built = TreePolicy("hybrid", budget=3, depth=1, mtp_levels=0, topk=3).build(
+        5, DraftSources(mtp=Agrees(), context=context), calibration)
     tokens = built.tree.tokens.tolist()
     both = tokens.index(6)
     assert built.sources[both] == SOURCE_BOTH and tokens.count(6) == 1
@@ -122,16 +129,16 @@ def costs(verify_scale):
 
 def test_adaptive_budget_follows_the_cost_curve():
     context = copy_context()
-    calibration = SourceCalibration.generic()
-    cheap = HybridPolicy("hybrid", budget=16, depth=8, mtp_levels=2, costs=costs(0.001))
-    dear = HybridPolicy("hybrid", budget=16, depth=8, mtp_levels=2, costs=costs(1.0))
-    assert cheap.build(14, context, RecordingSource(), calibration).tree.num_nodes > 8
+    calibration = SourceCounts.generic()
+    cheap = TreePolicy("hybrid", budget=16, depth=8, mtp_levels=2, costs=costs(0.001))
+    dear = TreePolicy("hybrid", budget=16, depth=8, mtp_levels=2, costs=costs(1.0))
+    assert cheap.build(14, DraftSources(mtp=RecordingSource(), context=context), calibration).tree.num_nodes > 8
     # verifying a token costs as much as a plain step: no tree pays, a plain step (the root alone) is chosen
-    assert dear.build(14, context, RecordingSource(), calibration).tree.num_nodes == 1
+    assert dear.build(14, DraftSources(mtp=RecordingSource(), context=context), calibration).tree.num_nodes == 1
 
 
 def test_calibration_counts_json_and_online_updates(tmp_path):
-    calibration = SourceCalibration.generic(max_ngram=4)
+    calibration = SourceCounts.generic(max_ngram=4)
     cell = calibration.lookup_cell(9, 0)  # match lengths past max_ngram share the last row
     assert cell is calibration.lookup[3][0]
     before = calibration.estimate(cell)
@@ -139,9 +146,10 @@ def test_calibration_counts_json_and_online_updates(tmp_path):
         calibration.observe(cell, True)
     assert calibration.estimate(cell) > before and calibration.estimate(cell) < 1
     path = tmp_path / "calibration.json"
-    path.write_text(json.dumps(calibration.to_obj()))
-    loaded = SourceCalibration.load(path)
-    assert loaded.lookup[3][0][1] == loaded.prior_weight  # a loaded prior is capped so online counts can move it
+    path.write_text(json.dumps({"rank_acceptance": [0.5], "sources": calibration.to_obj()}))
+    loaded = AcceptanceProfile.from_json(path).sources
+    assert loaded is not None
+    assert loaded.lookup[3][0][1] == PRIOR_WEIGHT  # a loaded prior is capped so online counts can move it
     assert math.isclose(loaded.estimate(loaded.lookup[3][0]), calibration.estimate(cell))
     copy = loaded.copy()
     copy.observe(copy.lookup[0][0], False)
@@ -151,7 +159,7 @@ def test_calibration_counts_json_and_online_updates(tmp_path):
 @pytest.mark.parametrize(
     "obj, message",
     [
-        ({"lookup": []}, "not a source calibration"),
+        ({"lookup": []}, "not a per-source calibration"),
         ({"lookup": [[[1, 2]] * 4], "mtp": [], "both": [[1, 2]], "mtp_top1": []}, "expected lookup"),
         ({"lookup": [[[3, 2]] * 4], "mtp": [[[1, 2]] * 10] * 3, "both": [[1, 2]], "mtp_top1": [[1, 2]] * 3},
          "need 0 <= accepted <= offered"),
@@ -159,24 +167,29 @@ def test_calibration_counts_json_and_online_updates(tmp_path):
 )
 def test_bad_calibrations_are_one_line_errors(obj, message):
     with pytest.raises(SpecError, match=message):
-        SourceCalibration.from_obj(obj)
+        SourceCounts.from_obj(obj)
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(name="suffix", budget=4, depth=4), "unknown hybrid policy"),
-        (dict(name="hybrid", budget=0, depth=4), "budget must be in"),
-        (dict(name="hybrid", budget=4, depth=0), "depth must be in"),
+        (dict(name="suffix", budget=4, depth=4), "unknown tree policy"),
+        (dict(name="hybrid", budget=0, depth=4), "budget must be >= 1"),
+        (dict(name="hybrid", budget=4, depth=0), "depth must be >= 1"),
+        (dict(name="hybrid", budget=4, depth=4, max_ngram=33), "max_ngram must be in"),
+        (dict(name="sequoia", budget=4, depth=4, profile=AcceptanceProfile.load(None),
+              costs=CostCurve({1: 1.0, 2: 1.0}, draft_level=0.1, step_overhead=0.0, prefix=1, device="x")),
+         "sized once"),
         (dict(name="hybrid", budget=4, depth=4, lookup_width=5), "lookup_width must be in"),
         (dict(name="hybrid", budget=4, depth=4, mtp_levels=-1), "mtp_levels must be >= 0"),
     ],
 )
 def test_bad_policies(kwargs, message):
     with pytest.raises(SpecError, match=message):
-        HybridPolicy(**kwargs)
+        TreePolicy(**kwargs)
 
 
-def test_a_policy_and_its_calibration_must_agree_on_the_match_length():
+def test_a_policy_and_its_profiles_counts_must_agree_on_the_match_length():
+    profile = AcceptanceProfile.load(None).with_sources(SourceCounts.generic(max_ngram=4))
     with pytest.raises(SpecError, match="matches up to 4 tokens"):
-        HybridPolicy("lookup", 4, 4, max_ngram=8, calibration=SourceCalibration.generic(max_ngram=4)).prior()
+        TreeDrafter(TreePolicy("lookup", 4, 4, max_ngram=8, profile=profile))

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+from doubles import SyntheticCandidates
 from sglang_spec.errors import SpecError
-from sglang_spec.tree import AcceptanceProfile, SyntheticCandidates, TreePolicy, sequoia_plan
+from sglang_spec.tree import AcceptanceProfile, TreePolicy, sequoia_plan
+from sglang_spec.tree.draft import DraftSources
 
 PROFILE = AcceptanceProfile.from_obj({"rank_acceptance": [[0.55, 0.2, 0.1, 0.05], [0.45, 0.2, 0.1]]})
 
@@ -29,7 +31,7 @@ class CountingSource(SyntheticCandidates):
 def test_every_policy_respects_budget_depth_and_tree_invariants(name, budget, depth):
     policy = TreePolicy(name, budget=budget, depth=depth, profile=PROFILE)
     source = SyntheticCandidates(vocab_size=64, seed=budget * 31 + depth)
-    tree = policy.build(root_token=5, source=source).validate(max_depth=depth)
+    tree = policy.build(5, DraftSources(mtp=source)).tree.validate(max_depth=depth)
     assert tree.tokens[0] == 5
     assert tree.budget == (min(budget, depth) if name == "chain" else budget)
     # every node's token and draft prob are its parent's rank-r candidate
@@ -43,7 +45,7 @@ def test_every_policy_respects_budget_depth_and_tree_invariants(name, budget, de
 
 def test_chain_uses_one_drafter_call_per_depth():
     source = CountingSource(vocab_size=50, seed=3)
-    tree = TreePolicy("chain", budget=10, depth=4).build(1, source)
+    tree = TreePolicy("chain", budget=10, depth=4).build(1, DraftSources(mtp=source)).tree
     assert tree.parents.tolist() == [-1, 0, 1, 2, 3] and source.calls == 4
     assert tree.ranks.tolist() == [-1, 0, 0, 0, 0]
 
@@ -51,7 +53,7 @@ def test_chain_uses_one_drafter_call_per_depth():
 def test_sequoia_instantiates_the_dp_topology_with_top_ranks():
     source = CountingSource(vocab_size=80, seed=11)
     policy = TreePolicy("sequoia", budget=20, depth=5, profile=PROFILE)
-    tree = policy.build(9, source)
+    tree = policy.build(9, DraftSources(mtp=source)).tree
     plan = sequoia_plan(PROFILE, 20, 5)
     assert tuple(tree.parents.tolist()) == plan.parents
     assert tuple(tree.ranks.tolist()) == plan.ranks
@@ -79,7 +81,7 @@ def brute_force_top_paths(source, root, topk, depth, budget):
 @pytest.mark.parametrize("seed, topk, depth, budget", [(0, 3, 4, 10), (1, 2, 5, 25), (2, 4, 3, 40), (3, 3, 4, 1)])
 def test_specexec_selects_the_global_top_budget_nodes(seed, topk, depth, budget):
     source = CountingSource(vocab_size=40, seed=seed, sharpness=2.0)
-    tree = TreePolicy("specexec", budget=budget, depth=depth, topk=topk).build(7, source)
+    tree = TreePolicy("specexec", budget=budget, depth=depth, topk=topk).build(7, DraftSources(mtp=source)).tree
     paths = {tuple(int(t) for t in tree.tokens[tree.path(node)]) for node in range(1, tree.num_nodes)}
     assert paths == brute_force_top_paths(source, 7, topk, depth, budget)
     # the selection threshold only rises, so each round adds one level at most
@@ -88,7 +90,7 @@ def test_specexec_selects_the_global_top_budget_nodes(seed, topk, depth, budget)
 
 def test_eagle_frontier_is_the_best_k_of_the_k_squared_expansions():
     source = SyntheticCandidates(vocab_size=30, seed=5, sharpness=1.5)
-    tree = TreePolicy("eagle", budget=8, depth=3, topk=2).build(0, source)
+    tree = TreePolicy("eagle", budget=8, depth=3, topk=2).build(0, DraftSources(mtp=source)).tree
     # depth-2 nodes all hang below the two depth-1 nodes, and depth-3 nodes below the best-scoring depth-2 pair
     assert set(tree.depths.tolist()) <= {0, 1, 2, 3}
     assert tree.budget == 8
@@ -129,7 +131,7 @@ def test_eagle_matches_sglangs_own_draft_selection(sglang_eagle):
         parent_list, top_scores_index, draft_tokens = sglang_eagle.run(source, roots, topk, steps, num_draft_tokens)
         theirs = decode_sglang_draft(parent_list, top_scores_index, draft_tokens, torch.tensor(roots), topk)
         for root, their_tree in zip(roots, theirs):
-            ours = TreePolicy("eagle", budget=num_draft_tokens - 1, depth=steps, topk=topk).build(root, source)
+            ours = TreePolicy("eagle", budget=num_draft_tokens - 1, depth=steps, topk=topk).build(root, DraftSources(mtp=source)).tree
             assert ours.parents.tolist() == their_tree.parents.tolist()
             assert ours.tokens.tolist() == their_tree.tokens.tolist()
             assert ours.ranks.tolist() == their_tree.ranks.tolist()

@@ -56,5 +56,5 @@ def set_embed_and_head_cpu(model, embed, head) -> None:
 
 
 def verify_uses_greedy_cpu(*, is_all_greedy, is_cpu, is_hip, is_xpu, use_rejection_sampling) -> bool:
-    """SGLang's predicate without the ``is_cpu`` clause: the CPU has sampling-verify stand-ins now."""
+    """SGLang's predicate without the ``is_cpu`` clause: the CPU bed has sampling-verify stand-ins."""
     return is_all_greedy or is_xpu or (is_hip and not use_rejection_sampling)
