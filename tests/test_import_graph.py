@@ -27,8 +27,6 @@ def module_files() -> dict[str, Path]:
     for path in sorted((REPO / "sglang_spec").rglob("*.py")):
         parts = list(path.relative_to(REPO).with_suffix("").parts)
         files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    for path in sorted((REPO / "kernels").glob("*.py")):  # installed as sglang_spec.kernels
-        files["sglang_spec.kernels" + ("" if path.stem == "__init__" else f".{path.stem}")] = path
     return files
 
 
