@@ -34,6 +34,8 @@ def test_wheel_contains_kernels_and_data(tmp_path):
     (wheel,) = tmp_path.glob("sglang_spec-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "sglang_spec/kernels/__init__.py" in names
+    modules = {path.relative_to(REPO).as_posix() for path in (REPO / "sglang_spec").rglob("*.py")}
+    assert not modules - names, sorted(modules - names)  # every module ships (a folder without __init__.py would not)
     assert not any(name.startswith("kernels/") for name in names)
     assert "sglang_spec/data/profiles/sequoia_demo.json" in names
     from sglang_spec.models.registry import SHIPPED_HEADS, SHIPPED_PROFILES
