@@ -11,8 +11,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # imported inside functions on purpose: heavy or optional third-party packages (each place says why)
 OPTIONAL = ("transformers", "sglang", "triton", "matplotlib", "yaml", "prometheus_client")
-# the SGLang adapter is being rewritten on its own branch; its lazy sglang imports are its business
-OWN_RULES = ("sglang_plugin",)
 
 
 @dataclass(frozen=True)
@@ -124,6 +122,6 @@ def test_imports_inside_functions_are_optional_dependencies_only():
     hidden = [
         f"{item.module} imports {item.target} inside a function"
         for item in all_imports()
-        if item.in_function and package(item.module) not in OWN_RULES and item.target.split(".")[0] not in OPTIONAL
+        if item.in_function and item.target.split(".")[0] not in OPTIONAL
     ]
     assert not hidden, hidden

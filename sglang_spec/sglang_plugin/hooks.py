@@ -52,6 +52,31 @@ from sglang_spec.sglang_plugin.options import (
 # our draft model classes, by the architecture name a draft folder's config.json gives (imported on first use)
 MODEL_CLASSES = {"LlamaForCausalLMNextN": "sglang_spec.sglang_plugin.models.llama_nextn"}
 
+# (target, function here, HookType) for SGLang's HookRegistry; (resolution step, wrapper here)
+_WORKER = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
+_REGISTRY = "sglang.srt.models.registry._ModelRegistry"
+HOOKS = (
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", "add_cli_args_after", "AFTER"),
+    ("sglang.srt.server_args.ServerArgs.from_cli_args", "from_cli_args_after", "AFTER"),
+    (f"{_REGISTRY}.resolve_model_cls", "registry_lookup_before", "BEFORE"),
+    (f"{_REGISTRY}.is_arch_supported", "registry_lookup_before", "BEFORE"),
+    (f"{_WORKER}.__init__", "draft_worker_init_after", "AFTER"),
+    (f"{_WORKER}.alloc_memory_pool", "alloc_memory_pool_after", "AFTER"),
+    (f"{_WORKER}.draft_forward", "draft_forward_around", "AROUND"),
+    ("sglang.srt.speculative.spec_utils.select_top_k_tokens", "select_top_k_tokens_around", "AROUND"),
+    ("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", "correct_drafts_after", "AFTER"),
+    ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.__init__", "eagle_worker_init_after", "AFTER"),
+    ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify", "verify_around", "AROUND"),
+    ("sglang.srt.speculative.eagle_utils.eagle_sample", "eagle_sample_around", "AROUND"),
+    ("sglang.srt.speculative.spec_utils.move_accept_tokens_to_target_kvcache", "move_accept_tokens_around", "AROUND"),
+    ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
+     "graph_execute_around", "AROUND"),
+)
+RESOLUTION_HOOKS = (
+    ("handle_speculative_decoding", "handle_speculative_decoding_wrapper"),
+    ("handle_model_capability_adjustments", "capability_adjustments_wrapper"),
+)
+
 
 class StartupError(SystemExit):
     """Ends a launch with one ``error: ...`` line (SystemExit: launch_server prints it without a traceback)."""
@@ -150,8 +175,6 @@ def _is_mla(server_args) -> bool:
 def unapplied_hooks() -> list[str]:
     """Targets of ours that SGLang's HookRegistry failed to patch in this process."""
     from sglang.srt.plugins.hook_registry import HookRegistry
-
-    from sglang_spec.sglang_plugin import HOOKS
 
     return [target for target, _, _ in HOOKS if target not in HookRegistry._patched]
 
