@@ -7,9 +7,9 @@ beam f with rank r is slot ``W + W*W*(i-1) + f*W + r``. The verified tree is the
 SGLang as ``(parent_list, top_scores_index, draft_tokens)``.
 
 SGLang's own loop ties the width to the branching: every beam keeps W children and at most W nodes of a level
-are expanded. The plugin's loop (``DraftLoop``, run by ``draft_loop.run``) separates them: W is a static
-maximum of expanded nodes per level and each node's children are its top-K candidates (K <= W; ranks >= K are
-never chosen), which lets a Sequoia or SpecExec tree expand more than K nodes on a level:
+are expanded. The plugin's loop (``DraftLoop``, run by ``draft_forward.draft_forward``) separates them: W is a
+static maximum of expanded nodes per level and each node's children are its top-K candidates (K <= W; ranks >= K
+are never chosen), which lets a Sequoia or SpecExec tree expand more than K nodes on a level:
 
 * ``sequoia``: ``DraftPlan`` lays the DP tree over the slots: the frontier at each step is forced to the plan's
   nodes that have children (``DevicePlan``'s boosts) and the verified tree is exactly the plan's slots.

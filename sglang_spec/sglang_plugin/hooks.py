@@ -9,7 +9,7 @@
 | ``_ModelRegistry.resolve_model_cls`` / ``is_arch_supported`` | BEFORE | our draft model classes (``models/``) |
 | ``EagleDraftWorker.__init__`` | AFTER | the draft loop's static device state, once per worker; metrics |
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | the draft KV pool can give every branch its own ancestry |
-| ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_loop``); eagle: SGLang's |
+| ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); eagle: SGLang's |
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
 | ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept |
 | ``eagle_utils.eagle_sample`` | AROUND | fused: our verify + accept kernels, or SGLang's path (counted) |
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin import draft_loop
+from sglang_spec.sglang_plugin.draft_forward import draft_forward
 from sglang_spec.sglang_plugin.draft_tree import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.fused_accept import FusedAccept
 from sglang_spec.sglang_plugin.metrics import METRICS
@@ -256,7 +256,7 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
     if setup is None or forward_batch.forward_mode.is_idle():
         return original(worker, forward_batch, *args, **kwargs)
     if setup.loop is not None:
-        return draft_loop.run(worker, forward_batch, setup.loop, permute_kv)
+        return draft_forward(worker, forward_batch, setup.loop, permute_kv)
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
 
     step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, forward_batch.batch_size, setup.width,

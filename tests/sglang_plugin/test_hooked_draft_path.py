@@ -87,7 +87,7 @@ def check_columns(pool, step_locs, beam_paths, batch, topk, step):
 
 
 def run_own_loop(loop: DraftLoop, source, roots, budget, pool=None):
-    """``draft_loop.run`` with a synthetic drafter in place of SGLang's draft model: the same DraftLoop calls,
+    """``draft_forward.draft_forward`` with a synthetic drafter in place of SGLang's draft model: the same DraftLoop calls,
     the same per-step KV slots and the same ancestry permutation. Returns SGLang's (parent_list,
     top_scores_index, draft_tokens)."""
     batch, width, steps = len(roots), loop.width, loop.steps

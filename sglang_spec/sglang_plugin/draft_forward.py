@@ -1,5 +1,5 @@
-"""The plugin's own draft loop for SGLang's EAGLE v2 worker (``EagleDraftWorker.draft_forward`` replaced when the
-tree policy is sequoia or specexec; eagle and chain keep SGLang's loop).
+"""The plugin's own ``draft_forward`` for SGLang's EAGLE v2 worker (``EagleDraftWorker.draft_forward`` replaced
+when the tree policy is sequoia or specexec; eagle and chain keep SGLang's loop).
 
 Per step it runs SGLang's draft model on the W beams exactly as SGLang's loop does (same attention backends,
 same per-step KV slots, same hot-token map, same softmax), and does the rest with ``draft_tree.DraftLoop``:
@@ -18,8 +18,8 @@ import torch
 from sglang_spec.sglang_plugin.draft_tree import DraftLoop, Level, ancestry_permutation
 
 
-def run(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor, None]:
+def draft_forward(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                             torch.Tensor, None]:
     """``draft_forward`` for ``worker`` (an EagleDraftWorker): SGLang's (parent_list, top_scores_index,
     draft_tokens, draft_probs) with draft_probs None (greedy and target-only sampling verify never read them).
     ``permute_kv(pool, target, source)`` copies draft KV rows in every layer buffer."""
