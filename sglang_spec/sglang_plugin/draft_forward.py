@@ -2,7 +2,7 @@
 when the tree policy is sequoia or specexec; eagle and chain keep SGLang's loop).
 
 Per step it runs SGLang's draft model on the W beams exactly as SGLang's loop does (same attention backends,
-same per-step KV slots, same hot-token map, same softmax), and does the rest with ``draft_tree.DraftLoop``:
+same per-step KV slots, same hot-token map, same softmax), and does the rest with ``draft_loop.DraftLoop``:
 each node keeps its top-K candidates as children, the next beams are chosen by the policy, and before a beam
 is forwarded its KV column is overwritten with its parent's, so every node attends to its own ancestors only.
 Everything is device tensor code with the shapes fixed by (batch, W, steps): nothing is read on the host and
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sglang_spec.sglang_plugin.draft_tree import DraftLoop, Level, ancestry_permutation
+from sglang_spec.sglang_plugin.draft_loop import DraftLoop, Level, ancestry_permutation
 
 
 def draft_forward(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv) -> tuple[torch.Tensor, torch.Tensor,

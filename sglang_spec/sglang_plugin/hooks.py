@@ -33,7 +33,7 @@ import torch
 
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.draft_forward import draft_forward
-from sglang_spec.sglang_plugin.draft_tree import DraftLoop, ancestry_permutation
+from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.fused_accept import FusedAccept
 from sglang_spec.sglang_plugin.metrics import METRICS
 from sglang_spec.sglang_plugin.options import (

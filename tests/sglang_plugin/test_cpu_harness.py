@@ -9,7 +9,7 @@ import torch
 from scipy import stats
 
 from sglang_spec.sglang_plugin.cpu import attention, ops, sampling
-from sglang_spec.sglang_plugin.draft_tree import DraftLoop
+from sglang_spec.sglang_plugin.draft_loop import DraftLoop
 from sglang_spec.tree import SyntheticCandidates, TokenTree
 from sglang_spec.tree.encode_sglang import TreeMaskMode, encode_sglang_verify
 

@@ -10,7 +10,7 @@ import torch
 from helpers import targets_following_drafts
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.draft_tree import DraftLoop, DraftPlan, ancestry_permutation, sequoia_tree, widest_level
+from sglang_spec.sglang_plugin.draft_loop import DraftLoop, DraftPlan, ancestry_permutation, sequoia_tree, widest_level
 from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
 from sglang_spec.tree import (
     AcceptanceProfile,
@@ -224,7 +224,7 @@ def test_own_loop_reads_nothing_on_the_host():
         assert guard.events == []
     with HostAccessGuard(host_only=True) as control:  # building the loop at start-up does copy from the host
         sequoia_loop(32, 5, 4)
-    assert any("draft_tree.py" in event for event in control.events)
+    assert any("draft_loop.py" in event for event in control.events)
 
 
 def test_own_loop_keeps_exact_ancestry():
