@@ -314,14 +314,6 @@ def preflight(dry: bool) -> None:
                             "harness")
 
 
-def link_kernels() -> None:
-    """A checkout that was never pip-installed has no ``sglang_spec.kernels`` (setup.py maps kernels/ there):
-    link it (the link is git-ignored)."""
-    if importlib.util.find_spec("sglang_spec.kernels") is None:
-        (REPO / "sglang_spec" / "kernels").symlink_to(Path("..") / "kernels")
-        print("linked sglang_spec/kernels -> ../kernels (this checkout is not pip-installed)")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out or (DRY_RESULTS if args.dry_run else GPU_RESULTS)
@@ -329,7 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         check_log(args.docs)
     preflight(args.dry_run)
-    link_kernels()
     env = environment(args.dry_run)
     mode = "dry run: CPU, tiny sizes, interpreted kernels" if args.dry_run else "CUDA, compiled kernels"
     print(f"GPU checks on {env['device']} ({mode}):")

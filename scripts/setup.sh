@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-inputs=(requirements-cpu.txt requirements-nodeps.txt pyproject.toml setup.py scripts/setup.sh)
+inputs=(requirements-cpu.txt requirements-nodeps.txt pyproject.toml scripts/setup.sh)
 want=$(cat "${inputs[@]}" | sha256sum | cut -d' ' -f1)
 if [[ -x .venv/bin/python && "$(cat .venv/.setup-stamp 2>/dev/null)" == "$want" ]]; then
     exit 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite, set-up included: `./scripts/test.sh [pytest args]`. The type check runs first (mypy over
-# sglang_spec/ and kernels/, configured in pyproject.toml, cached in .mypy_cache/: a few seconds once warm).
+# sglang_spec/, configured in pyproject.toml, cached in .mypy_cache/: a few seconds once warm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh

@@ -1,4 +1,4 @@
-"""Catches host reads and torch ops issued by our own code (sglang_spec/ and kernels/) inside a block.
+"""Catches host reads and torch ops issued by our own code (sglang_spec/, its kernels included) inside a block.
 
 Everything else is ignored: torch internals, the Triton CPU interpreter (which copies arguments around), and
 the caller's own target forward. Each torch op or host read is attributed to the innermost stack frame outside
@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = (str(REPO / "sglang_spec") + "/", str(REPO / "kernels") + "/")
+OURS = (str(REPO / "sglang_spec") + "/",)
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
 HOST_DATA_OPS = ("aten.lift_fresh", "aten._to_copy")  # torch.tensor(python data); .to(device) copies
 

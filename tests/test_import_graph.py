@@ -1,6 +1,7 @@
 """The package map stays a map: read every module's imports (ast, nothing is executed) and check that packages
-depend on each other in one direction, that library code never reaches up into the command line or the benchmark
-scripts, and that imports inside functions are only those of optional dependencies."""
+depend on each other in one direction (each only on the rows below its own in docs/architecture.md's diagram),
+that library code never reaches up into the command line or the benchmark scripts, and that imports inside
+functions are only those of optional dependencies."""
 
 from __future__ import annotations
 
@@ -11,8 +12,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # imported inside functions on purpose: heavy or optional third-party packages (each place says why)
 OPTIONAL = ("transformers", "sglang", "triton", "matplotlib", "yaml", "prometheus_client")
-# the SGLang adapter is being rewritten on its own branch; its lazy sglang imports are its business
-OWN_RULES = ("sglang_plugin",)
+# the rows of the package diagram in docs/architecture.md, top first: a package imports only rows below its own
+LAYERS = (
+    ("cli", "sglang_plugin"),
+    ("catalog",),
+    ("train",),
+    ("models", "decode"),
+    ("mtp", "kernels"),
+    ("attention", "verify"),
+    ("tree",),
+    ("sampling", "files", "gemm"),
+    ("errors",),
+)
 
 
 @dataclass(frozen=True)
@@ -27,8 +38,6 @@ def module_files() -> dict[str, Path]:
     for path in sorted((REPO / "sglang_spec").rglob("*.py")):
         parts = list(path.relative_to(REPO).with_suffix("").parts)
         files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    for path in sorted((REPO / "kernels").glob("*.py")):  # installed as sglang_spec.kernels
-        files["sglang_spec.kernels" + ("" if path.stem == "__init__" else f".{path.stem}")] = path
     return files
 
 
@@ -111,6 +120,16 @@ def test_package_dependencies_have_no_cycle():
     assert not cycle, " -> ".join(cycle)
 
 
+def test_packages_import_only_rows_below_their_own():
+    row = {name: number for number, names in enumerate(LAYERS) for name in names}
+    graph = package_graph()
+    unplaced = sorted(({*graph} | {*(target for targets in graph.values() for target in targets)}) - set(row))
+    assert not unplaced, f"not in LAYERS (nor in docs/architecture.md's diagram): {unplaced}"
+    upward = sorted(f"{source} imports {target}" for source, targets in graph.items() for target in targets
+                    if row[target] <= row[source])
+    assert not upward, upward
+
+
 def test_nothing_imports_the_command_line_or_the_benchmarks():
     bench_modules = {"bench", *(path.stem for path in (REPO / "bench").glob("*.py"))}
     wrong = [
@@ -126,6 +145,6 @@ def test_imports_inside_functions_are_optional_dependencies_only():
     hidden = [
         f"{item.module} imports {item.target} inside a function"
         for item in all_imports()
-        if item.in_function and package(item.module) not in OWN_RULES and item.target.split(".")[0] not in OPTIONAL
+        if item.in_function and item.target.split(".")[0] not in OPTIONAL
     ]
     assert not hidden, hidden

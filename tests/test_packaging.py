@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_kernels_import_as_a_subpackage():
     import sglang_spec.kernels
 
-    assert Path(sglang_spec.kernels.__file__).parent == REPO / "kernels"
+    assert Path(sglang_spec.kernels.__file__).parent == REPO / "sglang_spec" / "kernels"
 
 
 @pytest.mark.slow
@@ -23,10 +23,9 @@ def test_wheel_contains_kernels_and_data(tmp_path):
     # there shadows the installed package's metadata (its entry points) for anything run from the repo root
     source = tmp_path / "src"
     source.mkdir()
-    for name in ("pyproject.toml", "setup.py", "README.md"):
+    for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    for name in ("sglang_spec", "kernels"):
-        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "sglang_spec", source / "sglang_spec", ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         check=True,
@@ -35,6 +34,8 @@ def test_wheel_contains_kernels_and_data(tmp_path):
     (wheel,) = tmp_path.glob("sglang_spec-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "sglang_spec/kernels/__init__.py" in names
+    modules = {path.relative_to(REPO).as_posix() for path in (REPO / "sglang_spec").rglob("*.py")}
+    assert not modules - names, sorted(modules - names)  # every module ships (a folder without __init__.py would not)
     assert not any(name.startswith("kernels/") for name in names)
     assert "sglang_spec/data/profiles/sequoia_demo.json" in names
     from sglang_spec.models.registry import SHIPPED_HEADS, SHIPPED_PROFILES

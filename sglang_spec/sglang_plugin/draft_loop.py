@@ -1,63 +1,246 @@
-"""The plugin's own draft loop for SGLang's EAGLE v2 worker (``EagleDraftWorker.draft_forward`` replaced when the
-tree policy is sequoia or specexec; eagle and chain keep SGLang's loop).
+"""Trees inside SGLang's EAGLE draft loop, as static-shape tensor code (no sglang import, no host sync).
 
-Per step it runs SGLang's draft model on the W beams exactly as SGLang's loop does (same attention backends,
-same per-step KV slots, same hot-token map, same softmax), and does the rest with ``draft_tree.DraftLoop``:
-each node keeps its top-K candidates as children, the next beams are chosen by the policy, and before a beam
-is forwarded its KV column is overwritten with its parent's, so every node attends to its own ancestors only.
-Everything is device tensor code with the shapes fixed by (batch, W, steps): nothing is read on the host and
-nothing copied from it, so SGLang's draft CUDA graph can capture the loop.
+SGLang drafts level by level with ``W`` beams per request (its ``speculative_eagle_topk``): step 0 takes the
+root's top-W candidates as beams; step i >= 1 expands the W beams into W*W candidates and picks the next W beams
+among them. Candidate slots are level-major: slot s < W is root candidate s; at step i >= 1 the expansion of
+beam f with rank r is slot ``W + W*W*(i-1) + f*W + r``. The verified tree is the chosen slots, sorted, handed to
+SGLang as ``(parent_list, top_scores_index, draft_tokens)``.
+
+SGLang's own loop ties the width to the branching: every beam keeps W children and at most W nodes of a level
+are expanded. The plugin's loop (``DraftLoop``, run by ``draft_forward.draft_forward``) separates them: W is a
+static maximum of expanded nodes per level and each node's children are its top-K candidates (K <= W; ranks >= K
+are never chosen), which lets a Sequoia or SpecExec tree expand more than K nodes on a level:
+
+* ``sequoia``: ``DraftPlan`` lays the DP tree over the slots: the frontier at each step is forced to the plan's
+  nodes that have children (``DevicePlan``'s boosts) and the verified tree is exactly the plan's slots.
+* ``specexec``: best-first by cumulative draft probability, on the device: each level's frontier is its best W
+  candidates and the verified tree is the best ``budget`` of all candidates (with W at least the number of a
+  level's nodes in the final tree this is exactly SpecExec's tree; see ``TreePolicy`` ``width``).
+* ``ancestry_permutation``: beam j drafts into KV column [j][0..steps) and beams are re-chosen every step, so a
+  beam whose parent was another beam would read that beam's history; copying column parent(j) into column j
+  for the steps drafted so far gives every beam exactly its own ancestors.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-from sglang_spec.sglang_plugin.draft_tree import DraftLoop, Level, ancestry_permutation
+from sglang_spec.errors import SpecError
+from sglang_spec.tree.token_tree import TokenTree
+
+_FORCED = 4.0  # above any probability product, so forced frontier entries sort first
+_UNUSED = -1.0  # the score of a candidate that may not be chosen (rank >= K, or a child of an unused beam)
 
 
-def run(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor, None]:
-    """``draft_forward`` for ``worker`` (an EagleDraftWorker): SGLang's (parent_list, top_scores_index,
-    draft_tokens, draft_probs) with draft_probs None (greedy and target-only sampling verify never read them).
-    ``permute_kv(pool, target, source)`` copies draft KV rows in every layer buffer."""
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-    from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
-    from sglang.srt.speculative.spec_utils import renorm_draft_probs
+@dataclass(frozen=True)
+class DraftPlan:
+    """A static tree over SGLang's draft slots.
 
-    spec_info = forward_batch.spec_info
-    batch = forward_batch.batch_size
-    width = loop.width
-    topk_index = spec_info.topk_index
-    if worker.hot_token_id is not None:
-        topk_index = worker.hot_token_id[topk_index]
-    step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, batch, width, loop.steps)
-    pool = worker.draft_runner.token_to_kv_pool
-    level = loop.root_level(spec_info.topk_p, topk_index)
-    levels: list[Level] = [level]
-    hidden = spec_info.hidden_states.repeat_interleave(width, dim=0)  # [b * W, H], the root's state per beam
-    beam_offsets = (torch.arange(batch, device=hidden.device) * width)[:, None]
-    for step in range(1, loop.steps):
-        forward_batch.input_ids = level.beam_tokens
-        forward_batch.out_cache_loc = step_locs[step - 1]
-        spec_info.hidden_states = hidden
-        backend = worker.draft_attn_backend.attn_backends[step - 1]
-        with forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch):
-            output = worker.draft_runner.forward(forward_batch).logits_output
-        probs = renorm_draft_probs(output.next_token_logits, forward_batch.sampling_info, False)
-        topk_p, topk_index = torch.topk(probs, width, dim=-1)
-        if worker.hot_token_id is not None:
-            topk_index = worker.hot_token_id[topk_index]
-        forward_batch.positions.add_(1)
-        if worker.draft_runner.model_config.model_is_mrope:
-            forward_batch.mrope_positions.add_(1)
-        level = loop.next_level(step, level.beam_scores, topk_p, topk_index)
-        levels.append(level)
-        if step < loop.steps - 1:  # the last level is never forwarded: no state or history to carry
-            hidden = output.hidden_states[(level.parent_beam + beam_offsets).reshape(-1)]
-            target, source = ancestry_permutation(level.parent_beam, step_locs, step)
-            permute_kv(pool, target, source)
-    parent_list, top_scores_index, draft_tokens = loop.organize(levels, worker.speculative_num_draft_tokens - 1)
-    return parent_list, top_scores_index, draft_tokens, None
+    Fields:
+      width, steps:     SGLang's speculative_eagle_topk (beams per step) and speculative_num_steps.
+      frontier:         per step i in 1..steps-1, the expansion positions (f*W + r in the step's W*W grid) the
+                        plan needs in the next frontier, in frontier order; at most W each.
+      slots:            sorted slot ids of the plan's draft nodes (length = budget = num_draft_tokens - 1).
+    """
+
+    width: int
+    steps: int
+    frontier: tuple[tuple[int, ...], ...]
+    slots: tuple[int, ...]
+
+    @classmethod
+    def from_tree(cls, tree: TokenTree, width: int, steps: int) -> DraftPlan:
+        """Lays ``tree`` (ranks = child order) over SGLang's draft loop; one clear error line when it cannot."""
+        if tree.depth > steps:
+            raise SpecError(f"the tree is {tree.depth} deep but SGLang drafts {steps} steps")
+        children = tree.children()
+        ranks = tree.ranks.tolist()
+        depths = tree.depths.tolist()
+        if any(rank >= width for rank in ranks[1:]):
+            raise SpecError(f"a tree node has sibling rank >= the draft width {width}; raise --speculative-tree-width")
+        slot_of: dict[int, int] = {}
+        # frontier order of the plan's expanded nodes at each depth; depth 1 is all root candidates (beam = rank)
+        frontier_order: dict[int, int] = {}
+        for node in children[0]:
+            slot_of[node] = ranks[node]
+            frontier_order[node] = ranks[node]
+        frontier = []
+        for depth in range(1, steps):
+            expanded = [node for node in range(tree.num_nodes) if depths[node] == depth and children[node]]
+            positions = []
+            for node in expanded:
+                for child in children[node]:
+                    position = frontier_order[node] * width + ranks[child]
+                    slot_of[child] = width + width * width * (depth - 1) + position
+                    positions.append((child, position))
+            # the next frontier: the plan's depth-(depth+1) nodes that have children
+            needed = [(child, position) for child, position in positions if children[child]]
+            if len(needed) > width:
+                raise SpecError(
+                    f"the tree expands {len(needed)} nodes at depth {depth + 1} but SGLang's frontier holds "
+                    f"{width}; raise --speculative-tree-width or pick a narrower tree"
+                )
+            for order, (child, _) in enumerate(needed):
+                frontier_order[child] = order
+            frontier.append(tuple(position for _, position in needed))
+        slots = tuple(sorted(slot_of[node] for node in range(1, tree.num_nodes)))
+        return cls(width=width, steps=steps, frontier=tuple(frontier), slots=slots)
+
+
+def widest_level(tree: TokenTree) -> int:
+    """The most nodes with children on one level (root excluded): the beams the tree needs per step."""
+    counts: dict[int, int] = {}
+    for node, kids in enumerate(tree.children()):
+        if node and kids:
+            depth = int(tree.depths[node])
+            counts[depth] = counts.get(depth, 0) + 1
+    return max(counts.values(), default=0)
+
+
+@dataclass(frozen=True, eq=False)
+class DevicePlan:
+    """A DraftPlan as static device tensors, built once per draft worker so drafting copies nothing from the host
+    (a host-to-device copy cannot be captured in SGLang's draft CUDA graph).
+
+    Fields:
+      frontier_boost: [steps - 1, W * W] float32. Row i - 1 lifts the plan's frontier positions at step i above
+                      every probability product, first in frontier order; all zeros where the plan forces nothing.
+      forces:         per step i in 1..steps-1 (host constants), whether the plan forces that step's frontier.
+      slots:          [budget] int64. The plan's draft slots, sorted (SGLang's top_scores_index row).
+    """
+
+    frontier_boost: torch.Tensor
+    forces: tuple[bool, ...]
+    slots: torch.Tensor
+
+    @classmethod
+    def build(cls, plan: DraftPlan, device: torch.device | str) -> DevicePlan:
+        grid = plan.width * plan.width
+        boost = torch.zeros(max(plan.steps - 1, 1), grid, dtype=torch.float32)
+        for step, positions in enumerate(plan.frontier):
+            for order, position in enumerate(positions):
+                boost[step, position] = _FORCED + len(positions) - order
+        forces = tuple(bool(plan.frontier[step]) if step < len(plan.frontier) else False
+                       for step in range(plan.steps - 1))
+        return cls(boost.to(device), forces, torch.tensor(plan.slots, dtype=torch.int64).to(device))
+
+
+@dataclass(frozen=True, eq=False)
+class Level:
+    """One level of drafted candidates for a batch of b requests (W beams, K children a node).
+
+    Fields:
+      scores:      [b, W * W] float32 (root level: [b, W]). Cumulative draft probability of each candidate slot
+                   of the level; -1 where the candidate may not be chosen (rank >= K, or an unused beam's).
+      tokens:      [b, W * W] int64 (root level: [b, W]). The candidates' tokens.
+      parents:     [b, W] int64 (root level: [b, W + 1], SGLang's arange(-1, W)). The slot ids of the beams
+                   chosen from this level (root level: -1, then the root candidates), SGLang's parents_list entry.
+      beam_scores: [b, W] float32. Scores of the chosen beams (-1 for an unused beam).
+      beam_tokens: [b * W] int64. Their tokens: the next forward's input ids.
+      parent_beam: [b, W] int64. For each chosen beam, the beam of the previous step it descends from (root
+                   level: its own index).
+    """
+
+    scores: torch.Tensor
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    beam_scores: torch.Tensor
+    beam_tokens: torch.Tensor
+    parent_beam: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class DraftLoop:
+    """The static description of the plugin's draft loop for one worker (built once, at start-up).
+
+    Fields:
+      width:     W, beams per step (SGLang's speculative_eagle_topk).
+      children:  K <= W, candidates a node may keep as children.
+      steps:     draft steps (tree depth).
+      rank_ok:   [W] bool device buffer, rank < K.
+      plan:      sequoia's forced frontier and slots; None for best-first selection (specexec).
+    """
+
+    width: int
+    children: int
+    steps: int
+    rank_ok: torch.Tensor
+    plan: DevicePlan | None
+
+    @classmethod
+    def build(cls, width: int, children: int, steps: int, plan: DraftPlan | None,
+              device: torch.device | str) -> DraftLoop:
+        if not 1 <= children <= width:
+            raise SpecError(f"a node keeps at most the draft width {width} children, got {children}")
+        rank_ok = (torch.arange(width) < children).to(device)
+        return cls(width, children, steps, rank_ok, None if plan is None else DevicePlan.build(plan, device))
+
+    def root_level(self, topk_p: torch.Tensor, topk_index: torch.Tensor) -> Level:
+        """topk_p, topk_index: [b, W] the root's candidates, best first. Every root candidate is a beam of step 0
+        (SGLang's first step), the ones of rank >= K with score -1 so nothing below them is ever chosen."""
+        batch = topk_p.shape[0]
+        scores = torch.where(self.rank_ok, topk_p.float(), torch.full_like(topk_p, _UNUSED, dtype=torch.float32))
+        parents = torch.arange(-1, self.width, dtype=torch.int64, device=topk_p.device).expand(batch, -1)
+        own = torch.arange(self.width, dtype=torch.int64, device=topk_p.device).expand(batch, -1)
+        return Level(scores, topk_index, parents, scores, topk_index.reshape(-1), own)
+
+    def next_level(self, step: int, beam_scores: torch.Tensor, topk_p: torch.Tensor,
+                   topk_index: torch.Tensor) -> Level:
+        """Step ``step`` >= 1: beam_scores [b, W] of the beams forwarded at step - 1; topk_p / topk_index
+        [b * W, W] their candidates, best first. Chooses the next W beams: the plan's frontier first (sequoia),
+        otherwise the best W candidates by cumulative probability."""
+        width = self.width
+        batch = beam_scores.shape[0]
+        probs = topk_p.float().view(batch, width, width)
+        usable = (beam_scores >= 0)[:, :, None] & self.rank_ok[None, None, :]
+        scores = torch.where(usable, beam_scores[:, :, None] * probs, torch.full_like(probs, _UNUSED))
+        scores = scores.view(batch, width * width)
+        ranked = scores
+        if self.plan is not None and self.plan.forces[step - 1]:
+            ranked = scores + self.plan.frontier_boost[step - 1]
+        chosen = torch.topk(ranked, width, dim=-1).indices  # [b, W] positions f * W + r
+        tokens = topk_index.view(batch, width * width)
+        return Level(
+            scores=scores,
+            tokens=tokens,
+            parents=chosen + (width * width * (step - 1) + width),
+            beam_scores=torch.gather(scores, 1, chosen),
+            beam_tokens=torch.gather(tokens, 1, chosen).reshape(-1),
+            parent_beam=torch.div(chosen, width, rounding_mode="floor"),
+        )
+
+    def organize(self, levels: list[Level], budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """SGLang's verify input from the drafted levels: (parent_list [b, W * (steps - 1) + 1], top_scores_index
+        [b, budget] sorted slot ids, draft_tokens [b, budget]). The plan's slots (sequoia), else the best
+        ``budget`` candidates by cumulative probability (SpecExec's tree; SGLang's organize_draft_results rule)."""
+        tokens = torch.cat([level.tokens for level in levels], dim=1)
+        batch = tokens.shape[0]
+        if self.plan is not None:
+            if self.plan.slots.shape[0] != budget:
+                raise SpecError(f"the plan has {self.plan.slots.shape[0]} draft nodes but SGLang verifies {budget}")
+            top_scores_index = self.plan.slots.expand(batch, -1).contiguous()
+        else:
+            scores = torch.cat([level.scores for level in levels], dim=1)
+            top_scores_index = torch.sort(torch.topk(scores, budget, dim=-1).indices, dim=-1).values
+        draft_tokens = torch.gather(tokens, 1, top_scores_index)
+        if len(levels) > 1:
+            parent_list = torch.cat([level.parents for level in levels[:-1]], dim=1)
+        else:
+            parent_list = torch.empty(batch, 0, dtype=torch.int64, device=tokens.device)
+        return parent_list, top_scores_index, draft_tokens
+
+
+def ancestry_permutation(parent_beam: torch.Tensor, step_locs: torch.Tensor, steps_done: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target, source) KV slots that give every new beam its parent beam's history.
+
+    parent_beam: [b, W] the previous-step beam each new beam descends from.
+    step_locs:   [steps, b*W] SGLang's per-step draft KV slots (``per_step_draft_out_cache_loc``).
+    steps_done:  draft steps whose KV is written (the columns 0..steps_done-1 get permuted).
+    Copy with ``pool[target] = pool[source]`` (gather, then scatter), so overlapping permutations are safe."""
+    batch, width = parent_beam.shape
+    locs = step_locs[:steps_done].view(steps_done, batch, width)
+    source = torch.gather(locs, 2, parent_beam.unsqueeze(0).expand(steps_done, batch, width))
+    return locs.reshape(-1), source.reshape(-1)
+

@@ -9,7 +9,7 @@
 | ``_ModelRegistry.resolve_model_cls`` / ``is_arch_supported`` | BEFORE | our draft model classes (``models/``) |
 | ``EagleDraftWorker.__init__`` | AFTER | the draft loop's static device state, once per worker; metrics |
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | the draft KV pool can give every branch its own ancestry |
-| ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_loop``); eagle: SGLang's |
+| ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); eagle: SGLang's |
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
 | ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept |
 | ``eagle_utils.eagle_sample`` | AROUND | fused: our verify + accept kernels, or SGLang's path (counted) |
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin import draft_loop
-from sglang_spec.sglang_plugin.draft_tree import DraftLoop, ancestry_permutation
+from sglang_spec.sglang_plugin.draft_forward import draft_forward
+from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.fused_accept import FusedAccept
 from sglang_spec.sglang_plugin.metrics import METRICS
 from sglang_spec.sglang_plugin.options import (
@@ -51,6 +51,31 @@ from sglang_spec.sglang_plugin.options import (
 
 # our draft model classes, by the architecture name a draft folder's config.json gives (imported on first use)
 MODEL_CLASSES = {"LlamaForCausalLMNextN": "sglang_spec.sglang_plugin.models.llama_nextn"}
+
+# (target, function here, HookType) for SGLang's HookRegistry; (resolution step, wrapper here)
+_WORKER = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
+_REGISTRY = "sglang.srt.models.registry._ModelRegistry"
+HOOKS = (
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", "add_cli_args_after", "AFTER"),
+    ("sglang.srt.server_args.ServerArgs.from_cli_args", "from_cli_args_after", "AFTER"),
+    (f"{_REGISTRY}.resolve_model_cls", "registry_lookup_before", "BEFORE"),
+    (f"{_REGISTRY}.is_arch_supported", "registry_lookup_before", "BEFORE"),
+    (f"{_WORKER}.__init__", "draft_worker_init_after", "AFTER"),
+    (f"{_WORKER}.alloc_memory_pool", "alloc_memory_pool_after", "AFTER"),
+    (f"{_WORKER}.draft_forward", "draft_forward_around", "AROUND"),
+    ("sglang.srt.speculative.spec_utils.select_top_k_tokens", "select_top_k_tokens_around", "AROUND"),
+    ("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", "correct_drafts_after", "AFTER"),
+    ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.__init__", "eagle_worker_init_after", "AFTER"),
+    ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify", "verify_around", "AROUND"),
+    ("sglang.srt.speculative.eagle_utils.eagle_sample", "eagle_sample_around", "AROUND"),
+    ("sglang.srt.speculative.spec_utils.move_accept_tokens_to_target_kvcache", "move_accept_tokens_around", "AROUND"),
+    ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
+     "graph_execute_around", "AROUND"),
+)
+RESOLUTION_HOOKS = (
+    ("handle_speculative_decoding", "handle_speculative_decoding_wrapper"),
+    ("handle_model_capability_adjustments", "capability_adjustments_wrapper"),
+)
 
 
 class StartupError(SystemExit):
@@ -151,8 +176,6 @@ def unapplied_hooks() -> list[str]:
     """Targets of ours that SGLang's HookRegistry failed to patch in this process."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_spec.sglang_plugin import HOOKS
-
     return [target for target, _, _ in HOOKS if target not in HookRegistry._patched]
 
 
@@ -233,7 +256,7 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
     if setup is None or forward_batch.forward_mode.is_idle():
         return original(worker, forward_batch, *args, **kwargs)
     if setup.loop is not None:
-        return draft_loop.run(worker, forward_batch, setup.loop, permute_kv)
+        return draft_forward(worker, forward_batch, setup.loop, permute_kv)
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
 
     step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, forward_batch.batch_size, setup.width,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.draft_tree import DraftPlan, widest_level
+from sglang_spec.sglang_plugin.draft_loop import DraftPlan, widest_level
 from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, HEAD_POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 

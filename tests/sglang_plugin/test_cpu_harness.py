@@ -10,7 +10,7 @@ from scipy import stats
 
 from doubles import SyntheticCandidates
 from sglang_spec.sglang_plugin.cpu import attention, ops, sampling
-from sglang_spec.sglang_plugin.draft_tree import DraftLoop
+from sglang_spec.sglang_plugin.draft_loop import DraftLoop
 from sglang_spec.tree import TokenTree
 from sglang_spec.tree.encode_sglang import TreeMaskMode, encode_sglang_verify
 

@@ -11,7 +11,7 @@ from doubles import SyntheticCandidates
 from helpers import targets_following_drafts
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.draft_tree import DraftLoop, DraftPlan, ancestry_permutation, widest_level
+from sglang_spec.sglang_plugin.draft_loop import DraftLoop, DraftPlan, ancestry_permutation, widest_level
 from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
 from sglang_spec.tree import (
     AcceptanceProfile,
@@ -88,7 +88,7 @@ def check_columns(pool, step_locs, beam_paths, batch, topk, step):
 
 
 def run_own_loop(loop: DraftLoop, source, roots, budget, pool=None):
-    """``draft_loop.run`` with a synthetic drafter in place of SGLang's draft model: the same DraftLoop calls,
+    """``draft_forward.draft_forward`` with a synthetic drafter in place of SGLang's draft model: the same DraftLoop calls,
     the same per-step KV slots and the same ancestry permutation. Returns SGLang's (parent_list,
     top_scores_index, draft_tokens)."""
     batch, width, steps = len(roots), loop.width, loop.steps
@@ -227,7 +227,7 @@ def test_own_loop_reads_nothing_on_the_host():
         assert guard.events == []
     with HostAccessGuard(host_only=True) as control:  # building the loop at start-up does copy from the host
         sequoia_loop(32, 5, 4)
-    assert any("draft_tree.py" in event for event in control.events)
+    assert any("draft_loop.py" in event for event in control.events)
 
 
 def test_own_loop_keeps_exact_ancestry():

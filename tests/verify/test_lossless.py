@@ -18,7 +18,7 @@ from sglang_spec.verify import (
     verify_sample_match,
     walk,
 )
-from sglang_spec.verify.candidate_first import first_above
+from sglang_spec.verify.target_only import first_above
 
 
 class ResidualKeepsCandidates(CandidateFirstRule):

@@ -29,6 +29,7 @@ from importlib import metadata
 from pathlib import Path
 
 from sglang_spec.errors import SpecError
+from sglang_spec.sglang_plugin.cpu import kernels
 
 SUPPORTED_SGLANG = "0.5.23"
 ENABLE_FLAG = "SGLANG_SPEC_CPU"  # set to 1 in a process's environment: boot/sitecustomize activates the stand-ins
@@ -76,8 +77,6 @@ def activate() -> None:
     if _activated:
         return
     check_sglang_version()
-    from sglang_spec.sglang_plugin.cpu import kernels
-
     kernels.install()
     _activated = True
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 
+from sglang_spec.sglang_plugin.cpu import sampling
+
 HOOKS = (
     ("sglang.srt.layers.rotary_embedding.factory.get_rope_cpu", "get_rope_cpu_around", "AROUND"),
     ("sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head", "set_embed_and_head_cpu", "REPLACE"),
@@ -30,8 +32,6 @@ ATTRIBUTES = {
 def install_attributes() -> None:
     """Sets the sampling stand-ins on the modules that hold ``None`` for them off CUDA. A HookRegistry hook
     cannot do it: its patch propagation rebinds every module attribute equal to the original, here ``None``."""
-    from sglang_spec.sglang_plugin.cpu import sampling
-
     for module_name, names in ATTRIBUTES.items():
         module = importlib.import_module(module_name)
         for name in names:

@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from sglang_spec.catalog import resolve_model_path
 from sglang_spec.errors import SpecError
+from sglang_spec.models.registry import shipped_head_path, shipped_profile_path
 from sglang_spec.sglang_plugin.cpu import server_environment
+from sglang_spec.sglang_plugin.export import export_llama_draft
 
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "intel_amx", "--dtype", "float32",
              "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
@@ -49,10 +52,6 @@ class CpuModel:
 def prepare_model(name: str, progress: bool = True) -> CpuModel:
     """Builds or converts the model on first use (cached) and, for SmolLM2, exports its shipped MTP head as an
     SGLang draft folder beside it."""
-    from sglang_spec.catalog import resolve_model_path
-    from sglang_spec.models.registry import shipped_head_path, shipped_profile_path
-    from sglang_spec.sglang_plugin.export import export_llama_draft
-
     if name not in CPU_MODELS:
         raise SpecError(f"unknown CPU model {name!r}; choose one of {', '.join(CPU_MODELS)}")
     _, target_dir = resolve_model_path(name, progress=progress)

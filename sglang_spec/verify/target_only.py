@@ -1,5 +1,5 @@
-"""Lossless sampling for deterministic candidate trees, the way SGLang draws it (``tree_speculative_sampling_
-target_only`` with thresholds 1): inverse-CDF sampling from the target with the node's candidates' buckets first.
+"""SGLang's target-only sampling rule (``tree_speculative_sampling_target_only`` with thresholds 1): lossless
+sampling for deterministic candidate trees, inverse-CDF from the target with the node's candidates' buckets first.
 
 At a node with children x_1..x_k (sibling order) and coin u: accept x_i when p(x_i) > 0 and u < p(x_1) + ... +
 p(x_i) (float32 running sum, in that order), and continue at x_i with x_i's own coin; when no child is accepted

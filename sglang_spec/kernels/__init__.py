@@ -1,4 +1,4 @@
-"""Triton kernels for the speculative step, installed as ``sglang_spec.kernels``.
+"""Triton kernels for the speculative step.
 
 One module per op, each with its Triton kernel(s), launcher(s) and pure-torch reference(s) side by side:
 

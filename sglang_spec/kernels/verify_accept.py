@@ -12,7 +12,7 @@ Two launches, each a Triton kernel beside its launcher and its pure-torch refere
 2. per request: ``accept_walk`` follows the tree from the root, in the ``AcceptMode`` it is given.
    ``MatchMode`` (greedy and lossless sampling, SpecExec's sample-and-match): move to the lowest-index child whose
    token equals the node's target token. ``CandidateSampleMode`` (lossless sampling the way SGLang's
-   ``tree_speculative_sampling_target_only`` draws it, ``verify/candidate_first.py``): accept the first child whose
+   ``tree_speculative_sampling_target_only`` draws it, ``verify/target_only.py``): accept the first child whose
    bucket in the running sum of the children's target probabilities holds the node's coin; the bonus is drawn from
    the target without the last node's children by the final coin (``node_normalizers`` gives each node's softmax
    maximum and sum first). ``RelaxedMode`` (LOSSY, opt-in, TensorRT-LLM's thinking-phase rule): move
@@ -34,9 +34,9 @@ import triton.language as tl
 
 from sglang_spec.sampling import TEMPERATURE_FLOOR, sample_from_probs, target_probs_from_logits
 from sglang_spec.tree.batch import TreeBatch
-from sglang_spec.verify.candidate_first import verify_candidate_first
 from sglang_spec.verify.relaxed import RelaxedAcceptance, verify_relaxed_top_n
 from sglang_spec.verify.result import VerifyResult
+from sglang_spec.verify.target_only import verify_candidate_first
 from sglang_spec.verify.walk import walk_matching_children
 
 MODES = ("greedy", "sample", "relaxed")
