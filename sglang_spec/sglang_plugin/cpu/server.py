@@ -157,8 +157,8 @@ class SGLangServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.stop()
-                raise SpecError(f"the SGLang server exited with status {self.process.returncode} during start-up:\n"
-                                + self.log_tail())
+                raise SpecError(f"the SGLang server exited with status {self.process.returncode} during start-up "
+                                f"({self.last_error()}); its log: {self.log_path}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
@@ -167,7 +167,8 @@ class SGLangServer:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise SpecError(f"the SGLang server did not answer /health within {timeout:.0f} s:\n" + self.log_tail())
+        raise SpecError(f"the SGLang server did not answer /health within {timeout:.0f} s "
+                        f"({self.last_error()}); its log: {self.log_path}")
 
     def stop(self, timeout: float = 8.0) -> None:
         if self.process is None:
@@ -180,6 +181,14 @@ class SGLangServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+    def last_error(self) -> str:
+        """The log's last line naming an error (a traceback's final line, usually), for a one-line message."""
+        lines = self.log_tail(200).splitlines()
+        for line in reversed(lines):
+            if "Error" in line or "error:" in line or "Exception" in line:
+                return line.strip()[:300]
+        return lines[-1].strip()[:300] if lines else "no log"
 
     def __enter__(self) -> SGLangServer:
         """Starts the server unless ``start()`` already did."""
