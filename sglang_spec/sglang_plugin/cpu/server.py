@@ -31,6 +31,8 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "intel_amx", "--dtype", "
              "--mem-fraction-static", "0.3", "--max-total-tokens", "8192", "--max-running-requests", "8",
              "--random-seed", "0")
 CPU_MODELS = ("smollm2", "tiny-deepseek")
+# speculative algorithms that take the model's draft arguments (the MTP head / layer); others run without them
+DRAFT_MODEL_ALGORITHMS = ("NEXTN", "EAGLE")
 
 
 @dataclass(frozen=True)
@@ -66,12 +68,36 @@ def prepare_model(name: str, progress: bool = True) -> CpuModel:
     return CpuModel(name, target_dir, tuple(export.server_args()), shipped_profile_path(name))
 
 
+def option_value(args: Sequence[str], flag: str) -> str | None:
+    """The value ``args`` (a launch_server argument list) gives ``flag``, as ``--flag value`` or ``--flag=value``;
+    the last one wins, as in SGLang's argparse parser. None when absent."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
 def cpu_launch_args(model: CpuModel, port: int, speculative: bool = True, extra: Sequence[str] = ()) -> list[str]:
-    """Arguments for ``python -m sglang.launch_server``. ``speculative``: NEXTN with the model's MTP draft."""
+    """Arguments for ``python -m sglang.launch_server``; ``extra`` (any launch_server options) goes last.
+
+    ``speculative``: NEXTN with the model's MTP draft, unless ``extra`` names another ``--speculative-algorithm``:
+    EAGLE gets the same draft arguments, an algorithm without a draft model (NGRAM: SGLang's n-gram corpus, tuned
+    by its own ``--speculative-ngram-*`` / ``--speculative-num-draft-tokens`` options) none. False: plain
+    decoding, and an algorithm in ``extra`` is a contradiction (SpecError)."""
     args = ["--model-path", str(model.target_dir), "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS,
             *model.model_args]
-    if speculative:
+    algorithm = option_value(extra, "--speculative-algorithm")
+    if not speculative:
+        if algorithm is not None:
+            raise SpecError(f"--speculative-algorithm {algorithm} asks for speculation on a server launched without "
+                            "it (--no-speculation / speculative=False); drop one of the two")
+    elif algorithm is None:
         args += ["--speculative-algorithm", "NEXTN", *model.draft_args]
+    elif algorithm.upper() in DRAFT_MODEL_ALGORITHMS:
+        args += model.draft_args
     return args + list(extra)
 
 
