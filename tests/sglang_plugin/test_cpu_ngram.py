@@ -107,3 +107,24 @@ def test_sglangs_cpp_corpus_drafts_a_tree_the_stand_in_links(sglang_with_plugin)
     first = int(next_token[0, 0])
     assert {int(tokens[0, first]), int(tokens[0, int(next_sibling[0, first])])} == {4, 44}
     assert positions.view(2, n)[:, 0].tolist() == [3, 2]
+
+
+def test_launch_arguments_take_the_algorithm_from_the_passed_options(tmp_path):
+    """One way of choosing the algorithm: ``--speculative-algorithm`` among the launch_server options. NEXTN with
+    the model's draft is the default; NGRAM runs without draft arguments; plain decoding refuses an algorithm."""
+    from sglang_spec.errors import SpecError
+    from sglang_spec.sglang_plugin.cpu.server import CpuModel, cpu_launch_args, option_value
+
+    draft = ("--speculative-draft-model-path", str(tmp_path / "draft"))
+    model = CpuModel("smollm2", tmp_path / "target", draft, None)
+    default = cpu_launch_args(model, 1234)
+    assert option_value(default, "--speculative-algorithm") == "NEXTN" and draft[1] in default
+    ngram = cpu_launch_args(model, 1234, extra=["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
+                                                "8"])
+    assert option_value(ngram, "--speculative-algorithm") == "NGRAM" and draft[0] not in ngram
+    assert ngram.count("--speculative-algorithm") == 1
+    assert draft[1] in cpu_launch_args(model, 1234, extra=["--speculative-algorithm=EAGLE"])
+    plain = cpu_launch_args(model, 1234, speculative=False)
+    assert "--speculative-algorithm" not in plain and draft[0] not in plain
+    with pytest.raises(SpecError, match="--speculative-algorithm NGRAM"):
+        cpu_launch_args(model, 1234, speculative=False, extra=["--speculative-algorithm", "NGRAM"])
