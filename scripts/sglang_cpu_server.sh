@@ -3,6 +3,7 @@
 #
 #   ./scripts/sglang_cpu_server.sh                 # SmolLM2-135M + shipped MTP head, Sequoia 15/4/4, port 30000
 #   ./scripts/sglang_cpu_server.sh --model tiny-deepseek --speculative-tree-policy specexec ...
+#   ./scripts/sglang_cpu_server.sh --model smollm2 --speculative-algorithm NGRAM    # SGLang's n-gram drafts
 #
 # With no arguments it serves the README's tree (sequoia, budget 15, depth 4, topk 4) with metrics on. Any
 # arguments replace that default and go to python -m sglang_spec.sglang_plugin.cpu (and from there to

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cpu_server_helpers import SMOLLM2_NEW_TOKENS, running_server
+from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS,
+                               running_server)
 from optional_packages import require_sglang
 from sglang_spec.sglang_plugin.cpu.server import CpuModel, prepare_model
 
@@ -47,8 +48,18 @@ def smollm2_prompts(smollm2_cpu) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def smollm2_plain(smollm2_cpu, server_logs, smollm2_prompts) -> list[list[int]]:
-    """Greedy output of SGLang's server without speculation on the held-out prompts."""
+def smollm2_plain_runs(smollm2_cpu, server_logs, smollm2_prompts) -> dict[str, list[list[int]]]:
+    """Greedy output of one SGLang server without speculation: ``heldout`` (the held-out prompts) and
+    ``repeat_context`` (REPEAT_CONTEXT_PROMPTS)."""
     with running_server(smollm2_cpu, server_logs, "smollm2-plain", speculative=False) as server:
-        answers = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
-    return [answer["output_ids"] for answer in answers]
+        heldout = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
+        repeat = server.generate(list(REPEAT_CONTEXT_PROMPTS),
+                                 {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
+    return {"heldout": [answer["output_ids"] for answer in heldout],
+            "repeat_context": [answer["output_ids"] for answer in repeat]}
+
+
+@pytest.fixture(scope="session")
+def smollm2_plain(smollm2_plain_runs) -> list[list[int]]:
+    """Greedy output of SGLang's server without speculation on the held-out prompts."""
+    return smollm2_plain_runs["heldout"]

@@ -11,6 +11,17 @@ from sglang_spec.sglang_plugin.cpu.server import CpuModel, SGLangServer, cpu_lau
 
 START_TIMEOUT = float(os.environ.get("SGLANG_SPEC_SERVER_TIMEOUT", "240"))
 SMOLLM2_NEW_TOKENS = 40  # greedy tokens per held-out prompt in the SmolLM2 end-to-end tests
+# Raw-text prompts whose continuation repeats their own context (code following a pattern, records extracted into
+# a format the prompt shows): what SGLang's NGRAM drafts from. Decoded greedily for REPEAT_NEW_TOKENS tokens.
+REPEAT_CONTEXT_PROMPTS = (
+    "class Person:\n    def get_name(self):\n        return self.name\n\n    def get_age(self):\n"
+    "        return self.age\n\n    def get_city(self):\n        return self.city\n\n    def get_email(self):\n",
+    "Alice Moreau lives in Paris. Bob Lindqvist lives in Stockholm. Carol Mendes lives in Lisbon.\n"
+    "As JSON:\n[{\"name\": \"Alice Moreau\", \"city\": \"Paris\"}, {\"name\": \"",
+    "- id: 101, status: shipped, total: 12.50\n- id: 102, status: pending, total: 8.75\n"
+    "- id: 103, status: shipped, total: 20.00\n\nThe same orders as a table:\n| id | status | total |\n",
+)
+REPEAT_NEW_TOKENS = 32
 
 
 def tree_args(policy: str, budget: int, depth: int, topk: int, profile: Path | None = None) -> list[str]:

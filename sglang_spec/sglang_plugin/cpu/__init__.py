@@ -2,8 +2,9 @@
 
 SGLang 0.5.23 serves on a CPU (``SGLANG_USE_CPU_ENGINE=1``, the ``intel_amx`` attention backend) through the ops of
 sgl-kernel's CPU build, which is not on PyPI. This package gives SGLang pure-torch stand-ins for the ops its
-Llama, DeepSeek-V3 (MLA + MoE) and EAGLE / NEXTN paths call, so the real tokenizer manager, scheduler subprocess,
-ModelRunner and EAGLE v2 worker run here unchanged, our plugin included:
+Llama, DeepSeek-V3 (MLA + MoE), EAGLE / NEXTN and NGRAM paths call, so the real tokenizer manager, scheduler
+subprocess, ModelRunner, EAGLE v2 worker and NGRAM worker (its C++ corpus compiled by SGLang through tvm-ffi with the
+host's g++) run here unchanged, our plugin included:
 
 * ``kernels``: a fake ``sgl_kernel`` module and ``torch.ops.sgl_kernel`` namespace. A name with a stand-in
   resolves to it; a name SGLang imports unconditionally but never calls on our paths resolves to a placeholder

@@ -7,7 +7,12 @@ runs). Every option SGLang's launch_server takes, the tree options included, pas
 
 ``--model smollm2`` (SmolLM2-135M-Instruct with the shipped MTP head, exported as an SGLang draft) or
 ``tiny-deepseek`` (a tiny DeepSeek-V3: MLA + MoE + its own MTP layer). For sequoia the shipped profile is used
-unless ``--speculative-acceptance-profile`` is given. ``--no-speculation`` serves plain decoding.
+unless ``--speculative-acceptance-profile`` is given. ``--no-speculation`` serves plain decoding. The algorithm
+is NEXTN with the model's draft unless ``--speculative-algorithm`` says otherwise; SGLang's own n-gram drafting
+needs no draft model:
+
+    python -m sglang_spec.sglang_plugin.cpu --model smollm2 --speculative-algorithm NGRAM \
+        --speculative-num-draft-tokens 8
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="Any other option is passed to python -m sglang.launch_server.")
     parser.add_argument("--model", choices=CPU_MODELS, default="smollm2")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--no-speculation", action="store_true", help="plain decoding (no NEXTN draft)")
+    parser.add_argument("--no-speculation", action="store_true", help="plain decoding (no draft of any kind)")
     args, passthrough = parser.parse_known_args(argv)
     try:
         check_sglang_version()
@@ -41,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         passthrough += ["--speculative-acceptance-profile", str(model.profile)]
-    launch = cpu_launch_args(model, args.port, speculative=not args.no_speculation, extra=passthrough)
+    try:
+        launch = cpu_launch_args(model, args.port, speculative=not args.no_speculation, extra=passthrough)
+    except SpecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     command = [sys.executable, "-m", "sglang.launch_server", *launch]
     print("starting:", " ".join(command), file=sys.stderr, flush=True)
     os.execve(sys.executable, command, server_environment())

@@ -6,7 +6,9 @@ outputs, and follows the semantics of SGLang's Triton twin of the same op. Greed
 own Triton twin (``spec_tree.py``, the XPU path) under the Triton interpreter. Tree building does too when
 ``SGLANG_SPEC_CPU_TRITON_TREE=1``; by default it decodes the draft outputs with sglang_spec's SGLang-ABI codec
 (``tree.encode_sglang``, checked equal to that Triton twin by the tests), because the interpreted kernel costs
-seconds per step at the 32-64-node trees the plugin's own draft loop builds.
+seconds per step at the 32-64-node trees the plugin's own draft loop builds. NGRAM's
+``reconstruct_indices_from_tree_mask`` (links and positions of the corpus's tree, from its ancestor mask) is plain
+torch, checked equal to SGLang's Triton twin (``reconstruct_tree.py``, the XPU path).
 """
 
 from __future__ import annotations
@@ -126,6 +128,38 @@ def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates,
                               retrive_next_token, retrive_next_sibling, target_predict)
 
 
+def reconstruct_indices_from_tree_mask(tree_mask: torch.Tensor, verified_seq_len: torch.Tensor,
+                                       positions: torch.Tensor, retrieve_index: torch.Tensor,
+                                       retrieve_next_token: torch.Tensor, retrieve_next_sibling: torch.Tensor,
+                                       batch_size: int, draft_token_num: int) -> None:
+    """NGRAM's verify metadata from its tree mask (``sgl_kernel.speculative.reconstruct_indices_from_tree_mask``;
+    SGLang's Triton twin is ``reconstruct_tree.reconstruct_indices_from_tree_mask_triton``).
+
+    ``tree_mask`` is ``[bs, n, n]`` flattened (n = draft_token_num, bool or uint8): ``mask[b, i, j]`` marks node j
+    an ancestor of node i (the diagonal may be set; it is ignored). Per request b and node t, written in place:
+    ``positions[b * n + t]`` = verified_seq_len[b] + the number of t's strict ancestors; ``retrieve_index[b, t]``
+    = b * n + t; ``retrieve_next_token[b, t]`` = the smallest k > t with t among k's ancestors (t's first child when
+    children follow their parents), else -1; ``retrieve_next_sibling[b, t]`` = the smallest k > t whose parent (its
+    nearest strict ancestor, the largest such j) is t's parent, else -1, and -1 for a root (no parent).
+    """
+    if batch_size == 0:
+        return
+    n = draft_token_num
+    mask = tree_mask.reshape(-1)[: batch_size * n * n].reshape(batch_size, n, n).bool()
+    order = torch.arange(n, device=mask.device)
+    ancestors = mask & (order[None, :] < order[:, None])  # [b, i, j]: j a strict ancestor of i
+    depth = ancestors.sum(-1)
+    positions.view(batch_size, n).copy_(depth + verified_seq_len[:batch_size, None].to(depth.dtype))
+    retrieve_index.view(batch_size, n).copy_(torch.arange(batch_size * n, device=mask.device).view(batch_size, n))
+    parent = torch.where(ancestors, order, -1).amax(-1)  # [b, i]
+    first_descendant = torch.where(ancestors, order[:, None], n).amin(1)  # [b, t]: min over rows i
+    retrieve_next_token.view(batch_size, n).copy_(torch.where(first_descendant < n, first_descendant, -1))
+    later_with_same_parent = (parent[:, :, None] == parent[:, None, :]) & (order[:, None] > order[None, :])  # [b, k, t]
+    first_sibling = torch.where(later_with_same_parent, order[:, None], n).amin(1)  # [b, t]
+    retrieve_next_sibling.view(batch_size, n).copy_(torch.where((parent >= 0) & (first_sibling < n), first_sibling,
+                                                                -1))
+
+
 STAND_INS = {
     function.__name__: function
     for function in (
@@ -138,5 +172,6 @@ STAND_INS = {
         build_draft_decode_metadata_cpu,
         build_tree_kernel_efficient_cpu,
         verify_tree_greedy_cpu,
+        reconstruct_indices_from_tree_mask,
     )
 }

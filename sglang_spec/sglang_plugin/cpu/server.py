@@ -34,6 +34,8 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "intel_amx", "--dtype", "
              "--mem-fraction-static", "0.3", "--max-total-tokens", "8192", "--max-running-requests", "8",
              "--random-seed", "0")
 CPU_MODELS = ("smollm2", "tiny-deepseek")
+# speculative algorithms that take the model's draft arguments (the MTP head / layer); others run without them
+DRAFT_MODEL_ALGORITHMS = ("NEXTN", "EAGLE")
 
 
 @dataclass(frozen=True)
@@ -65,12 +67,36 @@ def prepare_model(name: str, progress: bool = True) -> CpuModel:
     return CpuModel(name, target_dir, tuple(export.server_args()), shipped_profile_path(name))
 
 
+def option_value(args: Sequence[str], flag: str) -> str | None:
+    """The value ``args`` (a launch_server argument list) gives ``flag``, as ``--flag value`` or ``--flag=value``;
+    the last one wins, as in SGLang's argparse parser. None when absent."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
 def cpu_launch_args(model: CpuModel, port: int, speculative: bool = True, extra: Sequence[str] = ()) -> list[str]:
-    """Arguments for ``python -m sglang.launch_server``. ``speculative``: NEXTN with the model's MTP draft."""
+    """Arguments for ``python -m sglang.launch_server``; ``extra`` (any launch_server options) goes last.
+
+    ``speculative``: NEXTN with the model's MTP draft, unless ``extra`` names another ``--speculative-algorithm``:
+    EAGLE gets the same draft arguments, an algorithm without a draft model (NGRAM: SGLang's n-gram corpus, tuned
+    by its own ``--speculative-ngram-*`` / ``--speculative-num-draft-tokens`` options) none. False: plain
+    decoding, and an algorithm in ``extra`` is a contradiction (SpecError)."""
     args = ["--model-path", str(model.target_dir), "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS,
             *model.model_args]
-    if speculative:
+    algorithm = option_value(extra, "--speculative-algorithm")
+    if not speculative:
+        if algorithm is not None:
+            raise SpecError(f"--speculative-algorithm {algorithm} asks for speculation on a server launched without "
+                            "it (--no-speculation / speculative=False); drop one of the two")
+    elif algorithm is None:
         args += ["--speculative-algorithm", "NEXTN", *model.draft_args]
+    elif algorithm.upper() in DRAFT_MODEL_ALGORITHMS:
+        args += model.draft_args
     return args + list(extra)
 
 
@@ -156,8 +182,8 @@ class SGLangServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.stop()
-                raise SpecError(f"the SGLang server exited with status {self.process.returncode} during start-up:\n"
-                                + self.log_tail())
+                raise SpecError(f"the SGLang server exited with status {self.process.returncode} during start-up "
+                                f"({self.last_error()}); its log: {self.log_path}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
@@ -166,7 +192,8 @@ class SGLangServer:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise SpecError(f"the SGLang server did not answer /health within {timeout:.0f} s:\n" + self.log_tail())
+        raise SpecError(f"the SGLang server did not answer /health within {timeout:.0f} s "
+                        f"({self.last_error()}); its log: {self.log_path}")
 
     def stop(self, timeout: float = 8.0) -> None:
         if self.process is None:
@@ -179,6 +206,14 @@ class SGLangServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+    def last_error(self) -> str:
+        """The log's last line naming an error (a traceback's final line, usually), for a one-line message."""
+        lines = self.log_tail(200).splitlines()
+        for line in reversed(lines):
+            if "Error" in line or "error:" in line or "Exception" in line:
+                return line.strip()[:300]
+        return lines[-1].strip()[:300] if lines else "no log"
 
     def __enter__(self) -> SGLangServer:
         """Starts the server unless ``start()`` already did."""
