@@ -65,7 +65,7 @@ from sglang_spec.tree.profile import AcceptanceProfile
 from sglang_spec.tree.sequoia import sequoia_plan
 from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH
 
-PROMPT_LOOKUP_TOKENS = 10  # Hugging Face prompt lookup's draft tokens per step: its usual setting
+PROMPT_LOOKUP_TOKENS = 10  # draft tokens per step of the prompt-lookup baseline: prompt lookup decoding's own default
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -336,10 +336,10 @@ def render_markdown(report: dict[str, Any]) -> str:
              ""]
     lines += markdown_table(
         ["head", "T", "method", "budget", "depth", "accept length", "tok/s", "speedup", "predicted", "identical"],
-        [[row["head"], row["temperature"], row["method"], row["budget"], row["depth"], accept_cell(row["accept_length"]),
-          f"{row['tokens_per_second']:.1f}", f"{row['speedup']:.2f}",
-          "" if row["predicted_speedup"] is None else f"{row['predicted_speedup']:.2f}", identical_cell(row["identical"])]
-         for row in rows])
+        [[row["head"], row["temperature"], row["method"], row["budget"], row["depth"],
+          accept_cell(row["accept_length"]), f"{row['tokens_per_second']:.1f}", f"{row['speedup']:.2f}",
+          "" if row["predicted_speedup"] is None else f"{row['predicted_speedup']:.2f}",
+          identical_cell(row["identical"])] for row in rows])
     costs = report["costs"]
     lines += ["", "Verify cost (target forward over n tree tokens after a "
               f"{costs['prefix']}-token prefix, ms): "
@@ -351,7 +351,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                  if key.endswith("_accept_length") and not key.startswith("chain")]
         lines.append("")
         lines += markdown_table(
-            ["head", "depth-1 top-1", "top-4", "top-8", "chain-4 AL", *(key.replace("_accept_length", "") for key in trees)],
+            ["head", "depth-1 top-1", "top-4", "top-8", "chain-4 AL",
+             *(key.replace("_accept_length", "") for key in trees)],
             [[name, f"{quality['depth1_top1']:.3f}", f"{quality['depth1_top4']:.3f}", f"{quality['depth1_top8']:.3f}",
               f"{quality['chain4_accept_length']:.2f}", *(f"{quality[key]:.2f}" for key in trees)]
              for name, quality in report["head_quality"].items()])

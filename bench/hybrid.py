@@ -69,17 +69,17 @@ from sglang_spec.tree.profile import AcceptanceProfile
 WORKLOADS = REPO / "bench" / "workloads"
 METHODS = ("plain", "hf_plain", "hf_lookup_k3", "hf_lookup_k5", "hf_lookup_k10", "mtp", "lookup", "hybrid", "auto")
 
-# What the hybrid trees must reach on this machine to be worth running (``done_when`` checks each run against them):
-# on code and extraction, which copy long spans from their context, Hugging Face's prompt lookup is the free
-# alternative: a tree must beat its best setting by more than the few percent a rerun of the same workload moves
+# What the hybrid trees must reach on this machine to be worth running (``done_when`` checks each run against them).
+# On code and extraction, which copy long spans of their context, Hugging Face's prompt lookup is the ready-made
+# alternative: the trees must be clearly faster than its best setting, by more than reruns of a workload differ
 OVER_BEST_LOOKUP = 1.15
-# ... and pay for the head and the verify on those workloads by half again plain decoding's tokens/s
+# ... and half again plain decoding's tokens/s there, to pay for the head and the wider verify
 OVER_PLAIN = 1.5
-# chat copies little: there --auto must take no tree rather than a losing one, so no slower than plain decoding
-# beyond a rerun's noise, at every temperature
+# Chat copies little: there --auto must fall back to plain steps rather than lose to plain decoding (3%: a rerun's
+# noise), at every temperature
 CHAT_OVER_PLAIN = 0.97
-# a verify of 16 tree tokens against one plain step: a step of the 16-node hybrid tree that costs more than this
-# needs more than OVER_PLAIN accepted tokens per step just to reach OVER_PLAIN
+# A verify of 16 tree tokens against one plain step. The verify is most of a tree step, so a step's speedup is
+# about its accept length over this ratio: at 1.5 a 16-node tree needs 2.25 tokens a step to reach OVER_PLAIN
 VERIFY16_OVER_PLAIN = 1.5
 
 

@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                 timing = measure(function, args.repeats, device)
                 rows.append({"op": op, "provider": provider, "batch": batch, "budget": budget, **timing})
                 print(format_row(rows[-1]), flush=True)
-    report = {"environment": kernel_environment(device), "config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    report = {"environment": kernel_environment(device), "config": {k: str(v) for k, v in vars(args).items()},
+              "rows": rows}
     write_text_atomic(args.out, json.dumps(report, indent=1) + "\n")
     print_table(rows)
     print(f"\nwrote {args.out}" + ("  (smoke run: CPU interpreter, not kernel timings)" if args.smoke else ""))

@@ -156,8 +156,8 @@ def render(limits: dict[str, Any]) -> str:
              f"{plain / limits['plain_step_floor_seconds']:.2f}", "1.00"]]
     for size, seconds in limits["verify_seconds"].items():
         floor = limits["verify_floor_seconds"][size]
-        rows.append([f"verify {size} tree tokens", f"{floor * 1e3:.1f}", f"{seconds * 1e3:.1f}", f"{seconds / floor:.2f}",
-                     f"{seconds / plain:.2f}"])
+        rows.append([f"verify {size} tree tokens", f"{floor * 1e3:.1f}", f"{seconds * 1e3:.1f}",
+                     f"{seconds / floor:.2f}", f"{seconds / plain:.2f}"])
     lines += markdown_table(["forward", "floor (ms)", "measured (ms)", "measured / floor", "/ plain step"], rows)
     return "\n".join(lines) + "\n"
 
