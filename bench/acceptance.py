@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +27,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import head_quality, load_heads, load_profiles, load_prompt_tokens, one_by_one
+from harness import (
+    COST_SIZES,
+    REPO,
+    accept_cell,
+    greedy_identity,
+    head_quality,
+    hf_generate,
+    identical_cell,
+    load_heads,
+    load_profiles,
+    load_prompt_tokens,
+    markdown_table,
+    model_environment,
+    one_by_one,
+)
 
 from sglang_spec.catalog import load_model
 from sglang_spec.cli.parser import OneLineErrorParser, comma_list, integer
@@ -38,7 +51,6 @@ from sglang_spec.decode.decoder import (
     GenerationConfig,
     GenerationOutput,
     SpeculativeDecoder,
-    compare_with_plain,
     generate_plain,
 )
 from sglang_spec.decode.target import TransformersRunner
@@ -53,8 +65,7 @@ from sglang_spec.tree.profile import AcceptanceProfile
 from sglang_spec.tree.sequoia import sequoia_plan
 from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH
 
-REPO = Path(__file__).resolve().parents[1]
-COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+PROMPT_LOOKUP_TOKENS = 10  # draft tokens per step of the prompt-lookup baseline: prompt lookup decoding's own default
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 quality[head_name] = head_quality(loaded, head, prompts, sweep.plain, profile,
                                                   args.tree_sizes, config)
     report = {
-        "environment": environment(loaded),
+        "environment": model_environment(loaded),
         "command": " ".join([Path(sys.executable).name, "bench/acceptance.py", *(argv or sys.argv[1:])]),
         "config": {k: str(v) for k, v in vars(args).items()},
         "prompts": prompt_ids,
@@ -234,39 +245,15 @@ def auto_row(sweep: Sweep, head_name: str, head: MTPHead, profile: AcceptancePro
     return row
 
 
-def run_prompt_lookup(loaded: LoadedModel, prompts: list[list[int]], config: GenerationConfig) -> dict[str, Any]:
-    """Hugging Face's prompt-lookup decoding (n-gram drafts from the prompt), batch 1, same prompts and budget."""
-    start = time.perf_counter()
-    generated = 0
-    identical = True if config.sampling.greedy else None
-    reference = None
-    if config.sampling.greedy:
-        reference = generate_plain(loaded.model, prompts, config)
-        start = time.perf_counter()
-    for index, prompt in enumerate(prompts):
-        kwargs: dict[str, Any] = dict(max_new_tokens=config.max_new_tokens, prompt_lookup_num_tokens=10,
-                                      eos_token_id=list(config.eos_token_ids) or None, pad_token_id=0)
-        if config.sampling.greedy:
-            kwargs["do_sample"] = False
-        else:
-            kwargs.update(do_sample=True, temperature=config.sampling.temperature, top_k=0, top_p=1.0)
-        with torch.no_grad():
-            output = loaded.model.generate(input_ids=torch.tensor([prompt]), **kwargs)
-        tokens = output[0, len(prompt):].tolist()
-        generated += len(tokens)
-        if reference is not None and tokens != reference.requests[index].tokens:
-            identical = False
-    seconds = time.perf_counter() - start
-    return {"tokens_per_second": generated / seconds, "seconds": seconds, "identical": identical}
-
-
 def prompt_lookup_row(sweep: Sweep) -> Row:
-    lookup = run_prompt_lookup(sweep.loaded, sweep.prompts, sweep.config)
-    return Row(head="-", temperature=sweep.config.sampling.temperature, method="prompt_lookup", budget=10, depth=0,
-               accept_length=math.nan, tokens_per_second=lookup["tokens_per_second"],
-               speedup=lookup["tokens_per_second"] / sweep.plain.tokens_per_second, mean_tree_nodes=0, steps=0,
-               draft_seconds=0, verify_seconds=0, total_seconds=lookup["seconds"], identical=lookup["identical"],
-               near_ties=0)
+    """Hugging Face's prompt-lookup decoding, batch 1, on the same prompts and budget."""
+    lookup = hf_generate(sweep.loaded, sweep.prompts, sweep.config, lookup=PROMPT_LOOKUP_TOKENS)
+    return Row(head="-", temperature=sweep.config.sampling.temperature, method="prompt_lookup",
+               budget=PROMPT_LOOKUP_TOKENS, depth=0, accept_length=math.nan,
+               tokens_per_second=lookup.tokens_per_second,
+               speedup=lookup.tokens_per_second / sweep.plain.tokens_per_second, mean_tree_nodes=0, steps=0,
+               draft_seconds=0, verify_seconds=0, total_seconds=lookup.seconds,
+               identical=lookup.identical_to(sweep.plain, sweep.config), near_ties=0)
 
 
 def draft_vocab_timing(loaded: LoadedModel, head: MTPHead) -> dict[str, float]:
@@ -299,11 +286,7 @@ def row_from(sweep: Sweep, head: str, method: str, budget: int, depth: int, outp
 
 def finish_row(sweep: Sweep, head_name: str, policy: TreePolicy, output: GenerationOutput,
                profile: AcceptanceProfile) -> Row:
-    identical, near_ties = None, 0
-    if sweep.config.sampling.greedy:
-        comparisons = [compare_with_plain(ours, theirs) for ours, theirs in zip(output.requests, sweep.plain.requests)]
-        identical = all(c.identical or c.excused for c in comparisons)
-        near_ties = sum(c.excused for c in comparisons)
+    identical, near_ties = greedy_identity(output, sweep.plain) if sweep.config.sampling.greedy else (None, 0)
     row = row_from(sweep, head_name, policy.name, policy.budget, policy.depth, output, identical, near_ties)
     nodes = min(policy.budget, policy.depth) + 1 if policy.name == "chain" else policy.budget + 1
     row.mean_tree_nodes = nodes
@@ -350,14 +333,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [f"# Acceptance sweep ({report['environment']['device']}, {report['environment']['model']})", "",
              f"Command: `{report['command']}`", "",
              "Accept length = tokens per step, bonus included. Speedup = tokens/s over plain decoding in the same run.",
-             "", "| head | T | method | budget | depth | accept length | tok/s | speedup | predicted | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        predicted = "" if row["predicted_speedup"] is None else f"{row['predicted_speedup']:.2f}"
-        identical = {None: "", True: "yes", False: "NO"}[row["identical"]]
-        accept = "" if row["accept_length"] != row["accept_length"] else f"{row['accept_length']:.2f}"
-        lines.append(f"| {row['head']} | {row['temperature']} | {row['method']} | {row['budget']} | {row['depth']} | "
-                     f"{accept} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f} | {predicted} | {identical} |")
+             ""]
+    lines += markdown_table(
+        ["head", "T", "method", "budget", "depth", "accept length", "tok/s", "speedup", "predicted", "identical"],
+        [[row["head"], row["temperature"], row["method"], row["budget"], row["depth"],
+          accept_cell(row["accept_length"]), f"{row['tokens_per_second']:.1f}", f"{row['speedup']:.2f}",
+          "" if row["predicted_speedup"] is None else f"{row['predicted_speedup']:.2f}",
+          identical_cell(row["identical"])] for row in rows])
     costs = report["costs"]
     lines += ["", "Verify cost (target forward over n tree tokens after a "
               f"{costs['prefix']}-token prefix, ms): "
@@ -365,15 +347,15 @@ def render_markdown(report: dict[str, Any]) -> str:
               f"; one draft level {costs['draft_level'] * 1e3:.1f} ms; host overhead per step "
               f"{costs['step_overhead'] * 1e3:.1f} ms."]
     if report["head_quality"]:
-        lines += ["", "| head | depth-1 top-1 | top-4 | top-8 | chain-4 AL | " + " | ".join(
-            key.replace("_accept_length", "") for key in next(iter(report["head_quality"].values()))
-            if key.endswith("_accept_length") and not key.startswith("chain")) + " |"]
-        lines.append("|" + "---|" * (5 + sum(1 for k in next(iter(report["head_quality"].values()))
-                                            if k.endswith("_accept_length") and not k.startswith("chain"))))
-        for name, quality in report["head_quality"].items():
-            trees = [f"{v:.2f}" for k, v in quality.items() if k.endswith("_accept_length") and not k.startswith("chain")]
-            lines.append(f"| {name} | {quality['depth1_top1']:.3f} | {quality['depth1_top4']:.3f} | "
-                         f"{quality['depth1_top8']:.3f} | {quality['chain4_accept_length']:.2f} | " + " | ".join(trees) + " |")
+        trees = [key for key in next(iter(report["head_quality"].values()))
+                 if key.endswith("_accept_length") and not key.startswith("chain")]
+        lines.append("")
+        lines += markdown_table(
+            ["head", "depth-1 top-1", "top-4", "top-8", "chain-4 AL",
+             *(key.replace("_accept_length", "") for key in trees)],
+            [[name, f"{quality['depth1_top1']:.3f}", f"{quality['depth1_top4']:.3f}", f"{quality['depth1_top8']:.3f}",
+              f"{quality['chain4_accept_length']:.2f}", *(f"{quality[key]:.2f}" for key in trees)]
+             for name, quality in report["head_quality"].items()])
     for name, timing in report.get("draft_vocabulary", {}).items():
         lines.append(f"Head {name}: one draft level {timing['draft_level_seconds'] * 1e3:.1f} ms over its "
                      f"{timing['draft_vocab_size']}-token draft vocabulary, "
@@ -448,17 +430,6 @@ def draw_plots(report: dict[str, Any], folder: Path, stem: str) -> None:
     figure.tight_layout()
     figure.savefig(folder / f"{stem}-costs.png", dpi=110)
     plt.close(figure)
-
-
-def environment(loaded: LoadedModel) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = None
-    return {"device": f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads, CPU",
-            "model": loaded.name, "dtype": str(next(loaded.model.parameters()).dtype), "torch": torch.__version__,
-            "python": platform.python_version(), "commit": commit}
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import datetime
 import importlib.util
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -259,19 +258,15 @@ def run_check(check: Check, dry: bool, seconds_left: float, scratch: Path) -> Ou
 
 # ------------------------------------------------------------------------------------------------ recording
 def environment(dry: bool) -> dict:
-    # torch and triton are imported only once preflight has found them, so a missing one is a one-line error
+    # torch and triton (and the harness, which imports torch) are imported only once preflight has found them, so
+    # a missing one is a one-line error
+    import harness
     import torch
     import triton
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not dry else "cpu (dry run)"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None  # a copy of the checkout without git
-    return {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "device": device,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "python": platform.python_version(), "commit": commit}
+    return {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+            **harness.environment(device, cuda=torch.version.cuda, triton=triton.__version__)}
 
 
 def docs_rows(env: dict, outcomes: dict[str, Outcome]) -> list[str]:

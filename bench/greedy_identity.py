@@ -22,15 +22,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness import REPO, random_tiny
 
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, compare_with_plain, generate_plain
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_json_atomic
-from sglang_spec.models.tiny_deepseek import build_tiny_deepseek
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.tree import AcceptanceProfile, TreePolicy
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 8
 POLICIES = ("chain", "eagle", "sequoia", "specexec")
 PROFILE = AcceptanceProfile.from_obj({"rank_acceptance": [[0.7, 0.15, 0.05], [0.6, 0.15, 0.05]]})
@@ -49,15 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tiny:
         args.prompts, args.max_new_tokens, args.batch_sizes = 2, 6, "2"
     return args
-
-
-def random_target(device: str) -> tuple[torch.nn.Module, MTPHead]:
-    """The tiny DeepSeek-V3 with random weights (initializer range 0.2: clear argmaxes) and a random MTP head."""
-    model = build_tiny_deepseek(seed=3, initializer_range=0.2, vocab_size=VOCAB).to(device)
-    with torch.random.fork_rng():
-        torch.manual_seed(4)
-        head = MTPHead.for_target(model)
-    return model, head
 
 
 def check_policy(model: torch.nn.Module, head: MTPHead, prompts: list[list[int]], policy_name: str,
@@ -81,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_output_path(args.out, force=True)  # a bad --out fails now, not after the decoding
     started = time.perf_counter()
-    model, head = random_target(args.device)
+    model, head = random_tiny(args.device, vocab_size=VOCAB)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, VOCAB, size=int(rng.integers(2, 14))).tolist() for _ in range(args.prompts)]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)

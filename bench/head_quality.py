@@ -1,4 +1,4 @@
-"""Head quality on every held-out prompt (greedy): the issue's baseline metrics without the speed sweep.
+"""Head quality on every held-out prompt (greedy): the baseline metrics of a head without the speed sweep.
 
     python bench/head_quality.py                      # both shipped SmolLM2 heads, HumanEval 120-163, 32 tokens
 
@@ -15,15 +15,13 @@ import json
 import sys
 from pathlib import Path
 
-from harness import head_quality, load_heads, load_profiles, load_prompt_tokens
+from harness import REPO, head_quality, load_heads, load_profiles, load_prompt_tokens
 
 from sglang_spec.catalog import load_model
 from sglang_spec.decode.decoder import GenerationConfig, generate_plain
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.sampling import SamplingParams
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,17 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
+from harness import REPO, balanced_tree, depth_of, device_name, environment  # harness imports no Triton kernel
+
+from sglang_spec.decode.autotune import interleaved_times
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                 timing = measure(function, args.repeats, device)
                 rows.append({"op": op, "provider": provider, "batch": batch, "budget": budget, **timing})
                 print(format_row(rows[-1]), flush=True)
-    report = {"environment": environment(device), "config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    report = {"environment": kernel_environment(device), "config": {k: str(v) for k, v in vars(args).items()},
+              "rows": rows}
     write_text_atomic(args.out, json.dumps(report, indent=1) + "\n")
     print_table(rows)
     print(f"\nwrote {args.out}" + ("  (smoke run: CPU interpreter, not kernel timings)" if args.smoke else ""))
@@ -299,52 +298,23 @@ def flashinfer_segment_packbits(case: Case) -> Callable | None:
     return lambda: segment_packbits(rows, indptr, bitorder="little")
 
 
-def balanced_tree(nodes: int, topk: int) -> tuple[list[int], list[int]]:
-    """Breadth-first tree with up to ``topk`` children per node: parents and sibling ranks."""
-    parents, ranks = [-1], [0]
-    for node in range(1, nodes):
-        parents.append((node - 1) // topk)
-        ranks.append((node - 1) % topk)
-    return parents, ranks
-
-
-def depth_of(parents: list[int]) -> int:
-    depths = [0] * len(parents)
-    for node in range(1, len(parents)):
-        depths[node] = depths[parents[node]] + 1
-    return max(max(depths), 1)
-
-
 def measure(function: Callable, repeats: int, device: str) -> dict:
+    """``function`` timed ``repeats`` times (on a GPU: captured in a CUDA graph and replayed, when it captures)."""
     import torch
 
     function()  # compile / warm up
-    if device != "cuda":
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            function()
-            times.append((time.perf_counter() - start) * 1e6)
-        return summarize(times, graph=False)
-    torch.cuda.synchronize()
-    graph = None
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            function()
-        run = graph.replay
-    except Exception:  # not capturable (host syncs inside): time eagerly
-        graph = None
-        run = function
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return summarize(times, graph=graph is not None)
+    run, graph = function, False
+    if device == "cuda":
+        torch.cuda.synchronize()
+        try:
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                function()
+            run, graph = captured.replay, True
+        except Exception:  # not capturable (host syncs inside): time eagerly
+            pass
+    seconds = interleaved_times({"op": run}, repeats, warmup=0, device=device)["op"]
+    return summarize([t * 1e6 for t in seconds], graph=graph)
 
 
 def summarize(times: list[float], graph: bool) -> dict:
@@ -375,24 +345,16 @@ def print_table(rows: list[dict]) -> None:
         print(" | ".join([f"{op:>16}", f"{batch:>4}", f"{budget:>6}"] + cells))
 
 
-def environment(device: str) -> dict:
-    import torch
+def kernel_environment(device: str) -> dict:
     import triton
 
-    info = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
     try:
         import sglang
 
-        info["sglang"] = sglang.__version__
+        sglang_version = sglang.__version__
     except Exception:
-        info["sglang"] = None
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                        text=True).stdout.strip()
-    except OSError:
-        info["commit"] = None
-    return info
+        sglang_version = None
+    return environment(device_name(device), triton=triton.__version__, sglang=sglang_version)
 
 
 if __name__ == "__main__":

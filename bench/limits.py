@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
+from harness import LIMIT_SIZES, markdown_table, median_seconds, random_tree
 
 from sglang_spec.catalog import load_model
 from sglang_spec.decode.autotune import interleaved_medians
@@ -31,19 +31,12 @@ from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.decode.static_runner import target_runner_for
 from sglang_spec.tree.batch import TreeBatch
-from sglang_spec.tree.token_tree import TokenTree
-
-VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
-
-
-def median_seconds(function: Callable[[], object], repeats: int = 9, warmup: int = 2) -> float:
-    return interleaved_medians({"only": function}, repeats, warmup)["only"]
 
 
 def memory_bandwidth(megabytes: int = 512) -> float:
     """GB/s of a streaming read (a sum over a tensor far larger than the last-level cache)."""
     data = torch.ones(megabytes * 2**20 // 4)
-    seconds = median_seconds(lambda: data.sum(), repeats=7)
+    seconds = median_seconds(lambda: data.sum(), repeats=7, warmup=2)
     return data.numel() * 4 / seconds / 1e9
 
 
@@ -57,7 +50,7 @@ def matmul_throughput(rows: int, inner: int, cols: int, matrices: int = 1) -> fl
         for weight in weights:
             torch.nn.functional.linear(inputs, weight)
 
-    seconds = median_seconds(run, repeats=7)
+    seconds = median_seconds(run, repeats=7, warmup=2)
     return 2 * rows * inner * cols * matrices / seconds / 1e9
 
 
@@ -95,16 +88,7 @@ def model_shape(model: Any) -> ModelShape:
                       hidden=config.hidden_size, kv_width=2 * kv_heads * head_dim, heads=heads, head_dim=head_dim)
 
 
-def verify_tree(size: int, vocab: int, seed: int = 0) -> TokenTree:
-    """A branching tree of ``size`` nodes (up to 3 children per node), the kind a hybrid step verifies."""
-    rng = np.random.default_rng(seed)
-    parents = [-1]
-    for node in range(1, size):
-        parents.append(int(rng.integers(max(0, node - 3), node)))
-    return TokenTree.from_parents(parents, tokens=rng.integers(vocab, size=size).tolist())
-
-
-def measure(model: Any, context: int, sizes: tuple[int, ...] = VERIFY_SIZES, repeats: int = 9,
+def measure(model: Any, context: int, sizes: tuple[int, ...] = LIMIT_SIZES, repeats: int = 9,
             quick: bool = False) -> dict[str, Any]:
     """The runner's plain step and verify(n) at a ``context``-token cache, with the machine's floors (``quick``:
     a smaller bandwidth read and GEMM, for tests)."""
@@ -126,7 +110,7 @@ def measure(model: Any, context: int, sizes: tuple[int, ...] = VERIFY_SIZES, rep
     runner.start_batch([runner.prefill(prompt)])
     forwards: dict[Any, Callable[[], object]] = {"plain": plain_step}
     for size in sizes:
-        batch = TreeBatch.from_trees([verify_tree(size, model.config.vocab_size)])
+        batch = TreeBatch.from_trees([random_tree(size, model.config.vocab_size)])
         # a verify writes its nodes past the committed slots and commits nothing: repeatable as is
         forwards[size] = lambda batch=batch: runner.verify(batch)
     timed = interleaved_medians(forwards, repeats, warmup=2)
@@ -166,15 +150,15 @@ def render(limits: dict[str, Any]) -> str:
         f"{limits['model']['matmul_params'] / 1e6:.1f} M multiply-adds per token; runner {limits['runner']}, "
         f"{limits['context']}-token context.",
         "",
-        "| forward | floor (ms) | measured (ms) | measured / floor | / plain step |",
-        "|---|---|---|---|---|",
-        f"| plain decode step | {limits['plain_step_floor_seconds'] * 1e3:.1f} | {limits['plain_step_seconds'] * 1e3:.1f} | "
-        f"{limits['plain_step_seconds'] / limits['plain_step_floor_seconds']:.2f} | 1.00 |",
     ]
+    plain = limits["plain_step_seconds"]
+    rows = [["plain decode step", f"{limits['plain_step_floor_seconds'] * 1e3:.1f}", f"{plain * 1e3:.1f}",
+             f"{plain / limits['plain_step_floor_seconds']:.2f}", "1.00"]]
     for size, seconds in limits["verify_seconds"].items():
         floor = limits["verify_floor_seconds"][size]
-        lines.append(f"| verify {size} tree tokens | {floor * 1e3:.1f} | {seconds * 1e3:.1f} | {seconds / floor:.2f} | "
-                     f"{seconds / limits['plain_step_seconds']:.2f} |")
+        rows.append([f"verify {size} tree tokens", f"{floor * 1e3:.1f}", f"{seconds * 1e3:.1f}",
+                     f"{seconds / floor:.2f}", f"{seconds / plain:.2f}"])
+    lines += markdown_table(["forward", "floor (ms)", "measured (ms)", "measured / floor", "/ plain step"], rows)
     return "\n".join(lines) + "\n"
 
 

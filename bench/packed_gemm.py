@@ -12,10 +12,10 @@ for exactly that many rows); a backend this machine lacks prints "-".
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from sglang_spec.decode.autotune import interleaved_times
 from sglang_spec.gemm.packed_linear import BACKENDS, PackedLinear, available_backends
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of qkv, o, gate_up, down
@@ -25,14 +25,14 @@ HEAD = (49152, 576)
 
 def best_pass_ms(backends: dict[str, list[tuple[object, torch.Tensor]]], passes: int = 5) -> dict[str, float]:
     """Best pass per backend, the backends' passes interleaved (so a slow spell of the machine hits them all)."""
-    best = {name: float("inf") for name in backends}
-    for _ in range(passes):
-        for name, products in backends.items():
-            start = time.perf_counter()
-            for product, x in products:
-                product(x)  # type: ignore[operator]
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {name: seconds * 1e3 for name, seconds in best.items()}
+
+    def one_pass(products: list[tuple[object, torch.Tensor]]) -> None:
+        for product, x in products:
+            product(x)  # type: ignore[operator]
+
+    passes_by_backend = {name: (lambda products=products: one_pass(products)) for name, products in backends.items()}
+    times = interleaved_times(passes_by_backend, passes, warmup=0)
+    return {name: min(seconds) * 1e3 for name, seconds in times.items()}
 
 
 def main() -> int:

@@ -16,13 +16,14 @@ import json
 import sys
 from pathlib import Path
 
+from harness import REPO, markdown_table
+
 from sglang_spec.cli.parser import OneLineErrorParser, comma_list, integer
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.tree.policies import MAX_TOPK
 from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH
 
-REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("eagle", "sequoia", "specexec")
 HELD_OUT_PROMPTS = 30  # HumanEval 134-163: never in the shipped head's traffic
 
@@ -79,15 +80,11 @@ def main(argv=None) -> int:
     write_text_atomic(args.out, json.dumps({"rows": rows, "greedy_identical": identical, "command": command.strip(),
                                     "prompts": f"HumanEval {134}-{134 + args.num_prompts - 1}",
                                     "max_new_tokens": args.max_new_tokens}, indent=1) + "\n")
-    lines = ["| budget | eagle (SGLang's selection, W = topk) | sequoia (plugin loop) | specexec (plugin loop) |",
-             "|---|---|---|---|"]
-    for budget in sorted({row["budget"] for row in rows}):
-        cells = []
-        for policy in POLICIES:
-            row = next(r for r in rows if (r["policy"], r["budget"]) == (policy, budget))
-            cells.append(f"{row['accept_length']:.2f} (W {row['width']})")
-        lines.append(f"| {budget} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+    by = {(row["policy"], row["budget"]): row for row in rows}
+    table = "\n".join(markdown_table(
+        ["budget", "eagle (SGLang's selection, W = topk)", "sequoia (plugin loop)", "specexec (plugin loop)"],
+        [[budget, *(f"{by[(policy, budget)]['accept_length']:.2f} (W {by[(policy, budget)]['width']})"
+                    for policy in POLICIES)] for budget in sorted({row["budget"] for row in rows})]))
     write_text_atomic(
         args.out.with_suffix(".md"),
         f"Mean accept length through SGLang (SmolLM2-135M + shipped head, {len(prompts)} held-out HumanEval prompts, "

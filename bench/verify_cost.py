@@ -21,23 +21,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 import torch
+from deepseek_v3_layers import DEEPSEEK_V3, TINY, ModelDims, VerifyModel, weight_bytes
+from harness import REPO, device_name, environment
 
-from deepseek_v3_layers import DEEPSEEK_V3, TINY, ModelDims, VerifyModel, weight_bytes  # a sibling in bench/
+from sglang_spec.decode.autotune import interleaved_medians
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, read_text, write_json_atomic
 from sglang_spec.models.registry import SHIPPED_PROFILES
 from sglang_spec.tree.cost_model import CostCurve, choose_tree_size, predicted_speedup
 from sglang_spec.tree.profile import AcceptanceProfile
 
-REPO = Path(__file__).resolve().parents[1]
 ACCEPTANCE = REPO / "docs" / "results" / "acceptance.json"
 PROFILES = REPO / "sglang_spec" / "data" / "profiles"
 POLICIES = ("chain", "eagle", "sequoia", "specexec")
@@ -60,36 +59,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------------ timing
-def median_seconds(function: Callable[[], object], repeats: int, device: str) -> float:
-    """Median wall time of ``function`` (CUDA events on a GPU), after one warm-up call."""
-    function()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            function()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            function()
-            times.append(time.perf_counter() - begin)
-    return sorted(times)[len(times) // 2]
-
-
 @torch.no_grad()
 def measure_pieces(model: VerifyModel, batch: int, nodes: int, prefix: int, repeats: int, device: str) -> dict:
-    """Seconds of each piece's forward over ``batch`` requests x ``nodes`` tree tokens after ``prefix``."""
+    """Seconds of each piece's forward over ``batch`` requests x ``nodes`` tree tokens after ``prefix`` (medians,
+    CUDA events on a GPU; the pieces taken in turn)."""
     x = torch.randn(batch, nodes, model.dims.hidden, device=device, dtype=model.head.dtype)
-    return {
-        "batch": batch,
-        "nodes": nodes,
-        "dense_layer_s": median_seconds(lambda: model.dense(x, model.cache, prefix), repeats, device),
-        "moe_layer_s": median_seconds(lambda: model.moe(x, model.cache, prefix), repeats, device),
-        "head_s": median_seconds(lambda: model.logits(x), repeats, device),
+    pieces = {
+        "dense_layer_s": lambda: model.dense(x, model.cache, prefix),
+        "moe_layer_s": lambda: model.moe(x, model.cache, prefix),
+        "head_s": lambda: model.logits(x),
     }
+    return {"batch": batch, "nodes": nodes, **interleaved_medians(pieces, repeats, device=device)}
 
 
 def full_model_seconds(dims: ModelDims, piece: dict) -> float:
@@ -199,14 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:
         for nodes in sizes:
             pieces.append(measure_pieces(model, batch, nodes, args.prefix, args.repeats, device))
-    device_name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.machine()})"
-    curves = cost_curves(dims, pieces, args.prefix, device_name)
+    curves = cost_curves(dims, pieces, args.prefix, device_name(device))
     gains = speedups(curves, measured_accept_lengths())
     choices = profile_choices(curves)
     print_report(dims, curves, gains, choices, experts)
     report = {
-        "environment": {"device": device_name, "torch": torch.__version__, "python": platform.python_version(),
-                        "dtype": str(dtype).replace("torch.", "")},
+        "environment": environment(device_name(device), dtype=str(dtype).replace("torch.", "")),
         "dims": asdict(dims), "prefix": args.prefix, "tiny": args.tiny, "experts": experts,
         "seconds": time.perf_counter() - started,
         "pieces": pieces,

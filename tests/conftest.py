@@ -96,17 +96,22 @@ def tiny():
 
 @pytest.fixture(scope="session")
 def random_tiny():
-    """A random-weight tiny DeepSeek-V3 and a random MTP head (seeded)."""
-    import torch
+    """A random-weight tiny DeepSeek-V3 and a random MTP head (seeded): the pair bench/greedy_identity.py decodes
+    with (bench/harness.py builds both), here with the config's own vocabulary."""
+    return bench_harness().random_tiny()
 
-    from sglang_spec.models.tiny_deepseek import build_tiny_deepseek
-    from sglang_spec.mtp.head import MTPHead
 
-    model = build_tiny_deepseek(seed=3, initializer_range=0.2)
-    with torch.random.fork_rng():
-        torch.manual_seed(4)
-        head = MTPHead.for_target(model)
-    return model, head
+def bench_harness():
+    """bench/harness.py as the bench scripts import it (module ``harness``), without putting every bench script
+    on sys.path."""
+    import importlib.util
+
+    if "harness" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("harness", TESTS_DIR.parent / "bench" / "harness.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["harness"] = module  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(module)
+    return sys.modules["harness"]
 
 
 _NEAR_TIES: list[tuple[str, int]] = []

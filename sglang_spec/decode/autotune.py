@@ -70,19 +70,41 @@ def measure_costs(
     return replace(forwards, step_overhead=overhead)
 
 
-def interleaved_medians(functions: dict[Any, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[Any, float]:
+def interleaved_medians(
+    functions: dict[Any, Callable[[], object]], repeats: int, warmup: int = 1, device: str | torch.device | None = None
+) -> dict[Any, float]:
     """Median seconds of each function, timed in rounds that take them in turn (after ``warmup`` rounds): a slow
-    spell of a shared machine then lands on all of them instead of inflating one."""
+    spell of a shared machine then lands on all of them instead of inflating one. ``device``: see
+    ``interleaved_times``."""
+    times = interleaved_times(functions, repeats, warmup, device)
+    return {key: sorted(values)[len(values) // 2] for key, values in times.items()}
+
+
+def interleaved_times(
+    functions: dict[Any, Callable[[], object]], repeats: int, warmup: int = 1, device: str | torch.device | None = None
+) -> dict[Any, list[float]]:
+    """Seconds of every timed call of each function, in rounds that take the functions in turn (after ``warmup``
+    rounds). On a CUDA ``device`` a call is timed by CUDA events around it and waited for (the GPU's time for the
+    work it queued, not the host's time to queue it); elsewhere by the host clock."""
+    cuda = device is not None and torch.device(device).type == "cuda"
     for _ in range(warmup):
         for function in functions.values():
             function()
     times: dict[Any, list[float]] = {key: [] for key in functions}
     for _ in range(repeats):
         for key, function in functions.items():
-            start = time.perf_counter()
-            function()
-            times[key].append(time.perf_counter() - start)
-    return {key: sorted(values)[len(values) // 2] for key, values in times.items()}
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                function()
+                end.record()
+                end.synchronize()
+                times[key].append(start.elapsed_time(end) / 1e3)
+            else:
+                begin = time.perf_counter()
+                function()
+                times[key].append(time.perf_counter() - begin)
+    return times
 
 
 def _verify_times(

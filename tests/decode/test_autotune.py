@@ -1,7 +1,7 @@
 import json
 
 from sglang_spec.cli import main
-from sglang_spec.decode.autotune import measure_costs
+from sglang_spec.decode.autotune import interleaved_medians, interleaved_times, measure_costs
 from sglang_spec.tree import AcceptanceProfile
 from sglang_spec.tree.cost_model import CostCurve, choose_speculation
 
@@ -20,6 +20,17 @@ def test_choice_follows_the_cost_curve():
                       device="synthetic")
     assert choose_speculation(GOOD, steep).budget == 0
     assert choose_speculation(POOR, flat).budget == 0  # a poor head never pays
+
+
+def test_the_timer_takes_the_functions_in_turn_after_the_warmup_rounds():
+    calls = []
+    functions = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
+    times = interleaved_times(functions, repeats=3, warmup=2, device="cpu")
+    assert calls == ["a", "b"] * 5
+    assert {key: len(seconds) for key, seconds in times.items()} == {"a": 3, "b": 3}
+    assert all(t >= 0 for seconds in times.values() for t in seconds)
+    medians = interleaved_medians(functions, repeats=3)
+    assert medians.keys() == {"a", "b"} and len(calls) == 10 + 2 + 6  # one warm-up round by default
 
 
 def test_measured_costs_on_the_tiny_model(tiny):
