@@ -15,7 +15,6 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from sglang_spec.errors import SpecError
 from sglang_spec.tree.profile import AcceptanceProfile
 from sglang_spec.tree.token_tree import TokenTree
 
