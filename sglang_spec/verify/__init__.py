@@ -2,20 +2,18 @@
 
 Lossless: ``verify_greedy`` (temperature 0), ``verify_sample_match`` (deterministic top-k candidate trees,
 SpecExec), ``verify_candidate_first`` (the same trees, SGLang's target-only sampling: ``verify/target_only.py``),
-``verify_rejection(rule="swor")`` (children sampled without replacement, Sequoia) and
-``verify_rejection(rule="iid")`` (children sampled i.i.d., SpecInfer). LOSSY, opt-in only: ``relaxed``.
-Every rule but typical acceptance is a ``WalkRule`` run by the one walk in ``verify/walk.py``.
+LOSSY, opt-in only: ``relaxed``. Every rule is a ``WalkRule`` run by the one walk in ``verify/walk.py``. Rules
+for sampled drafts that nothing here drafts (Sequoia's SWOR, SpecInfer's i.i.d.) and Medusa's typical
+acceptance are test references (``tests/reference_rules.py``).
 """
 
 from sglang_spec.verify.greedy import verify_greedy
-from sglang_spec.verify.rejection import RejectionRule, RejectionStep, rejection_step, verify_rejection
 from sglang_spec.verify.relaxed import (
     RelaxedAcceptance,
     RelaxedRule,
     RelaxedVerifyResult,
     verify_relaxed_top_n,
     verify_relaxed_topn_delta,
-    verify_typical,
 )
 from sglang_spec.verify.result import VerifyResult
 from sglang_spec.verify.sample_match import verify_sample_match
@@ -25,20 +23,15 @@ from sglang_spec.verify.walk import MatchRule, WalkRule, walk, walk_matching_chi
 __all__ = [
     "CandidateFirstRule",
     "MatchRule",
-    "RejectionRule",
-    "RejectionStep",
     "RelaxedAcceptance",
     "RelaxedRule",
     "RelaxedVerifyResult",
     "VerifyResult",
     "WalkRule",
-    "rejection_step",
     "verify_greedy",
-    "verify_rejection",
     "verify_relaxed_top_n",
     "verify_relaxed_topn_delta",
     "verify_sample_match",
-    "verify_typical",
     "walk",
     "verify_candidate_first",
     "walk_matching_children",

@@ -10,7 +10,7 @@ token at the last node. All requests advance together, one level per iteration; 
 Rules:
 * ``MatchRule``: accept the child whose token equals the target's token at the node (an argmax for greedy, a
   sample for SpecExec's sample-and-match); the bonus is that token at the last node.
-* ``RejectionRule`` (``verify/rejection.py``) and ``RelaxedRule`` (``verify/relaxed.py``).
+* ``RelaxedRule`` (``verify/relaxed.py``); the test references ``RejectionRule`` (``tests/reference_rules.py``).
 """
 
 from __future__ import annotations

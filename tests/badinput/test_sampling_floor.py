@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from sglang_spec.cli import main
 from sglang_spec.kernels.verify_accept import target_tokens, target_tokens_reference
 from sglang_spec.sampling import TEMPERATURE_FLOOR, SamplingParams, target_probs_from_logits
-from sglang_spec.verify.relaxed import verify_typical
+from reference_rules import verify_typical
 from sglang_spec.tree.batch import TreeBatch
 from sglang_spec.tree.token_tree import TokenTree
 

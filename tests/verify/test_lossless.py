@@ -10,11 +10,10 @@ from scipy import stats
 
 from sglang_spec.sampling import sample_from_probs
 from sglang_spec.tree import TokenTree, TreeBatch
+from reference_rules import rejection_step, verify_rejection
 from sglang_spec.verify import (
     CandidateFirstRule,
-    rejection_step,
     verify_candidate_first,
-    verify_rejection,
     verify_sample_match,
     walk,
 )

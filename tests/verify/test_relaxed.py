@@ -3,7 +3,8 @@ import torch
 
 from helpers import random_tree
 from sglang_spec.tree import TokenTree, TreeBatch
-from sglang_spec.verify import RelaxedAcceptance, verify_greedy, verify_relaxed_topn_delta, verify_typical
+from reference_rules import verify_typical
+from sglang_spec.verify import RelaxedAcceptance, verify_greedy, verify_relaxed_topn_delta
 
 BEGIN, END = 8, 9
 

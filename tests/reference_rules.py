@@ -1,4 +1,7 @@
-"""Rejection rules for trees whose children were *sampled* from the draft distribution q.
+"""Verification rules the decoder and the plugin do not run, kept as references the lossless and relaxed tests
+check (and check against): Sequoia's SWOR and SpecInfer's i.i.d. rejection rules, Medusa's typical acceptance.
+
+The rejection rules, for trees whose children were *sampled* from the draft distribution q:
 
 At a node with target p and children x_1..x_k in draw order, try each child in turn: accept x_i with probability
 min(1, p_i(x_i) / q_i(x_i)); on rejection p_{i+1} = norm((p_i - q_i)+) and
@@ -19,9 +22,9 @@ from typing import Literal
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sampling import sample_from_probs
+from sglang_spec.sampling import TEMPERATURE_FLOOR, sample_from_probs
 from sglang_spec.tree.batch import TreeBatch
-from sglang_spec.verify.result import VerifyResult
+from sglang_spec.verify.result import VerifyResult, finish
 from sglang_spec.verify.walk import WalkRule, walk
 
 RejectionKind = Literal["swor", "iid"]
@@ -125,3 +128,56 @@ def verify_rejection(
     if rule not in ("swor", "iid"):
         raise SpecError(f"unknown rejection rule {rule!r}; use 'swor' or 'iid'")
     return walk(batch, RejectionRule(batch, target_probs, draft_probs, accept_coins, bonus_coins, rule))
+
+
+def verify_typical(
+    batch: TreeBatch, target_logits: torch.Tensor, temperature: float, epsilon: float, alpha: float
+) -> VerifyResult:
+    """Medusa typical acceptance (LOSSY): with p_T = softmax(logits / T), a node's token is acceptable when
+    p_T(x) > min(epsilon, alpha * exp(-H(p_T))); the accepted path is the deepest node whose whole path is
+    acceptable, ties broken by the larger summed log p_T, then the lower index. The bonus is the argmax.
+    target_logits: [B, N, V]. temperature 0 reduces to greedy. Medusa's defaults: epsilon 0.09, alpha 0.3."""
+    if not temperature >= 0:  # NaN too
+        raise SpecError(f"temperature must be >= 0, got {temperature}")
+    if epsilon <= 0 or alpha <= 0:
+        raise SpecError("typical acceptance needs epsilon > 0 and alpha > 0 (Medusa: 0.09 and 0.3)")
+    batch_size, max_nodes = batch.tokens.shape
+    logits = target_logits.float()
+    argmax = logits.argmax(-1)
+    if temperature < TEMPERATURE_FLOOR:  # greedy, as everywhere (1 / T would overflow)
+        probs = torch.nn.functional.one_hot(argmax, logits.shape[-1]).float()
+    else:
+        probs = torch.softmax(logits / temperature, dim=-1)
+    entropy = -(probs * torch.log(probs.clamp(min=1e-30))).sum(-1)
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), alpha * torch.exp(-entropy))
+    rows = torch.arange(batch_size, device=batch.device)
+    path_ok = torch.zeros(batch_size, max_nodes, dtype=torch.bool, device=batch.device)
+    path_ok[:, 0] = batch.num_nodes > 0
+    path_score = torch.zeros(batch_size, max_nodes, dtype=torch.float64, device=batch.device)
+    for node in range(1, max_nodes):
+        parent = batch.parents[:, node]
+        real = parent >= 0
+        safe_parent = parent.clamp(min=0)
+        token = batch.tokens[:, node].clamp(min=0)
+        token_prob = probs[rows, safe_parent, token]
+        ok = real & path_ok[rows, safe_parent] & (token_prob > threshold[rows, safe_parent])
+        path_ok[:, node] = ok
+        path_score[:, node] = torch.where(
+            ok, path_score[rows, safe_parent] + torch.log(token_prob.double().clamp(min=1e-300)), 0.0
+        )
+    # deepest acceptable node; then larger summed log-prob; then lower index
+    depth_key = torch.where(path_ok, batch.depths, torch.full_like(batch.depths, -1)).double()
+    best_depth = depth_key.max(-1, keepdim=True).values
+    candidate = path_ok & (depth_key == best_depth)
+    score = torch.where(candidate, path_score, torch.full_like(path_score, -torch.inf))
+    best = score.argmax(-1)
+    depth = batch.max_depth()
+    accepted = torch.full((batch_size, depth + 1), -1, dtype=torch.int64, device=batch.device)
+    path_node = best.clone()
+    node_depth = torch.where(batch.num_nodes > 0, batch.depths[rows, best], -1)
+    for level in range(depth, -1, -1):
+        here = node_depth == level
+        accepted[:, level] = torch.where(here, path_node, accepted[:, level])
+        path_node = torch.where(here, batch.parents[rows, path_node].clamp(min=0), path_node)
+        node_depth = torch.where(here, node_depth - 1, node_depth)
+    return finish(batch, accepted, argmax[rows, best])
