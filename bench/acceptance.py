@@ -56,7 +56,7 @@ from sglang_spec.decode.decoder import (
 from sglang_spec.decode.target import TransformersRunner
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
-from sglang_spec.models.registry import LoadedModel
+from sglang_spec.models.loading import LoadedModel
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.tree.cost_model import CostCurve, choose_speculation, predicted_speedup

@@ -41,7 +41,7 @@ from sglang_spec.tree.profile import AcceptanceProfile
 from sglang_spec.tree.token_tree import TokenTree
 
 if TYPE_CHECKING:
-    from sglang_spec.models.registry import LoadedModel
+    from sglang_spec.models.loading import LoadedModel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,7 +101,7 @@ def median_seconds(function: Callable[[], object], repeats: int = 9, warmup: int
 # ------------------------------------------------------------------------------------------------ models, prompts
 def load_heads(loaded: LoadedModel, spec: str | None) -> dict[str, MTPHead]:
     """name -> head: ``spec`` "name=PATH,...", else the model's shipped heads (SmolLM2: generic and code)."""
-    from sglang_spec.models.registry import load_head_for, shipped_head_path  # safetensors
+    from sglang_spec.models.loading import load_head_for, shipped_head_path  # safetensors
 
     if spec:
         return {name: load_head_for(loaded, path) for name, path in (item.split("=", 1) for item in spec.split(","))}
@@ -120,7 +120,7 @@ def load_profiles(
 ) -> dict[tuple[str, float], AcceptanceProfile]:
     """(head, temperature) -> profile: given ones ("name@temperature=PATH,..."), else shipped ones, else a
     generic one (tiny models)."""
-    from sglang_spec.models.registry import shipped_profile_path  # safetensors
+    from sglang_spec.models.loading import shipped_profile_path  # safetensors
 
     given = {}
     if spec:

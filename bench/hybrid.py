@@ -56,7 +56,7 @@ from sglang_spec.decode.autotune import measure_costs
 from sglang_spec.decode.decoder import GenerationConfig, RequestOutput, SpeculativeDecoder, generate_plain
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import atomic_path, check_output_path, write_text_atomic
-from sglang_spec.models.registry import LoadedModel, load_head_for, shipped_profile_path
+from sglang_spec.models.loading import LoadedModel, load_head_for, shipped_profile_path
 from sglang_spec.models.toy_language import ToyLanguage
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.train.generate_traffic import prompt_tokens

@@ -33,7 +33,7 @@ from harness import REPO, device_name, environment
 from sglang_spec.decode.autotune import interleaved_medians
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, read_text, write_json_atomic
-from sglang_spec.models.registry import SHIPPED_PROFILES
+from sglang_spec.models.loading import SHIPPED_PROFILES
 from sglang_spec.tree.cost_model import CostCurve, choose_tree_size, predicted_speedup
 from sglang_spec.tree.profile import AcceptanceProfile
 

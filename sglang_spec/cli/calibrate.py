@@ -12,7 +12,7 @@ from sglang_spec.cli.parser import TEMPERATURE_HELP, integer, path_arg, temperat
 from sglang_spec.decode.decoder import GenerationConfig
 from sglang_spec.errors import SpecError, brief
 from sglang_spec.files import check_output_path, write_json_atomic
-from sglang_spec.models.registry import load_head_for
+from sglang_spec.models.loading import load_head_for
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.train.calibrate import calibrate, calibrate_sources
 from sglang_spec.train.generate_traffic import prompt_tokens

@@ -36,7 +36,7 @@ from sglang_spec.decode.trace import TracedRequest, render_html, render_terminal
 from sglang_spec.errors import SpecError
 from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.models.cache_dir import cache_root
-from sglang_spec.models.registry import LoadedModel, load_head_for, shipped_profile_path
+from sglang_spec.models.loading import LoadedModel, load_head_for, shipped_profile_path
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.tree.auto import AutoChoice, choose_auto

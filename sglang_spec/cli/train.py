@@ -10,7 +10,7 @@ from pathlib import Path
 from sglang_spec.catalog import load_model
 from sglang_spec.cli.parser import MAX_BATCH_SIZE, MAX_STEPS, integer, number, path_arg, seed, text_arg
 from sglang_spec.errors import SpecError
-from sglang_spec.models.registry import load_head_for
+from sglang_spec.models.loading import load_head_for
 from sglang_spec.train.traffic import check_traffic_model, read_traffic_strict
 from sglang_spec.train.trainer import TrainConfig, check_train_paths, resume_config, state_path_for, train_head
 from sglang_spec.tree.token_tree import MAX_DEPTH

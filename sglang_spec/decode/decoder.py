@@ -40,7 +40,7 @@ from sglang_spec.tree.drafter import TreeDrafter
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.verify.greedy import verify_greedy
-from sglang_spec.verify.relaxed import RelaxedAcceptance, verify_relaxed_topn_delta
+from sglang_spec.verify.relaxed import RelaxedAcceptance, verify_relaxed_top_n_delta
 from sglang_spec.verify.result import VerifyResult
 from sglang_spec.verify.sample_match import verify_sample_match_on_path
 
@@ -352,7 +352,7 @@ class SpeculativeDecoder:
         if config.relaxed is None:
             return self.verifier(batch, logits, config, generator)
         thinking = torch.tensor([request.thinking for request in active])
-        relaxed = verify_relaxed_topn_delta(batch, logits, config.relaxed, thinking)
+        relaxed = verify_relaxed_top_n_delta(batch, logits, config.relaxed, thinking)
         for request, state in zip(active, relaxed.thinking_after.tolist()):
             request.thinking = state
         return relaxed.result

@@ -4,7 +4,7 @@
 * ``save_tiny_deepseek``: a model and its MTP head as a DeepSeek-style checkpoint.
 
 The model behind ``--model tiny-deepseek`` is this architecture trained on a toy language
-(``sglang_spec.train.tiny_deepseek``).
+(``sglang_spec.train.build_tiny_deepseek``).
 
 Checkpoints are written like DeepSeek-V3/R1's: the main model in one shard, the MTP layer under
 ``model.layers.{num_hidden_layers}.*`` in another, and a ``model.safetensors.index.json`` mapping both, so the MTP

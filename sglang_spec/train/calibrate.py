@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
 from sglang_spec.errors import SpecError
-from sglang_spec.models.registry import LoadedModel
+from sglang_spec.models.loading import LoadedModel
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.train.distill import TeacherBatch, unrolled_steps

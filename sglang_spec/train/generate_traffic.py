@@ -10,7 +10,7 @@ from typing import Collection, Iterator, Sequence
 import torch
 from tqdm import tqdm
 
-from sglang_spec.models.registry import LoadedModel
+from sglang_spec.models.loading import LoadedModel
 from sglang_spec.train.prompts import PromptSpec
 from sglang_spec.train.traffic import TrafficRecord
 

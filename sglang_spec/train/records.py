@@ -10,7 +10,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from sglang_spec.models.registry import LoadedModel
+from sglang_spec.models.loading import LoadedModel
 from sglang_spec.train.traffic import TrafficRecord
 
 

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from sglang_spec.errors import SpecError
 from sglang_spec.files import atomic_write, check_output_path
-from sglang_spec.models.registry import LoadedModel
+from sglang_spec.models.loading import LoadedModel
 from sglang_spec.mtp.checkpoint import save_mtp_head
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.train.distill import TeacherBatch, unrolled_loss

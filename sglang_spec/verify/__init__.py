@@ -13,7 +13,7 @@ from sglang_spec.verify.relaxed import (
     RelaxedRule,
     RelaxedVerifyResult,
     verify_relaxed_top_n,
-    verify_relaxed_topn_delta,
+    verify_relaxed_top_n_delta,
 )
 from sglang_spec.verify.result import VerifyResult
 from sglang_spec.verify.sample_match import verify_sample_match
@@ -30,7 +30,7 @@ __all__ = [
     "WalkRule",
     "verify_greedy",
     "verify_relaxed_top_n",
-    "verify_relaxed_topn_delta",
+    "verify_relaxed_top_n_delta",
     "verify_sample_match",
     "walk",
     "verify_candidate_first",

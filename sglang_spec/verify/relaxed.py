@@ -1,6 +1,6 @@
 """LOSSY relaxed acceptance. These rules change the output distribution and exist only as an explicit opt-in.
 
-* ``verify_relaxed_topn_delta`` (TensorRT-LLM ``use_relaxed_acceptance_for_thinking``, for DeepSeek-R1): with
+* ``verify_relaxed_top_n_delta`` (TensorRT-LLM ``use_relaxed_acceptance_for_thinking``, for DeepSeek-R1): with
   pi = softmax(logits) (plain softmax, no temperature), a draft d is accepted when it is among the top-N of pi and
   (it is the argmax, or pi(d) >= pi(argmax) - delta). delta applies inside the thinking span only (between
   ``<think>`` and ``</think>``); outside it delta is 0, so only the argmax (or an exact tie) passes. On a tree,
@@ -126,7 +126,7 @@ def verify_relaxed_top_n(
     return RelaxedVerifyResult(result, rule.thinking)
 
 
-def verify_relaxed_topn_delta(
+def verify_relaxed_top_n_delta(
     batch: TreeBatch, target_logits: torch.Tensor, relaxed: RelaxedAcceptance, thinking: torch.Tensor
 ) -> RelaxedVerifyResult:
     """target_logits: [B, N, V]; pi = softmax(logits) (plain softmax, no temperature); see

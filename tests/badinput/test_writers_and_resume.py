@@ -265,7 +265,7 @@ def test_a_damaged_default_cost_cache_is_measured_again(tiny, tmp_path, monkeypa
 
 
 def test_shipped_heads_name_their_model():
-    from sglang_spec.models.registry import shipped_head_path
+    from sglang_spec.models.loading import shipped_head_path
 
     for name in ("smollm2", "smollm2-generic"):
         path = shipped_head_path(name)

@@ -92,7 +92,7 @@ def test_bad_combinations_fail_with_one_line(sglang_with_plugin, argv, message):
 def test_width_is_the_trees_widest_level_or_the_specexec_budget(sglang_with_plugin):
     """SGLang's speculative_eagle_topk is the draft width W: topk for eagle, the Sequoia tree's widest level (here
     wider than topk), the budget for specexec (exact SpecExec); topk stays the children per node."""
-    from sglang_spec.models.registry import shipped_profile_path
+    from sglang_spec.models.loading import shipped_profile_path
 
     profile = str(shipped_profile_path("smollm2"))
     sequoia = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "sequoia",
@@ -144,7 +144,7 @@ def test_an_infeasible_sequoia_plan_is_refused_at_resolution(tmp_path):
     """Budget 31 / depth 6 / topk 4 with the shipped profile expands more than topk nodes on a level: SGLang's
     draft loop cannot hold it, which must surface as one line before any worker starts."""
     from sglang_spec.errors import SpecError
-    from sglang_spec.models.registry import shipped_profile_path
+    from sglang_spec.models.loading import shipped_profile_path
     from sglang_spec.sglang_plugin.options import TreeServerOptions, validate_speculative
 
     options = TreeServerOptions("sequoia", 31, 6, 4, 4, str(shipped_profile_path("smollm2")))

@@ -99,7 +99,7 @@ def test_accept_length_matches_the_reference_decoder(tree_run, smollm2_prompts, 
     if shape != ("sequoia", 15, 4, 4):
         pytest.skip("compared for the README's tree")
     from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
-    from sglang_spec.models.registry import shipped_profile_path
+    from sglang_spec.models.loading import shipped_profile_path
     from sglang_spec.tree import AcceptanceProfile, TreePolicy
 
     loaded, head = smollm2

@@ -90,7 +90,7 @@ def test_accept_length_matches_the_reference_decoder(tree_answers, prompts, tiny
     if shape[0] not in ("chain", "eagle"):
         pytest.skip("sequoia / specexec: compared with the reference decoder in test_own_draft_loop.py (SmolLM2)")
     from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
-    from sglang_spec.models.registry import load_head_for
+    from sglang_spec.models.loading import load_head_for
     from sglang_spec.tree import TreePolicy
 
     loaded, _ = tiny

@@ -1,4 +1,4 @@
-"""Loaded targets and their heads: a model folder loaded for decoding, the heads and profiles shipped for built-in
+"""Loading targets and their heads: a model folder loaded for decoding, the heads and profiles shipped for built-in
 models, and what ``--mtp`` names (an MTP head file or a DeepSeek checkpoint). Which folder a ``--model`` name
 stands for is ``sglang_spec.catalog``'s business (the tiny DeepSeek is built by training, a layer above this one)."""
 
