@@ -1,21 +1,10 @@
-import importlib
 import json
-from pathlib import Path
 
 import pytest
 
 from sglang_spec.cli import main as cli_main
 from sglang_spec.tree import AcceptanceProfile
 from sglang_spec.tree.cost_model import CostCurve
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture
-def acceptance(monkeypatch):
-    """bench/acceptance.py imported the way the script runs (bench/ on the path, so `import harness` works)."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    return importlib.import_module("acceptance")
 
 
 @pytest.mark.slow

@@ -1,21 +1,10 @@
 """bench/hybrid.py --quick (tiny-deepseek, toy prompts): the report's structure and greedy identity, not timings;
 and its checks that fail before a model loads."""
 
-import importlib
 import json
 import math
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture
-def hybrid_bench(monkeypatch):
-    """bench/hybrid.py imported the way the script runs (bench/ on the path, so `import limits` works)."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    return importlib.import_module("hybrid")
 
 
 @pytest.mark.slow
@@ -62,7 +51,7 @@ def test_quick_bench_writes_json_markdown_and_plot(tiny, tmp_path, hybrid_bench,
         (["--temperatures", "warm"], "--temperatures"),
         (["--temperatures", "-1"], "each in [0, 100]"),
         (["--hybrid", "16:10"], "give BUDGET:DEPTH:MTP_LEVELS"),
-        (["--auto", "0:10:2"], "budget must be in"),
+        (["--auto", "0:10:2"], "budget must be >= 1"),
         (["--mtp-tree", "specexec:8"], "give POLICY:BUDGET:DEPTH"),
         (["--prompts", "{file}"], "holds no prompts"),
     ],
