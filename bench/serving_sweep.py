@@ -1,10 +1,19 @@
-"""Serving throughput and latency across concurrency x tree shape x policy, with SGLang's own benchmark client.
+"""Serving throughput and latency across workload x concurrency x method, with SGLang's own benchmark client.
 
-For every policy (``plain`` = no speculation) and budget the script launches ``python -m sglang.launch_server``
-with the tree options, waits for ``/health``, runs ``python -m sglang.bench_serving`` at each concurrency, stops
-the server (its whole process group), and collects the client's JSON lines into a CSV and a plot: output
-tokens/s, mean accept length and p50 / p99 inter-token latency against concurrency (speculation makes tokens
-arrive in bursts: p50 ITL falls while p99 can rise).
+Methods: ``plain`` (no speculation); SGLang's own speculation as a user would pick it instead, ``sglang-chain``
+(EAGLE / NEXTN, one candidate a step, 3 steps), ``sglang-tree`` (its topk-4 tree with the same number of draft
+tokens as ours) and ``sglang-ngram`` (its n-gram corpus, no draft model); ours, ``chain``, ``eagle``, ``sequoia``,
+``specexec`` (``--speculative-tree-policy``). For every method and budget the script launches
+``python -m sglang.launch_server``, waits for ``/health``, runs ``python -m sglang.bench_serving`` per workload and
+concurrency, stops the server (its whole process group), and collects the client's JSON lines into a CSV and a
+plot: output tokens/s and its ratio over plain in the same run, mean accept length and p50 / p99 inter-token
+latency (speculation makes tokens arrive in bursts: p50 ITL falls while p99 can rise).
+
+Workloads: ``heldout`` (HumanEval 134-163, never in the shipped heads' training), or ``serving``: three held-out
+sets no part of the project trained or tuned on: code (HumanEval 150-163), extraction (passages of the report in
+SGLang's ``test/long_prompt.txt`` with copy-out questions) and chat (``bench/workloads/serving/chat.jsonl``); or a
+user's own file, ``--prompts FILE.jsonl`` (``{"prompt": ...}`` or ``{"messages": [...]}`` lines, an optional
+``"domain"`` names the workload).
 
     # this CPU, through the project's harness (SmolLM2-135M + shipped head, or the tiny DeepSeek-V3):
     python bench/serving_sweep.py --cpu-model smollm2 --policies plain,chain,sequoia --budgets 15 \\
@@ -32,8 +41,17 @@ from sglang_spec.files import check_output_path, write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = ["policy", "budget", "concurrency", "request_throughput", "output_throughput", "mean_ttft_ms",
-          "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "accept_length"]
-POLICIES = ("plain", "chain", "eagle", "sequoia", "specexec")
+          "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "accept_length", "workload",
+          "speedup_over_plain"]
+OUR_POLICIES = ("chain", "eagle", "sequoia", "specexec")
+SGLANG_METHODS = ("sglang-chain", "sglang-tree", "sglang-ngram")
+POLICIES = ("plain", *OUR_POLICIES, *SGLANG_METHODS)
+# shapes of the project that SGLang does not serve yet: refused in one line rather than swept as something else
+NOT_SERVED = ("lookup", "hybrid", "auto")
+SGLANG_CHAIN_STEPS = 3  # SGLang's usual EAGLE chain for NEXTN: 3 steps, 4 verified tokens
+SGLANG_TREE_TOPK = 4
+SERVING_WORKLOADS = ("code", "extraction", "chat")
+WORKLOADS_DIR = REPO / "bench" / "workloads" / "serving"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,6 +66,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--workloads", default=None,
+                        help="heldout, serving (code, extraction, chat), or a comma list of those three; "
+                             "default: heldout, or the domains of --prompts")
+    parser.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
+                        help="your own prompts, one JSON object a line ({\"prompt\": ...} or {\"messages\": ...}, "
+                             "optional \"domain\" = workload)")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--dataset", default="heldout",
                         help="heldout (HumanEval 134-163 as chat requests, never in the shipped heads' training; "
@@ -61,17 +85,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "serving_sweep.csv")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
-    unknown = [p for p in args.policies.split(",") if p not in POLICIES]
-    if unknown:
-        parser.error(f"unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)}")
+    for policy in args.policies.split(","):
+        if policy in NOT_SERVED:
+            parser.error(f"{policy} is not served through SGLang yet (sglang-spec generate runs it); sweep "
+                         f"{', '.join(POLICIES)}")
+        if policy not in POLICIES:
+            parser.error(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    if args.prompts is not None and args.workloads is not None:
+        parser.error("--prompts brings its own workloads (their \"domain\" field); drop --workloads")
+    if args.prompts is not None and not args.prompts.is_file():
+        parser.error(f"--prompts {args.prompts}: no such file")
+    if args.workloads is not None:
+        names = args.workloads.split(",")
+        known = ("heldout", "serving", *SERVING_WORKLOADS)
+        if any(name not in known for name in names) or ("heldout" in names and len(names) > 1):
+            parser.error(f"--workloads {args.workloads!r}: give heldout, serving, or a comma list of "
+                         f"{', '.join(SERVING_WORKLOADS)}")
     if args.cpu_model is None and args.model_path is None:
         args.model_path = "deepseek-ai/DeepSeek-R1"
     return args
 
 
 def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[str]:
+    """launch_server options of one method; ``budget`` draft tokens besides the root for the tree methods."""
     if policy == "plain":
         return []
+    if policy == "sglang-chain":
+        return ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(SGLANG_CHAIN_STEPS),
+                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(SGLANG_CHAIN_STEPS + 1)]
+    if policy == "sglang-tree":
+        return ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(args.depth),
+                "--speculative-eagle-topk", str(SGLANG_TREE_TOPK), "--speculative-num-draft-tokens", str(budget + 1)]
+    if policy == "sglang-ngram":
+        return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(budget + 1)]
     arguments = ["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", policy,
                  "--speculative-tree-budget", str(budget), "--speculative-tree-depth", str(args.depth)]
     if policy != "chain":
@@ -89,32 +135,108 @@ def launch_command(args, policy: str, budget: int, profile: str | None = None) -
     return command + tree_arguments(args, policy, budget, profile or args.acceptance_profile) + shlex.split(args.server_args)
 
 
-def bench_command(args, concurrency: int, output: Path, heldout: Path | None = None) -> list[str]:
+def bench_command(args, concurrency: int, output: Path, dataset: Path | None = None) -> list[str]:
+    """bench_serving at one concurrency over ``dataset`` (a ShareGPT file of one workload)."""
     command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
                "--port", str(args.port), "--num-prompts", str(args.num_prompts), "--max-concurrency",
                str(concurrency), "--output-file", str(output)]
     if args.dataset == "heldout":
-        return command + ["--dataset-name", "sharegpt", "--dataset-path", str(heldout or "heldout.json"),
+        return command + ["--dataset-name", "sharegpt", "--dataset-path", str(dataset or "heldout.json"),
                           "--sharegpt-output-len", str(args.random_output_len), "--apply-chat-template"]
     return command + ["--dataset-name", args.dataset, "--random-input-len", str(args.random_input_len),
                       "--random-output-len", str(args.random_output_len), "--random-range-ratio", "1.0"]
+
+
+def write_sharegpt(path: Path, questions: list[str]) -> Path:
+    """Single-turn requests in ShareGPT's format, what bench_serving reads (the reply is a placeholder: the
+    output length comes from --sharegpt-output-len)."""
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": "."}]}
+                                for question in questions]))
+    return path
 
 
 def write_heldout_dataset(path: Path) -> Path:
     """HumanEval 134-163 (held out from the shipped heads' traffic) in ShareGPT's format for bench_serving."""
     from sglang_spec.train.prompts import humaneval_prompts
 
-    conversations = [{"conversations": [{"from": "human", "value": spec.messages[0]["content"]},
-                                        {"from": "gpt", "value": spec.reference}]}
-                     for spec in humaneval_prompts(134, 163)]
-    path.write_text(json.dumps(conversations))
-    return path
+    return write_sharegpt(path, [spec.messages[0]["content"] for spec in humaneval_prompts(134, 163)])
 
 
-def row_from_result(policy: str, budget: int, concurrency: int, result: dict) -> dict:
+EXTRACTION_QUESTIONS = (
+    "Copy, word for word, every sentence of this passage that names a year.",
+    "List every commission or body this passage names, each with the sentence that names it, quoted exactly.",
+    "Quote the first and the last sentence of this passage exactly, then say in one line what it is about.",
+)
+
+
+def serving_questions(workload: str) -> list[str]:
+    """The held-out ``serving`` workloads (module doc): nothing in the project trained or tuned on them."""
+    if workload == "code":
+        from sglang_spec.train.prompts import humaneval_prompts
+
+        return [spec.messages[0]["content"] for spec in humaneval_prompts(150, 163)]
+    if workload == "extraction":
+        import importlib.resources
+
+        report = importlib.resources.files("sglang").joinpath("test", "long_prompt.txt").read_text()
+        # the report alone: the file opens with a summarising instruction of its own
+        words = report.replace("\\n", "\n").split("Report:", 1)[-1].strip().split(" ")
+        passages = [" ".join(words[start : start + 350]) for start in range(0, len(words) - 350, 350)][:6]
+        return [f"{passage}\n\n{EXTRACTION_QUESTIONS[index % len(EXTRACTION_QUESTIONS)]}"
+                for index, passage in enumerate(passages)]
+    return [_question(json.loads(line)) for line in (WORKLOADS_DIR / f"{workload}.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+def _question(record: dict) -> str:
+    return record["prompt"] if "prompt" in record else record["messages"][-1]["content"]
+
+
+def workload_names(args) -> list[str]:
+    """The workloads a sweep runs (``--prompts``: named by the file's domains once it is read)."""
+    if args.prompts is not None:
+        return ["prompts"]
+    names = (args.workloads or "heldout").split(",")
+    return list(SERVING_WORKLOADS) if names == ["serving"] else names
+
+
+def workload_datasets(args, scratch: Path) -> dict[str, Path]:
+    """Workload name -> its ShareGPT file for bench_serving."""
+    if args.prompts is not None:
+        by_domain: dict[str, list[str]] = {}
+        for number, line in enumerate(args.prompts.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                by_domain.setdefault(str(record.get("domain", "prompts")), []).append(_question(record))
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                raise SpecError(f"--prompts {args.prompts}: line {number} is not {{\"prompt\": ...}} or "
+                                "{\"messages\": [...]}") from None
+        if not by_domain:
+            raise SpecError(f"--prompts {args.prompts} holds no prompts")
+        return {name: write_sharegpt(scratch / f"prompts-{name}.json", questions) for name, questions in by_domain.items()}
+    names = workload_names(args)
+    if names == ["heldout"]:
+        return {"heldout": write_heldout_dataset(scratch / "heldout.json")}
+    return {name: write_sharegpt(scratch / f"serving-{name}.json", serving_questions(name)) for name in names}
+
+
+def row_from_result(policy: str, budget: int, concurrency: int, result: dict, workload: str = "heldout") -> dict:
     """One CSV row from bench_serving's JSON result line (accept length when the server reports it)."""
-    return {"policy": policy, "budget": 0 if policy == "plain" else budget, "concurrency": concurrency,
-            **{name: result.get(name) for name in FIELDS[3:]}}
+    budget = 0 if policy == "plain" else SGLANG_CHAIN_STEPS if policy == "sglang-chain" else budget
+    return {"policy": policy, "budget": budget, "concurrency": concurrency,
+            **{name: result.get(name) for name in FIELDS[3:11]}, "workload": workload, "speedup_over_plain": None}
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Each row's output tokens/s over plain decoding's at the same workload and concurrency, in this run."""
+    plain = {(row["workload"], row["concurrency"]): row["output_throughput"] for row in rows
+             if row["policy"] == "plain"}
+    for row in rows:
+        base = plain.get((row["workload"], row["concurrency"]))
+        if base and row["output_throughput"] is not None:
+            row["speedup_over_plain"] = row["output_throughput"] / base
 
 
 def write_csv_and_plot(rows: list[dict], out: Path) -> None:
@@ -132,9 +254,13 @@ def write_csv_and_plot(rows: list[dict], out: Path) -> None:
     panels = (("output_throughput", "output tokens/s"), ("accept_length", "mean accept length"),
               ("median_itl_ms", "p50 inter-token latency (ms)"), ("p99_itl_ms", "p99 inter-token latency (ms)"))
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
-    for policy, budget in sorted({(row["policy"], row["budget"]) for row in rows}):
-        points = sorted((row["concurrency"], row) for row in rows if (row["policy"], row["budget"]) == (policy, budget))
-        label = policy if policy == "plain" else f"{policy} {budget}"
+    lines = sorted({(row.get("workload", ""), row["policy"], row["budget"]) for row in rows})
+    workloads = {line[0] for line in lines}
+    for workload, policy, budget in lines:
+        points = sorted(((row["concurrency"], row) for row in rows
+                         if (row.get("workload", ""), row["policy"], row["budget"]) == (workload, policy, budget)),
+                        key=lambda point: point[0])
+        label = (policy if policy == "plain" else f"{policy} {budget}") + (f" ({workload})" if len(workloads) > 1 else "")
         for axis, (field, _) in zip(axes, panels):
             values = [row[field] or (1.0 if field == "accept_length" else 0.0) for _, row in points]
             axis.plot([c for c, _ in points], values, marker="o", label=label)
@@ -149,9 +275,12 @@ def write_csv_and_plot(rows: list[dict], out: Path) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'policy':<10}{'budget':>7}{'conc':>6}{'out tok/s':>11}{'AL':>6}{'p50 ITL':>10}{'p99 ITL':>10}")
+    print(f"{'workload':<11}{'policy':<13}{'budget':>7}{'conc':>6}{'out tok/s':>11}{'x plain':>8}{'AL':>6}"
+          f"{'p50 ITL':>10}{'p99 ITL':>10}")
     for row in rows:
-        print(f"{row['policy']:<10}{row['budget']:>7}{row['concurrency']:>6}{row['output_throughput'] or 0:>11.2f}"
+        ratio = row.get("speedup_over_plain")
+        print(f"{row.get('workload', ''):<11}{row['policy']:<13}{row['budget']:>7}{row['concurrency']:>6}"
+              f"{row['output_throughput'] or 0:>11.2f}{'' if ratio is None else f'{ratio:.2f}x':>8}"
               f"{row['accept_length'] or 1.0:>6.2f}{row['median_itl_ms'] or 0:>10.1f}{row['p99_itl_ms'] or 0:>10.1f}")
 
 
@@ -160,7 +289,9 @@ def main(argv=None) -> int:
     policies = args.policies.split(",")
     budgets = [int(b) for b in args.budgets.split(",")]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    shapes = [(policy, budget) for policy in policies for budget in (budgets[:1] if policy == "plain" else budgets)]
+    # plain decoding and SGLang's chain have no budget to sweep
+    shapes = [(policy, budget) for policy in policies
+              for budget in (budgets[:1] if policy in ("plain", "sglang-chain") else budgets)]
     if args.dry_run:
         for policy, budget in shapes:
             launch = launch_command(args, policy, budget) if args.cpu_model is None else \
@@ -168,8 +299,10 @@ def main(argv=None) -> int:
                  *(["--no-speculation"] if policy == "plain" else []),
                  *tree_arguments(args, policy, budget, args.acceptance_profile or "<shipped profile>")]
             print(" ".join(shlex.quote(part) for part in launch))
-            for concurrency in concurrencies:
-                print("  " + " ".join(shlex.quote(p) for p in bench_command(args, concurrency, Path("out.jsonl"))))
+            for workload in workload_names(args):
+                for concurrency in concurrencies:
+                    command = bench_command(args, concurrency, Path("out.jsonl"), Path(f"{workload}.json"))
+                    print("  " + " ".join(shlex.quote(p) for p in command))
         return 0
     from sglang_spec.sglang_plugin.cpu.server import SGLangServer, cpu_launch_args, prepare_model
 
@@ -183,9 +316,10 @@ def main(argv=None) -> int:
             return 2
     model = prepare_model(args.cpu_model) if args.cpu_model else None
     profile = args.acceptance_profile or (str(model.profile) if model and model.profile else None)
-    scratch = REPO / "runs" / "serving_sweep"  # server logs and the held-out dataset (gitignored)
+    scratch = REPO / "runs" / "serving_sweep"  # server logs and the workload datasets (gitignored)
     scratch.mkdir(parents=True, exist_ok=True)
-    heldout = write_heldout_dataset(scratch / "heldout.json") if args.dataset == "heldout" else None
+    datasets: dict[str, Path | None] = dict(workload_datasets(args, scratch)) if args.dataset == "heldout" else \
+        {args.dataset: None}
     rows = []
     for policy, budget in shapes:
         name = policy if policy == "plain" else f"{policy}-{budget}"
@@ -202,21 +336,25 @@ def main(argv=None) -> int:
             print(f"error: {name}: {error}", file=sys.stderr)
             return 1
         try:
-            for concurrency in concurrencies:
-                output = scratch / f"{name}-c{concurrency}.jsonl"
-                output.unlink(missing_ok=True)
-                with (scratch / f"{name}-c{concurrency}.client.log").open("w") as client_log:
-                    finished = subprocess.run(bench_command(args, concurrency, output, heldout), env=server.env,
-                                              stdout=client_log, stderr=subprocess.STDOUT)
-                if finished.returncode != 0:
-                    print(f"error: bench_serving failed for {name} at concurrency {concurrency}; see "
-                          f"{client_log.name}", file=sys.stderr)
-                    return 1
-                result = json.loads(output.read_text().strip().splitlines()[-1])
-                rows.append(row_from_result(policy, budget, concurrency, result))
-                print(f"{name} concurrency {concurrency}: {rows[-1]['output_throughput']:.2f} tok/s", flush=True)
+            for workload, dataset in datasets.items():
+                for concurrency in concurrencies:
+                    stem = f"{name}-{workload}-c{concurrency}"
+                    output = scratch / f"{stem}.jsonl"
+                    output.unlink(missing_ok=True)
+                    with (scratch / f"{stem}.client.log").open("w") as client_log:
+                        finished = subprocess.run(bench_command(args, concurrency, output, dataset), env=server.env,
+                                                  stdout=client_log, stderr=subprocess.STDOUT)
+                    if finished.returncode != 0:
+                        print(f"error: bench_serving failed for {name} on {workload} at concurrency {concurrency}; "
+                              f"see {client_log.name}", file=sys.stderr)
+                        return 1
+                    result = json.loads(output.read_text().strip().splitlines()[-1])
+                    rows.append(row_from_result(policy, budget, concurrency, result, workload))
+                    print(f"{name} {workload} concurrency {concurrency}: {rows[-1]['output_throughput']:.2f} tok/s",
+                          flush=True)
         finally:
             server.stop()
+    add_speedups(rows)
     print_table(rows)
     write_csv_and_plot(rows, args.out)
     write_text_atomic(args.out.with_suffix(".json"), json.dumps(rows, indent=1) + "\n")
