@@ -46,6 +46,8 @@ from sglang_spec.sglang_plugin.options import (
     from_namespace,
     from_values,
     validate_backends,
+    validate_model,
+    validate_requested,
     validate_speculative,
 )
 
@@ -131,8 +133,13 @@ def _apply(options: TreeServerOptions, server_args) -> None:
 
 # ---------------------------------------------------------------------------------------------- start-up checks
 def handle_speculative_decoding_wrapper(server_args, previous) -> None:
-    previous(server_args)
     options = getattr(server_args, ATTRIBUTE, None)
+    if options is not None:
+        try:
+            validate_requested(options, server_args)
+        except SpecError as error:
+            raise StartupError(error) from None
+    previous(server_args)
     if options is None:
         return
     from sglang.srt.arg_groups.overrides import resolving_view
@@ -157,6 +164,7 @@ def capability_adjustments_wrapper(server_args, previous) -> None:
     config = resolving_view(server_args)
     backends = {field: getattr(config, field, None) for field in BACKEND_FIELDS}
     try:
+        validate_model(options, _is_dsa(server_args))
         validate_backends(options, backends, _is_mla(server_args), str(config.device))
     except SpecError as error:
         raise StartupError(error) from None
@@ -170,6 +178,17 @@ def _is_mla(server_args) -> bool:
     except Exception:  # dummy launches have no model config: no MLA check applies
         return False
     return "MLA" in str(getattr(model_config, "attention_arch", ""))
+
+
+def _is_dsa(server_args) -> bool:
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
+    try:
+        model_config = model_config_of(server_args)
+    except Exception:  # dummy launches have no model config: no DSA check applies
+        return False
+    return bool(is_deepseek_dsa(model_config.hf_config))
 
 
 def unapplied_hooks() -> list[str]:

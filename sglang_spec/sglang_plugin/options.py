@@ -196,6 +196,14 @@ def apply_to_server_args(options: TreeServerOptions, server_args) -> None:
         setattr(server_args, name, value)
 
 
+def validate_requested(options: TreeServerOptions, requested) -> None:
+    """Before SGLang resolves its speculative settings (``requested``: the ServerArgs as the user gave them; SGLang
+    may quietly turn some off, e.g. adaptive steps for topk > 1, but a tree launch refuses them outright)."""
+    if getattr(requested, "speculative_adaptive", False):
+        raise SpecError("--speculative-adaptive changes the draft step count at run time, but the tree options fix "
+                        "it at start-up; drop --speculative-adaptive or the --speculative-tree-* options")
+
+
 def validate_speculative(options: TreeServerOptions, config) -> None:
     """After SGLang resolves its speculative settings (``config``: its resolved view of ServerArgs)."""
     algorithm = (config.speculative_algorithm or "").upper()
@@ -216,6 +224,14 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
             f"--speculative-tree-topk, -width or -depth"
         )
     options.draft_plan()  # a sequoia tree that the draft loop cannot hold fails here
+
+
+def validate_model(options: TreeServerOptions, is_dsa: bool) -> None:
+    """After the model config is known: DSA models (DeepSeek-V3.2's sparse index) keep index state that the
+    plugin's draft loop and its KV permute / commit (``k/v/kv_buffer`` only) do not carry."""
+    if is_dsa:
+        raise SpecError("DSA models (DeepSeek-V3.2-style index_topk attention) cannot run tree speculation: the "
+                        "plugin does not carry their index state; drop the --speculative-tree-* options")
 
 
 def validate_backends(options: TreeServerOptions, backends: Mapping[str, str | None], is_mla: bool, device: str) -> None:

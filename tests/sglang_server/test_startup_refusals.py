@@ -32,8 +32,11 @@ def launch(model, extra: list[str]) -> subprocess.CompletedProcess:
         (["--speculative-tree-policy", "eagle", "--speculative-tree-budget", "8", "--attention-backend",
           "torch_native"], "attention-backend torch_native cannot run tree speculation"),
         (["--speculative-tree-budget", "8"], "--speculative-tree-budget needs --speculative-tree-policy"),
+        (["--speculative-tree-policy", "eagle", "--speculative-tree-budget", "8", "--speculative-adaptive"],
+         "--speculative-adaptive changes the draft step count"),
     ],
-    ids=["infeasible-sequoia-plan", "multi-layer-eagle", "backend-without-trees", "budget-without-policy"],
+    ids=["infeasible-sequoia-plan", "multi-layer-eagle", "backend-without-trees", "budget-without-policy",
+         "adaptive-steps"],
 )
 def test_refused_with_one_line(smollm2_cpu, extra, message):
     extra = [part.replace("{profile}", str(smollm2_cpu.profile)) for part in extra]
