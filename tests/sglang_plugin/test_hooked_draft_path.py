@@ -280,3 +280,30 @@ def test_metrics_hook_counts_acceptance_per_position(sglang_with_plugin, monkeyp
     assert request.spec_correct_drafts_histogram == [1, 1, 1, 2]  # SGLang's own bookkeeping still runs
     assert metrics.rates() == [4 / 5, 3 / 5, 2 / 5]
     assert metrics.mean_accept_length() == pytest.approx(1 + 9 / 5)
+
+
+@pytest.mark.parametrize("rank, counts", [(0, True), (1, False)])
+def test_only_attention_tp_rank_zero_counts_acceptance(sglang_with_plugin, monkeypatch, rank, counts):
+    """Every attention-TP rank runs the same verify for the same requests: counting on each would multiply the
+    totals by the TP size, so the worker start-up on rank 1 registers nothing and its requests count nothing."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import Req
+
+    from sglang_spec.sglang_plugin.options import ATTRIBUTE, TreeServerOptions
+
+    metrics = AcceptanceMetrics()
+    registered = []
+    monkeypatch.setattr(metrics, "enable_prometheus", lambda: registered.append(True))
+    monkeypatch.setattr(hooks, "METRICS", metrics)
+    monkeypatch.setattr(hooks, "_COUNTS_ACCEPTANCE", True, raising=False)
+    monkeypatch.setattr(hooks, "_attn_tp_rank", lambda: rank, raising=False)
+    server_args = SimpleNamespace(enable_metrics=True, **{ATTRIBUTE: TreeServerOptions("eagle", 8, 4, 4, 4)})
+    worker = SimpleNamespace(server_args=server_args, topk=4, speculative_num_steps=4)
+    hooks.draft_worker_init_after(None, worker)
+    request = SimpleNamespace(spec_correct_drafts_histogram=[])
+    for accepted in [2, 3]:
+        Req.update_spec_correct_drafts_histogram(request, accepted)
+    assert request.spec_correct_drafts_histogram == [0, 0, 1, 1]  # SGLang's own bookkeeping runs on every rank
+    assert registered == ([True] if counts else [])
+    assert metrics.steps == (2 if counts else 0)

@@ -2,6 +2,9 @@
 
 import argparse
 import inspect
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -269,3 +272,35 @@ def test_a_hook_that_failed_to_apply_stops_a_tree_launch(sglang_with_plugin, mon
     server_args = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "eagle"])
     with pytest.raises(SystemExit, match=f"could not hook {target}"):
         hooks.handle_speculative_decoding_wrapper(server_args, lambda args: None)
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.sh"))
+
+
+def launch_command(script: Path) -> list[str]:
+    """The arguments the script gives ``python -m sglang.launch_server`` (shell variables as placeholders)."""
+    text = script.read_text().replace("\\\n", " ")
+    lines = [line for line in text.splitlines() if "sglang.launch_server" in line and not line.lstrip().startswith("#")]
+    assert len(lines) == 1, f"{script.name}: expected one launch_server command"
+    words = shlex.split(lines[0].split("sglang.launch_server", 1)[1])
+    return [word for word in words if word != "$@"]
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=[script.name for script in EXAMPLES])
+def test_example_scripts_pass_only_flags_the_server_has(sglang_with_plugin, script):
+    """Every flag an example launch passes, and every --speculative-* flag its comments suggest, exists in
+    SGLang's parser with the plugin's options added; the launch's arguments parse as given."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_spec.sglang_plugin.options import add_arguments
+
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    if "--speculative-tree-policy" not in parser._option_string_actions:
+        add_arguments(parser)  # the plugin's hook did not add them (not loaded): add them as it would
+    command = launch_command(script)
+    mentioned = set(re.findall(r"--speculative-[a-z-]+", script.read_text()))
+    flags = {word.split("=", 1)[0] for word in command if word.startswith("--")} | mentioned
+    unknown = sorted(flag for flag in flags if flag not in parser._option_string_actions)
+    assert not unknown, f"{script.name} passes flags the server does not have: {unknown}"
+    parser.parse_args(command)  # values (choices, whole numbers) as argparse takes them
