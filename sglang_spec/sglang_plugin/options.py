@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.draft_loop import DraftPlan, widest_level
+from sglang_spec.sglang_plugin.draft_loop import DraftPlan, usable_slots, widest_level
 from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, HEAD_POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
@@ -216,12 +216,12 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
                         "drop --enable-multi-layer-eagle or the --speculative-tree-* options")
     width, steps = config.speculative_eagle_topk, config.speculative_num_steps
     topk = min(options.topk, width)
-    capacity = topk + (steps - 1) * width * topk
+    capacity = usable_slots(width, topk, steps)
     if options.budget > capacity:
         raise SpecError(
             f"--speculative-tree-budget {options.budget} exceeds the {capacity} draft tokens that topk {topk}, "
-            f"width {width} and depth {steps} can produce (topk + (depth-1)*width*topk); raise "
-            f"--speculative-tree-topk, -width or -depth"
+            f"width {width} and depth {steps} can produce (topk candidates a node, at most width expanded a "
+            f"level); raise --speculative-tree-topk, -width or -depth, or lower the budget"
         )
     options.draft_plan()  # a sequoia tree that the draft loop cannot hold fails here
 
