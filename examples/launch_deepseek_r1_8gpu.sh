@@ -10,7 +10,7 @@ set -euo pipefail
 MODEL=${MODEL:-deepseek-ai/DeepSeek-R1}
 PROFILE=${PROFILE:-r1-profile.json}
 python -m sglang.launch_server \
-    --model-path "$MODEL" --tp 8 --trust-remote-code \
+    --model-path "$MODEL" --tp-size 8 --trust-remote-code \
     --speculative-algorithm NEXTN \
     --speculative-tree-policy sequoia \
     --speculative-tree-budget 15 --speculative-tree-depth 4 --speculative-tree-topk 4 \
@@ -18,4 +18,3 @@ python -m sglang.launch_server \
     --attention-backend fa3 --page-size 1 \
     --reasoning-parser deepseek-r1 \
     --host 0.0.0.0 --port 30000 "$@"
-# Lossy, opt-in only: add  --speculative-relaxed-acceptance 10,0.6  (TensorRT-LLM's thinking-phase rule).

@@ -89,6 +89,18 @@ class DraftPlan:
         return cls(width=width, steps=steps, frontier=tuple(frontier), slots=slots)
 
 
+def usable_slots(width: int, children: int, steps: int) -> int:
+    """The candidate slots the draft loop can choose, counted the way ``DraftLoop`` marks them: the root level
+    holds W candidates of which the K best are usable; each later level holds the K best children of the beams
+    drafted from the level above, and a level yields at most W beams (fewer when it has fewer usable candidates;
+    the others are dead, score -1, and so are their children). With W = K this is SGLang's K + (D-1)·K·K."""
+    usable = beams = min(children, width)
+    for _ in range(1, steps):
+        usable += beams * children
+        beams = min(width, beams * children)
+    return usable
+
+
 def widest_level(tree: TokenTree) -> int:
     """The most nodes with children on one level (root excluded): the beams the tree needs per step."""
     counts: dict[int, int] = {}

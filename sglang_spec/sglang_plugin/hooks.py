@@ -46,6 +46,8 @@ from sglang_spec.sglang_plugin.options import (
     from_namespace,
     from_values,
     validate_backends,
+    validate_model,
+    validate_requested,
     validate_speculative,
 )
 
@@ -131,8 +133,13 @@ def _apply(options: TreeServerOptions, server_args) -> None:
 
 # ---------------------------------------------------------------------------------------------- start-up checks
 def handle_speculative_decoding_wrapper(server_args, previous) -> None:
-    previous(server_args)
     options = getattr(server_args, ATTRIBUTE, None)
+    if options is not None:
+        try:
+            validate_requested(options, server_args)
+        except SpecError as error:
+            raise StartupError(error) from None
+    previous(server_args)
     if options is None:
         return
     from sglang.srt.arg_groups.overrides import resolving_view
@@ -157,6 +164,7 @@ def capability_adjustments_wrapper(server_args, previous) -> None:
     config = resolving_view(server_args)
     backends = {field: getattr(config, field, None) for field in BACKEND_FIELDS}
     try:
+        validate_model(options, _is_dsa(server_args))
         validate_backends(options, backends, _is_mla(server_args), str(config.device))
     except SpecError as error:
         raise StartupError(error) from None
@@ -170,6 +178,17 @@ def _is_mla(server_args) -> bool:
     except Exception:  # dummy launches have no model config: no MLA check applies
         return False
     return "MLA" in str(getattr(model_config, "attention_arch", ""))
+
+
+def _is_dsa(server_args) -> bool:
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
+    try:
+        model_config = model_config_of(server_args)
+    except Exception:  # dummy launches have no model config: no DSA check applies
+        return False
+    return bool(is_deepseek_dsa(model_config.hf_config))
 
 
 def unapplied_hooks() -> list[str]:
@@ -213,9 +232,39 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
         loop = DraftLoop.build(worker.topk, options.topk, worker.speculative_num_steps, plan, worker.device)
     # the draft KV pool is allocated later (Scheduler.init_memory_pools): ancestry is decided in alloc_memory_pool
     worker._sglang_spec = DraftSetup(loop, exact_ancestry=False, width=worker.topk, steps=worker.speculative_num_steps)
-    if getattr(worker.server_args, "enable_metrics", False):
-        METRICS.enable_prometheus()
+    claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
     return result
+
+
+# whether this process counts acceptance: every attention-TP rank runs the same requests through the same verify,
+# so only rank 0 counts them (else SGLang's multiprocess metrics sum each total attention-TP times)
+_COUNTS_ACCEPTANCE = True
+
+
+def claim_acceptance_metrics(server_args, rank: int) -> bool:
+    """At worker start-up: attention-TP rank 0 counts acceptance (and registers its counters with
+    ``--enable-metrics``); the other ranks count nothing. Returns whether this process counts."""
+    global _COUNTS_ACCEPTANCE
+    _COUNTS_ACCEPTANCE = rank == 0
+    if _COUNTS_ACCEPTANCE and getattr(server_args, "enable_metrics", False):
+        METRICS.enable_prometheus()
+    return _COUNTS_ACCEPTANCE
+
+
+def _attn_tp_rank() -> int:
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return int(get_parallel().attn_tp_rank)
+    except Exception:  # parallel state not published (single-process tests): the only rank
+        return 0
+
+
+class _Uncounted:
+    """The metrics a rank other than attention-TP 0 hands its FusedAccept: records nothing."""
+
+    def record_accept(self, outcome: str) -> None:
+        pass
 
 
 def alloc_memory_pool_after(result, worker, *args, **kwargs):
@@ -294,10 +343,10 @@ def eagle_worker_init_after(result, worker, *args, **kwargs):
     options: TreeServerOptions | None = getattr(worker.server_args, ATTRIBUTE, None)
     if options is None or options.accept != "fused":
         return result
-    fused = FusedAccept(worker.speculative_num_draft_tokens, worker.speculative_num_steps, worker.device, METRICS)
+    counts = claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
+    fused = FusedAccept(worker.speculative_num_draft_tokens, worker.speculative_num_steps, worker.device,
+                        METRICS if counts else _Uncounted())
     worker._sglang_spec_fused = fused
-    if getattr(worker.server_args, "enable_metrics", False):
-        METRICS.enable_prometheus()
     if str(worker.device).startswith("cuda"):
         worker.target_worker.model_runner.capture_tail_hooks.append(fused.capture_tail)  # before graph capture
     return result
@@ -377,7 +426,8 @@ def graph_execute_around(original, runner, forward_batch, *args, **kwargs):
 
 
 def correct_drafts_after(result, request, num_correct_drafts):
-    METRICS.record(num_correct_drafts)
+    if _COUNTS_ACCEPTANCE:
+        METRICS.record(num_correct_drafts)
     return result
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.draft_loop import DraftPlan, widest_level
+from sglang_spec.sglang_plugin.draft_loop import DraftPlan, usable_slots, widest_level
 from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, HEAD_POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
@@ -196,6 +196,14 @@ def apply_to_server_args(options: TreeServerOptions, server_args) -> None:
         setattr(server_args, name, value)
 
 
+def validate_requested(options: TreeServerOptions, requested) -> None:
+    """Before SGLang resolves its speculative settings (``requested``: the ServerArgs as the user gave them; SGLang
+    may quietly turn some off, e.g. adaptive steps for topk > 1, but a tree launch refuses them outright)."""
+    if getattr(requested, "speculative_adaptive", False):
+        raise SpecError("--speculative-adaptive changes the draft step count at run time, but the tree options fix "
+                        "it at start-up; drop --speculative-adaptive or the --speculative-tree-* options")
+
+
 def validate_speculative(options: TreeServerOptions, config) -> None:
     """After SGLang resolves its speculative settings (``config``: its resolved view of ServerArgs)."""
     algorithm = (config.speculative_algorithm or "").upper()
@@ -208,14 +216,22 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
                         "drop --enable-multi-layer-eagle or the --speculative-tree-* options")
     width, steps = config.speculative_eagle_topk, config.speculative_num_steps
     topk = min(options.topk, width)
-    capacity = topk + (steps - 1) * width * topk
+    capacity = usable_slots(width, topk, steps)
     if options.budget > capacity:
         raise SpecError(
             f"--speculative-tree-budget {options.budget} exceeds the {capacity} draft tokens that topk {topk}, "
-            f"width {width} and depth {steps} can produce (topk + (depth-1)*width*topk); raise "
-            f"--speculative-tree-topk, -width or -depth"
+            f"width {width} and depth {steps} can produce (topk candidates a node, at most width expanded a "
+            f"level); raise --speculative-tree-topk, -width or -depth, or lower the budget"
         )
     options.draft_plan()  # a sequoia tree that the draft loop cannot hold fails here
+
+
+def validate_model(options: TreeServerOptions, is_dsa: bool) -> None:
+    """After the model config is known: DSA models (DeepSeek-V3.2's sparse index) keep index state that the
+    plugin's draft loop and its KV permute / commit (``k/v/kv_buffer`` only) do not carry."""
+    if is_dsa:
+        raise SpecError("DSA models (DeepSeek-V3.2-style index_topk attention) cannot run tree speculation: the "
+                        "plugin does not carry their index state; drop the --speculative-tree-* options")
 
 
 def validate_backends(options: TreeServerOptions, backends: Mapping[str, str | None], is_mla: bool, device: str) -> None:

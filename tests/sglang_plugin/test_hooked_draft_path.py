@@ -280,3 +280,95 @@ def test_metrics_hook_counts_acceptance_per_position(sglang_with_plugin, monkeyp
     assert request.spec_correct_drafts_histogram == [1, 1, 1, 2]  # SGLang's own bookkeeping still runs
     assert metrics.rates() == [4 / 5, 3 / 5, 2 / 5]
     assert metrics.mean_accept_length() == pytest.approx(1 + 9 / 5)
+
+
+@pytest.mark.parametrize("rank, counts", [(0, True), (1, False)])
+def test_only_attention_tp_rank_zero_counts_acceptance(sglang_with_plugin, monkeypatch, rank, counts):
+    """Every attention-TP rank runs the same verify for the same requests: counting on each would multiply the
+    totals by the TP size, so the worker start-up on rank 1 registers nothing and its requests count nothing."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import Req
+
+    from sglang_spec.sglang_plugin.options import ATTRIBUTE, TreeServerOptions
+
+    metrics = AcceptanceMetrics()
+    registered = []
+    monkeypatch.setattr(metrics, "enable_prometheus", lambda: registered.append(True))
+    monkeypatch.setattr(hooks, "METRICS", metrics)
+    monkeypatch.setattr(hooks, "_COUNTS_ACCEPTANCE", True, raising=False)
+    monkeypatch.setattr(hooks, "_attn_tp_rank", lambda: rank, raising=False)
+    server_args = SimpleNamespace(enable_metrics=True, **{ATTRIBUTE: TreeServerOptions("eagle", 8, 4, 4, 4)})
+    worker = SimpleNamespace(server_args=server_args, topk=4, speculative_num_steps=4)
+    hooks.draft_worker_init_after(None, worker)
+    request = SimpleNamespace(spec_correct_drafts_histogram=[])
+    for accepted in [2, 3]:
+        Req.update_spec_correct_drafts_histogram(request, accepted)
+    assert request.spec_correct_drafts_histogram == [0, 0, 1, 1]  # SGLang's own bookkeeping runs on every rank
+    assert registered == ([True] if counts else [])
+    assert metrics.steps == (2 if counts else 0)
+
+
+def drafted_levels(loop: DraftLoop, source, roots) -> list:
+    """The levels the own loop drafts for ``roots`` with a synthetic drafter (no KV: run_own_loop without a pool)."""
+    batch, width = len(roots), loop.width
+
+    def top(paths):
+        return torch.topk(torch.stack([source.distribution(path) for path in paths]), width, dim=-1)
+
+    topk_p, topk_index = top([[root] for root in roots])
+    levels = [loop.root_level(topk_p, topk_index)]
+    paths = [[[root, int(t)] for t in topk_index[row]] for row, root in enumerate(roots)]
+    for step in range(1, loop.steps):
+        topk_p, topk_index = top([path for row in paths for path in row])
+        level = loop.next_level(step, levels[-1].beam_scores, topk_p, topk_index)
+        levels.append(level)
+        tokens = level.beam_tokens.view(batch, width)
+        paths = [[paths[r][int(level.parent_beam[r, j])] + [int(tokens[r, j])] for j in range(width)]
+                 for r in range(batch)]
+    return levels
+
+
+def organize_picks_unusable(loop: DraftLoop, levels, budget: int) -> bool:
+    """Whether organize verifies a slot the loop marked unusable (score -1: rank >= K or a dead beam's child)."""
+    _, chosen, _ = loop.organize(levels, budget)
+    scores = torch.cat([level.scores for level in levels], dim=1)
+    return bool((torch.gather(scores, 1, chosen) < 0).any())
+
+
+def resolved(width: int, steps: int):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(speculative_algorithm="NEXTN", speculative_eagle_topk=width, speculative_num_steps=steps,
+                           enable_multi_layer_eagle=False)
+
+
+def test_specexec_capacity_counts_only_the_slots_the_loop_can_use():
+    """specexec 16/3/2 (default width = budget 16): the root's 16 candidates hold 2 usable, each level after
+    keeps 2 children of its usable beams: 2 + 4 + 8 = 14 slots, so organize would verify -1 slots (orphans)."""
+    import itertools
+
+    from sglang_spec.sglang_plugin.options import TreeServerOptions, validate_speculative
+
+    source = SyntheticCandidates(vocab_size=50, seed=5, sharpness=1.0)
+    loop = DraftLoop.build(16, 2, 3, None, "cpu")
+    assert organize_picks_unusable(loop, drafted_levels(loop, source, [3, 4]), 16)  # what the launch would draft
+    with pytest.raises(SpecError, match="exceeds the 14 draft tokens"):
+        validate_speculative(TreeServerOptions("specexec", 16, 3, 2, 16), resolved(16, 3))
+    from sglang_spec.sglang_plugin.draft_loop import usable_slots
+
+    assert usable_slots(16, 2, 3) == 14 and usable_slots(4, 4, 3) == 4 + 2 * 4 * 4  # W = K: SGLang's own count
+    accepted = refused = 0
+    for budget, steps, topk, width in itertools.product((3, 6, 10, 16), (1, 2, 3), (1, 2, 3), (2, 3, 4, 16)):
+        if topk > width:
+            continue
+        try:
+            validate_speculative(TreeServerOptions("specexec", budget, steps, topk, width), resolved(width, steps))
+        except SpecError:
+            refused += 1
+            continue
+        accepted += 1
+        loop = DraftLoop.build(width, topk, steps, None, "cpu")
+        levels = drafted_levels(loop, source, [7, 9])
+        assert not organize_picks_unusable(loop, levels, budget), (budget, steps, topk, width)
+    assert accepted and refused

@@ -2,6 +2,9 @@
 
 import argparse
 import inspect
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -140,6 +143,50 @@ def test_speculative_checks(config, message):
     validate_speculative(options, ResolvedView(**good))  # the same options pass with a consistent configuration
 
 
+def test_adaptive_steps_are_refused_as_requested_before_sglang_resolves(sglang_with_plugin):
+    """SGLang quietly drops --speculative-adaptive for topk > 1 or NEXTN; a tree launch refuses it in one line
+    whatever SGLang would make of it, before SGLang's own resolution runs."""
+    from types import SimpleNamespace
+
+    from sglang_spec.sglang_plugin.options import ATTRIBUTE, TreeServerOptions
+
+    resolved = []
+    for policy, topk in (("eagle", 4), ("chain", 1)):
+        options = TreeServerOptions(policy, 4, 4, topk, topk)
+        server_args = SimpleNamespace(**{ATTRIBUTE: options, "speculative_adaptive": True})
+        with pytest.raises(hooks.StartupError, match="--speculative-adaptive changes the draft step count") as refused:
+            hooks.handle_speculative_decoding_wrapper(server_args, resolved.append)
+        assert "\n" not in str(refused.value)
+    assert resolved == []  # refused before SGLang's resolution
+    untouched = SimpleNamespace(speculative_adaptive=True)  # no tree options: SGLang's behaviour
+    hooks.handle_speculative_decoding_wrapper(untouched, resolved.append)
+    assert resolved == [untouched]
+
+
+def test_dsa_models_are_refused_by_sglangs_own_detection(sglang_with_plugin, monkeypatch):
+    """DeepSeek-V3.2 (index_topk in its config) is refused in one line where SGLang's capability checks run."""
+    from types import SimpleNamespace
+
+    from sglang.srt.arg_groups import overrides
+
+    from sglang_spec.sglang_plugin.options import ATTRIBUTE, TreeServerOptions
+
+    def server_args_for(hf_config):
+        monkeypatch.setattr(overrides, "model_config_of", lambda server_args: SimpleNamespace(hf_config=hf_config))
+        return SimpleNamespace(**{ATTRIBUTE: TreeServerOptions("eagle", 8, 4, 4, 4)})
+
+    v32 = SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048)
+    assert hooks._is_dsa(server_args_for(v32))
+    r1 = SimpleNamespace(architectures=["DeepseekV3ForCausalLM"])  # same architecture, no sparse index
+    assert not hooks._is_dsa(server_args_for(r1))
+    server_args = server_args_for(v32)
+    monkeypatch.setattr(overrides, "resolving_view",
+                        lambda server_args: SimpleNamespace(device="cuda", attention_backend="fa3"))
+    with pytest.raises(hooks.StartupError, match="DSA models .* cannot run tree speculation") as refused:
+        hooks.capability_adjustments_wrapper(server_args, lambda args: None)
+    assert "\n" not in str(refused.value)
+
+
 def test_an_infeasible_sequoia_plan_is_refused_at_resolution(tmp_path):
     """Budget 31 / depth 6 / topk 4 with the shipped profile expands more than topk nodes on a level: SGLang's
     draft loop cannot hold it, which must surface as one line before any worker starts."""
@@ -225,3 +272,35 @@ def test_a_hook_that_failed_to_apply_stops_a_tree_launch(sglang_with_plugin, mon
     server_args = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "eagle"])
     with pytest.raises(SystemExit, match=f"could not hook {target}"):
         hooks.handle_speculative_decoding_wrapper(server_args, lambda args: None)
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.sh"))
+
+
+def launch_command(script: Path) -> list[str]:
+    """The arguments the script gives ``python -m sglang.launch_server`` (shell variables as placeholders)."""
+    text = script.read_text().replace("\\\n", " ")
+    lines = [line for line in text.splitlines() if "sglang.launch_server" in line and not line.lstrip().startswith("#")]
+    assert len(lines) == 1, f"{script.name}: expected one launch_server command"
+    words = shlex.split(lines[0].split("sglang.launch_server", 1)[1])
+    return [word for word in words if word != "$@"]
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=[script.name for script in EXAMPLES])
+def test_example_scripts_pass_only_flags_the_server_has(sglang_with_plugin, script):
+    """Every flag an example launch passes, and every --speculative-* flag its comments suggest, exists in
+    SGLang's parser with the plugin's options added; the launch's arguments parse as given."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_spec.sglang_plugin.options import add_arguments
+
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    if "--speculative-tree-policy" not in parser._option_string_actions:
+        add_arguments(parser)  # the plugin's hook did not add them (not loaded): add them as it would
+    command = launch_command(script)
+    mentioned = set(re.findall(r"--speculative-[a-z-]+", script.read_text()))
+    flags = {word.split("=", 1)[0] for word in command if word.startswith("--")} | mentioned
+    unknown = sorted(flag for flag in flags if flag not in parser._option_string_actions)
+    assert not unknown, f"{script.name} passes flags the server does not have: {unknown}"
+    parser.parse_args(command)  # values (choices, whole numbers) as argparse takes them

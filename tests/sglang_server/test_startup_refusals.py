@@ -32,8 +32,14 @@ def launch(model, extra: list[str]) -> subprocess.CompletedProcess:
         (["--speculative-tree-policy", "eagle", "--speculative-tree-budget", "8", "--attention-backend",
           "torch_native"], "attention-backend torch_native cannot run tree speculation"),
         (["--speculative-tree-budget", "8"], "--speculative-tree-budget needs --speculative-tree-policy"),
+        (["--speculative-tree-policy", "eagle", "--speculative-tree-budget", "8", "--speculative-adaptive"],
+         "--speculative-adaptive changes the draft step count"),
+        # specexec 16/3/2 (width = budget 16): the loop can use 2 + 4 + 8 = 14 draft slots
+        (["--speculative-tree-policy", "specexec", "--speculative-tree-budget", "16", "--speculative-tree-depth", "3",
+          "--speculative-tree-topk", "2"], "exceeds the 14 draft tokens"),
     ],
-    ids=["infeasible-sequoia-plan", "multi-layer-eagle", "backend-without-trees", "budget-without-policy"],
+    ids=["infeasible-sequoia-plan", "multi-layer-eagle", "backend-without-trees", "budget-without-policy",
+         "adaptive-steps", "specexec-beyond-usable-slots"],
 )
 def test_refused_with_one_line(smollm2_cpu, extra, message):
     extra = [part.replace("{profile}", str(smollm2_cpu.profile)) for part in extra]
