@@ -13,7 +13,10 @@ batches the fused accept served (``outcome="fused"``) and those it left to SGLan
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+
+import torch
 
 MAX_POSITIONS = 64
 
@@ -89,8 +92,6 @@ def tree_rank_counts(next_token, next_sibling, accept_index, max_depth: int = MA
     its rank its position in the parent's sibling chain (SGLang links siblings in draft-slot order, which is the
     head's top-k rank order). Row 0 counts the verify steps (the root, offered and accepted once per request).
     Nodes deeper than ``max_depth`` or ranked at ``max_rank`` or beyond are not counted."""
-    import torch
-
     bs = accept_index.shape[0]
     device = accept_index.device
     next_token = next_token.reshape(bs, -1).long()
@@ -155,10 +156,6 @@ class RankMetrics:
             )
 
     def record(self, next_token, next_sibling, accept_index) -> None:
-        import time
-
-        import torch
-
         offered, accepted = tree_rank_counts(next_token, next_sibling, accept_index)
         with self._lock:
             step = torch.stack([offered, accepted])
