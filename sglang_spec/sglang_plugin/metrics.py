@@ -6,6 +6,10 @@ histogram``); the plugin counts, per draft position d, how many steps accepted a
 ``sglang_spec_tree_accepted_drafts_total{position="d"}`` over ``sglang_spec_tree_verify_steps_total`` is the
 acceptance rate at position d, and 1 + sum_d of those rates is the mean accept length.
 
+Per (depth, rank): ``sglang_spec_tree_rank_{offered,accepted}_total{depth,rank}`` and
+``sglang_spec_tree_rank_steps_total`` count, at every accepted node, its children offered and the accepted one
+(``RankMetrics``, accumulated on the device; ``sglang-spec calibrate --from-server`` reads them).
+
 With ``--speculative-tree-accept fused``, ``sglang_spec_fused_accept_batches_total{outcome}`` counts the verify
 batches the fused accept served (``outcome="fused"``) and those it left to SGLang's own path, by reason.
 """
