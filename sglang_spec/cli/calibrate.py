@@ -1,11 +1,16 @@
 """``sglang-spec calibrate``: measure an acceptance profile, the one file every tree policy reads: the head's
-per-depth, per-rank table from traffic (``--traffic``) and the per-source counts of lookup / hybrid trees by
-decoding prompts (``--prompts``), either or both; ``--update`` keeps the sections not measured now."""
+per-depth, per-rank table from traffic (``--traffic``) or from a live SGLang server's counters (``--from-server``),
+and the per-source counts of lookup / hybrid trees by decoding prompts (``--prompts``); ``--update`` keeps the
+sections not measured now."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
+import urllib.error
+import urllib.request
 
 from sglang_spec.catalog import load_model
 from sglang_spec.cli.parser import TEMPERATURE_HELP, integer, path_arg, temperature, text_arg
@@ -35,9 +40,16 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         "(the positional table of sequoia trees and --auto). --prompts: decodes prompts with a wide hybrid tree and "
         "counts, for every candidate offered at an accepted node, whether it was the accepted child, per lookup "
         "match length and rank, head depth and draft probability, and match length where both sources agree (the "
-        "per-source counts of lookup / hybrid trees). Use prompts and traffic your benchmarks never see.",
+        "per-source counts of lookup / hybrid trees). --from-server URL: reads the per-depth, per-rank acceptance a live "
+        "SGLang server with the sglang_spec plugin and --enable-metrics counted on its own traffic (for targets "
+        "that transformers cannot load); the server counts the MTP head's tree nodes only, so per-source counts "
+        "(lookup / hybrid) are not served yet. Use prompts and traffic your benchmarks never see.",
     )
-    parser.add_argument("--model", required=True, type=text_arg)
+    parser.add_argument("--model", default=None, type=text_arg,
+                        help="the target model (needed by --traffic and --prompts)")
+    parser.add_argument("--from-server", default=None, type=text_arg, metavar="URL",
+                        help="positional table from a live server's /metrics (launched with the plugin and "
+                        "--enable-metrics), e.g. http://127.0.0.1:30000; not with --traffic")
     parser.add_argument("--mtp", default=None, type=text_arg,
                         help="head to calibrate (default: the model's own or shipped head)")
     parser.add_argument("--traffic", type=path_arg, action="append", default=None,
@@ -60,11 +72,11 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
                         "pass the training run's fraction (its default is 0.05)")
     parser.add_argument("--max-records", type=int, default=0,
                         help="calibrate on at most this many records, an evenly spaced subset (0 = all)")
-    parser.add_argument("--depth", type=integer(1, MAX_DEPTH), default=6,
-                        help=f"draft depths measured (1-{MAX_DEPTH})")
-    parser.add_argument("--max-rank", type=integer(1, MAX_TOPK), default=8,
+    parser.add_argument("--depth", type=integer(1, MAX_DEPTH), default=None,
+                        help=f"draft depths measured (1-{MAX_DEPTH}; default 6, --from-server: all the server saw)")
+    parser.add_argument("--max-rank", type=integer(1, MAX_TOPK), default=None,
                         help=f"candidate ranks measured per depth (1-{MAX_TOPK}, at most the head's draft "
-                        f"vocabulary)")
+                        f"vocabulary; default 8, --from-server: all the server saw)")
     parser.add_argument("--temperature", type=temperature, default=0.0, help=TEMPERATURE_HELP)
     parser.add_argument("--out", type=path_arg, required=True, help="profile JSON to write")
     parser.add_argument("--force", action="store_true", help="overwrite --out (atomically: a failed run keeps it)")
@@ -74,9 +86,16 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_server is not None:
+        return run_from_server(args)
+    args.depth = 6 if args.depth is None else args.depth
+    args.max_rank = 8 if args.max_rank is None else args.max_rank
     # options first, so a typo fails before the traffic is read or a model loads
+    if args.model is None:
+        raise SpecError("--traffic and --prompts need --model (the target to calibrate)")
     if not args.traffic and not args.prompts:
-        raise SpecError("give --traffic (the head's positional table), --prompts (per-source counts), or both")
+        raise SpecError("give --traffic or --from-server (the head's positional table), --prompts (per-source "
+                        "counts), or --traffic and --prompts")
     if not args.traffic and args.update is None:
         raise SpecError("--prompts alone measures only the per-source counts; give --traffic too, or --update "
                         "PROFILE.json to keep that profile's positional table")
@@ -159,3 +178,107 @@ def _prompt_specs(items: list[str]) -> list[PromptSpec]:
     if not specs:
         raise SpecError("no prompts to calibrate on")
     return specs
+
+
+# ------------------------------------------------------------------------------------------------- --from-server
+RANK_COUNTERS = ("sglang_spec_tree_rank_offered_total", "sglang_spec_tree_rank_accepted_total")
+STEPS_COUNTER = "sglang_spec_tree_rank_steps_total"
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def run_from_server(args: argparse.Namespace) -> int:
+    if args.traffic or args.prompts:
+        raise SpecError("--from-server measures the positional table alone; run --prompts (with --model) "
+                        "separately, with --update")
+    check_output_path(args.out, args.force)
+    base = AcceptanceProfile.load(args.update) if args.update is not None else None
+    url = args.from_server.rstrip("/")
+    steps, offered, accepted = parse_rank_counts(fetch_metrics(url), url)
+    rows, counted = rank_rows(offered, accepted, args.depth or MAX_DEPTH, args.max_rank or MAX_TOPK)
+    if not rows:
+        raise SpecError(f"{url}: no draft node was offered at an accepted node yet; send requests first")
+    metadata = {"from_server": url, "steps": steps, "offered": counted}
+    profile = AcceptanceProfile.from_obj({"rank_acceptance": [list(row) for row in rows], **metadata},
+                                         f"{url} counts")
+    obj = profile.with_sources(None if base is None else base.sources).to_obj()
+    write_json_atomic(args.out, obj)
+    print(f"wrote {args.out}: positional table from {steps} verify steps of {url}")
+    for depth, (row, count) in enumerate(zip(rows, counted), start=1):
+        print(f"  depth {depth}: rank-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f} ({count} nodes offered)")
+    return 0
+
+
+def fetch_metrics(url: str, timeout: float = 10.0) -> str:
+    """The server's Prometheus text; every failure is one line."""
+    if not url.startswith(("http://", "https://")):
+        raise SpecError(f"--from-server {brief(url)}: give the server's URL, e.g. http://127.0.0.1:30000")
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as response:
+            return response.read().decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as error:
+        if error.code == 404:
+            raise SpecError(f"{url}/metrics: not found (404); launch the server with --enable-metrics") from None
+        raise SpecError(f"{url}/metrics: HTTP {error.code} {error.reason}") from None
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        reason = getattr(error, "reason", error)
+        raise SpecError(f"cannot reach {url}/metrics: {reason}") from None
+
+
+def parse_rank_counts(text: str, url: str = "server") -> tuple[int, dict, dict]:
+    """(steps, offered, accepted) from Prometheus text: offered / accepted map (depth, rank) to counts. Counters
+    of the same labels from several processes are summed."""
+    steps = 0.0
+    seen_plugin = False
+    tables: tuple[dict, dict] = ({}, {})
+    for line in text.splitlines():
+        if not line.startswith("sglang_spec_"):
+            continue
+        seen_plugin = True
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        name, labels, value = match.groups()
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if not math.isfinite(number):
+            continue
+        if name == STEPS_COUNTER:
+            steps += number
+        elif name in RANK_COUNTERS:
+            found = dict(_LABEL.findall(labels or ""))
+            try:
+                key = (int(found["depth"]), int(found["rank"]))
+            except (KeyError, ValueError):
+                continue
+            table = tables[RANK_COUNTERS.index(name)]
+            table[key] = table.get(key, 0.0) + number
+    if not seen_plugin:
+        raise SpecError(f"{url}/metrics has no sglang_spec counters: the server does not run the sglang_spec "
+                        "plugin with a tree policy (--speculative-tree-policy)")
+    if steps <= 0:
+        raise SpecError(f"{url}: no per-rank counts yet (the tree counters count verify steps on attention-TP "
+                        "rank 0 with --enable-metrics); send requests first")
+    return int(steps), tables[0], tables[1]
+
+
+def rank_rows(offered: dict, accepted: dict, max_depth: int, max_rank: int) -> tuple[list[tuple[float, ...]], list[int]]:
+    """rank_acceptance rows: accepted / offered per depth 1, 2, ... and rank; a depth with no offers ends the table.
+    A rank never offered at a depth gets 0; a row whose estimates sum past 1 (ranks offered unequally often) is
+    scaled to sum 1. Also the nodes offered per depth."""
+    rows, counted = [], []
+    for depth in range(1, max_depth + 1):
+        total = sum(count for (d, _), count in offered.items() if d == depth)
+        if total <= 0:
+            break
+        width = min(max_rank, 1 + max(r for (d, r), count in offered.items() if d == depth and count > 0))
+        row = [accepted.get((depth, rank), 0.0) / offered[(depth, rank)] if offered.get((depth, rank), 0) > 0
+               else 0.0 for rank in range(width)]
+        row = [min(1.0, value) for value in row]
+        if math.fsum(row) > 1:
+            row = [value / math.fsum(row) for value in row]
+        rows.append(tuple(row))
+        counted.append(int(total))
+    return rows, counted

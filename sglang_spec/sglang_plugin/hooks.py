@@ -12,7 +12,7 @@
 | ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); eagle: SGLang's |
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
 | ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept |
-| ``eagle_utils.eagle_sample`` | AROUND | fused: our verify + accept kernels, or SGLang's path (counted) |
+| ``eagle_utils.eagle_sample`` | AROUND | fused: our verify + accept kernels, or SGLang's path (counted); per-rank counts |
 | ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | fused: the accepted path's KV moved by our kernel |
 | ``DecodeCudaGraphRunner.execute`` | AROUND | fused under CUDA graphs: static tree links in, greedy accept out |
 | ``Req.update_spec_correct_drafts_histogram`` | AFTER | per-position acceptance metrics |
@@ -35,7 +35,7 @@ from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.draft_forward import draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.fused_accept import FusedAccept
-from sglang_spec.sglang_plugin.metrics import METRICS
+from sglang_spec.sglang_plugin.metrics import METRICS, RANKS
 from sglang_spec.sglang_plugin.options import (
     ATTRIBUTE,
     BACKEND_FIELDS,
@@ -248,6 +248,7 @@ def claim_acceptance_metrics(server_args, rank: int) -> bool:
     _COUNTS_ACCEPTANCE = rank == 0
     if _COUNTS_ACCEPTANCE and getattr(server_args, "enable_metrics", False):
         METRICS.enable_prometheus()
+        RANKS.enable(prometheus=True)  # per-(depth, rank) acceptance, once per step (calibrate --from-server)
     return _COUNTS_ACCEPTANCE
 
 
@@ -370,8 +371,16 @@ def verify_around(original, worker, *args, **kwargs):
         _FUSED_BATCH.reset(batch_token)
 
 
-def eagle_sample_around(original, verify_input, batch, logits_output, grammar_mask=None, uno_target_max_top_k=None,
-                        **kwargs):
+def eagle_sample_around(original, verify_input, batch, logits_output, *args, **kwargs):
+    """SGLang's or the fused accept, then (with --enable-metrics) the per-(depth, rank) counts on the device."""
+    result = _eagle_sample(original, verify_input, batch, logits_output, *args, **kwargs)
+    if RANKS.enabled and not batch.forward_mode.is_idle() and len(result[2]):
+        RANKS.record(verify_input.retrieve_next_token, verify_input.retrieve_next_sibling, result[2])
+    return result
+
+
+def _eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None, uno_target_max_top_k=None,
+                  **kwargs):
     fused = _FUSED.get()
     if fused is None or batch.forward_mode.is_idle():
         return original(verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k, **kwargs)

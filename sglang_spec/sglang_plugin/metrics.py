@@ -6,6 +6,10 @@ histogram``); the plugin counts, per draft position d, how many steps accepted a
 ``sglang_spec_tree_accepted_drafts_total{position="d"}`` over ``sglang_spec_tree_verify_steps_total`` is the
 acceptance rate at position d, and 1 + sum_d of those rates is the mean accept length.
 
+Per (depth, rank): ``sglang_spec_tree_rank_{offered,accepted}_total{depth,rank}`` and
+``sglang_spec_tree_rank_steps_total`` count, at every accepted node, its children offered and the accepted one
+(``RankMetrics``, accumulated on the device; ``sglang-spec calibrate --from-server`` reads them).
+
 With ``--speculative-tree-accept fused``, ``sglang_spec_fused_accept_batches_total{outcome}`` counts the verify
 batches the fused accept served (``outcome="fused"``) and those it left to SGLang's own path, by reason.
 """
@@ -13,7 +17,10 @@ batches the fused accept served (``outcome="fused"``) and those it left to SGLan
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+
+import torch
 
 MAX_POSITIONS = 64
 
@@ -71,3 +78,111 @@ class AcceptanceMetrics:
 
 
 METRICS = AcceptanceMetrics()
+
+
+# ------------------------------------------------------------------------------------------- per-rank acceptance
+MAX_RANKS = 16
+FLUSH_SECONDS = 1.0
+
+
+def tree_rank_counts(next_token, next_sibling, accept_index, max_depth: int = MAX_POSITIONS,
+                     max_rank: int = MAX_RANKS):
+    """One verify batch's (offered, accepted) counts per (depth, rank), as two int64 tensors [max_depth + 1,
+    max_rank] on the batch's device (no host sync). ``next_token`` / ``next_sibling``: SGLang's
+    ``retrieve_next_token`` / ``retrieve_next_sibling`` ([bs, n] local node indices, -1 for none; node 0 is the
+    root); ``accept_index``: eagle_sample's [bs, S + 1] accepted path as global node indices (b * n + j), -1 padded.
+
+    A node is offered when its parent is on the accepted path; its depth is its parent's position on the path + 1,
+    its rank its position in the parent's sibling chain (SGLang links siblings in draft-slot order, which is the
+    head's top-k rank order). Row 0 counts the verify steps (the root, offered and accepted once per request).
+    Nodes deeper than ``max_depth`` or ranked at ``max_rank`` or beyond are not counted."""
+    bs = accept_index.shape[0]
+    device = accept_index.device
+    next_token = next_token.reshape(bs, -1).long()
+    n = next_token.shape[1]
+    pad = torch.full((bs, 1), -1, dtype=torch.long, device=device)
+    next_sibling = torch.cat([next_sibling.reshape(bs, n).long(), pad], 1)  # column n: the dump slot
+    nodes = torch.arange(n, device=device).expand(bs, n)
+    parent = torch.full((bs, n + 1), -1, dtype=torch.long, device=device)
+    rank = torch.zeros((bs, n + 1), dtype=torch.long, device=device)
+    current = next_token  # for every node, the child of its chain reached after k siblings
+    for k in range(n - 1):
+        target = torch.where(current >= 0, current, n)
+        parent.scatter_(1, target, nodes)
+        rank.scatter_(1, target, torch.full_like(target, k))
+        current = next_sibling.gather(1, target)
+    parent[:, n] = -1
+    path = accept_index.reshape(bs, -1).long()
+    rows = torch.arange(bs, device=device)[:, None]
+    local = torch.where(path >= 0, path - rows * n, n)
+    position = torch.full((bs, n + 1), -1, dtype=torch.long, device=device)
+    position.scatter_(1, local, torch.arange(path.shape[1], device=device).expand_as(local))
+    position[:, n] = -1
+    parent_position = position.gather(1, torch.where(parent[:, :n] >= 0, parent[:, :n], n))
+    depth = parent_position + 1
+    node_rank = rank[:, :n]
+    offered = (parent[:, :n] >= 0) & (parent_position >= 0) & (depth <= max_depth) & (node_rank < max_rank)
+    accepted = offered & (position[:, :n] >= 0)
+    index = torch.where(offered, depth * max_rank + node_rank, 0).reshape(-1)
+    counts = torch.zeros((2, (max_depth + 1) * max_rank), dtype=torch.long, device=device)
+    counts[0].scatter_add_(0, index, offered.reshape(-1).long())
+    counts[1].scatter_add_(0, index, accepted.reshape(-1).long())
+    roots = (path[:, 0] >= 0).long().sum()
+    counts[:, 0] += roots
+    return counts[0].view(max_depth + 1, max_rank), counts[1].view(max_depth + 1, max_rank)
+
+
+class RankMetrics:
+    """Per-(depth, rank) (offered, accepted) counts of the head's draft nodes at accepted nodes, accumulated on the
+    device; copied to the host (one sync) at most once a second on a GPU, every step on a CPU, and then added to
+    the Prometheus counters ``sglang_spec_tree_rank_{offered,accepted}_total{depth,rank}`` and
+    ``sglang_spec_tree_rank_steps_total`` (what ``sglang-spec calibrate --from-server`` reads)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._lock = threading.Lock()
+        self._device_counts = None  # int64 [2, depth + 1, rank]
+        self.host = None  # the last flushed copy
+        self._last_flush = 0.0
+        self._prometheus = None
+
+    def enable(self, prometheus: bool) -> None:
+        self.enabled = True
+        if prometheus and self._prometheus is None:
+            from prometheus_client import Counter as PrometheusCounter
+
+            self._prometheus = (
+                PrometheusCounter("sglang_spec_tree_rank_steps", "verify steps counted per rank, one per request"),
+                PrometheusCounter("sglang_spec_tree_rank_offered", "draft nodes offered at an accepted node",
+                                  ["depth", "rank"]),
+                PrometheusCounter("sglang_spec_tree_rank_accepted", "offered draft nodes that were accepted",
+                                  ["depth", "rank"]),
+            )
+
+    def record(self, next_token, next_sibling, accept_index) -> None:
+        offered, accepted = tree_rank_counts(next_token, next_sibling, accept_index)
+        with self._lock:
+            step = torch.stack([offered, accepted])
+            self._device_counts = step if self._device_counts is None else self._device_counts + step
+            now = time.monotonic()
+            if step.device.type != "cpu" and now - self._last_flush < FLUSH_SECONDS:
+                return
+            self._last_flush = now
+            self._flush()
+
+    def _flush(self) -> None:
+        current = self._device_counts.cpu()  # the one host read
+        previous = self.host
+        self.host = current
+        if self._prometheus is None:
+            return
+        delta = current if previous is None else current - previous
+        steps, offered, accepted = self._prometheus
+        if int(delta[0, 0, 0]):
+            steps.inc(int(delta[0, 0, 0]))
+        for kind, counter in ((0, offered), (1, accepted)):
+            for depth, rank in delta[kind, 1:].nonzero().tolist():
+                counter.labels(depth=str(depth + 1), rank=str(rank)).inc(int(delta[kind, depth + 1, rank]))
+
+
+RANKS = RankMetrics()

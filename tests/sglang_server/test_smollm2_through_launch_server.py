@@ -9,12 +9,14 @@ acceptance counters must reach /metrics; an sglang.lang program must run against
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
 import pytest
 
 from cpu_server_helpers import SMOLLM2_NEW_TOKENS, accept_lengths, mean, running_server, tree_args
+from sglang_spec.cli import main as cli_main
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
@@ -39,9 +41,12 @@ def tree_run(request, smollm2_cpu, server_logs, smollm2_prompts):
         after = server.request("/metrics")
         extras = None
         if (policy, budget) == ("sequoia", 15):  # the README's tree: also a text request and an sglang.lang program
+            # and a profile calibrated from the live server's per-rank counters (before more requests are sent)
+            calibrated = server_logs / "smollm2-sequoia-from-server.json"
+            code = cli_main(["calibrate", "--from-server", server.url, "--out", str(calibrated), "--force"])
             text = server.request("/generate", {"text": "def add(a, b):",
                                                 "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
-            extras = {"text": text, "frontend": run_frontend(server.url)}
+            extras = {"text": text, "frontend": run_frontend(server.url), "calibrated": (code, calibrated)}
     return request.param, answers, before, after, extras
 
 
@@ -69,6 +74,42 @@ def test_per_position_acceptance_reaches_metrics(tree_run):
         counted = (_counter(after, "sglang_spec_tree_accepted_drafts_total", position)
                    - _counter(before, "sglang_spec_tree_accepted_drafts_total", position))
         assert counted == sum(1 for length in lengths if length - 1 >= position), f"position {position}"
+
+
+def test_per_rank_counts_and_calibrate_from_server(tree_run, tmp_path):
+    """Sequoia 15/4/4: the per-(depth, rank) counters count exactly the steps SGLang reports (1 + the accepted
+    nodes per step is the mean accept length), and `calibrate --from-server` writes a profile whose depth-1 rank-0
+    acceptance is the counters' and that generate and the plugin's options accept."""
+    from sglang_spec.cli.calibrate import parse_rank_counts
+    from sglang_spec.sglang_plugin.options import from_values
+
+    shape, answers, before, after, extras = tree_run
+    if extras is None:
+        pytest.skip("run once, against sequoia 15/4/4")
+    lengths = accept_lengths(answers)
+    steps_before, offered_before, accepted_before = parse_rank_counts(before) if "rank_steps" in before else (0, {}, {})
+    steps_after, offered_after, accepted_after = parse_rank_counts(after)
+    steps = steps_after - steps_before
+    delta = {key: accepted_after[key] - accepted_before.get(key, 0.0) for key in accepted_after}
+    offered = {key: offered_after[key] - offered_before.get(key, 0.0) for key in offered_after}
+    assert steps == len(lengths)
+    assert 1 + sum(delta.values()) / steps == pytest.approx(mean(lengths), abs=1e-12)
+    for depth in range(1, shape[2] + 1):  # per depth: the steps that accepted at least `depth` drafts
+        assert sum(v for (d, _), v in delta.items() if d == depth) == sum(1 for n in lengths if n - 1 >= depth)
+    assert offered[(1, 0)] == steps  # every step offers the root's rank-0 child
+    code, calibrated = extras["calibrated"]
+    assert code == 0
+    profile = json.loads(calibrated.read_text())
+    print(f"\nfrom-server profile: {profile['rank_acceptance']} over {profile['steps']} steps")
+    assert profile["steps"] == steps_after
+    # the profile also counts the server's warm-up steps; within 0.05 of the requests' own depth-1 rank-0 rate
+    assert profile["rank_acceptance"][0][0] == pytest.approx(delta[(1, 0)] / offered[(1, 0)], abs=0.05)
+    options = from_values({"speculative_tree_policy": "sequoia", "speculative_tree_budget": 15,
+                           "speculative_tree_depth": 4, "speculative_tree_topk": 4,
+                           "speculative_acceptance_profile": str(calibrated)})
+    assert options.draft_plan() is not None
+    assert cli_main(["generate", "--model", "smollm2", "--policy", "sequoia", "--budget", "15", "--depth", "4",
+                     "--acceptance", str(calibrated), "--prompt", "def add(a, b):", "--max-new-tokens", "8"]) == 0
 
 
 def run_frontend(url: str) -> dict:

@@ -165,3 +165,23 @@ def test_fused_accept_falls_back_per_batch_with_a_counter(tree_answers, fused_an
     output is SGLang's."""
     assert [a["output_ids"] for a in fused_answers.penalized] == [a["output_ids"] for a in tree_answers.penalized]
     assert _counter(fused_answers.metrics, "penalties") > 0
+
+
+def test_fused_accept_feeds_the_per_rank_counts(fused_answers):
+    """The per-(depth, rank) counters see the fused accept's paths too: over the server's life (its warm-up steps
+    included) they count exactly the steps, and per depth the accepted nodes, of its per-position counters (SGLang's
+    per-request histograms), so 1 + accepted nodes per step is the mean accept length."""
+    from sglang_spec.cli.calibrate import parse_rank_counts
+
+    metrics = fused_answers.metrics
+    steps, offered, accepted = parse_rank_counts(metrics)
+    assert steps == _metric(metrics, "sglang_spec_tree_verify_steps_total") and offered[(1, 0)] == steps
+    assert steps >= len(accept_lengths(fused_answers.greedy + fused_answers.sampled + fused_answers.penalized))
+    for depth in range(1, fused_answers.shape[2] + 1):
+        at_least = _metric(metrics, f'sglang_spec_tree_accepted_drafts_total{{position="{depth}"}}')
+        assert sum(count for (d, _), count in accepted.items() if d == depth) == at_least, f"depth {depth}"
+
+
+def _metric(metrics: str, sample: str) -> float:
+    found = re.search(rf"^{re.escape(sample)} ([0-9.e+]+)$", metrics, re.M)
+    return float(found.group(1)) if found else 0.0
