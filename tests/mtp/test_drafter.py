@@ -7,6 +7,7 @@ from sglang_spec.decode.target import TransformersRunner
 from sglang_spec.mtp.drafter import MTPDrafter
 from sglang_spec.tree import GrowingTree, TreePolicy
 from sglang_spec.tree.candidates import CandidateSource
+from sglang_spec.tree.draft import DraftSources
 
 
 class Recorder(CandidateSource):
@@ -52,7 +53,7 @@ def test_every_node_sees_only_its_own_ancestors(policy, which, request):
     profile = AcceptanceProfile.uniform([0.5, 0.25, 0.1])
     tree_policy = TreePolicy(policy, budget=14, depth=4, topk=3, profile=profile)
     recorder = Recorder(drafter.source(fresh_state(model, drafter, prompt, first)))
-    tree = tree_policy.build(first, recorder)
+    tree = tree_policy.build(first, DraftSources(mtp=recorder)).tree
     assert tree.depth >= 2 and max(len(kids) for kids in tree.children()) >= 2  # a real tree, siblings present
     for path, logits in recorder.logits.items():
         alone = chain_logits(model, drafter, prompt, list(path))
