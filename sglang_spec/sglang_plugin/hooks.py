@@ -236,20 +236,16 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
     return result
 
 
-# whether this process counts acceptance: every attention-TP rank runs the same requests through the same verify,
-# so only rank 0 counts them (else SGLang's multiprocess metrics sum each total attention-TP times)
-_COUNTS_ACCEPTANCE = True
-
-
 def claim_acceptance_metrics(server_args, rank: int) -> bool:
     """At worker start-up: attention-TP rank 0 counts acceptance (and registers its counters with
-    ``--enable-metrics``); the other ranks count nothing. Returns whether this process counts."""
-    global _COUNTS_ACCEPTANCE
-    _COUNTS_ACCEPTANCE = rank == 0
-    if _COUNTS_ACCEPTANCE and getattr(server_args, "enable_metrics", False):
+    ``--enable-metrics``); every attention-TP rank runs the same requests through the same verify, so the others
+    count nothing (else SGLang's multiprocess metrics would sum each total TP times). Returns whether this
+    process counts."""
+    METRICS.counting = rank == 0
+    if METRICS.counting and getattr(server_args, "enable_metrics", False):
         METRICS.enable_prometheus()
         RANKS.enable(prometheus=True)  # per-(depth, rank) acceptance, once per step (calibrate --from-server)
-    return _COUNTS_ACCEPTANCE
+    return METRICS.counting
 
 
 def _attn_tp_rank() -> int:
@@ -259,13 +255,6 @@ def _attn_tp_rank() -> int:
         return int(get_parallel().attn_tp_rank)
     except Exception:  # parallel state not published (single-process tests): the only rank
         return 0
-
-
-class _Uncounted:
-    """The metrics a rank other than attention-TP 0 hands its FusedAccept: records nothing."""
-
-    def record_accept(self, outcome: str) -> None:
-        pass
 
 
 def alloc_memory_pool_after(result, worker, *args, **kwargs):
@@ -344,9 +333,8 @@ def eagle_worker_init_after(result, worker, *args, **kwargs):
     options: TreeServerOptions | None = getattr(worker.server_args, ATTRIBUTE, None)
     if options is None or options.accept != "fused":
         return result
-    counts = claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
-    fused = FusedAccept(worker.speculative_num_draft_tokens, worker.speculative_num_steps, worker.device,
-                        METRICS if counts else _Uncounted())
+    claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
+    fused = FusedAccept(worker.speculative_num_draft_tokens, worker.speculative_num_steps, worker.device, METRICS)
     worker._sglang_spec_fused = fused
     if str(worker.device).startswith("cuda"):
         worker.target_worker.model_runner.capture_tail_hooks.append(fused.capture_tail)  # before graph capture
@@ -435,8 +423,7 @@ def graph_execute_around(original, runner, forward_batch, *args, **kwargs):
 
 
 def correct_drafts_after(result, request, num_correct_drafts):
-    if _COUNTS_ACCEPTANCE:
-        METRICS.record(num_correct_drafts)
+    METRICS.record(num_correct_drafts)  # counts on attention-TP rank 0 only (METRICS.counting)
     return result
 
 

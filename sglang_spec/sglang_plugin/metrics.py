@@ -32,8 +32,13 @@ class AcceptanceMetrics:
         self.accepted = [0] * (MAX_POSITIONS + 1)
         self.accept_outcomes: Counter[str] = Counter()
         self._prometheus = None
+        # False on attention-TP ranks other than 0: they verify the same requests, and counting there too would
+        # multiply every total by the TP size (set at worker start-up, hooks.claim_acceptance_metrics)
+        self.counting = True
 
     def record(self, num_correct_drafts: int) -> None:
+        if not self.counting:
+            return
         num_correct_drafts = max(0, min(int(num_correct_drafts), MAX_POSITIONS))
         with self._lock:
             self.steps += 1
@@ -47,6 +52,8 @@ class AcceptanceMetrics:
 
     def record_accept(self, outcome: str) -> None:
         """One verify batch: served by the fused accept (``"fused"``) or by SGLang's, with the reason."""
+        if not self.counting:
+            return
         with self._lock:
             self.accept_outcomes[outcome] += 1
         if self._prometheus is not None:

@@ -296,7 +296,6 @@ def test_only_attention_tp_rank_zero_counts_acceptance(sglang_with_plugin, monke
     registered = []
     monkeypatch.setattr(metrics, "enable_prometheus", lambda: registered.append(True))
     monkeypatch.setattr(hooks, "METRICS", metrics)
-    monkeypatch.setattr(hooks, "_COUNTS_ACCEPTANCE", True, raising=False)
     monkeypatch.setattr(hooks, "_attn_tp_rank", lambda: rank, raising=False)
     server_args = SimpleNamespace(enable_metrics=True, **{ATTRIBUTE: TreeServerOptions("eagle", 8, 4, 4, 4)})
     worker = SimpleNamespace(server_args=server_args, topk=4, speculative_num_steps=4)
