@@ -38,6 +38,7 @@ from pathlib import Path
 
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
+from sglang_spec.train.prompts import PromptSpec, humaneval_prompts, load_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = ["policy", "budget", "concurrency", "request_throughput", "output_throughput", "mean_ttft_ms",
@@ -71,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "default: heldout, or the domains of --prompts")
     parser.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
                         help="your own prompts, one JSON object a line ({\"prompt\": ...} or {\"messages\": ...}, "
-                             "optional \"domain\" = workload)")
+                             "optional \"domain\" = workload, default general; also a .txt file, one prompt a line)")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--dataset", default="heldout",
                         help="heldout (HumanEval 134-163 as chat requests, never in the shipped heads' training; "
@@ -157,8 +158,6 @@ def write_sharegpt(path: Path, questions: list[str]) -> Path:
 
 def write_heldout_dataset(path: Path) -> Path:
     """HumanEval 134-163 (held out from the shipped heads' traffic) in ShareGPT's format for bench_serving."""
-    from sglang_spec.train.prompts import humaneval_prompts
-
     return write_sharegpt(path, [spec.messages[0]["content"] for spec in humaneval_prompts(134, 163)])
 
 
@@ -172,8 +171,6 @@ EXTRACTION_QUESTIONS = (
 def serving_questions(workload: str) -> list[str]:
     """The held-out ``serving`` workloads (module doc): nothing in the project trained or tuned on them."""
     if workload == "code":
-        from sglang_spec.train.prompts import humaneval_prompts
-
         return [spec.messages[0]["content"] for spec in humaneval_prompts(150, 163)]
     if workload == "extraction":
         import importlib.resources
@@ -184,12 +181,12 @@ def serving_questions(workload: str) -> list[str]:
         passages = [" ".join(words[start : start + 350]) for start in range(0, len(words) - 350, 350)][:6]
         return [f"{passage}\n\n{EXTRACTION_QUESTIONS[index % len(EXTRACTION_QUESTIONS)]}"
                 for index, passage in enumerate(passages)]
-    return [_question(json.loads(line)) for line in (WORKLOADS_DIR / f"{workload}.jsonl").read_text().splitlines()
-            if line.strip()]
+    return [_question(spec) for spec in load_prompts(str(WORKLOADS_DIR / f"{workload}.jsonl"))]
 
 
-def _question(record: dict) -> str:
-    return record["prompt"] if "prompt" in record else record["messages"][-1]["content"]
+def _question(spec: PromptSpec) -> str:
+    """The request text of one prompt (its last user message, for chat prompts)."""
+    return spec.prompt if spec.prompt is not None else spec.messages[-1]["content"]
 
 
 def workload_names(args) -> list[str]:
@@ -204,17 +201,8 @@ def workload_datasets(args, scratch: Path) -> dict[str, Path]:
     """Workload name -> its ShareGPT file for bench_serving."""
     if args.prompts is not None:
         by_domain: dict[str, list[str]] = {}
-        for number, line in enumerate(args.prompts.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                by_domain.setdefault(str(record.get("domain", "prompts")), []).append(_question(record))
-            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-                raise SpecError(f"--prompts {args.prompts}: line {number} is not {{\"prompt\": ...}} or "
-                                "{\"messages\": [...]}") from None
-        if not by_domain:
-            raise SpecError(f"--prompts {args.prompts} holds no prompts")
+        for spec in load_prompts(str(args.prompts)):  # the project's prompt-file reader: one line per bad input
+            by_domain.setdefault(spec.domain, []).append(_question(spec))
         return {name: write_sharegpt(scratch / f"prompts-{name}.json", questions) for name, questions in by_domain.items()}
     names = workload_names(args)
     if names == ["heldout"]:

@@ -46,14 +46,14 @@ def test_serving_sweep_compares_sglangs_own_speculation_on_held_out_workloads(tm
     prompts.write_text('{"prompt": "a", "domain": "support"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
     args = sweep.parse_args(["--prompts", str(prompts)])
     datasets = sweep.workload_datasets(args, tmp_path)
-    assert sorted(datasets) == ["prompts", "support"]
+    assert sorted(datasets) == ["general", "support"]  # a line without a domain is the prompt reader's "general"
     rows = [sweep.row_from_result(policy, 15, 4, {"output_throughput": speed}, "code")
             for policy, speed in (("plain", 10.0), ("sequoia", 13.0), ("sglang-chain", 12.0))]
     sweep.add_speedups(rows)
     assert [row["speedup_over_plain"] for row in rows] == [1.0, 1.3, 1.2] and rows[2]["budget"] == 3
     bad = tmp_path / "bad.jsonl"
     bad.write_text("[1, 2]\n")
-    with pytest.raises(sweep.SpecError, match="line 1 is not"):
+    with pytest.raises(sweep.SpecError, match="line 1: a prompt line must be a JSON object"):
         sweep.workload_datasets(sweep.parse_args(["--prompts", str(bad)]), tmp_path)
 
 
