@@ -9,7 +9,8 @@
 | ``_ModelRegistry.resolve_model_cls`` / ``is_arch_supported`` | BEFORE | our draft model classes (``models/``) |
 | ``EagleDraftWorker.__init__`` | AFTER | the draft loop's static device state, once per worker; metrics |
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | the draft KV pool can give every branch its own ancestry |
-| ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); eagle: SGLang's |
+| ``EagleDraftWorker.draft`` | AROUND | lookup / hybrid: the batch's requests for the context; the draft runs eagerly |
+| ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); lookup / hybrid: host-built trees (``context_draft``); eagle: SGLang's |
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
 | ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept |
 | ``eagle_utils.eagle_sample`` | AROUND | fused: our verify + accept kernels, or SGLang's path (counted); per-rank counts |
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from sglang_spec.errors import SpecError
+from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draft_forward
 from sglang_spec.sglang_plugin.draft_forward import draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.fused_accept import FusedAccept
@@ -64,6 +66,7 @@ HOOKS = (
     (f"{_REGISTRY}.is_arch_supported", "registry_lookup_before", "BEFORE"),
     (f"{_WORKER}.__init__", "draft_worker_init_after", "AFTER"),
     (f"{_WORKER}.alloc_memory_pool", "alloc_memory_pool_after", "AFTER"),
+    (f"{_WORKER}.draft", "draft_around", "AROUND"),
     (f"{_WORKER}.draft_forward", "draft_forward_around", "AROUND"),
     ("sglang.srt.speculative.spec_utils.select_top_k_tokens", "select_top_k_tokens_around", "AROUND"),
     ("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", "correct_drafts_after", "AFTER"),
@@ -210,13 +213,15 @@ def registry_lookup_before(registry, *args, **kwargs):
 # ---------------------------------------------------------------------------------------------- draft worker
 @dataclass
 class DraftSetup:
-    """Built once per draft worker: the plugin's draft loop (sequoia / specexec; None keeps SGLang's loop) and
-    whether beams keep exact ancestry (decided when the draft pool exists, in alloc_memory_pool)."""
+    """Built once per draft worker: the plugin's draft loop (sequoia / specexec) or context drafter (lookup /
+    hybrid), None for both keeps SGLang's loop; whether beams keep exact ancestry (decided when the draft pool
+    exists, in alloc_memory_pool)."""
 
     loop: DraftLoop | None
     exact_ancestry: bool
     width: int
     steps: int
+    context: ContextDrafter | None = None
 
 
 def draft_worker_init_after(result, worker, *args, **kwargs):
@@ -230,8 +235,13 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
         except SpecError as error:  # validated at start-up already; a mismatch here is a bug, said plainly
             raise StartupError(error) from None
         loop = DraftLoop.build(worker.topk, options.topk, worker.speculative_num_steps, plan, worker.device)
+    context = None
+    if options.uses_context:
+        context = ContextDrafter(options.tree_policy(), worker.speculative_num_steps,
+                                 worker.speculative_num_draft_tokens - 1)
     # the draft KV pool is allocated later (Scheduler.init_memory_pools): ancestry is decided in alloc_memory_pool
-    worker._sglang_spec = DraftSetup(loop, exact_ancestry=False, width=worker.topk, steps=worker.speculative_num_steps)
+    worker._sglang_spec = DraftSetup(loop, exact_ancestry=False, width=worker.topk, steps=worker.speculative_num_steps,
+                                     context=context)
     claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
     return result
 
@@ -288,6 +298,25 @@ class DraftContext:
 
 
 _DRAFT: contextvars.ContextVar[DraftContext | None] = contextvars.ContextVar("sglang_spec_draft", default=None)
+# the requests of the draft step in progress (lookup / hybrid read their context), in batch order
+_REQS: contextvars.ContextVar[list | None] = contextvars.ContextVar("sglang_spec_reqs", default=None)
+
+
+def draft_around(original, worker, batch, *args, **kwargs):
+    setup = getattr(worker, "_sglang_spec", None)
+    if setup is None or setup.context is None:
+        return original(worker, batch, *args, **kwargs)
+    # host-built trees cannot replay a captured draft graph: this step drafts eagerly
+    graph_runner, worker.cuda_graph_runner = worker.cuda_graph_runner, None
+    token = _REQS.set(list(batch.reqs))
+    try:
+        verify_input = original(worker, batch, *args, **kwargs)
+        if setup.context.proposed:  # the accept reports its paths to the drafter (live calibration)
+            verify_input._sglang_spec_context = setup.context
+        return verify_input
+    finally:
+        worker.cuda_graph_runner = graph_runner
+        _REQS.reset(token)
 
 
 def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
@@ -296,6 +325,11 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
         return original(worker, forward_batch, *args, **kwargs)
     if setup.loop is not None:
         return draft_forward(worker, forward_batch, setup.loop, permute_kv)
+    if setup.context is not None:
+        reqs = _REQS.get()
+        if reqs is None:  # a draft graph capture: SGLang's loop fills the graph, which context trees never replay
+            return original(worker, forward_batch, *args, **kwargs)
+        return context_draft_forward(worker, forward_batch, reqs, setup.context, permute_kv)
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
 
     step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, forward_batch.batch_size, setup.width,
@@ -360,8 +394,12 @@ def verify_around(original, worker, *args, **kwargs):
 
 
 def eagle_sample_around(original, verify_input, batch, logits_output, *args, **kwargs):
-    """SGLang's or the fused accept, then (with --enable-metrics) the per-(depth, rank) counts on the device."""
+    """SGLang's or the fused accept, then the accepted paths to a context drafter (lookup / hybrid) and (with
+    --enable-metrics) the per-(depth, rank) counts on the device."""
     result = _eagle_sample(original, verify_input, batch, logits_output, *args, **kwargs)
+    context: ContextDrafter | None = getattr(verify_input, "_sglang_spec_context", None)
+    if context is not None and not batch.forward_mode.is_idle():
+        context.record_outcome(result[2], verify_input.draft_token_num)
     if RANKS.enabled and not batch.forward_mode.is_idle() and len(result[2]):
         RANKS.record(verify_input.retrieve_next_token, verify_input.retrieve_next_sibling, result[2])
     return result

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.draft_loop import DraftPlan, usable_slots, widest_level
-from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, HEAD_POLICY_NAMES, TreePolicy
+from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
 ATTRIBUTE = "_sglang_spec_tree"  # where the parsed options ride on ServerArgs (pickled into subprocesses)
@@ -66,15 +66,20 @@ class TreeServerOptions:
 
     @property
     def own_loop(self) -> bool:
-        """Whether the plugin's draft loop runs (else SGLang's own)."""
+        """Whether the plugin's device draft loop runs (sequoia, specexec)."""
         return self.policy in OWN_LOOP_POLICIES
+
+    @property
+    def uses_context(self) -> bool:
+        """Whether trees copy from the request's context (lookup, hybrid: built on the host, ``context_draft``)."""
+        return self.policy in CONTEXT_POLICY_NAMES
 
     def load_profile(self) -> AcceptanceProfile | None:
         return None if self.profile_path is None else AcceptanceProfile.from_json(self.profile_path)
 
     def tree_policy(self) -> TreePolicy:
         """The reference decoder's policy for the same tree (what the tests compare SGLang against)."""
-        width = self.width if self.policy == "specexec" else None
+        width = self.width if self.policy == "specexec" or self.uses_context else None
         return TreePolicy(self.policy, budget=self.budget, depth=self.depth, topk=self.topk,
                           profile=self.load_profile(), width=width)
 
@@ -90,8 +95,9 @@ class TreeServerOptions:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tree speculation (sglang_spec)")
-    group.add_argument("--speculative-tree-policy", choices=HEAD_POLICY_NAMES + CONTEXT_POLICY_NAMES, default=None,
-                       help="shape of the MTP draft tree; unset keeps SGLang's behaviour")
+    group.add_argument("--speculative-tree-policy", choices=POLICY_NAMES, default=None,
+                       help="shape of the draft tree (lookup / hybrid: the request's context copies, with the MTP "
+                            "head's branches for hybrid); unset keeps SGLang's behaviour")
     group.add_argument("--speculative-tree-budget", type=int, default=None,
                        help=f"draft nodes per request, root excluded (default {DEFAULTS['budget']})")
     group.add_argument("--speculative-tree-depth", type=int, default=None,
@@ -117,14 +123,10 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
         given = [name for name in KEYWORDS[1:] if values.get(name) is not None]
         if given:
             flag = "--" + given[0].replace("_", "-")
-            raise SpecError(f"{flag} needs --speculative-tree-policy (one of {', '.join(HEAD_POLICY_NAMES)})")
+            raise SpecError(f"{flag} needs --speculative-tree-policy (one of {', '.join(POLICY_NAMES)})")
         return None
-    if policy in CONTEXT_POLICY_NAMES:
-        raise SpecError(f"--speculative-tree-policy {policy} is not served through SGLang yet (the context lookup "
-                        f"needs a device-side history); use it in `sglang-spec generate`, or one of "
-                        f"{', '.join(HEAD_POLICY_NAMES)} here")
-    if policy not in HEAD_POLICY_NAMES:
-        raise SpecError(f"unknown --speculative-tree-policy {policy!r}; choose one of {', '.join(HEAD_POLICY_NAMES)}")
+    if policy not in POLICY_NAMES:
+        raise SpecError(f"unknown --speculative-tree-policy {policy!r}; choose one of {', '.join(POLICY_NAMES)}")
     for name in KEYWORDS[1:5]:
         value = values.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -137,6 +139,8 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
     topk = 1 if policy == "chain" else (given_topk or DEFAULTS["topk"])
     if policy == "chain":
         budget = min(budget, depth)
+    if policy in CONTEXT_POLICY_NAMES and depth < 2:
+        raise SpecError(f"{policy} trees need --speculative-tree-depth >= 2 (SGLang's draft layout of a tree)")
     profile = values.get("speculative_acceptance_profile")
     if profile is not None and not Path(profile).is_file():
         raise SpecError(f"--speculative-acceptance-profile {profile} does not exist")
@@ -168,6 +172,20 @@ def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | 
             raise SpecError(f"sequoia's tree for budget {budget} / depth {depth} / topk {topk} expands {needed} nodes "
                             f"on one level; --speculative-tree-width must be at least {needed}")
         return given or needed
+    if policy in CONTEXT_POLICY_NAMES:
+        # a node's children: the head's topk (hybrid) and the context's continuations; and SGLang's tree encoding
+        # gives the nodes with children ids below width * (depth - 1) + 1 (``encode_sglang_draft``)
+        lookup_width = TreePolicy(policy, budget=budget, depth=depth, topk=topk).lookup_width
+        needed = max((topk if policy == "hybrid" else 0) + lookup_width, -(-budget // (depth - 1)))
+        width = given if given is not None else needed
+        if given is not None and given * (depth - 1) < budget:
+            raise SpecError(f"--speculative-tree-width {given} holds at most {given * (depth - 1)} nodes at depth "
+                            f"{depth} in SGLang's tree encoding; raise it to {-(-budget // (depth - 1))} or lower "
+                            f"the budget")
+        if policy == "hybrid" and width < topk:
+            raise SpecError(f"--speculative-tree-width {width} is below topk {topk}: the root keeps its {topk} head "
+                            f"candidates")
+        return width
     width = given if given is not None else max(topk, budget)
     if width < topk:
         raise SpecError(f"--speculative-tree-width {width} is below topk {topk}: the root's {topk} children are "
@@ -187,6 +205,10 @@ def from_namespace(args: argparse.Namespace) -> TreeServerOptions | None:
 def apply_to_server_args(options: TreeServerOptions, server_args) -> None:
     """Before resolution: the tree shape becomes SGLang's own draft shape (steps, topk, verify tokens)."""
     setattr(server_args, ATTRIBUTE, options)
+    if options.uses_context:
+        # the context is read from each request's output ids on the host, complete only when the scheduler
+        # processes a step's results before it drafts the next (SGLang's NGRAM splices them in instead)
+        server_args.disable_overlap_schedule = True
     for name, value in (("speculative_num_steps", options.depth), ("speculative_eagle_topk", options.width),
                         ("speculative_num_draft_tokens", options.budget + 1)):
         current = getattr(server_args, name)
@@ -215,6 +237,8 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
         raise SpecError("--enable-multi-layer-eagle runs its own draft worker, which the tree options do not reach; "
                         "drop --enable-multi-layer-eagle or the --speculative-tree-* options")
     width, steps = config.speculative_eagle_topk, config.speculative_num_steps
+    if options.uses_context:
+        return  # any tree within its width fits SGLang's encoding (checked with the options); fillers fill the rest
     topk = min(options.topk, width)
     capacity = usable_slots(width, topk, steps)
     if options.budget > capacity:

@@ -3,6 +3,8 @@ transformers' ``CandidateGenerator`` has ``get_candidates`` / ``update_candidate
 
 * ``propose(root_token, sources)``: the policy's tree for one request from its candidate sources (MTP head,
   context lookup, or both), ranked by the drafter's acceptance estimates;
+* ``propose_rounds(root_token, context)``: the same tree for lookup / hybrid as a builder driven round by round,
+  so a server batches each head round over its requests;
 * ``observe(tree, accepted_nodes)``: online calibration from a verified step: every candidate offered at a node of
   the accepted path counts once in its source cell, accepted or not.
 
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from sglang_spec.errors import SpecError
 from sglang_spec.tree.draft import DraftSources, DraftTree
+from sglang_spec.tree.hybrid import BestFirstBuilder
+from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.profile import SourceCounts
 
@@ -28,6 +33,13 @@ class TreeDrafter:
     def propose(self, root_token: int, sources: DraftSources) -> DraftTree:
         """This step's tree below ``root_token`` (the last verified token)."""
         return self.policy.build(root_token, sources, self.counts)
+
+    def propose_rounds(self, root_token: int, context: NgramIndex) -> BestFirstBuilder:
+        """The same tree as ``propose`` for lookup / hybrid, as a builder its caller drives round by round
+        (``builder.rounds()``), for callers that batch the head's forwards across requests (the SGLang plugin)."""
+        if not self.policy.uses_context:
+            raise SpecError(f"{self.policy.name} trees are not grown round by round from a context")
+        return BestFirstBuilder(self.policy, root_token, context, self.counts)
 
     def observe(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
         """Counts the outcome of every child offered at a node of the accepted path (``accepted_nodes``: the

@@ -23,7 +23,16 @@ token), and sample-and-match emits exact target samples for any such tree: lossl
 (``tests/decode/test_hybrid_sampling_law.py`` checks the joint law, and that treating a lookup node's confidence as
 a draft probability in a ratio rule is caught).
 
-Shapes: ``lookup`` (lookup candidates only; the head never runs) and ``hybrid`` (both). With a cost curve
+Shapes: ``lookup`` (lookup candidates only; the head never runs) and ``hybrid`` (both). With the policy's
+``width`` (a static bound, as SGLang's draft slots impose) a node keeps at most ``width`` children and a head
+round expands at most ``width`` nodes (the best first).
+
+The builder is driven round by round (``best_first_rounds``): it yields the nodes the head must expand and
+receives their candidates, so a caller that grows many requests' trees at once (the SGLang plugin) runs one
+batched head forward per round for all of them, and ``build_best_first`` is the same rounds driven by one
+request's ``CandidateSource``. A round's nodes are all at one depth (the round's number): a node is expanded by
+the head once selected with its parent expanded, and since candidates only ever join the selection's
+competition, a node left out of one round's selection is never selected later. With a cost curve
 (what ``--auto`` gives these shapes) the budget is chosen per step by ``tree/cost_model.step_seconds``: the tree
 prefix (the b best nodes, b = 0 meaning a plain step) with the least predicted time per token, and an MTP level
 is run only when its predicted gain pays for its forward.
@@ -32,9 +41,9 @@ is run only when its predicted gain pays for its forward.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Generator, Sequence
 
-from sglang_spec.tree.candidates import CandidateSource, GrowingTree
+from sglang_spec.tree.candidates import Candidates, GrowingTree
 from sglang_spec.tree.cost_model import CostCurve, step_seconds
 from sglang_spec.tree.draft import DraftSources, DraftTree
 from sglang_spec.tree.ngram import NgramIndex
@@ -44,23 +53,35 @@ if TYPE_CHECKING:
     from sglang_spec.tree.policies import TreePolicy
 
 
+# one tree's growth: yields the nodes the head expands this round, is sent their Candidates, returns the tree
+BestFirstRounds = Generator[list[int], Candidates, DraftTree]
+
+
 def build_best_first(policy: TreePolicy, root_token: int, sources: DraftSources, counts: SourceCounts) -> DraftTree:
     """The ``lookup`` / ``hybrid`` tree below ``root_token``; ``sources.context`` holds every verified token up to
     and including the root, ``sources.mtp`` the head (used by ``hybrid`` only)."""
     assert sources.context is not None, "best-first trees look the context up"
-    mtp = sources.mtp if policy.uses_head else None
-    return _HybridBuilder(policy, root_token, sources.context, mtp, counts).build()
+    builder = BestFirstBuilder(policy, root_token, sources.context, counts)
+    rounds = builder.rounds()
+    mtp = sources.mtp
+    try:
+        nodes = next(rounds)
+        while True:
+            assert mtp is not None, "hybrid trees expand nodes with the head"
+            nodes = rounds.send(mtp.expand(builder.tree, nodes, policy.effective_topk))
+    except StopIteration as done:
+        return done.value
 
 
-class _HybridBuilder:
-    """Best-first growth over both sources (module doc). Nodes live in a GrowingTree (the head's exact-ancestry
-    drafting reads its parents and tokens); per-node side lists hold what the sources said."""
+class BestFirstBuilder:
+    """Best-first growth over both sources (module doc) for one request. Nodes live in a GrowingTree (the head's
+    exact-ancestry drafting reads its parents, depths and tokens); per-node side lists hold what the sources
+    said."""
 
-    def __init__(self, policy: TreePolicy, root_token: int, context: NgramIndex, mtp: CandidateSource | None,
-                 calibration: SourceCounts) -> None:
+    def __init__(self, policy: TreePolicy, root_token: int, context: NgramIndex, calibration: SourceCounts) -> None:
         self.policy = policy
         self.context = context
-        self.mtp = mtp
+        self.uses_head = policy.uses_head
         self.calibration = calibration
         self.tree = GrowingTree(root_token)
         self.tails: list[list[int]] = [[]]  # path tokens below the root
@@ -109,9 +130,7 @@ class _HybridBuilder:
             self.match[child], self.lookup_rank[child] = candidate.match_length, candidate.rank
             self._rate(child)
 
-    def _mtp_expand(self, nodes: list[int]) -> None:
-        assert self.mtp is not None
-        candidates = self.mtp.expand(self.tree, nodes, self.policy.effective_topk)
+    def _mtp_expand(self, nodes: list[int], candidates: Candidates) -> None:
         if any(node != 0 for node in nodes):
             self.mtp_forwards += 1
         tokens, probs = candidates.tokens.tolist(), candidates.probs.tolist()
@@ -131,10 +150,27 @@ class _HybridBuilder:
         return reach
 
     def _best(self, count: int) -> list[int]:
-        """The ``count`` non-root nodes with the highest reach (ties to the lower id, so parents come first)."""
+        """The ``count`` non-root nodes with the highest reach (ties to the lower id, so parents come first);
+        with a width, a node whose parent already keeps ``width`` children is skipped, and so are its
+        descendants."""
         reach = self._reach()
         order = sorted(range(1, len(reach)), key=lambda node: (-reach[node], node))
-        return order[:count]
+        width = self.policy.width
+        if width is None:
+            return order[:count]
+        parents = self.tree.parents
+        chosen: list[int] = []
+        children = {0: 0}  # kept node -> its kept children
+        for node in order:
+            if len(chosen) == count:
+                break
+            parent = parents[node]
+            if children.get(parent, width) >= width:
+                continue
+            children[parent] += 1
+            children[node] = 0
+            chosen.append(node)
+        return chosen
 
     def _grow_lookup(self, count: int) -> list[int]:
         """Expands every selected node with the (free) lookup until the selection stops changing."""
@@ -147,19 +183,24 @@ class _HybridBuilder:
             for node in todo:
                 self._lookup_expand(node)
 
-    def build(self) -> DraftTree:
+    def rounds(self) -> BestFirstRounds:
+        """The growth (module doc): yields [0] (the root's head candidates, which come with the previous commit),
+        then each head level's nodes (at most ``width``, best reach first); returns the tree."""
         policy = self.policy
         costs = policy.costs
-        if self.mtp is not None:
-            self._mtp_expand([0])  # the root's head candidates come with the previous commit
+        if self.uses_head:
+            self._mtp_expand([0], (yield [0]))
         selected = self._grow_lookup(policy.budget)
         levels = 0
-        while self.mtp is not None and levels < policy.mtp_levels:
-            todo = [node for node in selected if node not in self.mtp_done and self.tree.depths[node] < policy.depth
-                    and self.tree.parents[node] in self.mtp_done]
+        while self.uses_head and levels < policy.mtp_levels:
+            # one depth a round (module doc); with a width, the nodes past it are never expanded by the head
+            todo = [node for node in selected if node not in self.mtp_done and self.tree.depths[node] == levels + 1
+                    and levels + 1 < policy.depth and self.tree.parents[node] in self.mtp_done]
+            if policy.width is not None:
+                todo = todo[: policy.width]  # ``selected`` is best first
             if not todo or (costs is not None and not self._level_pays(selected, todo, costs)):
                 break
-            self._mtp_expand(todo)
+            self._mtp_expand(todo, (yield todo))
             levels += 1
             selected = self._grow_lookup(policy.budget)
         reach = self._reach()
@@ -170,7 +211,7 @@ class _HybridBuilder:
     def _head_forwards(self) -> int:
         """Head forwards this step charges: the levels run, plus the commit forward that drafts the next root's
         children (whenever the head is in use)."""
-        return 0 if self.mtp is None else self.mtp_forwards + 1
+        return self.mtp_forwards + 1 if self.uses_head else 0
 
     def _best_prefix(self, reach: list[float], costs: CostCurve) -> int:
         """How many of the selected nodes (best first) give the least predicted time per token; 0 = a plain

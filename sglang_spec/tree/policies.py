@@ -55,8 +55,9 @@ class TreePolicy:
              policy default (DEFAULT_TOPK). Ignored by chain and lookup.
     profile: acceptance profile; required by sequoia. lookup / hybrid start from its ``sources`` counts (a
              generic prior without it).
-    width:   specexec only: the most nodes expanded on one level (a static bound, as inside SGLang's draft loop);
-             None = no bound (exact SpecExec).
+    width:   a static bound, as inside SGLang's draft loop. specexec: the most nodes expanded on one level;
+             lookup / hybrid: the most children a node keeps and the most nodes one head round expands. None = no
+             bound (exact SpecExec, unbounded best-first).
     mtp_levels:   hybrid: most head forwards expanding tree levels below the root's children (0 = the root's
                   children only, which come free with the previous commit).
     lookup_width: lookup / hybrid: distinct context continuations per node (1..4).
@@ -92,8 +93,9 @@ class TreePolicy:
             raise SpecError(f"topk must be >= 1, got {self.topk}")
         if self.topk is not None and self.topk > MAX_TOPK:
             raise SpecError(f"topk {self.topk} exceeds the maximum {MAX_TOPK} candidates per node")
-        if self.width is not None and (self.name != "specexec" or not isinstance(self.width, int) or self.width < 1):
-            raise SpecError(f"width bounds specexec's expanded nodes per level and must be >= 1, got {self.width} "
+        if self.width is not None and (self.name not in ("specexec",) + CONTEXT_POLICY_NAMES
+                                       or not isinstance(self.width, int) or self.width < 1):
+            raise SpecError(f"width bounds specexec, lookup and hybrid trees and must be >= 1, got {self.width} "
                             f"for {self.name}")
         if self.name == "sequoia" and self.profile is None:
             raise SpecError("the sequoia policy needs an acceptance profile (--acceptance PROFILE.json)")

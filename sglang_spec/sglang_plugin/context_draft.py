@@ -1,0 +1,227 @@
+"""``lookup`` and ``hybrid`` trees inside SGLang's EAGLE v2 draft step (``EagleDraftWorker.draft_forward`` replaced
+for these policies).
+
+Each request's tree is grown by the reference decoder's builder (``tree/hybrid.BestFirstBuilder``: the context's
+n-gram continuations and the MTP head's top-k under one budget, ranked by the calibrated per-source counts), on
+the host. The builders of all the batch's requests advance in lock-step: each head round's nodes (all at one
+depth, at most W a request) become the beams of one SGLang draft forward, run exactly as the plugin's own loop
+runs it (``draft_forward.py``: same backends, per-step KV slots, hot-token map, softmax; every beam's KV column
+rewritten with its parent's history first, so each node sees its own ancestors only). The trees are then padded
+to the budget (SGLang verifies a fixed number of tokens per request) and handed to SGLang in the UNO encoding
+(``tree/encode_sglang.encode_sglang_draft``), which takes any tree.
+
+The host reads the roots, the root candidates and each round's candidates, so this path syncs once per head
+round and cannot run inside a CUDA graph: the plugin runs it eagerly (see ``options.validate_speculative``).
+Each request's context is ``RequestContexts``: an n-gram index per request, extended by the tokens SGLang has
+committed for it since the last step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from sglang_spec.sglang_plugin.draft_loop import ancestry_permutation
+from sglang_spec.tree.candidates import Candidates
+from sglang_spec.tree.draft import DraftTree
+from sglang_spec.tree.drafter import TreeDrafter
+from sglang_spec.tree.encode_sglang import encode_sglang_draft
+from sglang_spec.tree.hybrid import BestFirstBuilder, BestFirstRounds
+from sglang_spec.tree.ngram import NgramIndex
+from sglang_spec.tree.policies import TreePolicy
+from sglang_spec.tree.token_tree import TokenTree
+
+# forget a finished request's index once this many more are held than the batch has
+_SPARE_CONTEXTS = 256
+
+
+@dataclass
+class RequestContexts:
+    """rid -> an n-gram index over the request's committed tokens (prompt + output, the root included)."""
+
+    max_ngram: int
+    indexes: dict[str, NgramIndex] = field(default_factory=dict)
+
+    def index(self, rid: str, committed: Sequence[int], root: int) -> NgramIndex:
+        """The request's index, extended to ``committed`` (prompt + output ids as SGLang holds them), which must
+        end with ``root``; a history that shrank (a retracted request re-run) is rebuilt."""
+        tokens = list(committed)
+        if not tokens or tokens[-1] != root:
+            tokens.append(root)
+        index = self.indexes.get(rid)
+        if index is None or len(index) > len(tokens) or index.tokens != tokens[: len(index)]:
+            index = self.indexes[rid] = NgramIndex(max_ngram=self.max_ngram)
+        index.extend(tokens[len(index):])
+        return index
+
+    def keep_only(self, rids: Sequence[str]) -> None:
+        if len(self.indexes) > len(rids) + _SPARE_CONTEXTS:
+            alive = set(rids)
+            for rid in [rid for rid in self.indexes if rid not in alive]:
+                del self.indexes[rid]
+
+
+class ContextDrafter:
+    """Per draft worker: the one drafter (``tree/drafter.TreeDrafter``: the policy, with SGLang's width W as its
+    bound, and the per-source counts it learns online from the served traffic), the requests' contexts, and
+    SGLang's static draft shape (``steps`` draft steps, ``budget`` verified nodes a request).
+
+    Live calibration: the trees of a draft step are kept (``proposed``) until SGLang's accept gives their
+    accepted paths (``record_outcome``, device tensors, no sync), and are observed at the next draft step,
+    which reads the host anyway."""
+
+    def __init__(self, policy: TreePolicy, steps: int, budget: int) -> None:
+        self.drafter = TreeDrafter(policy)
+        self.contexts = RequestContexts(policy.max_ngram)
+        self.steps = steps
+        self.budget = budget
+        self.proposed: list[DraftTree] = []
+        self._outcome: tuple[list[DraftTree], torch.Tensor, int] | None = None
+
+    @staticmethod
+    def committed_tokens(req: Any) -> list[int]:
+        return list(req.origin_input_ids_unpadded) + list(req.output_ids)
+
+    def record_outcome(self, accept_index: torch.Tensor, verify_tokens: int) -> None:
+        """accept_index: SGLang's accepted paths for the trees last proposed, [bs, steps + 1] global node
+        indices (row * verify_tokens + node), -1 padded."""
+        self._outcome = (self.proposed, accept_index, verify_tokens)
+        self.proposed = []
+
+    def observe_outcome(self) -> None:
+        """Teaches the counts what the last verified trees accepted (filler nodes are nobody's candidates)."""
+        if self._outcome is None:
+            return
+        trees, accept_index, verify_tokens = self._outcome
+        self._outcome = None
+        for row, path in enumerate(accept_index.reshape(len(trees), -1).tolist()):
+            nodes = [index - row * verify_tokens for index in path if index >= 0]
+            self.drafter.observe(trees[row], nodes)
+
+
+def pad_to_budget(tree: TokenTree, budget: int, width: int, steps: int) -> TokenTree:
+    """``tree`` with filler leaves added until it has ``budget`` draft nodes: first under the shallowest nodes that
+    keep fewer than ``width`` children, never deeper than ``steps``. A filler token differs from its siblings'
+    (the smallest such id), so it is one more deterministic proposal: verification stays exact whatever it is."""
+    parents = tree.parents.tolist()
+    tokens = tree.tokens.tolist()
+    depths = tree.depths.tolist()
+    children: list[list[int]] = [[] for _ in parents]
+    for node, parent in enumerate(parents[1:], start=1):
+        children[parent].append(tokens[node])
+    node = 0
+    while len(parents) - 1 < budget:
+        if node == len(parents):
+            raise AssertionError(f"no room for {budget} nodes with width {width} and {steps} steps")
+        if depths[node] >= steps or len(children[node]) >= width:
+            node += 1
+            continue
+        used = set(children[node])
+        filler = next(token for token in range(len(used) + 1) if token not in used)
+        parents.append(node)
+        tokens.append(filler)
+        depths.append(depths[node] + 1)
+        children[node].append(filler)
+        children.append([])
+    return TokenTree.from_parents(parents, tokens=tokens)
+
+
+def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], drafter: ContextDrafter,
+                          permute_kv: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    """``draft_forward`` for ``worker`` (an EagleDraftWorker) over ``reqs`` (the ScheduleBatch's requests, in
+    batch order): SGLang's (parent_list, top_scores_index, draft_tokens, draft_probs=None)."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
+    from sglang.srt.speculative.spec_utils import renorm_draft_probs
+
+    drafter.observe_outcome()
+    policy = drafter.drafter.policy
+    width = worker.topk
+    topk = policy.effective_topk
+    spec_info = forward_batch.spec_info
+    batch = forward_batch.batch_size
+    device = spec_info.topk_p.device
+    roots = spec_info.bonus_tokens.tolist()
+    root_index = spec_info.topk_index[:, :topk]
+    if worker.hot_token_id is not None:
+        root_index = worker.hot_token_id[root_index]
+    root_candidates = Candidates(tokens=root_index.cpu(), probs=spec_info.topk_p[:, :topk].float().cpu())
+
+    builders: list[BestFirstBuilder] = []
+    rounds: list[BestFirstRounds] = []
+    pending: dict[int, list[int]] = {}  # request row -> the nodes its builder asks the head to expand
+    trees: list[DraftTree | None] = [None] * batch
+    for row, req in enumerate(reqs):
+        index = drafter.contexts.index(req.rid, drafter.committed_tokens(req), roots[row])
+        builder = drafter.drafter.propose_rounds(roots[row], index)
+        builders.append(builder)
+        rounds.append(builder.rounds())
+        _advance(rounds, trees, pending, row, None)
+    drafter.contexts.keep_only([req.rid for req in reqs])
+    for row, nodes in list(pending.items()):  # the root's candidates come with the previous commit
+        assert nodes == [0]
+        _advance(rounds, trees, pending, row, Candidates(root_candidates.tokens[row: row + 1],
+                                                           root_candidates.probs[row: row + 1]))
+
+    step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, batch, width, drafter.steps)
+    pool = worker.draft_runner.token_to_kv_pool
+    beam_of: list[dict[int, int]] = [{0: 0} for _ in range(batch)]  # node -> its beam in the last forward
+    hidden_rows = torch.arange(batch, device=device).repeat_interleave(width)  # root state per beam
+    state = spec_info.hidden_states
+    for step in range(1, drafter.steps):
+        if not pending:
+            break
+        tokens = torch.zeros(batch, width, dtype=torch.int64)
+        parent_beam = torch.arange(width, dtype=torch.int64).repeat(batch, 1)
+        for row, nodes in pending.items():
+            tree = builders[row].tree
+            for beam, node in enumerate(nodes):
+                tokens[row, beam] = tree.tokens[node]
+                parent_beam[row, beam] = beam_of[row][tree.parents[node]]
+        parent_beam = parent_beam.to(device)
+        if step > 1:
+            hidden_rows = (parent_beam + (torch.arange(batch, device=device) * width)[:, None]).reshape(-1)
+            target, source = ancestry_permutation(parent_beam, step_locs, step - 1)
+            permute_kv(pool, target, source)
+        forward_batch.input_ids = tokens.reshape(-1).to(device)
+        forward_batch.out_cache_loc = step_locs[step - 1]
+        spec_info.hidden_states = state[hidden_rows]
+        backend = worker.draft_attn_backend.attn_backends[step - 1]
+        with forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch):
+            output = worker.draft_runner.forward(forward_batch).logits_output
+        forward_batch.positions.add_(1)
+        if worker.draft_runner.model_config.model_is_mrope:
+            forward_batch.mrope_positions.add_(1)
+        state = output.hidden_states
+        probs = renorm_draft_probs(output.next_token_logits, forward_batch.sampling_info, False)
+        topk_p, topk_index = torch.topk(probs, topk, dim=-1)
+        if worker.hot_token_id is not None:
+            topk_index = worker.hot_token_id[topk_index]
+        topk_p, topk_index = topk_p.float().cpu().view(batch, width, topk), topk_index.cpu().view(batch, width, topk)
+        for row, nodes in list(pending.items()):
+            beam_of[row] = {node: beam for beam, node in enumerate(nodes)}
+            count = len(nodes)
+            _advance(rounds, trees, pending, row, Candidates(topk_index[row, :count], topk_p[row, :count]))
+    assert not pending, "a tree asked for a head round deeper than SGLang drafts (its depth is the step count)"
+
+    drafter.proposed = [tree for tree in trees if tree is not None]
+    padded = [pad_to_budget(tree.tree, drafter.budget, width, drafter.steps) for tree in drafter.proposed]
+    encoding = encode_sglang_draft(padded, width, drafter.steps)
+    return (encoding.parent_list.to(device), encoding.top_scores_index.to(device),
+            encoding.draft_tokens.to(device), None)
+
+
+def _advance(rounds: list[BestFirstRounds], trees: list[DraftTree | None], pending: dict[int, list[int]],
+             row: int, candidates: Candidates | None) -> None:
+    """One step of request ``row``'s builder: its next round's nodes go to ``pending``, or its finished tree to
+    ``trees``."""
+    pending.pop(row, None)
+    try:
+        nodes = next(rounds[row]) if candidates is None else rounds[row].send(candidates)
+    except StopIteration as done:
+        trees[row] = done.value
+        return
+    pending[row] = nodes
+

@@ -1,0 +1,90 @@
+"""``lookup`` and ``hybrid`` trees through launch_server on this CPU (SmolLM2 + shipped head): the request's
+context copies and the MTP head's branches in one tree, built by the reference decoder's builder and verified by
+SGLang.
+
+Greedy output must equal plain decoding on held-out chat prompts and on prompts whose continuation repeats their
+context; the mean accept length through SGLang must be within 5% of the reference decoder's for the same policy,
+tree bounds, head and prompts (both printed); a sampled request goes through the tree. (The trees learn online, so a sampled request's
+tree, and with it SGLang's coins per candidate, differs from run to run: the sampling law is SGLang's
+target-only rule, checked against its exact law with a biased negative control in
+``tests/sglang_plugin/test_cpu_harness.py``, for any candidates.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS, accept_lengths, mean,
+                                running_server)
+
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
+
+BUDGET, DEPTH = 12, 5
+SAMPLED = {"temperature": 0.7, "max_new_tokens": REPEAT_NEW_TOKENS}
+
+
+def context_args(policy: str, profile) -> list[str]:
+    return ["--speculative-tree-policy", policy, "--speculative-tree-budget", str(BUDGET),
+            "--speculative-tree-depth", str(DEPTH), "--speculative-acceptance-profile", str(profile)]
+
+
+@pytest.fixture(scope="module")
+def repeat_prompts(smollm2_cpu) -> list[list[int]]:
+    """REPEAT_CONTEXT_PROMPTS as token ids, so the server and the reference decoder see the same tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_cpu.target_dir)
+    return [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in REPEAT_CONTEXT_PROMPTS]
+
+
+@pytest.fixture(scope="module", params=["hybrid", "lookup"])
+def run(request, smollm2_cpu, server_logs, smollm2_prompts, repeat_prompts):
+    policy = request.param
+    with running_server(smollm2_cpu, server_logs, f"smollm2-context-{policy}",
+                        context_args(policy, smollm2_cpu.profile)) as server:
+        heldout = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
+        repeat = server.generate(repeat_prompts, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
+        sampled = server.generate(repeat_prompts, SAMPLED)
+        info = server.request("/server_info")
+    return {"policy": policy, "heldout": heldout, "repeat": repeat, "sampled": sampled, "info": info}
+
+
+@pytest.fixture(scope="module")
+def plain_repeat(smollm2_cpu, server_logs, repeat_prompts) -> list[list[int]]:
+    with running_server(smollm2_cpu, server_logs, "smollm2-context-plain", speculative=False) as server:
+        answers = server.generate(repeat_prompts, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
+    return [answer["output_ids"] for answer in answers]
+
+
+def test_greedy_output_equals_plain_decoding(run, smollm2_plain, plain_repeat):
+    assert [answer["output_ids"] for answer in run["heldout"]] == smollm2_plain
+    assert [answer["output_ids"] for answer in run["repeat"]] == plain_repeat
+    # the overlap scheduler is off (the context is read from the requests' output ids) and the width is the
+    # policy's: the head's topk plus the context's continuations (hybrid), the budget's spread (lookup)
+    assert run["info"]["disable_overlap_schedule"] is True
+    assert run["info"]["speculative_eagle_topk"] == {"hybrid": 6, "lookup": 3}[run["policy"]]
+
+
+def test_accept_length_within_5_percent_of_the_reference_decoder(run, smollm2_cpu, smollm2_prompts, repeat_prompts,
+                                                                 smollm2):
+    from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
+    from sglang_spec.sglang_plugin.options import from_values
+
+    loaded, head = smollm2
+    options = from_values({"speculative_tree_policy": run["policy"], "speculative_tree_budget": BUDGET,
+                           "speculative_tree_depth": DEPTH,
+                           "speculative_acceptance_profile": str(smollm2_cpu.profile)})
+    for name, prompts, new_tokens in (("heldout", smollm2_prompts, SMOLLM2_NEW_TOKENS),
+                                      ("repeat", repeat_prompts, REPEAT_NEW_TOKENS)):
+        decoder = SpeculativeDecoder(loaded.model, head, options.tree_policy())
+        reference = decoder.generate(prompts, GenerationConfig(max_new_tokens=new_tokens,
+                                                               eos_token_ids=loaded.eos_token_ids))
+        through_sglang = mean(accept_lengths(run[name]))
+        print(f"\n{run['policy']} {BUDGET}/{DEPTH} width {options.width} on {name}: mean accept length through "
+              f"SGLang {through_sglang:.3f}, reference decoder {reference.accept_length_mean:.3f}")
+        assert through_sglang == pytest.approx(reference.accept_length_mean, rel=0.05), name
+
+
+def test_sampled_requests_go_through_the_tree(run, plain_repeat):
+    assert [answer["output_ids"] for answer in run["sampled"]] != plain_repeat
+    assert mean(accept_lengths(run["sampled"])) > 1.0
