@@ -80,9 +80,11 @@ def test_sglangs_parser_accepts_the_tree_options(sglang_with_plugin, tmp_path):
         (["--speculative-tree-policy", "eagle", "--speculative-tree-width", "6"], "whose width is topk (4)"),
         (["--speculative-tree-policy", "specexec", "--speculative-tree-topk", "4", "--speculative-tree-width", "2"],
          "is below topk 4"),
-        # shapes of the one policy type that SGLang does not serve yet: refused, never silently a head-only tree
-        (["--speculative-tree-policy", "hybrid"], "--speculative-tree-policy hybrid is not served through SGLang yet"),
-        (["--speculative-tree-policy", "lookup"], "--speculative-tree-policy lookup is not served through SGLang yet"),
+        (["--speculative-tree-policy", "hybrid", "--speculative-tree-depth", "1"],
+         "hybrid trees need --speculative-tree-depth >= 2"),
+        (["--speculative-tree-policy", "hybrid", "--speculative-tree-width", "3"], "is below topk 4"),
+        (["--speculative-tree-policy", "lookup", "--speculative-tree-budget", "16", "--speculative-tree-depth", "3",
+          "--speculative-tree-width", "4"], "raise it to 8 or lower the budget"),
     ],
 )
 def test_bad_combinations_fail_with_one_line(sglang_with_plugin, argv, message):
@@ -110,6 +112,15 @@ def test_width_is_the_trees_widest_level_or_the_specexec_budget(sglang_with_plug
     assert bounded.speculative_eagle_topk == 8 and bounded._sglang_spec_tree.tree_policy().width == 8
     eagle = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "eagle", "--speculative-tree-topk", "3"])
     assert eagle.speculative_eagle_topk == 3
+    # lookup / hybrid: a node's children (the head's topk, hybrid, and the context's 2 continuations), at least
+    # budget / (depth - 1) for SGLang's tree encoding; the context is read on the host, so no overlap scheduler
+    hybrid = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid",
+                    "--speculative-tree-budget", "12", "--speculative-tree-depth", "5"])
+    assert (hybrid.speculative_eagle_topk, hybrid.speculative_num_draft_tokens) == (6, 13)
+    assert hybrid.disable_overlap_schedule and hybrid._sglang_spec_tree.tree_policy().width == 6
+    lookup = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "lookup",
+                    "--speculative-tree-budget", "16", "--speculative-tree-depth", "3"])
+    assert lookup.speculative_eagle_topk == 8
 
 
 def test_unknown_policy_is_argparses_own_error(sglang_with_plugin, capsys):

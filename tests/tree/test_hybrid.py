@@ -35,10 +35,12 @@ class RecordingSource(CandidateSource):
         self.synthetic = SyntheticCandidates(VOCAB, seed=1, sharpness=sharpness)
         self.expanded = {0}
         self.calls = []
+        self.depth_of = {}
 
     def expand(self, tree, node_ids, k):
         for node in node_ids:
             assert node == 0 or tree.parents[node] in self.expanded, "expanded a node whose parent the head never ran on"
+            self.depth_of[node] = tree.depths[node]
         self.calls.append(list(node_ids))
         self.expanded.update(node_ids)
         return self.synthetic.expand(tree, node_ids, k)
@@ -193,3 +195,23 @@ def test_a_policy_and_its_profiles_counts_must_agree_on_the_match_length():
     profile = AcceptanceProfile.load(None).with_sources(SourceCounts.generic(max_ngram=4))
     with pytest.raises(SpecError, match="matches up to 4 tokens"):
         TreeDrafter(TreePolicy("lookup", 4, 4, max_ngram=8, profile=profile))
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_a_width_bounds_children_and_head_rounds(width):
+    """With a width (SGLang's static draft width), no node keeps more than ``width`` children and no head round
+    expands more than ``width`` nodes, all of one depth (the round's number); without one, the tree is wider."""
+    context = copy_context()
+    source = RecordingSource(sharpness=1.0)
+    policy = TreePolicy("hybrid", budget=16, depth=5, topk=4, width=width, mtp_levels=3)
+    built = policy.build(16, DraftSources(mtp=source, context=context))
+    check_tree(built, policy, context, source)
+    children = [len(kids) for kids in built.tree.children()]
+    assert max(children) <= width
+    for level, nodes in enumerate(source.calls):
+        assert len(nodes) <= width
+        assert all(source.depth_of[node] == level for node in nodes)
+    unbounded = TreePolicy("hybrid", budget=16, depth=5, topk=4, mtp_levels=3).build(
+        16, DraftSources(mtp=RecordingSource(sharpness=1.0), context=copy_context()))
+    assert max(len(kids) for kids in unbounded.tree.children()) > width
+

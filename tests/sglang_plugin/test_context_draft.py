@@ -1,0 +1,66 @@
+"""The host side of lookup / hybrid trees in SGLang (``sglang_plugin/context_draft.py``): the requests' contexts,
+the padding to SGLang's fixed verify size, and the live calibration from SGLang's accepted paths."""
+
+import pytest
+import torch
+
+from sglang_spec.sglang_plugin.context_draft import ContextDrafter, RequestContexts, pad_to_budget
+from sglang_spec.tree.draft import DraftSources
+from sglang_spec.tree.drafter import TreeDrafter
+from sglang_spec.tree.encode_sglang import decode_sglang_draft, encode_sglang_draft
+from sglang_spec.tree.ngram import NgramIndex
+from sglang_spec.tree.policies import TreePolicy
+from sglang_spec.tree.token_tree import TokenTree
+
+
+def test_contexts_extend_incrementally_and_rebuild_a_history_that_changed():
+    contexts = RequestContexts(max_ngram=4)
+    first = contexts.index("a", [1, 2, 3], root=3)
+    assert first.tokens == [1, 2, 3]
+    assert contexts.index("a", [1, 2, 3, 4, 5], root=5) is first and first.tokens == [1, 2, 3, 4, 5]
+    # a root the output ids do not hold yet (the first step after prefill) is appended
+    assert contexts.index("b", [7, 8], root=9).tokens == [7, 8, 9]
+    rebuilt = contexts.index("a", [1, 2, 6], root=6)
+    assert rebuilt is not first and rebuilt.tokens == [1, 2, 6]
+
+
+@pytest.mark.parametrize("width, steps, budget", [(2, 3, 6), (3, 4, 12), (6, 5, 12)])
+def test_padding_fills_the_budget_within_the_encodings_bounds(width, steps, budget):
+    tree = TokenTree.from_parents([-1, 0, 1], tokens=[5, 0, 9])
+    padded = pad_to_budget(tree, budget, width, steps)
+    assert padded.budget == budget and padded.depth <= steps
+    assert padded.parents.tolist()[:3] == [-1, 0, 1] and padded.tokens.tolist()[:3] == [5, 0, 9]
+    for kids in padded.children():
+        assert len(kids) <= width
+        tokens = [int(padded.tokens[kid]) for kid in kids]
+        assert len(set(tokens)) == len(tokens)  # a filler never repeats a sibling's token
+    # SGLang's build-tree input reproduces it exactly
+    encoding = encode_sglang_draft([padded], width, steps)
+    decoded = decode_sglang_draft(encoding.parent_list, encoding.top_scores_index, encoding.draft_tokens,
+                                  encoding.bonus_tokens, width)[0]
+    assert decoded.parents.tolist() == padded.parents.tolist()
+    assert decoded.tokens.tolist() == padded.tokens.tolist()
+
+
+def test_accepted_paths_teach_the_counts_as_the_reference_decoder_observes_them():
+    """SGLang's accept_index (global node indices b * n + j, -1 padded) becomes each tree's accepted node path,
+    observed once, exactly as the reference decoder observes the same paths."""
+    policy = TreePolicy("lookup", budget=6, depth=3, width=3)
+    context = NgramIndex([4, 5, 6, 4, 5, 6, 4, 5], max_ngram=4)
+    drafter = ContextDrafter(policy, steps=3, budget=6)
+    tree = drafter.drafter.propose(5, DraftSources(context=context))
+    assert tree.tree.tokens.tolist()[:3] == [5, 6, 4]  # the copy: 5 -> 6 -> 4
+    reference = TreeDrafter(policy)
+    reference_tree = reference.propose(5, DraftSources(context=context))
+    for path in ([0, 1, 2], [0]):
+        reference.observe(reference_tree, path)
+
+    verify_tokens = 7
+    drafter.proposed = [tree, tree]
+    drafter.record_outcome(torch.tensor([[0, 1, 2, -1], [verify_tokens, -1, -1, -1]]), verify_tokens)
+    assert drafter.proposed == []
+    drafter.observe_outcome()
+    drafter.observe_outcome()  # an outcome is observed once
+    learnt, expected = drafter.drafter.counts, reference.counts
+    assert (learnt.lookup, learnt.mtp, learnt.both) == (expected.lookup, expected.mtp, expected.both)
+    assert expected.lookup != TreeDrafter(policy).counts.lookup  # the paths taught something
