@@ -3,7 +3,7 @@
 Methods: ``plain`` (no speculation); SGLang's own speculation as a user would pick it instead, ``sglang-chain``
 (EAGLE / NEXTN, one candidate a step, 3 steps), ``sglang-tree`` (its topk-4 tree with the same number of draft
 tokens as ours) and ``sglang-ngram`` (its n-gram corpus, no draft model); ours, ``chain``, ``eagle``, ``sequoia``,
-``specexec`` (``--speculative-tree-policy``). For every method and budget the script launches
+``specexec``, ``lookup``, ``hybrid`` (``--speculative-tree-policy``). For every method and budget the script launches
 ``python -m sglang.launch_server``, waits for ``/health``, runs ``python -m sglang.bench_serving`` per workload and
 concurrency, stops the server (its whole process group), and collects the client's JSON lines into a CSV and a
 plot: output tokens/s and its ratio over plain in the same run, mean accept length and p50 / p99 inter-token
@@ -44,11 +44,11 @@ REPO = Path(__file__).resolve().parents[1]
 FIELDS = ["policy", "budget", "concurrency", "request_throughput", "output_throughput", "mean_ttft_ms",
           "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "accept_length", "workload",
           "speedup_over_plain"]
-OUR_POLICIES = ("chain", "eagle", "sequoia", "specexec")
+OUR_POLICIES = ("chain", "eagle", "sequoia", "specexec", "lookup", "hybrid")
 SGLANG_METHODS = ("sglang-chain", "sglang-tree", "sglang-ngram")
 POLICIES = ("plain", *OUR_POLICIES, *SGLANG_METHODS)
 # shapes of the project that SGLang does not serve yet: refused in one line rather than swept as something else
-NOT_SERVED = ("lookup", "hybrid", "auto")
+NOT_SERVED = ("auto",)
 SGLANG_CHAIN_STEPS = 3  # SGLang's usual EAGLE chain for NEXTN: 3 steps, 4 verified tokens
 SGLANG_TREE_TOPK = 4
 SERVING_WORKLOADS = ("code", "extraction", "chat")
@@ -121,11 +121,11 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
         return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(budget + 1)]
     arguments = ["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", policy,
                  "--speculative-tree-budget", str(budget), "--speculative-tree-depth", str(args.depth)]
-    if policy != "chain":
+    if policy not in ("chain", "lookup"):
         arguments += ["--speculative-tree-topk", str(args.topk)]
-    if policy == "sequoia":
-        if not profile:
-            raise SystemExit("error: the sequoia policy needs --acceptance-profile (sglang-spec calibrate)")
+    if policy == "sequoia" and not profile:
+        raise SystemExit("error: the sequoia policy needs --acceptance-profile (sglang-spec calibrate)")
+    if policy in ("sequoia", "lookup", "hybrid") and profile:  # lookup / hybrid: the per-source counts
         arguments += ["--speculative-acceptance-profile", profile]
     return arguments
 
