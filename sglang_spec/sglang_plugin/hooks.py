@@ -12,6 +12,7 @@
 | ``EagleDraftWorker.draft`` | AROUND | lookup / hybrid: the batch's requests for the context; the draft runs eagerly |
 | ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); lookup / hybrid: host-built trees (``context_draft``); eagle: SGLang's |
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
+| ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | ``--speculative-tree-auto``: a plain step (SGLang's own 0-step path) or a tree step, timed |
 | ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept |
 | ``eagle_utils.eagle_sample`` | AROUND | fused: our verify + accept kernels, or SGLang's path (counted); per-rank counts |
 | ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | fused: the accepted path's KV moved by our kernel |
@@ -24,15 +25,18 @@ Start-up failures end the launch with one ``error:`` line.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sglang_spec.errors import SpecError
+from sglang_spec.sglang_plugin.batch_switch import BatchSwitches
 from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draft_forward
 from sglang_spec.sglang_plugin.draft_forward import draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
@@ -71,6 +75,8 @@ HOOKS = (
     ("sglang.srt.speculative.spec_utils.select_top_k_tokens", "select_top_k_tokens_around", "AROUND"),
     ("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", "correct_drafts_after", "AFTER"),
     ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.__init__", "eagle_worker_init_after", "AFTER"),
+    ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation", "forward_batch_generation_around",
+     "AROUND"),
     ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify", "verify_around", "AROUND"),
     ("sglang.srt.speculative.eagle_utils.eagle_sample", "eagle_sample_around", "AROUND"),
     ("sglang.srt.speculative.spec_utils.move_accept_tokens_to_target_kvcache", "move_accept_tokens_around", "AROUND"),
@@ -360,6 +366,49 @@ def permute_kv(pool, target, source) -> None:
     for name in ("k_buffer", "v_buffer", "kv_buffer"):
         for buffer in getattr(pool, name, None) or ():
             buffer[target] = buffer[source]
+
+
+# ---------------------------------------------------------------------------------------------- tree auto
+def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
+    """--speculative-tree-auto: a decode batch the switch calls plain goes through SGLang's own 0-step path (the
+    root alone verified: a plain decode, the draft KV kept warm by the draft extend); every decode step is timed
+    with the tokens it emitted."""
+    options: TreeServerOptions | None = getattr(worker.server_args, ATTRIBUTE, None)
+    if (options is None or not options.auto or batch.forward_mode.is_extend() or batch.is_extend_in_batch
+            or batch.forward_mode.is_idle()):
+        return original(worker, batch, *args, **kwargs)
+    switches = getattr(worker, "_sglang_spec_switches", None)
+    if switches is None:
+        switches = worker._sglang_spec_switches = BatchSwitches()
+    size = len(batch.reqs)
+    plain = switches.plain(size)
+    start = time.perf_counter()
+    if plain:
+        with _zero_steps(worker):
+            output = original(worker, batch, *args, **kwargs)
+    else:
+        output = original(worker, batch, *args, **kwargs)
+    tokens = int(output.accept_lens.sum())  # reads the step's result: the time below is the step's own
+    message = switches.observe(size, plain, time.perf_counter() - start, tokens)
+    if message is not None:
+        log(message)
+    return output
+
+
+@contextlib.contextmanager
+def _zero_steps(worker):
+    """SGLang's drafting-disabled state for one step: 0 draft steps, 1 verified token (its trivial verify input),
+    on the worker and its draft worker, restored after."""
+    draft = worker.draft_worker
+    saved = (worker.speculative_num_steps, worker.speculative_num_draft_tokens, draft.speculative_num_steps,
+             draft.speculative_num_draft_tokens)
+    worker.speculative_num_steps = draft.speculative_num_steps = 0
+    worker.speculative_num_draft_tokens = draft.speculative_num_draft_tokens = 1
+    try:
+        yield
+    finally:
+        (worker.speculative_num_steps, worker.speculative_num_draft_tokens, draft.speculative_num_steps,
+         draft.speculative_num_draft_tokens) = saved
 
 
 # ---------------------------------------------------------------------------------------------- fused accept

@@ -46,7 +46,8 @@ BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefill_atte
                   "speculative_draft_attention_backend")
 # the Python-side names of the options (sgl.Engine keyword arguments == argparse dests)
 KEYWORDS = ("speculative_tree_policy", "speculative_tree_budget", "speculative_tree_depth", "speculative_tree_topk",
-            "speculative_tree_width", "speculative_acceptance_profile", "speculative_tree_accept")
+            "speculative_tree_width", "speculative_acceptance_profile", "speculative_tree_accept",
+            "speculative_tree_auto")
 ACCEPT_CHOICES = ("sglang", "fused")
 
 
@@ -54,7 +55,7 @@ ACCEPT_CHOICES = ("sglang", "fused")
 class TreeServerOptions:
     """policy, budget (draft nodes), depth (draft steps), topk (K, children per expanded node), width (W, SGLang's
     speculative_eagle_topk: nodes expanded per level), profile_path (sequoia), accept (who accepts: sglang or
-    fused)."""
+    fused), auto (each step a tree or a plain step, by measured rates per batch size: ``batch_switch``)."""
 
     policy: str
     budget: int
@@ -63,6 +64,7 @@ class TreeServerOptions:
     width: int
     profile_path: str | None = None
     accept: str = "sglang"
+    auto: bool = False
 
     @property
     def own_loop(self) -> bool:
@@ -113,6 +115,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="who accepts the verified tree: SGLang's own eagle_sample (default) or the project's "
                             "fused verify + accept kernels and KV commit (falls back to SGLang's per batch for "
                             "penalties, grammar, top-k / top-p sampling and the like)")
+    group.add_argument("--speculative-tree-auto", action="store_true", default=None,
+                       help="each decode step of the running batch drafts the tree or decodes plainly, whichever "
+                            "the batch size's recent steps delivered more tokens a second with (turns speculation "
+                            "off under load)")
 
 
 def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
@@ -152,7 +158,10 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
     accept = values.get("speculative_tree_accept") or "sglang"
     if accept not in ACCEPT_CHOICES:
         raise SpecError(f"--speculative-tree-accept takes {' or '.join(ACCEPT_CHOICES)}, got {accept!r}")
-    return TreeServerOptions(policy, budget, depth, topk, width, profile_path, accept)
+    auto = values.get("speculative_tree_auto")
+    if auto is not None and not isinstance(auto, bool):
+        raise SpecError(f"--speculative-tree-auto is a switch (true or false), got {auto!r}")
+    return TreeServerOptions(policy, budget, depth, topk, width, profile_path, accept, bool(auto))
 
 
 def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | None, given: int | None) -> int:

@@ -80,6 +80,7 @@ def test_sglangs_parser_accepts_the_tree_options(sglang_with_plugin, tmp_path):
         (["--speculative-tree-policy", "eagle", "--speculative-tree-width", "6"], "whose width is topk (4)"),
         (["--speculative-tree-policy", "specexec", "--speculative-tree-topk", "4", "--speculative-tree-width", "2"],
          "is below topk 4"),
+        (["--speculative-tree-auto"], "--speculative-tree-auto needs --speculative-tree-policy"),
         (["--speculative-tree-policy", "hybrid", "--speculative-tree-depth", "1"],
          "hybrid trees need --speculative-tree-depth >= 2"),
         (["--speculative-tree-policy", "hybrid", "--speculative-tree-width", "3"], "is below topk 4"),
@@ -121,6 +122,8 @@ def test_width_is_the_trees_widest_level_or_the_specexec_budget(sglang_with_plug
     lookup = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "lookup",
                     "--speculative-tree-budget", "16", "--speculative-tree-depth", "3"])
     assert lookup.speculative_eagle_topk == 8
+    auto = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid", "--speculative-tree-auto"])
+    assert auto._sglang_spec_tree.auto and not hybrid._sglang_spec_tree.auto
 
 
 def test_unknown_policy_is_argparses_own_error(sglang_with_plugin, capsys):

@@ -88,3 +88,14 @@ def test_accept_length_within_5_percent_of_the_reference_decoder(run, smollm2_cp
 def test_sampled_requests_go_through_the_tree(run, plain_repeat):
     assert [answer["output_ids"] for answer in run["sampled"]] != plain_repeat
     assert mean(accept_lengths(run["sampled"])) > 1.0
+
+
+def test_tree_auto_takes_plain_steps_and_stays_identical(smollm2_cpu, server_logs, repeat_prompts, plain_repeat):
+    """--speculative-tree-auto: the switch's first verdict in every batch size measures plain steps (SGLang's own
+    0-step path) before it judges, so plain steps are taken whatever the timings; output stays plain decoding's."""
+    args = context_args("hybrid", smollm2_cpu.profile) + ["--speculative-tree-auto"]
+    with running_server(smollm2_cpu, server_logs, "smollm2-context-auto", args) as server:
+        answers = server.generate(repeat_prompts * 3, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
+        log = server.log_path.read_text(errors="replace")
+    assert [answer["output_ids"] for answer in answers] == plain_repeat * 3
+    assert "[sglang_spec] tree auto, batches up to" in log and "plain for" in log
