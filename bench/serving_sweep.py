@@ -3,7 +3,8 @@
 Methods: ``plain`` (no speculation); SGLang's own speculation as a user would pick it instead, ``sglang-chain``
 (EAGLE / NEXTN, one candidate a step, 3 steps), ``sglang-tree`` (its topk-4 tree with the same number of draft
 tokens as ours) and ``sglang-ngram`` (its n-gram corpus, no draft model); ours, ``chain``, ``eagle``, ``sequoia``,
-``specexec``, ``lookup``, ``hybrid`` (``--speculative-tree-policy``). For every method and budget the script launches
+``specexec``, ``lookup``, ``hybrid`` (``--speculative-tree-policy``) and ``auto`` (hybrid with
+``--speculative-tree-auto``). For every method and budget the script launches
 ``python -m sglang.launch_server``, waits for ``/health``, runs ``python -m sglang.bench_serving`` per workload and
 concurrency, stops the server (its whole process group), and collects the client's JSON lines into a CSV and a
 plot: output tokens/s and its ratio over plain in the same run, mean accept length and p50 / p99 inter-token
@@ -46,9 +47,8 @@ FIELDS = ["policy", "budget", "concurrency", "request_throughput", "output_throu
           "speedup_over_plain"]
 OUR_POLICIES = ("chain", "eagle", "sequoia", "specexec", "lookup", "hybrid")
 SGLANG_METHODS = ("sglang-chain", "sglang-tree", "sglang-ngram")
-POLICIES = ("plain", *OUR_POLICIES, *SGLANG_METHODS)
-# shapes of the project that SGLang does not serve yet: refused in one line rather than swept as something else
-NOT_SERVED = ("auto",)
+AUTO = "auto"  # hybrid with --speculative-tree-auto: each step a tree or a plain step, by measured rates
+POLICIES = ("plain", *OUR_POLICIES, AUTO, *SGLANG_METHODS)
 SGLANG_CHAIN_STEPS = 3  # SGLang's usual EAGLE chain for NEXTN: 3 steps, 4 verified tokens
 SGLANG_TREE_TOPK = 4
 SERVING_WORKLOADS = ("code", "extraction", "chat")
@@ -87,9 +87,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     for policy in args.policies.split(","):
-        if policy in NOT_SERVED:
-            parser.error(f"{policy} is not served through SGLang yet (sglang-spec generate runs it); sweep "
-                         f"{', '.join(POLICIES)}")
         if policy not in POLICIES:
             parser.error(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     if args.prompts is not None and args.workloads is not None:
@@ -119,6 +116,8 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
                 "--speculative-eagle-topk", str(SGLANG_TREE_TOPK), "--speculative-num-draft-tokens", str(budget + 1)]
     if policy == "sglang-ngram":
         return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(budget + 1)]
+    if policy == AUTO:
+        return tree_arguments(args, "hybrid", budget, profile) + ["--speculative-tree-auto"]
     arguments = ["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", policy,
                  "--speculative-tree-budget", str(budget), "--speculative-tree-depth", str(args.depth)]
     if policy not in ("chain", "lookup"):
