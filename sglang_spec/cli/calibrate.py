@@ -25,7 +25,7 @@ from sglang_spec.train.prompts import PromptSpec, load_prompts
 from sglang_spec.train.records import is_eval_record
 from sglang_spec.train.traffic import TrafficRecord, check_traffic_model, read_traffic_strict
 from sglang_spec.tree.policies import MAX_TOPK
-from sglang_spec.tree.profile import AcceptanceProfile
+from sglang_spec.tree.profile import AcceptanceProfile, SourceCounts
 from sglang_spec.tree.token_tree import MAX_DEPTH
 
 MAX_NEW_TOKENS = 100_000
@@ -183,27 +183,38 @@ def _prompt_specs(items: list[str]) -> list[PromptSpec]:
 # ------------------------------------------------------------------------------------------------- --from-server
 RANK_COUNTERS = ("sglang_spec_tree_rank_offered_total", "sglang_spec_tree_rank_accepted_total")
 STEPS_COUNTER = "sglang_spec_tree_rank_steps_total"
+SOURCE_COUNTERS = ("sglang_spec_source_accepted_total", "sglang_spec_source_offered_total")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def run_from_server(args: argparse.Namespace) -> int:
     if args.traffic or args.prompts:
-        raise SpecError("--from-server measures the positional table alone; run --prompts (with --model) "
-                        "separately, with --update")
+        raise SpecError("--from-server reads the server's counts (its positional table, and a lookup / hybrid "
+                        "server's per-source counts); run --traffic or --prompts (with --model) separately, with "
+                        "--update")
     check_output_path(args.out, args.force)
     base = AcceptanceProfile.load(args.update) if args.update is not None else None
     url = args.from_server.rstrip("/")
-    steps, offered, accepted = parse_rank_counts(fetch_metrics(url), url)
+    text = fetch_metrics(url)
+    steps, offered, accepted = parse_rank_counts(text, url)
     rows, counted = rank_rows(offered, accepted, args.depth or MAX_DEPTH, args.max_rank or MAX_TOPK)
     if not rows:
         raise SpecError(f"{url}: no draft node was offered at an accepted node yet; send requests first")
     metadata = {"from_server": url, "steps": steps, "offered": counted}
     profile = AcceptanceProfile.from_obj({"rank_acceptance": [list(row) for row in rows], **metadata},
                                          f"{url} counts")
-    obj = profile.with_sources(None if base is None else base.sources).to_obj()
+    sources = None if base is None else base.sources
+    observed = parse_source_counts(text)
+    if observed:  # lookup / hybrid served: their online outcomes on top of the prior the table had
+        prior = sources if sources is not None else SourceCounts.generic()
+        sources = prior.with_observed(observed, f"{url} counts")
+    obj = profile.with_sources(sources).to_obj()
     write_json_atomic(args.out, obj)
     print(f"wrote {args.out}: positional table from {steps} verify steps of {url}")
+    if observed:
+        offered = sum(count for _, count in observed.values())
+        print(f"  sources: {int(offered)} lookup / head candidates observed in {len(observed)} cells")
     for depth, (row, count) in enumerate(zip(rows, counted), start=1):
         print(f"  depth {depth}: rank-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f} ({count} nodes offered)")
     return 0
@@ -262,6 +273,26 @@ def parse_rank_counts(text: str, url: str = "server") -> tuple[int, dict, dict]:
         raise SpecError(f"{url}: no per-rank counts yet (the tree counters count verify steps on attention-TP "
                         "rank 0 with --enable-metrics); send requests first")
     return int(steps), tables[0], tables[1]
+
+
+def parse_source_counts(text: str) -> dict[str, tuple[float, float]]:
+    """Cell name -> (accepted, offered) from the per-source counters a lookup / hybrid server exports (summed
+    over processes); empty when it serves neither."""
+    tables: tuple[dict, dict] = ({}, {})
+    for line in text.splitlines():
+        match = _SAMPLE.match(line) if line.startswith("sglang_spec_source_") else None
+        if match is None or match.group(1) not in SOURCE_COUNTERS:
+            continue
+        cell = dict(_LABEL.findall(match.group(2) or "")).get("cell")
+        try:
+            number = float(match.group(3))
+        except ValueError:
+            continue
+        if cell and math.isfinite(number):
+            table = tables[SOURCE_COUNTERS.index(match.group(1))]
+            table[cell] = table.get(cell, 0.0) + number
+    accepted, offered = tables
+    return {cell: (min(accepted.get(cell, 0.0), count), count) for cell, count in offered.items() if count > 0}
 
 
 def rank_rows(offered: dict, accepted: dict, max_depth: int, max_rank: int) -> tuple[list[tuple[float, ...]], list[int]]:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from sglang_spec.sglang_plugin.draft_loop import ancestry_permutation
+from sglang_spec.sglang_plugin.metrics import SourceMetrics
 from sglang_spec.tree.candidates import Candidates
 from sglang_spec.tree.draft import DraftTree
 from sglang_spec.tree.drafter import TreeDrafter
@@ -70,10 +71,12 @@ class ContextDrafter:
 
     Live calibration: the trees of a draft step are kept (``proposed``) until SGLang's accept gives their
     accepted paths (``record_outcome``, device tensors, no sync), and are observed at the next draft step,
-    which reads the host anyway."""
+    which reads the host anyway; what they taught goes to ``metrics`` (``SourceMetrics``) when it is enabled."""
 
-    def __init__(self, policy: TreePolicy, steps: int, budget: int) -> None:
+    def __init__(self, policy: TreePolicy, steps: int, budget: int, metrics: SourceMetrics | None = None) -> None:
         self.drafter = TreeDrafter(policy)
+        self.metrics = metrics
+        self._exported = {name: tuple(cell) for name, cell in self.drafter.counts.named_cells().items()}
         self.contexts = RequestContexts(policy.max_ngram)
         self.steps = steps
         self.budget = budget
@@ -99,6 +102,14 @@ class ContextDrafter:
         for row, path in enumerate(accept_index.reshape(len(trees), -1).tolist()):
             nodes = [index - row * verify_tokens for index in path if index >= 0]
             self.drafter.observe(trees[row], nodes)
+        if self.metrics is not None and self.metrics.enabled:
+            observed = {}
+            for name, cell in self.drafter.counts.named_cells().items():
+                accepted, offered = self._exported[name]
+                if cell[1] != offered:  # outcomes are whole: round off the prior's fraction
+                    observed[name] = (round(cell[0] - accepted), round(cell[1] - offered))
+                    self._exported[name] = (cell[0], cell[1])
+            self.metrics.add(observed)
 
 
 def pad_to_budget(tree: TokenTree, budget: int, width: int, steps: int) -> TokenTree:

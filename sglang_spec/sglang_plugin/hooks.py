@@ -41,7 +41,7 @@ from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draf
 from sglang_spec.sglang_plugin.draft_forward import draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.fused_accept import FusedAccept
-from sglang_spec.sglang_plugin.metrics import METRICS, RANKS
+from sglang_spec.sglang_plugin.metrics import METRICS, RANKS, SOURCES
 from sglang_spec.sglang_plugin.options import (
     ATTRIBUTE,
     BACKEND_FIELDS,
@@ -244,7 +244,7 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
     context = None
     if options.uses_context:
         context = ContextDrafter(options.tree_policy(), worker.speculative_num_steps,
-                                 worker.speculative_num_draft_tokens - 1)
+                                 worker.speculative_num_draft_tokens - 1, SOURCES)
     # the draft KV pool is allocated later (Scheduler.init_memory_pools): ancestry is decided in alloc_memory_pool
     worker._sglang_spec = DraftSetup(loop, exact_ancestry=False, width=worker.topk, steps=worker.speculative_num_steps,
                                      context=context)
@@ -261,6 +261,7 @@ def claim_acceptance_metrics(server_args, rank: int) -> bool:
     if METRICS.counting and getattr(server_args, "enable_metrics", False):
         METRICS.enable_prometheus()
         RANKS.enable(prometheus=True)  # per-(depth, rank) acceptance, once per step (calibrate --from-server)
+        SOURCES.enable()  # per-source outcomes of lookup / hybrid trees (calibrate --from-server)
     return METRICS.counting
 
 

@@ -10,6 +10,10 @@ Per (depth, rank): ``sglang_spec_tree_rank_{offered,accepted}_total{depth,rank}`
 ``sglang_spec_tree_rank_steps_total`` count, at every accepted node, its children offered and the accepted one
 (``RankMetrics``, accumulated on the device; ``sglang-spec calibrate --from-server`` reads them).
 
+Per source (lookup / hybrid trees): ``sglang_spec_source_{offered,accepted}_total{cell}`` count the outcomes the
+context drafter observed online, by ``SourceCounts`` cell name (``SourceMetrics``; ``calibrate --from-server``
+turns them into a profile's ``sources`` section).
+
 With ``--speculative-tree-accept fused``, ``sglang_spec_fused_accept_batches_total{outcome}`` counts the verify
 batches the fused accept served (``outcome="fused"``) and those it left to SGLang's own path, by reason.
 """
@@ -193,3 +197,37 @@ class RankMetrics:
 
 
 RANKS = RankMetrics()
+
+
+class SourceMetrics:
+    """The per-source outcomes a context drafter observed (host counts, added once per draft step) as Prometheus
+    counters ``sglang_spec_source_{offered,accepted}_total{cell}``; off unless enabled (attention-TP rank 0 with
+    ``--enable-metrics``)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._counters = None
+
+    def enable(self) -> None:
+        from prometheus_client import Counter as PrometheusCounter
+
+        self.enabled = True
+        if self._counters is None:
+            self._counters = (
+                PrometheusCounter("sglang_spec_source_offered", "candidates offered at an accepted node", ["cell"]),
+                PrometheusCounter("sglang_spec_source_accepted", "offered candidates that were accepted", ["cell"]),
+            )
+
+    def add(self, observed: dict[str, tuple[float, float]]) -> None:
+        """observed: cell name -> (accepted, offered) outcomes since the last call."""
+        if self._counters is None:
+            return
+        offered, accepted = self._counters
+        for cell, (hits, offers) in observed.items():
+            if offers:
+                offered.labels(cell=cell).inc(offers)
+            if hits:
+                accepted.labels(cell=cell).inc(hits)
+
+
+SOURCES = SourceMetrics()

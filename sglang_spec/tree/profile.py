@@ -269,6 +269,30 @@ class SourceCounts:
     def to_obj(self) -> dict[str, Any]:
         return {"lookup": self.lookup, "mtp": self.mtp, "both": self.both, "mtp_top1": self.mtp_top1}
 
+    def named_cells(self) -> dict[str, list[float]]:
+        """Every cell by a stable name: ``lookup/n/rank``, ``mtp/depth/bin``, ``both/n``, ``mtp_top1/depth``
+        (1-based n and depth), the label a server exports its observed counts under."""
+        cells = {f"lookup/{n}/{rank}": cell for n, row in enumerate(self.lookup, 1) for rank, cell in enumerate(row)}
+        cells.update({f"mtp/{depth}/{bin_}": cell for depth, row in enumerate(self.mtp, 1)
+                      for bin_, cell in enumerate(row)})
+        cells.update({f"both/{n}": cell for n, cell in enumerate(self.both, 1)})
+        cells.update({f"mtp_top1/{depth}": cell for depth, cell in enumerate(self.mtp_top1, 1)})
+        return cells
+
+    def with_observed(self, observed: dict[str, tuple[float, float]], source: str) -> SourceCounts:
+        """A copy with ``observed`` (cell name -> (accepted, offered) outcomes) added to its cells. A name this
+        table has no cell for (a longer n-gram than its max_ngram) is one clear error."""
+        counts = SourceCounts.from_obj(self.to_obj(), source, prior_weight=math.inf)
+        cells = counts.named_cells()
+        for name, (accepted, offered) in observed.items():
+            if name not in cells:
+                raise SpecError(f"{source}: a count for {name!r}, which a table with max_ngram {self.max_ngram} "
+                                f"does not have")
+            cells[name][0] += accepted
+            cells[name][1] += offered
+        counts._check(source)
+        return counts
+
     def copy(self) -> SourceCounts:
         return SourceCounts.from_obj(self.to_obj(), self.source, prior_weight=math.inf)
 

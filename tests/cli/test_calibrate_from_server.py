@@ -115,4 +115,23 @@ def test_one_line_errors(tmp_path, capsys):
         assert main(["calibrate", "--from-server", server.url, "--out", out]) == 2
         assert "does not run the sglang_spec plugin" in capsys.readouterr().err
     assert main(["calibrate", "--from-server", url, "--traffic", out, "--out", out]) == 2
-    assert "positional table alone" in capsys.readouterr().err
+    assert "run --traffic or --prompts (with --model) separately" in capsys.readouterr().err
+
+
+def test_per_source_counts_are_read_by_cell_and_added_to_the_prior():
+    from sglang_spec.cli.calibrate import parse_source_counts
+
+    text = METRICS + (
+        'sglang_spec_source_offered_total{cell="lookup/3/0"} 10.0\n'
+        'sglang_spec_source_accepted_total{cell="lookup/3/0"} 7.0\n'
+        'sglang_spec_source_offered_total{cell="mtp/1/9"} 4.0\n'
+        'sglang_spec_source_offered_total{cell="lookup/3/0"} 2.0\n')  # a second process's
+    observed = parse_source_counts(text)
+    assert observed == {"lookup/3/0": (7.0, 12.0), "mtp/1/9": (0.0, 4.0)}
+    assert parse_source_counts(METRICS) == {}
+    prior = SourceCounts.generic()
+    learnt = prior.with_observed(observed, "server")
+    assert learnt.lookup[2][0] == [prior.lookup[2][0][0] + 7, prior.lookup[2][0][1] + 12]
+    assert learnt.mtp[0][9][1] == prior.mtp[0][9][1] + 4 and prior.lookup[2][0][1] == 4.0  # the prior is untouched
+    with pytest.raises(SpecError, match="a count for 'lookup/9/0', which a table with max_ngram 8"):
+        prior.with_observed({"lookup/9/0": (1.0, 2.0)}, "server")

@@ -64,3 +64,32 @@ def test_accepted_paths_teach_the_counts_as_the_reference_decoder_observes_them(
     learnt, expected = drafter.drafter.counts, reference.counts
     assert (learnt.lookup, learnt.mtp, learnt.both) == (expected.lookup, expected.mtp, expected.both)
     assert expected.lookup != TreeDrafter(policy).counts.lookup  # the paths taught something
+
+
+class RecordingMetrics:
+    enabled = True
+
+    def __init__(self):
+        self.added = []
+
+    def add(self, observed):
+        self.added.append(observed)
+
+
+def test_what_the_counts_learnt_is_exported_once_by_cell_name():
+    policy = TreePolicy("lookup", budget=6, depth=3, width=3)
+    metrics = RecordingMetrics()
+    drafter = ContextDrafter(policy, steps=3, budget=6, metrics=metrics)
+    tree = drafter.drafter.propose(5, DraftSources(context=NgramIndex([4, 5, 6, 4, 5, 6, 4, 5], max_ngram=4)))
+    drafter.proposed = [tree]
+    drafter.record_outcome(torch.tensor([[0, 1, 2, -1]]), 7)
+    drafter.observe_outcome()
+    (observed,) = metrics.added
+    assert all(name.startswith("lookup/") for name in observed)
+    assert sum(hits for hits, _ in observed.values()) == 2  # nodes 1 and 2 accepted
+    prior = TreePolicy("lookup", budget=6, depth=3, width=3).source_counts()
+    relearnt = prior.with_observed(observed, "test").named_cells()
+    learnt = drafter.drafter.counts.named_cells()
+    assert all(relearnt[name] == pytest.approx(learnt[name]) for name in learnt)
+    drafter.observe_outcome()  # nothing new: nothing exported
+    assert len(metrics.added) == 1

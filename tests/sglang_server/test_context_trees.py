@@ -16,6 +16,7 @@ import pytest
 
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS, accept_lengths, mean,
                                 running_server)
+from sglang_spec.cli import main as cli_main
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
@@ -25,7 +26,8 @@ SAMPLED = {"temperature": 0.7, "max_new_tokens": REPEAT_NEW_TOKENS}
 
 def context_args(policy: str, profile) -> list[str]:
     return ["--speculative-tree-policy", policy, "--speculative-tree-budget", str(BUDGET),
-            "--speculative-tree-depth", str(DEPTH), "--speculative-acceptance-profile", str(profile)]
+            "--speculative-tree-depth", str(DEPTH), "--speculative-acceptance-profile", str(profile),
+            "--enable-metrics"]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,11 @@ def run(request, smollm2_cpu, server_logs, smollm2_prompts, repeat_prompts):
         repeat = server.generate(repeat_prompts, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
         sampled = server.generate(repeat_prompts, SAMPLED)
         info = server.request("/server_info")
-    return {"policy": policy, "heldout": heldout, "repeat": repeat, "sampled": sampled, "info": info}
+        metrics = server.request("/metrics")
+        profile = server_logs / f"context-{policy}-from-server.json"
+        calibrated = cli_main(["calibrate", "--from-server", server.url, "--out", str(profile), "--force"])
+    return {"policy": policy, "heldout": heldout, "repeat": repeat, "sampled": sampled, "info": info,
+            "metrics": metrics, "calibrated": (calibrated, profile)}
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +105,33 @@ def test_tree_auto_takes_plain_steps_and_stays_identical(smollm2_cpu, server_log
         log = server.log_path.read_text(errors="replace")
     assert [answer["output_ids"] for answer in answers] == plain_repeat * 3
     assert "[sglang_spec] tree auto, batches up to" in log and "plain for" in log
+
+
+def test_the_server_exports_what_its_trees_learnt_per_source(run, tmp_path):
+    """The drafter's online per-source outcomes reach /metrics (rank 0, --enable-metrics), and calibrate
+    --from-server's reader turns them into a profile's sources section."""
+    from sglang_spec.cli.calibrate import parse_source_counts
+    from sglang_spec.sglang_plugin.options import from_values
+    from sglang_spec.tree.profile import AcceptanceProfile, SourceCounts
+
+    observed = parse_source_counts(run["metrics"])
+    tables = {name.split("/")[0] for name in observed}
+    assert "lookup" in tables and ("mtp" in tables) == (run["policy"] == "hybrid")
+    offered = sum(count for _, count in observed.values())
+    accepted = sum(hits for hits, _ in observed.values())
+    assert 0 < accepted < offered
+    learnt = SourceCounts.generic().with_observed(observed, "server")
+    assert learnt.named_cells() != SourceCounts.generic().named_cells()
+    code, path = run["calibrated"]
+    assert code == 0
+    profile = AcceptanceProfile.load(path)
+    # a loaded profile is a prior of bounded weight (counts scaled down per cell), so compare the estimates
+    assert profile.sources is not None and estimates(profile.sources) == pytest.approx(estimates(learnt))
+    # the profile serves the next launch (and the reference decoder) as its per-source counts
+    options = from_values({"speculative_tree_policy": run["policy"], "speculative_tree_budget": BUDGET,
+                           "speculative_tree_depth": DEPTH, "speculative_acceptance_profile": str(path)})
+    assert estimates(options.tree_policy().source_counts()) == pytest.approx(estimates(learnt))
+
+
+def estimates(counts) -> dict[str, float]:
+    return {name: accepted / offered for name, (accepted, offered) in counts.named_cells().items()}
