@@ -20,6 +20,10 @@ being captured; ``before_replay`` fills the links from the batch's verify input 
 ``replayed`` hands back the outputs of the graph SGLang replayed (its ``_replay_graph_key``, padded to the largest
 batch across DP ranks and keyed by LoRA / attention variant too), for that verify step only. That path has not run
 on a GPU yet (docs/gpu-validation.md); eager (every CPU run) computes the same kernels after the forward.
+
+With tensor parallelism the sampled accept is broadcast from TP rank 0 as ``eagle_sample`` broadcasts its own
+(``broadcast_accept``): ranks whose target probabilities differ in the last bits would otherwise accept different
+paths, commit different lengths and hang in the next collective.
 """
 
 from __future__ import annotations
@@ -138,6 +142,13 @@ def _to_sglang(buffers: AcceptBuffers, batch: int, nodes: int) -> None:
     buffers.predict_with_spare.scatter_(0, index, buffers.output_ids.reshape(-1).to(torch.int32))
 
 
+def broadcast_accept(accepted: SGLangAccept, tp_group: Any) -> None:
+    """Rank 0's accept on every rank of ``tp_group`` (a GroupCoordinator), in place: predict, accept_index, then
+    the accepted counts, as eagle_sample broadcasts them."""
+    for tensor in (accepted.predict, accepted.accept_index, accepted.accept_lens):
+        tp_group.broadcast(tensor, src=0)
+
+
 def capture_graph_key(graph_runner: Any, forward_batch: Any, num_tokens: int) -> Any | None:
     """SGLang's key (``ShapeKey``) for the verify graph ``graph_runner`` is capturing, built as
     ``capture_one_shape`` builds it: its size rule, and the LoRA and attention variants its capture loop has set.
@@ -155,13 +166,19 @@ def capture_graph_key(graph_runner: Any, forward_batch: Any, num_tokens: int) ->
 
 
 class FusedAccept:
-    """The fused accept of one target worker: eligibility, eager and in-graph runs, the KV commit, counters."""
+    """The fused accept of one target worker: eligibility, eager and in-graph runs, the KV commit, counters.
 
-    def __init__(self, nodes: int, depth: int, device: torch.device | str, metrics: Any) -> None:
+    ``tp_group``: the group eagle_sample broadcasts its accept over (None without tensor parallelism); sampled
+    accepts are broadcast over it, greedy ones too when ``broadcast_greedy`` (SGLang does so on ROCm)."""
+
+    def __init__(self, nodes: int, depth: int, device: torch.device | str, metrics: Any, tp_group: Any = None,
+                 broadcast_greedy: bool = False) -> None:
         self.nodes = nodes
         self.depth = depth
         self.device = device
         self.metrics = metrics
+        self.tp_group = tp_group
+        self.broadcast_greedy = broadcast_greedy
         self.counts: Counter[str] = Counter()  # "fused" and one entry per fallback reason
         self._eager: dict[int, AcceptBuffers] = {}
         self._graph: dict[Any, AcceptBuffers] = {}  # per SGLang graph key of a captured verify graph (static)
@@ -198,8 +215,12 @@ class FusedAccept:
         """The fused accept after the forward. ``coins``: SGLang's (per-node, final) verify coins for a sampled
         batch, None for a greedy one. ``replayed``: the greedy accept this step's verify graph computed, if any."""
         if coins is None and replayed is not None:
-            return replayed
-        return self._eager_accept(verify_input, batch, logits, coins)
+            accepted = replayed
+        else:
+            accepted = self._eager_accept(verify_input, batch, logits, coins)
+        if self.tp_group is not None and (coins is not None or self.broadcast_greedy):
+            broadcast_accept(accepted, self.tp_group)
+        return accepted
 
     def _eager_accept(self, verify_input: Any, batch: Any, logits: torch.Tensor,
                       coins: tuple[torch.Tensor, torch.Tensor] | None) -> SGLangAccept:

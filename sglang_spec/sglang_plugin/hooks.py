@@ -333,12 +333,27 @@ def eagle_worker_init_after(result, worker, *args, **kwargs):
     options: TreeServerOptions | None = getattr(worker.server_args, ATTRIBUTE, None)
     if options is None or options.accept != "fused":
         return result
+    from sglang.srt.utils import is_hip
+
     claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
-    fused = FusedAccept(worker.speculative_num_draft_tokens, worker.speculative_num_steps, worker.device, METRICS)
+    fused = FusedAccept(worker.speculative_num_draft_tokens, worker.speculative_num_steps, worker.device, METRICS,
+                        tp_group=_accept_tp_group(), broadcast_greedy=is_hip())
     worker._sglang_spec_fused = fused
     if str(worker.device).startswith("cuda"):
         worker.target_worker.model_runner.capture_tail_hooks.append(fused.capture_tail)  # before graph capture
     return result
+
+
+def _accept_tp_group():
+    """The group eagle_sample broadcasts its accept over (attention TP under DP attention), or None with one rank."""
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        group = get_parallel().attn_tp_group if is_dp_attention_enabled() else get_parallel().tp_group
+    except RuntimeError:  # parallel state not published (single-process tests): the only rank
+        return None
+    return group if group.world_size > 1 else None
 
 
 @dataclass
