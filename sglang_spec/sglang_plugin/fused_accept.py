@@ -15,9 +15,15 @@ watermarks, custom logit processors, top-k / top-p / min-p sampling, rejection-s
 accept thresholds below 1 (lossy), UNO's sparse target sampling.
 
 With CUDA graphs the greedy accept runs inside the captured verify graph: ``capture_tail`` records it on the
-graph's static logits and candidates and on this object's static link buffers, which ``before_replay`` fills
-from the batch's verify input before every replay; ``eagle_sample`` then reads the static outputs. That path has
-not run on a GPU yet (docs/gpu-validation.md); eager (every CPU run) computes the same kernels after the forward.
+graph's static logits and candidates and on this object's static link buffers, under SGLang's own key for the graph
+being captured; ``before_replay`` fills the links from the batch's verify input before every replay, and
+``replayed`` hands back the outputs of the graph SGLang replayed (its ``_replay_graph_key``, padded to the largest
+batch across DP ranks and keyed by LoRA / attention variant too), for that verify step only. That path has not run
+on a GPU yet (docs/gpu-validation.md); eager (every CPU run) computes the same kernels after the forward.
+
+With tensor parallelism the sampled accept is broadcast from TP rank 0 as ``eagle_sample`` broadcasts its own
+(``broadcast_accept``): ranks whose target probabilities differ in the last bits would otherwise accept different
+paths, commit different lengths and hang in the next collective.
 """
 
 from __future__ import annotations
@@ -136,19 +142,47 @@ def _to_sglang(buffers: AcceptBuffers, batch: int, nodes: int) -> None:
     buffers.predict_with_spare.scatter_(0, index, buffers.output_ids.reshape(-1).to(torch.int32))
 
 
-class FusedAccept:
-    """The fused accept of one target worker: eligibility, eager and in-graph runs, the KV commit, counters."""
+def broadcast_accept(accepted: SGLangAccept, tp_group: Any) -> None:
+    """Rank 0's accept on every rank of ``tp_group`` (a GroupCoordinator), in place: predict, accept_index, then
+    the accepted counts, as eagle_sample broadcasts them."""
+    for tensor in (accepted.predict, accepted.accept_index, accepted.accept_lens):
+        tp_group.broadcast(tensor, src=0)
 
-    def __init__(self, nodes: int, depth: int, device: torch.device | str, metrics: Any) -> None:
+
+def capture_graph_key(graph_runner: Any, forward_batch: Any, num_tokens: int) -> Any | None:
+    """SGLang's key (``ShapeKey``) for the verify graph ``graph_runner`` is capturing, built as
+    ``capture_one_shape`` builds it: its size rule, and the LoRA and attention variants its capture loop has set.
+    None where a capture hook cannot tell the key: ragged verify (keyed by token tier over variable-width
+    requests) and PDMux (by stream, which the loop passes only as an argument)."""
+    if graph_runner.ragged_verify_mode or graph_runner.enable_pdmux:
+        return None
+    from sglang.srt.model_executor.runner_utils.capture_mode import (
+        get_capture_attention_variant,
+        get_capture_lora_variant,
+    )
+
+    size = graph_runner._capture_graph_size(bs=forward_batch.batch_size, num_tokens=num_tokens)
+    return graph_runner._make_graph_key(size, None, get_capture_lora_variant(), get_capture_attention_variant())
+
+
+class FusedAccept:
+    """The fused accept of one target worker: eligibility, eager and in-graph runs, the KV commit, counters.
+
+    ``tp_group``: the group eagle_sample broadcasts its accept over (None without tensor parallelism); sampled
+    accepts are broadcast over it, greedy ones too when ``broadcast_greedy`` (SGLang does so on ROCm)."""
+
+    def __init__(self, nodes: int, depth: int, device: torch.device | str, metrics: Any, tp_group: Any = None,
+                 broadcast_greedy: bool = False) -> None:
         self.nodes = nodes
         self.depth = depth
         self.device = device
         self.metrics = metrics
+        self.tp_group = tp_group
+        self.broadcast_greedy = broadcast_greedy
         self.counts: Counter[str] = Counter()  # "fused" and one entry per fallback reason
         self._eager: dict[int, AcceptBuffers] = {}
-        self._graph: dict[int, AcceptBuffers] = {}  # per captured batch size (static)
+        self._graph: dict[Any, AcceptBuffers] = {}  # per SGLang graph key of a captured verify graph (static)
         self._links: AcceptBuffers | None = None  # max captured batch size; the graph buffers view its links
-        self._replayed: int | None = None  # batch size of the last verify replay whose greedy accept is ready
 
     # ------------------------------------------------------------------------------------------ eligibility
     def fallback_reason(self, batch: Any, verify_input: Any, grammar_mask: Any, uno_target_max_top_k: Any,
@@ -177,13 +211,20 @@ class FusedAccept:
 
     # ------------------------------------------------------------------------------------------ eager
     def sample(self, verify_input: Any, batch: Any, logits: torch.Tensor, coins: tuple[torch.Tensor, torch.Tensor]
-               | None) -> SGLangAccept:
+               | None, replayed: SGLangAccept | None = None) -> SGLangAccept:
         """The fused accept after the forward. ``coins``: SGLang's (per-node, final) verify coins for a sampled
-        batch, None for a greedy one."""
+        batch, None for a greedy one. ``replayed``: the greedy accept this step's verify graph computed, if any."""
+        if coins is None and replayed is not None:
+            accepted = replayed
+        else:
+            accepted = self._eager_accept(verify_input, batch, logits, coins)
+        if self.tp_group is not None and (coins is not None or self.broadcast_greedy):
+            broadcast_accept(accepted, self.tp_group)
+        return accepted
+
+    def _eager_accept(self, verify_input: Any, batch: Any, logits: torch.Tensor,
+                      coins: tuple[torch.Tensor, torch.Tensor] | None) -> SGLangAccept:
         bs = len(batch.seq_lens)
-        if coins is None and self._replayed == bs:
-            self._replayed = None
-            return self._graph_outputs(bs)
         buffers = self._eager.get(bs)
         if buffers is None:
             buffers = self._eager[bs] = AcceptBuffers.allocate(bs, self.nodes, self.depth, logits.device)
@@ -201,40 +242,43 @@ class FusedAccept:
 
     # ------------------------------------------------------------------------------------------ CUDA graphs
     def capture_tail(self, graph_runner: Any, logits_output: Any, forward_batch: Any, num_tokens: int) -> None:
-        """``capture_tail_hooks`` entry: records the greedy accept into the verify graph of this batch size."""
+        """``capture_tail_hooks`` entry: records the greedy accept into the verify graph being captured, on buffers
+        kept under SGLang's key for that graph (its warm-up runs use the same ones)."""
         if graph_runner.model_runner.is_draft_worker or not forward_batch.forward_mode.is_target_verify():
             return
         if getattr(logits_output, "next_token_logits", None) is None:
             return
+        key = capture_graph_key(graph_runner, forward_batch, num_tokens)
+        if key is None:
+            return
         bs = forward_batch.batch_size
-        if self._links is None or self._links.first_child.shape[0] < bs:
-            self._links = AcceptBuffers.allocate(max(bs, getattr(graph_runner, "max_bs", bs)), self.nodes,
-                                                 self.depth, forward_batch.input_ids.device)
-        buffers = AcceptBuffers.allocate(bs, self.nodes, self.depth, forward_batch.input_ids.device)
-        buffers = _with_links(buffers, self._links, bs)
-        self._graph[bs] = buffers
+        device = forward_batch.input_ids.device
+        if self._links is None:
+            self._links = AcceptBuffers.allocate(graph_runner.max_bs, self.nodes, self.depth, device)
+        buffers = self._graph.get(key)
+        if buffers is None:
+            buffers = self._graph[key] = _with_links(AcceptBuffers.allocate(bs, self.nodes, self.depth, device),
+                                                     self._links, bs)
         run_accept(buffers, forward_batch.input_ids.view(bs, self.nodes), logits_output.next_token_logits,
                    self.depth)
 
-    def before_replay(self, forward_batch: Any, graph_bs: int) -> None:
-        """Fills the static links for a verify replay (rows past the batch: no children, so nothing moves)."""
-        self._replayed = None
-        if self._links is None or graph_bs not in self._graph:
+    def before_replay(self, forward_batch: Any) -> None:
+        """Fills the static links for a verify replay. Every row past the batch gets no children (so nothing
+        moves there), up to the largest graph: SGLang may pad the batch to any captured size."""
+        if self._links is None:
             return
         bs = forward_batch.batch_size
         verify_input = forward_batch.spec_info
         self._links.first_child[:bs].copy_(verify_input.retrieve_next_token)
         self._links.next_sibling[:bs].copy_(verify_input.retrieve_next_sibling)
-        self._links.first_child[bs:graph_bs].fill_(-1)
-        self._links.next_sibling[bs:graph_bs].fill_(-1)
+        self._links.first_child[bs:].fill_(-1)
+        self._links.next_sibling[bs:].fill_(-1)
 
-    def after_replay(self, forward_batch: Any, graph_bs: int) -> None:
-        if graph_bs in self._graph:
-            self._replayed = forward_batch.batch_size
-
-    def _graph_outputs(self, bs: int) -> SGLangAccept:
-        graph_bs = min(size for size in self._graph if size >= bs)
-        return self._graph[graph_bs].outputs(bs)
+    def replayed(self, graph_runner: Any, forward_batch: Any) -> SGLangAccept | None:
+        """After ``graph_runner`` replayed ``forward_batch``: the greedy accept of the graph it replayed (SGLang's
+        ``_replay_graph_key``), cut to the batch; None when that graph holds no fused accept."""
+        buffers = self._graph.get(graph_runner._replay_graph_key)
+        return None if buffers is None else buffers.outputs(forward_batch.batch_size)
 
     # ------------------------------------------------------------------------------------------ KV commit
     @staticmethod

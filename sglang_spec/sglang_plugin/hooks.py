@@ -40,7 +40,7 @@ from sglang_spec.sglang_plugin.batch_switch import BatchSwitches
 from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draft_forward
 from sglang_spec.sglang_plugin.draft_forward import draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
-from sglang_spec.sglang_plugin.fused_accept import FusedAccept
+from sglang_spec.sglang_plugin.fused_accept import FusedAccept, SGLangAccept
 from sglang_spec.sglang_plugin.metrics import METRICS, RANKS, SOURCES
 from sglang_spec.sglang_plugin.options import (
     ATTRIBUTE,
@@ -417,30 +417,50 @@ def eagle_worker_init_after(result, worker, *args, **kwargs):
     options: TreeServerOptions | None = getattr(worker.server_args, ATTRIBUTE, None)
     if options is None or options.accept != "fused":
         return result
+    from sglang.srt.utils import is_hip
+
     claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
-    fused = FusedAccept(worker.speculative_num_draft_tokens, worker.speculative_num_steps, worker.device, METRICS)
+    fused = FusedAccept(worker.speculative_num_draft_tokens, worker.speculative_num_steps, worker.device, METRICS,
+                        tp_group=_accept_tp_group(), broadcast_greedy=is_hip())
     worker._sglang_spec_fused = fused
     if str(worker.device).startswith("cuda"):
         worker.target_worker.model_runner.capture_tail_hooks.append(fused.capture_tail)  # before graph capture
     return result
 
 
-# the FusedAccept of the verify step in progress (set by the worker's verify, read by the hooks it calls)
-_FUSED: contextvars.ContextVar[FusedAccept | None] = contextvars.ContextVar("sglang_spec_fused", default=None)
-# whether the batch of the verify step in progress was accepted by the fused path (its KV commit follows it)
-_FUSED_BATCH: contextvars.ContextVar[bool] = contextvars.ContextVar("sglang_spec_fused_batch", default=False)
+def _accept_tp_group():
+    """The group eagle_sample broadcasts its accept over (attention TP under DP attention), or None with one rank."""
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        group = get_parallel().attn_tp_group if is_dp_attention_enabled() else get_parallel().tp_group
+    except RuntimeError:  # parallel state not published (single-process tests): the only rank
+        return None
+    return group if group.world_size > 1 else None
+
+
+@dataclass
+class VerifyStep:
+    """The fused accept's state for one verify step: set by the worker's verify, gone when it returns."""
+
+    fused: FusedAccept
+    replayed: SGLangAccept | None = None  # the greedy accept of the verify graph this step replayed
+    accepted: bool = False  # whether the fused path accepted the batch (its KV commit follows it)
+
+
+_STEP: contextvars.ContextVar[VerifyStep | None] = contextvars.ContextVar("sglang_spec_verify_step", default=None)
 
 
 def verify_around(original, worker, *args, **kwargs):
     fused = getattr(worker, "_sglang_spec_fused", None)
     if fused is None:
         return original(worker, *args, **kwargs)
-    token, batch_token = _FUSED.set(fused), _FUSED_BATCH.set(False)
+    token = _STEP.set(VerifyStep(fused))
     try:
         return original(worker, *args, **kwargs)
     finally:
-        _FUSED.reset(token)
-        _FUSED_BATCH.reset(batch_token)
+        _STEP.reset(token)
 
 
 def eagle_sample_around(original, verify_input, batch, logits_output, *args, **kwargs):
@@ -457,9 +477,10 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
 
 def _eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None, uno_target_max_top_k=None,
                   **kwargs):
-    fused = _FUSED.get()
-    if fused is None or batch.forward_mode.is_idle():
+    step = _STEP.get()
+    if step is None or batch.forward_mode.is_idle():
         return original(verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k, **kwargs)
+    fused = step.fused
     from sglang.srt.runtime_context import get_spec
     from sglang.srt.speculative import eagle_utils, spec_utils
     from sglang.srt.utils.async_probe import sanitize_nan_logits
@@ -480,33 +501,31 @@ def _eagle_sample(original, verify_input, batch, logits_output, grammar_mask=Non
         coins = eagle_utils._verify_coins(sampling_info=batch.sampling_info, seq_lens=batch.seq_lens,
                                           draft_token_num=verify_input.draft_token_num, candidates=candidates,
                                           device=batch.device)
-    accepted = fused.sample(verify_input, batch, logits, coins)
+    accepted = fused.sample(verify_input, batch, logits, coins, step.replayed)
     fused.count("fused")
-    _FUSED_BATCH.set(True)
+    step.accepted = True
     return accepted.predict, accepted.accept_lens, accepted.accept_index
 
 
 def move_accept_tokens_around(original, batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator):
-    fused = _FUSED.get()
+    step = _STEP.get()
     pool = token_to_kv_pool_allocator.get_kvcache()
-    if fused is None or not _FUSED_BATCH.get() or not supports_row_permutation(pool):
+    if step is None or not step.accepted or not supports_row_permutation(pool):
         return original(batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator)
     nodes = batch.out_cache_loc.shape[0] // len(batch.seq_lens)
-    fused.commit_kv(pool, batch.out_cache_loc, accept_index, num_correct_drafts + 1, nodes)
+    step.fused.commit_kv(pool, batch.out_cache_loc, accept_index, num_correct_drafts + 1, nodes)
     return None
 
 
 def graph_execute_around(original, runner, forward_batch, *args, **kwargs):
-    """Under CUDA graphs: the verify replay's static tree links before it, the greedy accept's readiness after."""
-    fused = _FUSED.get()
-    if fused is None or runner.model_runner.is_draft_worker or not forward_batch.forward_mode.is_target_verify():
+    """Under CUDA graphs: the verify replay's static tree links before it; after it, the greedy accept of the graph
+    SGLang replayed, for this verify step only."""
+    step = _STEP.get()
+    if step is None or runner.model_runner.is_draft_worker or not forward_batch.forward_mode.is_target_verify():
         return original(runner, forward_batch, *args, **kwargs)
-    graph_bs = min((size for size in runner.capture_bs if size >= forward_batch.batch_size), default=None)
-    if graph_bs is not None:
-        fused.before_replay(forward_batch, graph_bs)
+    step.fused.before_replay(forward_batch)
     output = original(runner, forward_batch, *args, **kwargs)
-    if graph_bs is not None:
-        fused.after_replay(forward_batch, graph_bs)
+    step.replayed = step.fused.replayed(runner, forward_batch)
     return output
 
 
