@@ -66,6 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--budgets", default="4,8,16")
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--topk", type=int, default=4)
+    parser.add_argument("--hybrid-depth", type=int, default=None,
+                        help="hybrid / lookup / auto: their tree depth (default --depth); copies run deeper than the "
+                             "head's branches")
+    parser.add_argument("--mtp-levels", type=int, default=None, help="hybrid / auto: head levels below the root's "
+                        "children (default 2)")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--workloads", default=None,
                         help="heldout, serving (code, extraction, chat), or a comma list of those three; "
@@ -118,8 +123,11 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
         return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(budget + 1)]
     if policy == AUTO:
         return tree_arguments(args, "hybrid", budget, profile) + ["--speculative-tree-auto"]
+    depth = args.hybrid_depth if policy in ("lookup", "hybrid") and args.hybrid_depth else args.depth
     arguments = ["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", policy,
-                 "--speculative-tree-budget", str(budget), "--speculative-tree-depth", str(args.depth)]
+                 "--speculative-tree-budget", str(budget), "--speculative-tree-depth", str(depth)]
+    if policy == "hybrid" and args.mtp_levels is not None:
+        arguments += ["--speculative-tree-mtp-levels", str(args.mtp_levels)]
     if policy not in ("chain", "lookup"):
         arguments += ["--speculative-tree-topk", str(args.topk)]
     if policy == "sequoia" and not profile:

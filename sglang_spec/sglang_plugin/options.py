@@ -47,7 +47,7 @@ BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefill_atte
 # the Python-side names of the options (sgl.Engine keyword arguments == argparse dests)
 KEYWORDS = ("speculative_tree_policy", "speculative_tree_budget", "speculative_tree_depth", "speculative_tree_topk",
             "speculative_tree_width", "speculative_acceptance_profile", "speculative_tree_accept",
-            "speculative_tree_auto")
+            "speculative_tree_auto", "speculative_tree_mtp_levels")
 ACCEPT_CHOICES = ("sglang", "fused")
 
 
@@ -55,7 +55,8 @@ ACCEPT_CHOICES = ("sglang", "fused")
 class TreeServerOptions:
     """policy, budget (draft nodes), depth (draft steps), topk (K, children per expanded node), width (W, SGLang's
     speculative_eagle_topk: nodes expanded per level), profile_path (sequoia), accept (who accepts: sglang or
-    fused), auto (each step a tree or a plain step, by measured rates per batch size: ``batch_switch``)."""
+    fused), auto (each step a tree or a plain step, by measured rates per batch size: ``batch_switch``), mtp_levels
+    (hybrid: head forwards below the root's children; None = the policy's default)."""
 
     policy: str
     budget: int
@@ -65,6 +66,7 @@ class TreeServerOptions:
     profile_path: str | None = None
     accept: str = "sglang"
     auto: bool = False
+    mtp_levels: int | None = None
 
     @property
     def own_loop(self) -> bool:
@@ -82,8 +84,9 @@ class TreeServerOptions:
     def tree_policy(self) -> TreePolicy:
         """The reference decoder's policy for the same tree (what the tests compare SGLang against)."""
         width = self.width if self.policy == "specexec" or self.uses_context else None
+        levels = {} if self.mtp_levels is None else {"mtp_levels": self.mtp_levels}
         return TreePolicy(self.policy, budget=self.budget, depth=self.depth, topk=self.topk,
-                          profile=self.load_profile(), width=width)
+                          profile=self.load_profile(), width=width, **levels)
 
     def draft_plan(self) -> DraftPlan | None:
         """The sequoia tree laid over SGLang's draft slots, or None (the other policies select at run time).
@@ -115,6 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="who accepts the verified tree: SGLang's own eagle_sample (default) or the project's "
                             "fused verify + accept kernels and KV commit (falls back to SGLang's per batch for "
                             "penalties, grammar, top-k / top-p sampling and the like)")
+    group.add_argument("--speculative-tree-mtp-levels", type=int, default=None,
+                       help="hybrid: most head forwards below the root's children a step (default 2)")
     group.add_argument("--speculative-tree-auto", action="store_true", default=None,
                        help="each decode step of the running batch drafts the tree or decodes plainly, whichever "
                             "the batch size's recent steps delivered more tokens a second with (turns speculation "
@@ -161,7 +166,14 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
     auto = values.get("speculative_tree_auto")
     if auto is not None and not isinstance(auto, bool):
         raise SpecError(f"--speculative-tree-auto is a switch (true or false), got {auto!r}")
-    return TreeServerOptions(policy, budget, depth, topk, width, profile_path, accept, bool(auto))
+    mtp_levels = values.get("speculative_tree_mtp_levels")
+    if mtp_levels is not None:
+        if policy != "hybrid":
+            raise SpecError("--speculative-tree-mtp-levels sets hybrid's head levels; drop it or use "
+                            "--speculative-tree-policy hybrid")
+        if isinstance(mtp_levels, bool) or not isinstance(mtp_levels, int) or not 0 <= mtp_levels < depth:
+            raise SpecError(f"--speculative-tree-mtp-levels takes 0..{depth - 1} (below the depth), got {mtp_levels!r}")
+    return TreeServerOptions(policy, budget, depth, topk, width, profile_path, accept, bool(auto), mtp_levels)
 
 
 def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | None, given: int | None) -> int:

@@ -81,6 +81,8 @@ def test_sglangs_parser_accepts_the_tree_options(sglang_with_plugin, tmp_path):
         (["--speculative-tree-policy", "specexec", "--speculative-tree-topk", "4", "--speculative-tree-width", "2"],
          "is below topk 4"),
         (["--speculative-tree-auto"], "--speculative-tree-auto needs --speculative-tree-policy"),
+        (["--speculative-tree-policy", "sequoia", "--speculative-tree-mtp-levels", "2"], "sets hybrid's head levels"),
+        (["--speculative-tree-policy", "hybrid", "--speculative-tree-mtp-levels", "4"], "takes 0..3 (below the depth)"),
         (["--speculative-tree-policy", "hybrid", "--speculative-tree-depth", "1"],
          "hybrid trees need --speculative-tree-depth >= 2"),
         (["--speculative-tree-policy", "hybrid", "--speculative-tree-width", "3"], "is below topk 4"),
@@ -124,6 +126,9 @@ def test_width_is_the_trees_widest_level_or_the_specexec_budget(sglang_with_plug
     assert lookup.speculative_eagle_topk == 8
     auto = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid", "--speculative-tree-auto"])
     assert auto._sglang_spec_tree.auto and not hybrid._sglang_spec_tree.auto
+    levels = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid",
+                    "--speculative-tree-depth", "8", "--speculative-tree-mtp-levels", "3"])
+    assert levels._sglang_spec_tree.tree_policy().mtp_levels == 3 and hybrid._sglang_spec_tree.tree_policy().mtp_levels == 2
 
 
 def test_unknown_policy_is_argparses_own_error(sglang_with_plugin, capsys):
