@@ -81,7 +81,7 @@ def test_sglangs_parser_accepts_the_tree_options(sglang_with_plugin, tmp_path):
         (["--speculative-tree-policy", "specexec", "--speculative-tree-topk", "4", "--speculative-tree-width", "2"],
          "is below topk 4"),
         (["--speculative-tree-auto"], "--speculative-tree-auto needs --speculative-tree-policy"),
-        (["--speculative-tree-policy", "sequoia", "--speculative-tree-mtp-levels", "2"], "sets hybrid's head levels"),
+        (["--speculative-tree-policy", "eagle", "--speculative-tree-mtp-levels", "2"], "sets hybrid's head levels"),
         (["--speculative-tree-policy", "hybrid", "--speculative-tree-mtp-levels", "4"], "takes 0..3 (below the depth)"),
         (["--speculative-tree-policy", "hybrid", "--speculative-tree-depth", "1"],
          "hybrid trees need --speculative-tree-depth >= 2"),
