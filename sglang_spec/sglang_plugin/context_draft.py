@@ -5,8 +5,8 @@ Each request's tree is grown by the reference decoder's builder (``tree/hybrid.B
 n-gram continuations and the MTP head's top-k under one budget, ranked by the calibrated per-source counts), on
 the host. The builders of all the batch's requests advance in lock-step: each head round's nodes (all at one
 depth, at most W a request) become the beams of one SGLang draft forward, run exactly as the plugin's own loop
-runs it (``draft_forward.py``: same backends, per-step KV slots, hot-token map, softmax; every beam's KV column
-rewritten with its parent's history first, so each node sees its own ancestors only). The trees are then padded
+runs it (``draft_forward.forward_beams``: same backends, per-step KV slots, hot-token map, softmax; every beam's
+KV column rewritten with its parent's history first, so each node sees its own ancestors only). The trees are then padded
 to the budget (SGLang verifies a fixed number of tokens per request) and handed to SGLang in the UNO encoding
 (``tree/encode_sglang.encode_sglang_draft``), which takes any tree.
 
@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from sglang_spec.sglang_plugin.draft_forward import forward_beams
 from sglang_spec.sglang_plugin.draft_loop import ancestry_permutation
 from sglang_spec.sglang_plugin.metrics import SourceMetrics
 from sglang_spec.tree.candidates import Candidates
@@ -143,9 +144,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
                           permute_kv: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
     """``draft_forward`` for ``worker`` (an EagleDraftWorker) over ``reqs`` (the ScheduleBatch's requests, in
     batch order): SGLang's (parent_list, top_scores_index, draft_tokens, draft_probs=None)."""
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
-    from sglang.srt.speculative.spec_utils import renorm_draft_probs
 
     drafter.observe_outcome()
     policy = drafter.drafter.policy
@@ -196,20 +195,9 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
             hidden_rows = (parent_beam + (torch.arange(batch, device=device) * width)[:, None]).reshape(-1)
             target, source = ancestry_permutation(parent_beam, step_locs, step - 1)
             permute_kv(pool, target, source)
-        forward_batch.input_ids = tokens.reshape(-1).to(device)
-        forward_batch.out_cache_loc = step_locs[step - 1]
-        spec_info.hidden_states = state[hidden_rows]
-        backend = worker.draft_attn_backend.attn_backends[step - 1]
-        with forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch):
-            output = worker.draft_runner.forward(forward_batch).logits_output
-        forward_batch.positions.add_(1)
-        if worker.draft_runner.model_config.model_is_mrope:
-            forward_batch.mrope_positions.add_(1)
+        output, topk_p, topk_index = forward_beams(worker, forward_batch, step, tokens.reshape(-1).to(device),
+                                                   state[hidden_rows], step_locs[step - 1], topk)
         state = output.hidden_states
-        probs = renorm_draft_probs(output.next_token_logits, forward_batch.sampling_info, False)
-        topk_p, topk_index = torch.topk(probs, topk, dim=-1)
-        if worker.hot_token_id is not None:
-            topk_index = worker.hot_token_id[topk_index]
         topk_p, topk_index = topk_p.float().cpu().view(batch, width, topk), topk_index.cpu().view(batch, width, topk)
         for row, nodes in list(pending.items()):
             beam_of[row] = {node: beam for beam, node in enumerate(nodes)}
@@ -217,6 +205,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
             _advance(rounds, trees, pending, row, Candidates(topk_index[row, :count], topk_p[row, :count]))
     assert not pending, "a tree asked for a head round deeper than SGLang drafts (its depth is the step count)"
 
+    assert all(tree is not None for tree in trees)
     drafter.proposed = [tree for tree in trees if tree is not None]
     padded = [pad_to_budget(tree.tree, drafter.budget, width, drafter.steps) for tree in drafter.proposed]
     encoding = encode_sglang_draft(padded, width, drafter.steps)
