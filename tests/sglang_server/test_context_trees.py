@@ -56,10 +56,10 @@ def run(request, smollm2_cpu, server_logs, smollm2_prompts, repeat_prompts):
 
 
 @pytest.fixture(scope="module")
-def plain_repeat(smollm2_cpu, server_logs, repeat_prompts) -> list[list[int]]:
-    with running_server(smollm2_cpu, server_logs, "smollm2-context-plain", speculative=False) as server:
-        answers = server.generate(repeat_prompts, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
-    return [answer["output_ids"] for answer in answers]
+def plain_repeat(smollm2_plain_runs) -> list[list[int]]:
+    """The plain server's greedy output on REPEAT_CONTEXT_PROMPTS (sent as text there: SmolLM2's tokenizer adds no
+    special tokens, so the ids are ``repeat_prompts``)."""
+    return smollm2_plain_runs["repeat_context"]
 
 
 def test_greedy_output_equals_plain_decoding(run, smollm2_plain, plain_repeat):
