@@ -257,6 +257,10 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
     if getattr(config, "enable_multi_layer_eagle", False):
         raise SpecError("--enable-multi-layer-eagle runs its own draft worker, which the tree options do not reach; "
                         "drop --enable-multi-layer-eagle or the --speculative-tree-* options")
+    if options.auto and str(getattr(config, "device", "cpu")) != "cpu" and _decode_graphs(config) != "disabled":
+        raise SpecError("--speculative-tree-auto's plain steps verify one token a request, which the decode CUDA "
+                        "graphs captured for the tree do not hold; add --cuda-graph-backend-decode disabled, or drop "
+                        "--speculative-tree-auto")
     width, steps = config.speculative_eagle_topk, config.speculative_num_steps
     if options.uses_context:
         return  # any tree within its width fits SGLang's encoding (checked with the options); fillers fill the rest
@@ -269,6 +273,12 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
             f"level); raise --speculative-tree-topk, -width or -depth, or lower the budget"
         )
     options.draft_plan()  # a sequoia tree that the draft loop cannot hold fails here
+
+
+def _decode_graphs(config) -> str | None:
+    """The resolved decode CUDA graph backend (full, breakable, disabled), None when unset."""
+    graphs = getattr(getattr(config, "cuda_graph_config", None), "decode", None)
+    return getattr(graphs, "backend", None) or getattr(config, "cuda_graph_backend_decode", None)
 
 
 def validate_model(options: TreeServerOptions, is_dsa: bool) -> None:

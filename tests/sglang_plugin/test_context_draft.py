@@ -93,3 +93,19 @@ def test_what_the_counts_learnt_is_exported_once_by_cell_name():
     assert all(relearnt[name] == pytest.approx(learnt[name]) for name in learnt)
     drafter.observe_outcome()  # nothing new: nothing exported
     assert len(metrics.added) == 1
+
+
+def test_tree_auto_is_refused_where_decode_graphs_are_captured():
+    from types import SimpleNamespace
+
+    from sglang_spec.errors import SpecError
+    from sglang_spec.sglang_plugin.options import from_values, validate_speculative
+
+    options = from_values({"speculative_tree_policy": "hybrid", "speculative_tree_auto": True})
+    resolved = dict(speculative_algorithm="NEXTN", speculative_eagle_topk=options.width, speculative_num_steps=4)
+    graphs = SimpleNamespace(decode=SimpleNamespace(backend="full"))
+    with pytest.raises(SpecError, match="add --cuda-graph-backend-decode disabled"):
+        validate_speculative(options, SimpleNamespace(device="cuda", cuda_graph_config=graphs, **resolved))
+    eager = SimpleNamespace(decode=SimpleNamespace(backend="disabled"))
+    validate_speculative(options, SimpleNamespace(device="cuda", cuda_graph_config=eager, **resolved))
+    validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=graphs, **resolved))
