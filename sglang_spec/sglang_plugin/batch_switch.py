@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from sglang_spec.decode.switch import SpeculationSwitch
 
 _NO_PRIOR = 1e-9  # seconds a token: any tree loses against it, which measures plain steps first
+# a batch step weighs every request's tokens, so fewer steps make a verdict than for one request (the reference
+# decoder's window 8 / probe 4): served runs are short, and each batch size explores on its own
+WINDOW, PROBE_STEPS = 4, 2
 
 
 @dataclass
@@ -33,7 +36,7 @@ class BatchSwitches:
     def switch(self, batch_size: int) -> SpeculationSwitch:
         bucket = 1 << max(batch_size - 1, 0).bit_length()
         if bucket not in self.switches:
-            self.switches[bucket] = SpeculationSwitch(plain_seconds=_NO_PRIOR)
+            self.switches[bucket] = SpeculationSwitch(plain_seconds=_NO_PRIOR, window=WINDOW, probe_steps=PROBE_STEPS)
         return self.switches[bucket]
 
     def plain(self, batch_size: int) -> bool:
