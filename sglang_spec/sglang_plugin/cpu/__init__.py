@@ -18,6 +18,8 @@ host's g++) run here unchanged, our plugin included:
 * ``boot/``: put on ``PYTHONPATH`` of every SGLang process (``server_environment``); its ``sitecustomize`` calls
   ``activate`` before anything imports sglang, and it holds the torchvision stand-in.
 * ``server``: start and stop ``python -m sglang.launch_server`` on this CPU by process group, with hard timeouts.
+* ``profile``: with ``SGLANG_SPEC_CPU_PROFILE=<folder>``, the scheduler's per-batch timings (target and draft
+  forwards, loop period) and optionally cProfile statistics of its decode steps (``bench/cpu_step_profile.py``).
 
 Everything here is numerics-faithful but slow; it exists to run SGLang's control flow and our plugin end to end,
 not to serve traffic. CUDA graphs, FlashInfer / FA3 / Triton attention backends and page size > 1 stay GPU-only.
