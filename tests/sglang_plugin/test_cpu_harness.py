@@ -157,31 +157,6 @@ def test_extend_attention_with_a_tree_mask_and_decode_attention_match_sdpa():
         assert torch.allclose(decoded[row], want[0], atol=1e-5)
 
 
-def test_causal_extend_attention_over_uneven_requests_with_new_keys_given_matches_sdpa():
-    """Prefill-like batches: requests with different prefix and new-token counts, new keys passed as ``k`` / ``v``
-    (the buffer's copies of them are stale here, so reading them would fail the comparison)."""
-    torch.manual_seed(1)
-    slots, heads, kv_heads, dim = 64, 6, 2, 4
-    k_buffer, v_buffer = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
-    req_to_token = torch.randperm(slots).view(4, 16).to(torch.int32)
-    prefixes, news = [3, 0, 7, 1], [4, 6, 1, 2]
-    starts = torch.tensor([0, *np.cumsum(news)[:-1]])
-    q, k, v = (torch.randn(sum(news), h, dim) for h in (heads, kv_heads, kv_heads))
-    out = torch.empty(sum(news), heads, dim)
-    order = [2, 0, 3, 1]  # table rows in another order than the batch's
-    attention.extend_attention_cpu(q, k, v, out, k_buffer, v_buffer, 1.0, 1.0, req_to_token, torch.tensor(order),
-                                   torch.tensor(prefixes) + torch.tensor(news), torch.tensor(news), starts, max(news),
-                                   0.5, 0.0, False, 0, None, None, None, True)
-    for row, (prefix, new, start) in enumerate(zip(prefixes, news, starts.tolist())):
-        cached = req_to_token[order[row], :prefix].long()
-        keys = torch.cat([k_buffer[cached], k[start:start + new]])
-        values = torch.cat([v_buffer[cached], v[start:start + new]])
-        allowed = torch.ones(new, prefix + new, dtype=torch.bool)
-        allowed[:, prefix:] = torch.ones(new, new, dtype=torch.bool).tril()
-        want = sdpa(q[start:start + new], keys, values, allowed, 0.5)
-        assert torch.allclose(out[start:start + new], want, atol=1e-5)
-
-
 def run_sampling_verify(target_probs: torch.Tensor, candidates: torch.Tensor, trials: int, rule) -> np.ndarray:
     """Emitted-token counts of the first position for one 2-level tree (root -> 2 children -> 1 grandchild each),
     SGLang's retrieve layout, fresh coins per trial."""
