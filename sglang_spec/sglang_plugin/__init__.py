@@ -15,7 +15,7 @@ import os
 from importlib import metadata
 
 from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.cpu import ENABLE_FLAG, claim_amx_platform, patches
+from sglang_spec.sglang_plugin.cpu import ENABLE_FLAG, claim_amx_platform, patches, profile
 from sglang_spec.sglang_plugin.hooks import HOOKS, RESOLUTION_HOOKS
 
 SUPPORTED_SGLANG = ("0.5.23",)
@@ -58,4 +58,7 @@ def register() -> None:
             HookRegistry.register(target, getattr(patches, name), getattr(HookType, kind))
         patches.install_attributes()
         claim_amx_platform()
+        if os.environ.get(profile.PROFILE_ENV):
+            for target, name, kind in profile.HOOKS:
+                HookRegistry.register(target, getattr(profile, name), getattr(HookType, kind))
     _registered = True

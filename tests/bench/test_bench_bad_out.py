@@ -10,7 +10,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("script", ["acceptance", "head_quality", "kernels", "serving_sweep", "sglang_trees",
-                                    "verify_cost", "greedy_identity", "gpu_check", "hybrid", "limits"])
+                                    "verify_cost", "greedy_identity", "gpu_check", "hybrid", "limits",
+                                    "cpu_step_profile"])
 def test_unwritable_out_is_one_line_and_status_2(script, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")
@@ -25,6 +26,7 @@ def test_unwritable_out_is_one_line_and_status_2(script, tmp_path):
 @pytest.mark.parametrize("script, option, value", [
     ("acceptance", "--budgets", "4,abc"), ("acceptance", "--temperatures", "0,nan"), ("acceptance", "--depths", "0"),
     ("sglang_trees", "--budgets", "16,,32"), ("sglang_trees", "--num-prompts", "99"),
+    ("cpu_step_profile", "--concurrency", "1,9"), ("cpu_step_profile", "--configs", "plain,eagle"),
 ])
 def test_bad_list_or_number_option_is_one_line_and_status_2(script, option, value):
     result = subprocess.run([sys.executable, str(REPO / "bench" / f"{script}.py"), option, value],

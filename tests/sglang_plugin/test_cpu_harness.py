@@ -9,6 +9,7 @@ import torch
 from scipy import stats
 
 from doubles import SyntheticCandidates
+from helpers import random_tree, targets_following_drafts
 from sglang_spec.sglang_plugin.cpu import attention, ops, sampling
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop
 from sglang_spec.tree import TokenTree
@@ -56,6 +57,53 @@ def test_build_tree_stand_in_equals_sglangs_triton_twin(sglang_with_plugin, widt
         outputs.append((tree_mask, positions, retrieve))
     for ours, theirs in zip(*outputs):
         assert torch.equal(ours, theirs)
+
+
+def verify_greedy_outputs(verify, candidates, links, target, levels: int):
+    """Runs ``verify`` (the stand-in or SGLang's Triton twin) on buffers as ``eagle_sample`` allocates them, with
+    ``predicts`` pre-filled so that untouched entries are compared too."""
+    batch, n = candidates.shape
+    predicts = torch.full((batch * n,), -7, dtype=torch.int32)
+    accept_index = torch.full((batch, levels), -1, dtype=torch.int32)
+    accept_token_num = torch.full((batch,), -5, dtype=torch.int32)
+    retrieve_index = torch.arange(batch * n).view(batch, n)
+    verify(predicts, accept_index, accept_token_num, candidates, retrieve_index, *links, target)
+    return predicts, accept_index, accept_token_num
+
+
+@pytest.mark.parametrize("seed, batch, nodes, depth, fanout", [(0, 3, 16, 4, 4), (1, 5, 9, 6, 2), (2, 1, 1, 3, 1),
+                                                                (3, 4, 33, 5, 8), (4, 2, 12, 11, 1)])
+def test_verify_tree_greedy_stand_in_equals_sglangs_triton_twin(sglang_kernels, seed, batch, nodes, depth, fanout):
+    rng = np.random.default_rng(seed)
+    trees = [random_tree(rng, nodes, fanout, depth, vocab_size=20) for _ in range(batch)]
+    meta = encode_sglang_verify(trees, [depth + 1] * batch)
+    target = targets_following_drafts(rng, trees, nodes, accept_rate=0.8, vocab_size=20)
+    candidates = meta.draft_tokens.view(batch, nodes).long()
+    links = (meta.retrieve_next_token, meta.retrieve_next_sibling)
+    for levels in (depth + 1, max(depth - 1, 1)):  # the walk bounded by the tree, or cut short by S
+        ours = verify_greedy_outputs(ops.verify_tree_greedy_cpu, candidates, links, target, levels)
+        theirs = verify_greedy_outputs(sglang_kernels.spec_tree.verify_tree_greedy_triton, candidates, links, target,
+                                       levels)
+        for mine, want in zip(ours, theirs):
+            assert torch.equal(mine, want)
+    if nodes > 1:
+        assert int(ours[2].sum()) > 0  # the targets follow the drafts often enough to walk
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_verify_tree_greedy_stand_in_follows_arbitrary_links_like_sglangs_triton_twin(sglang_kernels, seed):
+    """Links that are no tree (cycles, a node its own sibling, a child chain revisiting nodes): the Triton twin's
+    bounded loops decide, and the stand-in must decide the same."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, n, levels = 4, 7, 6
+    candidates = torch.randint(0, 3, (batch, n), generator=generator)
+    links = tuple(torch.randint(-1, n, (batch, n), generator=generator) for _ in range(2))
+    target = torch.randint(0, 3, (batch, n), generator=generator)
+    ours = verify_greedy_outputs(ops.verify_tree_greedy_cpu, candidates, links, target, levels)
+    theirs = verify_greedy_outputs(sglang_kernels.spec_tree.verify_tree_greedy_triton, candidates, links, target,
+                                   levels)
+    for mine, want in zip(ours, theirs):
+        assert torch.equal(mine, want)
 
 
 def test_copy_all_layer_kv_cache_moves_rows_in_place_like_a_gather_then_scatter():

@@ -10,14 +10,16 @@ host's g++) run here unchanged, our plugin included:
   resolves to it; a name SGLang imports unconditionally but never calls on our paths resolves to a placeholder
   that raises when called; every other name is absent, which is what SGLang's ``hasattr`` / ``ImportError``
   probes expect of a build without that op.
-* ``ops``: the stand-ins (cache-location helpers, KV copy, draft metadata, tree build / greedy verify through
-  SGLang's own Triton twins under the Triton interpreter); ``attention``: decode and extend attention, tree mask
+* ``ops``: the stand-ins (cache-location helpers, KV copy, draft metadata, tree build, greedy verify), each
+  checked equal to SGLang's own Triton twin where one exists; ``attention``: decode and extend attention, tree mask
   included, for MHA and MLA pools; ``sampling``: the sampling-verify and renormalisation ops (set on SGLang's
   modules by ``patches``, which also holds the few behaviour hooks a CPU needs). DeepSeek-V3's MoE needs no
   stand-in: SGLang's own CPU fallback serves it.
 * ``boot/``: put on ``PYTHONPATH`` of every SGLang process (``server_environment``); its ``sitecustomize`` calls
   ``activate`` before anything imports sglang, and it holds the torchvision stand-in.
 * ``server``: start and stop ``python -m sglang.launch_server`` on this CPU by process group, with hard timeouts.
+* ``profile``: with ``SGLANG_SPEC_CPU_PROFILE=<folder>``, the scheduler's per-batch timings (target and draft
+  forwards, loop period) and optionally cProfile statistics of its decode steps (``bench/cpu_step_profile.py``).
 
 Everything here is numerics-faithful but slow; it exists to run SGLang's control flow and our plugin end to end,
 not to serve traffic. CUDA graphs, FlashInfer / FA3 / Triton attention backends and page size > 1 stay GPU-only.

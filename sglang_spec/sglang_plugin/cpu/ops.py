@@ -2,8 +2,10 @@
 
 Each function has the signature of the op SGLang 0.5.23 calls (``sglang/kernels/ops/speculative/*.py``,
 ``mem_cache/allocation.py``, ``kernels/ops/kvcache/cache_move.py``, ``intel_amx_backend.py``), mutates the same
-outputs, and follows the semantics of SGLang's Triton twin of the same op. Greedy tree verification runs SGLang's
-own Triton twin (``spec_tree.py``, the XPU path) under the Triton interpreter. Tree building does too when
+outputs, and follows the semantics of SGLang's Triton twin of the same op. Greedy tree verification is vectorised
+torch, checked equal to SGLang's Triton twin (``spec_tree.verify_tree_greedy_triton``, the XPU path), which costs
+tens of milliseconds a step under the Triton interpreter at 8 requests. Tree building runs its Triton twin
+(``sgl_build_tree_kernel_triton``) when
 ``SGLANG_SPEC_CPU_TRITON_TREE=1``; by default it decodes the draft outputs with sglang_spec's SGLang-ABI codec
 (``tree.encode_sglang``, checked equal to that Triton twin by the tests), because the interpreted kernel costs
 seconds per step at the 32-64-node trees the plugin's own draft loop builds. NGRAM's
@@ -120,12 +122,67 @@ def build_tree_kernel_efficient_cpu(parent_list, top_scores_index, seq_lens, tre
     retrieve_next_sibling.copy_(built.retrieve_next_sibling)
 
 
+def _follow(links: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+    """links [bs, n] (a node id per node, -1 for none); nodes [bs, ...] node ids, -1 allowed -> links[b, node],
+    -1 where node is -1."""
+    batch = links.shape[0]
+    padded = torch.cat([links, links.new_full((batch, 1), -1)], dim=1)  # column n answers for node -1
+    index = torch.where(nodes < 0, links.shape[1], nodes)
+    return padded.gather(1, index.reshape(batch, -1)).reshape(nodes.shape)
+
+
+def _sibling_chains(next_sibling: torch.Tensor) -> torch.Tensor:
+    """next_sibling [bs, n] -> [bs, n, n]: entry (b, i, k) is the k-th node of the sibling chain from node i (k = 0:
+    i itself), -1 from the chain's end on. Built by doubling: entries [2^m, 2^(m+1)) are the first 2^m followed
+    2^m links further, so ceil(log2 n) steps."""
+    batch, n = next_sibling.shape
+    chains = torch.arange(n, dtype=next_sibling.dtype, device=next_sibling.device).expand(batch, n)[:, :, None]
+    jump = next_sibling  # 2^m links further, per node
+    while chains.shape[2] < n:
+        chains = torch.cat([chains, _follow(jump, chains)], dim=2)
+        jump = _follow(jump, jump)
+    return chains[:, :, :n]
+
+
 def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
                            retrive_next_sibling, target_predict):
-    from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_triton
+    """SGLang's greedy tree verify (``spec_tree.verify_tree_greedy_triton``), vectorised over requests.
 
-    verify_tree_greedy_triton(predicts, accept_index, accept_token_num, candidates, retrive_index,
-                              retrive_next_token, retrive_next_sibling, target_predict)
+    candidates, retrive_* [bs, n] (node ids local to the request, -1 for none; retrive_index global ids);
+    target_predict [bs, n], read at global ids. Outputs, in place: predicts [bs * n] int32 (the accepted path's
+    entries only), accept_index [bs, S] int32 (column 0 the root, then one accepted node per level; the rest
+    untouched), accept_token_num [bs] int32. Per request, for up to S - 1 levels: the current node's children
+    are scanned in sibling order (at most n of them) and the first whose token equals the target's token at the
+    current node is accepted; the walk stops at the first level without one. The bonus is the target's token at
+    the last accepted node.
+    """
+    batch, n = candidates.shape
+    levels = accept_index.shape[1]
+    rows = torch.arange(batch, device=candidates.device)
+    target = target_predict.reshape(-1)
+    last = retrive_index[:, 0].clone()  # global id of the last accepted node
+    current = torch.zeros_like(last)  # its local id
+    accepted = torch.zeros_like(last)
+    walking = torch.ones(batch, dtype=torch.bool, device=candidates.device)
+    accept_index[:, 0] = last.to(accept_index.dtype)
+    chains = _sibling_chains(retrive_next_sibling)
+    for level in range(1, levels):
+        first_child = _follow(retrive_next_token, current[:, None])[:, 0]
+        children = torch.where(first_child[:, None] >= 0, chains[rows, first_child.clamp(min=0)], -1)  # [bs, n]
+        target_token = target[last]
+        match = (children >= 0) & (_follow(candidates, children) == target_token[:, None])
+        hit = walking & match.any(dim=1)
+        child = children[rows, match.int().argmax(dim=1)]
+        hit_rows = rows[hit]
+        predicts[last[hit]] = target_token[hit].to(predicts.dtype)
+        node = retrive_index[hit_rows, child[hit]]
+        accept_index[hit_rows, level] = node.to(accept_index.dtype)
+        last[hit] = node
+        current[hit] = child[hit]
+        accepted += hit
+        walking = hit
+    accept_token_num.copy_(accepted)
+    predicts[last] = target[last].to(predicts.dtype)
 
 
 def reconstruct_indices_from_tree_mask(tree_mask: torch.Tensor, verified_seq_len: torch.Tensor,

@@ -1,0 +1,195 @@
+"""Per decode step time of SGLang's real server on this CPU: plain decoding against the plugin's trees, split into
+the target's forward, the draft's forwards and everything else (the step's overhead).
+
+    python bench/cpu_step_profile.py                       # plain, sequoia 15/4/4, specexec 15/4/4; 1 and 8 requests
+    python bench/cpu_step_profile.py --configs plain,sequoia --concurrency 1 --max-new-tokens 16   # quicker
+    python bench/cpu_step_profile.py --cprofile            # also cProfile's top functions per server (slower steps)
+
+Each server (SmolLM2-135M + shipped head, through the CPU harness) is started with ``SGLANG_SPEC_CPU_PROFILE``
+(``sglang_plugin/cpu/profile.py``), warmed up with one short request, then decodes greedily ``--max-new-tokens``
+tokens (ignore_eos) for 1 prompt and for N concurrent prompts (HumanEval 134 onwards). The scheduler records every
+batch: its start, target and draft ``ModelRunner.forward`` time. A step's time is the scheduler loop's period (the
+CPU server runs SGLang's overlap loop, which processes a step's result after launching the next); overhead = step
+- target - draft. ms per token = mean step time / tokens decoded per step; the speedup is plain's ms per token over
+the row's. Greedy outputs are checked identical to plain's. Writes JSON (``--out``) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+from harness import REPO, environment, markdown_table
+
+from sglang_spec.cli.parser import OneLineErrorParser, comma_list, integer
+from sglang_spec.errors import exit_status
+from sglang_spec.files import check_output_path, write_text_atomic
+
+CONFIGS = ("plain", "sequoia", "specexec")
+HELD_OUT_FIRST = 134  # HumanEval 134 onwards: never in the shipped head's traffic
+
+
+def config_name(text: str) -> str:
+    if text.strip() not in CONFIGS:
+        raise argparse.ArgumentTypeError(f"unknown server {text.strip()!r}; choose among {', '.join(CONFIGS)}")
+    return text.strip()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", type=comma_list(config_name), default=",".join(CONFIGS),
+                        help=f"servers to run, among {', '.join(CONFIGS)}")
+    parser.add_argument("--budget", type=integer(2, 64), default=15)
+    parser.add_argument("--depth", type=integer(1, 8), default=4)
+    parser.add_argument("--topk", type=integer(1, 8), default=4)
+    parser.add_argument("--concurrency", type=comma_list(integer(1, 8)), default="1,8",
+                        help="concurrent requests per workload (the CPU server runs at most 8)")
+    parser.add_argument("--max-new-tokens", type=integer(2, 1024), default=48)
+    parser.add_argument("--cprofile", action="store_true",
+                        help="run the decode steps under cProfile and print each server's top functions")
+    parser.add_argument("--top", type=integer(1, 200), default=25, help="functions printed per server (--cprofile)")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "cpu_step_profile" / "steps.json")
+    return parser.parse_args(argv)
+
+
+def tree_args(config: str, args: argparse.Namespace, profile: Path) -> list[str]:
+    if config == "plain":
+        return []
+    tree = ["--speculative-tree-policy", config, "--speculative-tree-budget", str(args.budget),
+            "--speculative-tree-depth", str(args.depth), "--speculative-tree-topk", str(args.topk)]
+    return tree + (["--speculative-acceptance-profile", str(profile)] if config == "sequoia" else [])
+
+
+def read_steps(path: Path, after: int, timeout: float = 30.0) -> list[dict]:
+    """The steps the scheduler wrote past line ``after``, once it has written them (it does when it goes idle,
+    which may be just after the answer arrives)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) > after:
+            time.sleep(0.5)  # the flush is one write; a second look makes sure it is complete
+            again = path.read_text().splitlines()
+            if len(again) == len(lines):
+                return [json.loads(line) for line in lines[after:]]
+        time.sleep(0.2)
+    raise TimeoutError(f"the scheduler wrote no decode steps to {path} within {timeout:.0f} s")
+
+
+def summarise(config: str, concurrency: int, batches: list[dict], answers: list[dict]) -> dict:
+    """One row: means per decode step (ms) and ms per decoded token. A step's time is the scheduler loop's period
+    (its ``run_batch`` start to the next batch's), which the burst's last step lacks; the first token of each
+    request comes from its prefill, so the decode steps produced the rest."""
+    periods = [(batch, following["start"] - batch["start"]) for batch, following in zip(batches, batches[1:])
+               if batch["mode"] == "DECODE"]
+    count = sum(batch["mode"] == "DECODE" for batch in batches)
+    decoded = sum(answer["meta_info"]["completion_tokens"] - 1 for answer in answers)
+    timed = len(periods)
+    step = sum(period for _, period in periods) / timed
+    target = sum(batch["target_s"] for batch, _ in periods) / timed
+    draft = sum(batch["draft_s"] for batch, _ in periods) / timed
+    return {
+        "config": config, "concurrency": concurrency, "steps": count, "timed_steps": timed,
+        "other_batches": sorted(batch["mode"] for batch in batches if batch["mode"] != "DECODE"),
+        "mean_batch": sum(batch["batch"] for batch, _ in periods) / timed,
+        "tokens_per_step": decoded / count,
+        "step_ms": 1e3 * step, "target_ms": 1e3 * target, "draft_ms": 1e3 * draft,
+        "overhead_ms": 1e3 * (step - target - draft),
+        "ms_per_token": 1e3 * step * count / decoded,
+    }
+
+
+def top_functions(pstats_path: Path, count: int) -> list[dict]:
+    """cProfile's most expensive functions by own time, with their cumulative time."""
+    stats = pstats.Stats(str(pstats_path))
+    rows = []
+    for (file, line, name), (_, calls, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{name} ({Path(file).name}:{line})", "calls": calls, "own_s": own,
+                     "cumulative_s": cumulative})
+    return sorted(rows, key=lambda row: -row["own_s"])[:count]
+
+
+def run_server(config: str, args: argparse.Namespace, model, prompts: list[list[int]], folder: Path) -> tuple[
+        list[dict], dict[int, list[list[int]]], list[dict]]:
+    """Rows per concurrency, greedy outputs per concurrency and (``--cprofile``) the top functions."""
+    from sglang_spec.sglang_plugin.cpu.profile import CPROFILE_ENV, PROFILE_ENV
+    from sglang_spec.sglang_plugin.cpu.server import SGLangServer, cpu_launch_args, free_port
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in ("steps.jsonl", "decode.pstats"):
+        (folder / stale).unlink(missing_ok=True)
+    env = dict(os.environ, **{PROFILE_ENV: str(folder), CPROFILE_ENV: "1" if args.cprofile else "0"})
+    port = free_port()
+    launch = cpu_launch_args(model, port, speculative=config != "plain",
+                             extra=tree_args(config, args, model.profile))
+    steps_path = folder / "steps.jsonl"
+    rows, outputs = [], {}
+    params = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
+    with SGLangServer(launch, port, folder / "server.log", env=env) as server:
+        server.generate(prompts[:1], dict(params, max_new_tokens=4))  # warm-up: first-call costs out of the steps
+        seen = len(read_steps(steps_path, 0))
+        for concurrency in args.concurrency:
+            answers = server.generate(prompts[:concurrency], params)
+            steps = read_steps(steps_path, seen)
+            seen += len(steps)
+            rows.append(summarise(config, concurrency, steps, answers))
+            outputs[concurrency] = [answer["output_ids"] for answer in answers]
+            row = rows[-1]
+            print(f"{config:<9} x{concurrency}: {row['steps']} steps, {row['step_ms']:.1f} ms/step "
+                  f"(target {row['target_ms']:.1f}, draft {row['draft_ms']:.1f}, overhead {row['overhead_ms']:.1f}), "
+                  f"{row['tokens_per_step']:.2f} tokens/step", flush=True)
+    top = top_functions(folder / "decode.pstats", args.top) if args.cprofile else []
+    return rows, outputs, top
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    check_output_path(args.out, force=True)
+    from transformers import AutoTokenizer
+
+    from sglang_spec.sglang_plugin.cpu.server import prepare_model
+    from sglang_spec.train.prompts import humaneval_prompts
+
+    model = prepare_model("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(model.target_dir)
+    specs = humaneval_prompts(HELD_OUT_FIRST, HELD_OUT_FIRST + max(args.concurrency) - 1)
+    prompts = [list(tokenizer.apply_chat_template(list(spec.messages), add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)) for spec in specs]
+    rows, outputs, profiles = [], {}, {}
+    for config in args.configs:
+        config_rows, outputs[config], profiles[config] = run_server(config, args, model, prompts,
+                                                                    args.out.parent / config)
+        rows += config_rows
+    plain = {row["concurrency"]: row for row in rows if row["config"] == "plain"}
+    for row in rows:
+        if row["concurrency"] in plain:
+            row["speedup"] = plain[row["concurrency"]]["ms_per_token"] / row["ms_per_token"]
+        if "plain" in outputs and row["config"] != "plain":
+            row["greedy_identical"] = outputs[row["config"]][row["concurrency"]] == outputs["plain"][row["concurrency"]]
+    command = ("python bench/cpu_step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    write_text_atomic(args.out, json.dumps({"rows": rows, "top_functions": profiles, "command": command,
+                                            "cprofile": args.cprofile, "max_new_tokens": args.max_new_tokens,
+                                            "environment": environment()}, indent=1) + "\n")
+    for config, top in profiles.items():
+        if top:
+            print(f"\n{config}: cProfile, top {len(top)} by own time over the decode steps")
+            print("\n".join(markdown_table(["function", "calls", "own s", "cumulative s"],
+                                           [[t["function"], t["calls"], f"{t['own_s']:.2f}",
+                                             f"{t['cumulative_s']:.2f}"] for t in top])))
+    print()
+    print("\n".join(markdown_table(
+        ["server", "requests", "steps", "ms / step", "target fwd", "draft fwds", "overhead", "tokens / step",
+         "ms / token", "speedup"],
+        [[row["config"], row["concurrency"], row["steps"], f"{row['step_ms']:.1f}", f"{row['target_ms']:.1f}",
+          f"{row['draft_ms']:.1f}", f"{row['overhead_ms']:.1f}", f"{row['tokens_per_step']:.2f}",
+          f"{row['ms_per_token']:.1f}", f"{row['speedup']:.2f}x" if "speedup" in row else ""] for row in rows])))
+    print(f"\n{command}")
+    return 0 if all(row.get("greedy_identical", True) for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(exit_status(main))
