@@ -213,8 +213,8 @@ def run_from_server(args: argparse.Namespace) -> int:
     write_json_atomic(args.out, obj)
     print(f"wrote {args.out}: positional table from {steps} verify steps of {url}")
     if observed:
-        offered = sum(count for _, count in observed.values())
-        print(f"  sources: {int(offered)} lookup / head candidates observed in {len(observed)} cells")
+        candidates = sum(count for _, count in observed.values())
+        print(f"  sources: {int(candidates)} lookup / head candidates observed in {len(observed)} cells")
     for depth, (row, count) in enumerate(zip(rows, counted), start=1):
         print(f"  depth {depth}: rank-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f} ({count} nodes offered)")
     return 0
