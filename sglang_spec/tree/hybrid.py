@@ -27,7 +27,7 @@ Shapes: ``lookup`` (lookup candidates only; the head never runs) and ``hybrid`` 
 ``width`` (a static bound, as SGLang's draft slots impose) a node keeps at most ``width`` children and a head
 round expands at most ``width`` nodes (the best first).
 
-The builder is driven round by round (``best_first_rounds``): it yields the nodes the head must expand and
+The builder is driven round by round (``BestFirstBuilder.rounds``): it yields the nodes the head must expand and
 receives their candidates, so a caller that grows many requests' trees at once (the SGLang plugin) runs one
 batched head forward per round for all of them, and ``build_best_first`` is the same rounds driven by one
 request's ``CandidateSource``. A round's nodes are all at one depth (the round's number): a node is expanded by
