@@ -11,6 +11,7 @@ import re
 import sys
 import urllib.error
 import urllib.request
+from typing import Iterator
 
 from sglang_spec.catalog import load_model
 from sglang_spec.cli.parser import TEMPERATURE_HELP, integer, path_arg, temperature, text_arg
@@ -236,39 +237,39 @@ def fetch_metrics(url: str, timeout: float = 10.0) -> str:
         raise SpecError(f"cannot reach {url}/metrics: {reason}") from None
 
 
+def _samples(text: str, names: tuple[str, ...]) -> Iterator[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample of the counters ``names`` in Prometheus text whose value is a finite
+    number (a process's line each: callers sum them)."""
+    for line in text.splitlines():
+        match = _SAMPLE.match(line) if line.startswith("sglang_spec_") else None
+        if match is None or match.group(1) not in names:
+            continue
+        try:
+            number = float(match.group(3))
+        except ValueError:
+            continue
+        if math.isfinite(number):
+            yield match.group(1), dict(_LABEL.findall(match.group(2) or "")), number
+
+
 def parse_rank_counts(text: str, url: str = "server") -> tuple[int, dict, dict]:
     """(steps, offered, accepted) from Prometheus text: offered / accepted map (depth, rank) to counts. Counters
     of the same labels from several processes are summed."""
-    steps = 0.0
-    seen_plugin = False
-    tables: tuple[dict, dict] = ({}, {})
-    for line in text.splitlines():
-        if not line.startswith("sglang_spec_"):
-            continue
-        seen_plugin = True
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name, labels, value = match.groups()
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        if not math.isfinite(number):
-            continue
-        if name == STEPS_COUNTER:
-            steps += number
-        elif name in RANK_COUNTERS:
-            found = dict(_LABEL.findall(labels or ""))
-            try:
-                key = (int(found["depth"]), int(found["rank"]))
-            except (KeyError, ValueError):
-                continue
-            table = tables[RANK_COUNTERS.index(name)]
-            table[key] = table.get(key, 0.0) + number
-    if not seen_plugin:
+    if not any(line.startswith("sglang_spec_") for line in text.splitlines()):
         raise SpecError(f"{url}/metrics has no sglang_spec counters: the server does not run the sglang_spec "
                         "plugin with a tree policy (--speculative-tree-policy)")
+    steps = 0.0
+    tables: tuple[dict, dict] = ({}, {})
+    for name, labels, number in _samples(text, (STEPS_COUNTER, *RANK_COUNTERS)):
+        if name == STEPS_COUNTER:
+            steps += number
+            continue
+        try:
+            key = (int(labels["depth"]), int(labels["rank"]))
+        except (KeyError, ValueError):
+            continue
+        table = tables[RANK_COUNTERS.index(name)]
+        table[key] = table.get(key, 0.0) + number
     if steps <= 0:
         raise SpecError(f"{url}: no per-rank counts yet (the tree counters count verify steps on attention-TP "
                         "rank 0 with --enable-metrics); send requests first")
@@ -279,17 +280,10 @@ def parse_source_counts(text: str) -> dict[str, tuple[float, float]]:
     """Cell name -> (accepted, offered) from the per-source counters a lookup / hybrid server exports (summed
     over processes); empty when it serves neither."""
     tables: tuple[dict, dict] = ({}, {})
-    for line in text.splitlines():
-        match = _SAMPLE.match(line) if line.startswith("sglang_spec_source_") else None
-        if match is None or match.group(1) not in SOURCE_COUNTERS:
-            continue
-        cell = dict(_LABEL.findall(match.group(2) or "")).get("cell")
-        try:
-            number = float(match.group(3))
-        except ValueError:
-            continue
-        if cell and math.isfinite(number):
-            table = tables[SOURCE_COUNTERS.index(match.group(1))]
+    for name, labels, number in _samples(text, SOURCE_COUNTERS):
+        cell = labels.get("cell")
+        if cell:
+            table = tables[SOURCE_COUNTERS.index(name)]
             table[cell] = table.get(cell, 0.0) + number
     accepted, offered = tables
     return {cell: (min(accepted.get(cell, 0.0), count), count) for cell, count in offered.items() if count > 0}
