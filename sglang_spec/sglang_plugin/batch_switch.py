@@ -34,7 +34,7 @@ class BatchSwitches:
     tree_steps: int = 0
 
     def switch(self, batch_size: int) -> SpeculationSwitch:
-        bucket = 1 << max(batch_size - 1, 0).bit_length()
+        bucket = _bucket(batch_size)
         if bucket not in self.switches:
             self.switches[bucket] = SpeculationSwitch(plain_seconds=_NO_PRIOR, window=WINDOW, probe_steps=PROBE_STEPS)
         return self.switches[bucket]
@@ -55,7 +55,11 @@ class BatchSwitches:
             switch.observe_speculative(seconds, tokens)
         if switch.lean == plain:
             return None
-        bucket = 1 << max(batch_size - 1, 0).bit_length()
         state = f"plain for {switch.lean_left} steps" if switch.lean else "trees"
-        return (f"tree auto, batches up to {bucket}: {state} (plain decoding {switch.plain_rate():.4f} s/token; "
+        return (f"tree auto, batches up to {_bucket(batch_size)}: {state} (plain decoding {switch.plain_rate():.4f} s/token; "
                 f"{self.tree_steps} tree / {self.plain_steps} plain steps so far)")
+
+
+def _bucket(batch_size: int) -> int:
+    """The next power of two at or above the batch size."""
+    return 1 << max(batch_size - 1, 0).bit_length()
