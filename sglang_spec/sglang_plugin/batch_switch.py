@@ -1,63 +1,161 @@
-"""``--speculative-tree-auto``: each decode step of the running batch is a tree step or a plain step, decided by
-what steps of that batch size have delivered on the served traffic (no sglang import here).
+"""``--speculative-tree-auto``: each decode step of the running batch is a tree step or a plain step, decided from
+costs measured at start-up per batch size and what steps deliver on the served traffic (no sglang import here).
 
-A tree pays when its accepted tokens outweigh what verifying the tree and drafting it cost over a plain step; both
-move with the batch size (a batch of 16 fills the target's forward, so a tree's extra tokens stop being nearly
-free) and with the traffic (copy-heavy prompts accept more). So the decision is measured rather than predicted:
-per batch-size bucket (1, 2, 3-4, 5-8, ...) one ``decode/switch.SpeculationSwitch``, the reference decoder's own
-guard, weighs the wall time per emitted token of the bucket's recent tree steps against its plain steps'. A loss
-takes a stretch of plain steps (doubling while probes keep losing), then probes trees again, so speculation
-turns itself off under load and back on when the batch shrinks or the traffic starts to copy.
+A tree pays when its accepted tokens outweigh what verifying and drafting it cost over a plain step; both move with
+the batch size (a batch of 16 fills the target's forward, so a tree's extra tokens stop being nearly free) and with
+the traffic (copy-heavy prompts accept more). Two layers decide:
 
-The switch starts without a plain-decoding time (its prior is ~0 s a token): the first verdict in a bucket
-measures plain steps before it judges.
+* **Prediction.** ``StepCosts`` holds the target's verify forward timed at start-up for each batch size at the
+  tree's tokens and at one token per request (``step_costs.py``: SGLang's own dummy forward). A batch of b is
+  predicted to speed up by ``accept_length * plain(b) / tree(b)``, where accept_length is the tokens a request
+  gained per tree step on the served traffic (all batch sizes, moving average) and plain / tree are the start-up
+  times scaled by what served plain and tree steps took over their start-up prediction (moving averages: drafting,
+  host work and long contexts are in the scale, not in the table). Where the prediction is below
+  ``COLD_BELOW`` the step is plain without trying trees (a tree step now and then, at most ``PROBE_SHARE`` of the
+  time, keeps the accept length current): under load speculation is off from the first step. Those steps are *cold*: they skip
+  the head's forward over the new token (SGLang's own stub for a skipped draft extend), which is most of what a
+  plain step costs over plain decoding; when trees return for those requests, the head drafts without its KV
+  for the cold positions (it accepts less there; verification keeps the output exact).
+* **Measurement.** Elsewhere each batch-size bucket (1, 2, 3-4, 5-8, ...) has a ``decode/switch.SpeculationSwitch``,
+  the reference decoder's own guard, whose plain-decoding prior is the predicted plain time: it weighs the wall time
+  per emitted token of the bucket's recent tree steps against its plain steps'; a loss takes a stretch of plain
+  steps (doubling while probes keep losing), then probes trees again.
+
+Without a table (``costs=None``) the switch starts from a ~0 s prior and measures plain steps before it judges.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from sglang_spec.decode.switch import SpeculationSwitch
+from sglang_spec.tree.cost_model import interpolate_seconds
 
 _NO_PRIOR = 1e-9  # seconds a token: any tree loses against it, which measures plain steps first
 # a batch step weighs every request's tokens, so fewer steps make a verdict than for one request (the reference
 # decoder's window 8 / probe 4): served runs are short, and each batch size explores on its own
 WINDOW, PROBE_STEPS = 4, 2
+# predicted speedup below which a batch size takes cold plain steps instead of trying trees (the scales are moving
+# averages over all batch sizes' served steps, so the prediction carries what a table would miss)
+COLD_BELOW = 1.0
+# a batch size the prediction keeps plain still takes a tree step now and then (the accept length is measured on
+# tree steps only, so it would never see the traffic turn copy-heavy), spending at most this share of its time
+PROBE_SHARE, MIN_PROBE_INTERVAL = 0.01, 16
+SMOOTHING = 0.3  # weight of the newest step in the moving averages
+PRIOR_ACCEPT_LENGTH = 2.0  # tokens a request gains per tree step before any tree step ran
+TREE, PLAIN, COLD = "tree", "plain", "cold"  # the kinds of step ``decide`` returns
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Start-up seconds of the target's verify forward for a decode batch, by batch size (requests):
+    plain[b] at one token per request, tree[b] at ``tokens`` per request (the tree, root included)."""
+
+    plain: dict[int, float]
+    tree: dict[int, float]
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if not self.plain or set(self.plain) != set(self.tree):
+            raise ValueError("plain and tree need the same non-empty batch sizes")
+        if min(self.plain.values()) <= 0 or min(self.tree.values()) <= 0:
+            raise ValueError("step costs must be positive seconds")
+
+    def plain_at(self, batch_size: int) -> float:
+        return interpolate_seconds(self.plain, batch_size)
+
+    def tree_at(self, batch_size: int) -> float:
+        return interpolate_seconds(self.tree, batch_size)
+
+    def describe(self) -> str:
+        """One log line: tree over plain forward time per batch size."""
+        return ", ".join(f"{size}: {self.tree[size] / self.plain[size]:.2f}x" for size in sorted(self.plain))
 
 
 @dataclass
 class BatchSwitches:
-    """One SpeculationSwitch per batch-size bucket (the next power of two at or above the batch size)."""
+    """The prediction (``costs`` and the served scales) and one SpeculationSwitch per batch-size bucket."""
 
+    costs: StepCosts | None = None
+    accept_length: float = PRIOR_ACCEPT_LENGTH  # tokens a request gains per tree step (moving average)
+    plain_scale: float = 1.0  # served plain step seconds over costs.plain_at (moving average)
+    tree_scale: float = 1.0  # served tree step seconds over costs.tree_at (moving average)
     switches: dict[int, SpeculationSwitch] = field(default_factory=dict)
     plain_steps: int = 0  # steps decided plain so far (reported in the log and by tests)
     tree_steps: int = 0
+    predicted_plain_steps: int = 0  # of those, decided by the prediction alone
+    since_tree: dict[int, int] = field(default_factory=dict)  # per bucket, plain steps by prediction since a tree
+    logged: dict[int, bool] = field(default_factory=dict)  # per bucket, whether the last log line said plain
 
     def switch(self, batch_size: int) -> SpeculationSwitch:
         bucket = _bucket(batch_size)
         if bucket not in self.switches:
-            self.switches[bucket] = SpeculationSwitch(plain_seconds=_NO_PRIOR, window=WINDOW, probe_steps=PROBE_STEPS)
+            prior = _NO_PRIOR if self.costs is None else self.plain_scale * self.costs.plain_at(bucket) / bucket
+            self.switches[bucket] = SpeculationSwitch(plain_seconds=prior, window=WINDOW, probe_steps=PROBE_STEPS)
         return self.switches[bucket]
 
+    def predicted_speedup(self, batch_size: int) -> float | None:
+        """Tree over plain tokens per second for a batch of ``batch_size``; None without start-up costs."""
+        if self.costs is None:
+            return None
+        plain = self.plain_scale * self.costs.plain_at(batch_size)
+        return self.accept_length * plain / (self.tree_scale * self.costs.tree_at(batch_size))
+
+    def decide(self, batch_size: int) -> str:
+        """The next step of a batch of ``batch_size`` requests: TREE, PLAIN (a measured loss: trees come back
+        after the stretch, so the head's KV is kept warm) or COLD (a plain step by prediction: no head forward)."""
+        if self.switch(batch_size).lean:
+            return PLAIN
+        predicted = self.predicted_speedup(batch_size)
+        if predicted is None or predicted >= COLD_BELOW:
+            return TREE
+        return TREE if self.since_tree.get(_bucket(batch_size), 0) >= self.probe_interval(batch_size) else COLD
+
+    def probe_interval(self, batch_size: int) -> int:
+        """Cold steps between two tree steps of a batch size the prediction keeps plain: a tree step costs
+        (tree / plain - 1) plain steps more than a plain one, and probes take PROBE_SHARE of the time at most."""
+        assert self.costs is not None
+        extra = (self.tree_scale * self.costs.tree_at(batch_size)) / (self.plain_scale * self.costs.plain_at(batch_size))
+        return max(math.ceil(round((extra - 1) / PROBE_SHARE, 6)), MIN_PROBE_INTERVAL)  # round: float noise
+
     def plain(self, batch_size: int) -> bool:
-        """Whether the next step of a batch of ``batch_size`` requests is a plain step."""
-        return self.switch(batch_size).lean
+        """Whether the next step of a batch of ``batch_size`` requests is a plain step (warm or cold)."""
+        return self.decide(batch_size) != TREE
 
     def observe(self, batch_size: int, plain: bool, seconds: float, tokens: int) -> str | None:
         """A step of ``batch_size`` requests took ``seconds`` and emitted ``tokens`` (a plain step: one a
-        request). Returns a line for the log when the bucket turns speculation off or back on."""
+        request). Returns a line for the log when the batch size turns speculation off or back on."""
         switch = self.switch(batch_size)
         if plain:
             self.plain_steps += 1
+            if not switch.lean:
+                self.predicted_plain_steps += 1
+                self.since_tree[_bucket(batch_size)] = self.since_tree.get(_bucket(batch_size), 0) + 1
             switch.observe_plain(seconds / max(batch_size, 1))
+            if self.costs is not None:
+                self.plain_scale = _average(self.plain_scale, seconds / self.costs.plain_at(batch_size))
         else:
             self.tree_steps += 1
+            self.since_tree[_bucket(batch_size)] = 0
             switch.observe_speculative(seconds, tokens)
-        if switch.lean == plain:
+            self.accept_length = _average(self.accept_length, tokens / max(batch_size, 1))
+            if self.costs is not None:
+                self.tree_scale = _average(self.tree_scale, seconds / self.costs.tree_at(batch_size))
+        now_plain = self.plain(batch_size)
+        if now_plain == self.logged.get(_bucket(batch_size), False):
             return None
-        state = f"plain for {switch.lean_left} steps" if switch.lean else "trees"
-        return (f"tree auto, batches up to {_bucket(batch_size)}: {state} (plain decoding {switch.plain_rate():.4f} s/token; "
-                f"{self.tree_steps} tree / {self.plain_steps} plain steps so far)")
+        self.logged[_bucket(batch_size)] = now_plain
+        predicted = self.predicted_speedup(batch_size)
+        why = "" if predicted is None else f"predicted {predicted:.2f}x, "
+        state = "plain" if now_plain else "trees"
+        return (f"tree auto, batches up to {_bucket(batch_size)}: {state} ({why}accept length {self.accept_length:.2f}, plain "
+                f"decoding {switch.plain_rate():.4f} s/token; {self.tree_steps} tree / {self.plain_steps} plain "
+                f"steps so far)")
+
+
+def _average(old: float, new: float) -> float:
+    return (1 - SMOOTHING) * old + SMOOTHING * new
 
 
 def _bucket(batch_size: int) -> int:

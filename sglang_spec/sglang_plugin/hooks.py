@@ -12,7 +12,7 @@
 | ``EagleDraftWorker.draft`` | AROUND | lookup / hybrid: the batch's requests for the context; the draft runs eagerly |
 | ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); lookup / hybrid: host-built trees (``context_draft``); eagle: SGLang's |
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
-| ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | ``--speculative-tree-auto``: a plain step (SGLang's own 0-step path) or a tree step, timed |
+| ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | ``--speculative-tree-auto``: start-up costs (``step_costs``) before the first decode step; then a tree step, a plain step (SGLang's own 0-step path) or a cold one (its draft-extend stub), timed |
 | ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept |
 | ``eagle_utils.eagle_sample`` | AROUND | fused: our verify + accept kernels, or SGLang's path (counted); per-rank counts |
 | ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | fused: the accepted path's KV moved by our kernel |
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.batch_switch import BatchSwitches
+from sglang_spec.sglang_plugin.batch_switch import COLD, TREE, BatchSwitches
 from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draft_forward
 from sglang_spec.sglang_plugin.draft_forward import draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
@@ -380,12 +380,13 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
         return original(worker, batch, *args, **kwargs)
     switches = getattr(worker, "_sglang_spec_switches", None)
     if switches is None:
-        switches = worker._sglang_spec_switches = BatchSwitches()
+        switches = worker._sglang_spec_switches = _start_switches(worker)
     size = len(batch.reqs)
-    plain = switches.plain(size)
+    kind = switches.decide(size)
+    plain = kind != TREE
     start = time.perf_counter()
     if plain:
-        with _zero_steps(worker):
+        with _zero_steps(worker, cold=kind == COLD):
             output = original(worker, batch, *args, **kwargs)
     else:
         output = original(worker, batch, *args, **kwargs)
@@ -396,20 +397,40 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
     return output
 
 
+def _start_switches(worker) -> BatchSwitches:
+    """Tree auto's state, with the target's verify forward timed per batch size (before the first decode step)."""
+    from sglang_spec.sglang_plugin.step_costs import measure_step_costs
+
+    start = time.perf_counter()
+    try:
+        costs = measure_step_costs(worker)
+    except Exception as error:  # a backend whose dummy forward fails: the switch still measures served steps
+        log(f"tree auto: start-up costs not measured ({type(error).__name__}: {error}); deciding from served steps")
+        return BatchSwitches()
+    log(f"tree auto: verify forward of {costs.tokens} tokens a request over 1, by batch size: {costs.describe()} "
+        f"(measured in {time.perf_counter() - start:.1f} s)")
+    return BatchSwitches(costs=costs)
+
+
 @contextlib.contextmanager
-def _zero_steps(worker):
+def _zero_steps(worker, cold: bool = False):
     """SGLang's drafting-disabled state for one step: 0 draft steps, 1 verified token (its trivial verify input),
-    on the worker and its draft worker, restored after."""
+    on the worker and its draft worker, restored after. ``cold``: the draft extend is skipped too, with SGLang's
+    own stub of the next draft input (what its SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND does for every 0-step)."""
     draft = worker.draft_worker
     saved = (worker.speculative_num_steps, worker.speculative_num_draft_tokens, draft.speculative_num_steps,
              draft.speculative_num_draft_tokens)
     worker.speculative_num_steps = draft.speculative_num_steps = 0
     worker.speculative_num_draft_tokens = draft.speculative_num_draft_tokens = 1
+    if cold:  # an instance attribute over the method for this step; deleting it shows the method again
+        draft._draft_extend_for_decode = lambda batch, output, **_: worker._stub_skipped_draft_extend(batch, output)
     try:
         yield
     finally:
         (worker.speculative_num_steps, worker.speculative_num_draft_tokens, draft.speculative_num_steps,
          draft.speculative_num_draft_tokens) = saved
+        if cold:
+            del draft._draft_extend_for_decode
 
 
 # ---------------------------------------------------------------------------------------------- fused accept

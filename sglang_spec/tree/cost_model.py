@@ -101,15 +101,21 @@ _REQUIRED = _FIELDS - {"plain_token"}
 
 def verify_seconds(costs: CostCurve, nodes: int) -> float:
     """verify(n): the measured time, linear between measured sizes, proportional past the largest."""
-    sizes = sorted(costs.verify)
-    if nodes > sizes[-1]:
-        return costs.verify[sizes[-1]] * nodes / sizes[-1]
-    if nodes <= sizes[0]:
-        return costs.verify[sizes[0]]
+    return interpolate_seconds(costs.verify, nodes)
+
+
+def interpolate_seconds(measured: dict[int, float], size: int) -> float:
+    """A time measured at some sizes (tokens, requests), read at ``size``: linear between measured sizes, the
+    smallest's below them, proportional past the largest."""
+    sizes = sorted(measured)
+    if size > sizes[-1]:
+        return measured[sizes[-1]] * size / sizes[-1]
+    if size <= sizes[0]:
+        return measured[sizes[0]]
     for low, high in zip(sizes, sizes[1:]):
-        if low <= nodes <= high:
-            return costs.verify[low] + (costs.verify[high] - costs.verify[low]) * (nodes - low) / (high - low)
-    raise AssertionError("unreachable: nodes lies between two measured sizes")
+        if low <= size <= high:
+            return measured[low] + (measured[high] - measured[low]) * (size - low) / (high - low)
+    raise AssertionError("unreachable: size lies between two measured sizes")
 
 
 def step_seconds(costs: CostCurve, nodes: int, depth: int) -> float:

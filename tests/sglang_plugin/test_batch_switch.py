@@ -1,35 +1,82 @@
-"""--speculative-tree-auto's per-batch-size switch: measured seconds per token decide, per bucket."""
+"""--speculative-tree-auto's decision: start-up costs predict, measured seconds per token decide, per bucket."""
 
-from sglang_spec.sglang_plugin.batch_switch import BatchSwitches
+import pytest
+
+from sglang_spec.sglang_plugin.batch_switch import COLD, PLAIN, TREE, BatchSwitches, StepCosts
+
+# a CPU-like table: a tree's verify costs little over a plain step for one request, 5x for 16
+COSTS = StepCosts(plain={1: 0.05, 4: 0.08, 16: 0.2}, tree={1: 0.075, 4: 0.2, 16: 1.0}, tokens=16)
 
 
 def run(switches, batch_size, steps, tree_seconds, tokens, plain_seconds):
-    """Feeds ``steps`` steps to the bucket; returns how many were plain."""
-    plain_steps = 0
+    """Feeds ``steps`` steps to the bucket; returns the kinds of step taken."""
+    kinds = []
     for _ in range(steps):
-        plain = switches.plain(batch_size)
-        plain_steps += plain
-        if plain:
-            switches.observe(batch_size, True, plain_seconds, batch_size)
-        else:
+        kind = switches.decide(batch_size)
+        kinds.append(kind)
+        if kind == TREE:
             switches.observe(batch_size, False, tree_seconds, tokens)
-    return plain_steps
+        else:
+            switches.observe(batch_size, True, plain_seconds, batch_size)
+    return kinds
 
 
 def test_trees_that_lose_to_plain_decoding_turn_off_and_winning_trees_stay_on():
-    switches = BatchSwitches()
+    switches = BatchSwitches()  # no start-up costs: measured steps alone decide
     # batch 16: a tree step takes 3x a plain step and emits 1.5x its tokens -> mostly plain
-    assert run(switches, 16, 200, tree_seconds=0.3, tokens=24, plain_seconds=0.1) > 150
+    assert run(switches, 16, 200, tree_seconds=0.3, tokens=24, plain_seconds=0.1).count(PLAIN) > 150
     # batch 1 (its own bucket): a tree step takes 1.2x a plain step and emits 2.5 tokens -> trees, after the
     # first verdict's measurement of plain steps
-    plain_at_one = run(switches, 1, 200, tree_seconds=0.06, tokens=2.5, plain_seconds=0.05)
+    plain_at_one = run(switches, 1, 200, tree_seconds=0.06, tokens=2.5, plain_seconds=0.05).count(PLAIN)
     assert 0 < plain_at_one <= 4
     assert sorted(switches.switches) == [1, 16]
     assert switches.switch(9) is switches.switch(16) and switches.switch(3) is switches.switch(4)
 
 
+def test_under_load_the_prediction_turns_trees_off_from_the_first_step_and_cold():
+    switches = BatchSwitches(costs=COSTS)
+    # one request: accept length 2.6 against a tree 1.5x a plain step -> trees
+    kinds = run(switches, 1, 50, tree_seconds=0.09, tokens=2.6, plain_seconds=0.06)
+    assert kinds.count(TREE) > 40 and COLD not in kinds
+    # sixteen: 2.6 tokens against a tree 5x a plain step -> predicted ~0.5x: every step plain, cold, no tree tried
+    kinds = run(switches, 16, 100, tree_seconds=1.2, tokens=16 * 2.6, plain_seconds=0.24)
+    assert kinds == [COLD] * 100
+    assert switches.predicted_speedup(16) < 1.0 < switches.predicted_speedup(1)
+
+
+def test_a_cold_batch_size_tries_a_tree_at_most_one_percent_of_its_time_and_follows_the_traffic():
+    switches = BatchSwitches(costs=COSTS, accept_length=2.0)
+    interval = switches.probe_interval(16)
+    assert interval == 400  # a tree step costs 4 plain steps more than a plain one: 4 / 400 = 1%
+    kinds = run(switches, 16, interval + 1, tree_seconds=1.0, tokens=16 * 2.0, plain_seconds=0.2)
+    assert kinds[:interval] == [COLD] * interval and kinds[interval] == TREE
+    # the traffic turns copy-heavy: one request's trees accept 9 tokens a step, and batch 16's prediction follows
+    run(switches, 1, 30, tree_seconds=0.075, tokens=9, plain_seconds=0.05)
+    assert switches.accept_length > 8
+    assert switches.decide(16) == TREE
+
+
+def test_the_scales_carry_what_served_steps_cost_over_the_start_up_table():
+    switches = BatchSwitches(costs=COSTS)
+    run(switches, 1, 20, tree_seconds=0.15, tokens=2.0, plain_seconds=0.1)  # served steps 2x the table
+    assert switches.tree_scale == pytest.approx(2.0, rel=0.05)
+    assert switches.switch(4).plain_seconds == pytest.approx(switches.plain_scale * 0.08 / 4)
+
+
 def test_a_bucket_turning_off_says_so_in_one_line():
     switches = BatchSwitches()
     lines = [switches.observe(4, False, 1.0, 4) for _ in range(4)]
-    assert lines[:3] == [None] * 3 and lines[3].startswith("tree auto, batches up to 4: plain for 2 steps")
+    assert lines[:3] == [None] * 3 and lines[3].startswith("tree auto, batches up to 4: plain (accept length")
     assert "\n" not in lines[3]
+    switches = BatchSwitches(costs=COSTS)
+    lines = [switches.observe(16, True, 0.24, 16) for _ in range(3)]
+    assert lines[0].startswith("tree auto, batches up to 16: plain (predicted 0.") and lines[1:] == [None, None]
+
+
+def test_step_costs_are_read_between_measured_batch_sizes():
+    assert COSTS.plain_at(2) == pytest.approx(0.06) and COSTS.tree_at(32) == pytest.approx(2.0)
+    assert COSTS.describe() == "1: 1.50x, 4: 2.50x, 16: 5.00x"
+    with pytest.raises(ValueError, match="same non-empty batch sizes"):
+        StepCosts(plain={1: 0.1}, tree={2: 0.2}, tokens=4)
+    with pytest.raises(ValueError, match="positive"):
+        StepCosts(plain={1: 0.0}, tree={1: 0.2}, tokens=4)

@@ -9,6 +9,9 @@
   because SGLang's sampling-verify kernels are CUDA-only; with the stand-ins of ``sampling`` installed as the
   module's kernels (``ATTRIBUTES``: those names are ``None`` off CUDA, so they are set directly rather than
   hooked), sampled requests take SGLang's real sampling path.
+* SGLang's dummy forward (warm-up, autotune; ``--speculative-tree-auto`` times it at start-up) asks the attention
+  backend for the dummy batch's sequence length through the CUDA-graph name; the CPU backend answers only to its
+  CPU-graph name, with the same value.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ HOOKS = (
     ("sglang.srt.layers.rotary_embedding.factory.get_rope_cpu", "get_rope_cpu_around", "AROUND"),
     ("sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head", "set_embed_and_head_cpu", "REPLACE"),
     ("sglang.srt.speculative.eagle_utils._verify_uses_greedy", "verify_uses_greedy_cpu", "REPLACE"),
+    ("sglang.srt.layers.attention.intel_amx_backend.IntelAMXAttnBackend.get_cuda_graph_seq_len_fill_value",
+     "seq_len_fill_value_cpu", "REPLACE"),
 )
 # module attribute -> stand-in (module ``sglang_spec.sglang_plugin.cpu.sampling``)
 ATTRIBUTES = {
@@ -58,3 +63,7 @@ def set_embed_and_head_cpu(model, embed, head) -> None:
 def verify_uses_greedy_cpu(*, is_all_greedy, is_cpu, is_hip, is_xpu, use_rejection_sampling) -> bool:
     """SGLang's predicate without the ``is_cpu`` clause: the CPU bed has sampling-verify stand-ins."""
     return is_all_greedy or is_xpu or (is_hip and not use_rejection_sampling)
+
+
+def seq_len_fill_value_cpu(backend) -> int:
+    return backend.get_cpu_graph_seq_len_fill_value()
