@@ -96,11 +96,15 @@ class BatchSwitches:
         return self.switches[bucket]
 
     def predicted_speedup(self, batch_size: int) -> float | None:
-        """Tree over plain tokens per second for a batch of ``batch_size``; None without start-up costs."""
+        """Tree over plain tokens per second for a batch of ``batch_size``; None without start-up costs. Until
+        ``WINDOW`` tree steps ran, the accept length is at least the prior (one odd first request, such as the
+        server's warm-up, does not turn trees off)."""
         if self.costs is None:
             return None
+        accept_length = self.accept_length if self.tree_steps >= WINDOW else max(self.accept_length,
+                                                                                  PRIOR_ACCEPT_LENGTH)
         plain = self.plain_scale * self.costs.plain_at(batch_size)
-        return self.accept_length * plain / (self.tree_scale * self.costs.tree_at(batch_size))
+        return accept_length * plain / (self.tree_scale * self.costs.tree_at(batch_size))
 
     def decide(self, batch_size: int) -> str:
         """The next step of a batch of ``batch_size`` requests: TREE, PLAIN (a measured loss: trees come back
