@@ -12,10 +12,10 @@ the traffic (copy-heavy prompts accept more). Two layers decide:
   times scaled by what served plain and tree steps took over their start-up prediction (moving averages: drafting,
   host work and long contexts are in the scale, not in the table). Where the prediction is below
   ``COLD_BELOW`` the step is plain without trying trees (a tree step now and then, at most ``PROBE_SHARE`` of the
-  time, keeps the accept length current): under load speculation is off from the first step. Those steps are *cold*: they skip
-  the head's forward over the new token (SGLang's own stub for a skipped draft extend), which is most of what a
-  plain step costs over plain decoding; when trees return for those requests, the head drafts without its KV
-  for the cold positions (it accepts less there; verification keeps the output exact).
+  time, keeps the accept length current): under load speculation is off from the first step. Those steps are
+  *cold*: they skip the head's forward over the new token (SGLang's own stub for a skipped draft extend), which is
+  most of what a plain step costs over plain decoding; when trees return for those requests, the head drafts
+  without its KV for the cold positions (it accepts less there; verification keeps the output exact).
 * **Measurement.** Elsewhere each batch-size bucket (1, 2, 3-4, 5-8, ...) has a ``decode/switch.SpeculationSwitch``,
   the reference decoder's own guard, whose plain-decoding prior is the predicted plain time: it weighs the wall time
   per emitted token of the bucket's recent tree steps against its plain steps'; a loss takes a stretch of plain
@@ -84,7 +84,6 @@ class BatchSwitches:
     switches: dict[int, SpeculationSwitch] = field(default_factory=dict)
     plain_steps: int = 0  # steps decided plain so far (reported in the log and by tests)
     tree_steps: int = 0
-    predicted_plain_steps: int = 0  # of those, decided by the prediction alone
     since_tree: dict[int, int] = field(default_factory=dict)  # per bucket, plain steps by prediction since a tree
     logged: dict[int, bool] = field(default_factory=dict)  # per bucket, whether the last log line said plain
 
@@ -120,7 +119,8 @@ class BatchSwitches:
         """Cold steps between two tree steps of a batch size the prediction keeps plain: a tree step costs
         (tree / plain - 1) plain steps more than a plain one, and probes take PROBE_SHARE of the time at most."""
         assert self.costs is not None
-        extra = (self.tree_scale * self.costs.tree_at(batch_size)) / (self.plain_scale * self.costs.plain_at(batch_size))
+        plain = self.plain_scale * self.costs.plain_at(batch_size)
+        extra = self.tree_scale * self.costs.tree_at(batch_size) / plain
         return max(math.ceil(round((extra - 1) / PROBE_SHARE, 6)), MIN_PROBE_INTERVAL)  # round: float noise
 
     def plain(self, batch_size: int) -> bool:
@@ -133,8 +133,7 @@ class BatchSwitches:
         switch = self.switch(batch_size)
         if plain:
             self.plain_steps += 1
-            if not switch.lean:
-                self.predicted_plain_steps += 1
+            if not switch.lean:  # a plain step by prediction
                 self.since_tree[_bucket(batch_size)] = self.since_tree.get(_bucket(batch_size), 0) + 1
             switch.observe_plain(seconds / max(batch_size, 1))
             if self.costs is not None:
@@ -153,9 +152,9 @@ class BatchSwitches:
         predicted = self.predicted_speedup(batch_size)
         why = "" if predicted is None else f"predicted {predicted:.2f}x, "
         state = "plain" if now_plain else "trees"
-        return (f"tree auto, batches up to {_bucket(batch_size)}: {state} ({why}accept length {self.accept_length:.2f}, plain "
-                f"decoding {switch.plain_rate():.4f} s/token; {self.tree_steps} tree / {self.plain_steps} plain "
-                f"steps so far)")
+        return (f"tree auto, batches up to {_bucket(batch_size)}: {state} ({why}accept length "
+                f"{self.accept_length:.2f}, plain decoding {switch.plain_rate():.4f} s/token; {self.tree_steps} tree / "
+                f"{self.plain_steps} plain steps so far)")
 
 
 def _average(old: float, new: float) -> float:

@@ -261,6 +261,9 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
         raise SpecError("--speculative-tree-auto's plain steps verify one token a request, which the decode CUDA "
                         "graphs captured for the tree do not hold; add --cuda-graph-backend-decode disabled, or drop "
                         "--speculative-tree-auto")
+    if options.auto and (int(getattr(config, "tp_size", 1) or 1) > 1 or int(getattr(config, "pp_size", 1) or 1) > 1):
+        raise SpecError("--speculative-tree-auto decides each step from the timings of its own rank, which ranks "
+                        "of one model could disagree on; run it with --tp-size 1 and --pp-size 1, or drop it")
     width, steps = config.speculative_eagle_topk, config.speculative_num_steps
     if options.uses_context:
         return  # any tree within its width fits SGLang's encoding (checked with the options); fillers fill the rest

@@ -95,7 +95,7 @@ def test_what_the_counts_learnt_is_exported_once_by_cell_name():
     assert len(metrics.added) == 1
 
 
-def test_tree_auto_is_refused_where_decode_graphs_are_captured():
+def test_tree_auto_is_refused_where_decode_graphs_are_captured_or_ranks_could_disagree():
     from types import SimpleNamespace
 
     from sglang_spec.errors import SpecError
@@ -109,3 +109,6 @@ def test_tree_auto_is_refused_where_decode_graphs_are_captured():
     eager = SimpleNamespace(decode=SimpleNamespace(backend="disabled"))
     validate_speculative(options, SimpleNamespace(device="cuda", cuda_graph_config=eager, **resolved))
     validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=graphs, **resolved))
+    # each rank decides from its own timings: ranks of one model could disagree
+    with pytest.raises(SpecError, match="run it with --tp-size 1"):
+        validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=graphs, tp_size=2, **resolved))
