@@ -210,11 +210,19 @@ def workload_datasets(args, scratch: Path) -> dict[str, Path]:
         by_domain: dict[str, list[str]] = {}
         for spec in load_prompts(str(args.prompts)):  # the project's prompt-file reader: one line per bad input
             by_domain.setdefault(spec.domain, []).append(_question(spec))
-        return {name: write_sharegpt(scratch / f"prompts-{name}.json", questions) for name, questions in by_domain.items()}
+        return {name: write_sharegpt(scratch / f"prompts-{name}.json", repeated(questions, args.num_prompts))
+                for name, questions in by_domain.items()}
     names = workload_names(args)
     if names == ["heldout"]:
         return {"heldout": write_heldout_dataset(scratch / "heldout.json")}
-    return {name: write_sharegpt(scratch / f"serving-{name}.json", serving_questions(name)) for name in names}
+    return {name: write_sharegpt(scratch / f"serving-{name}.json", repeated(serving_questions(name), args.num_prompts))
+            for name in names}
+
+
+def repeated(questions: list[str], count: int) -> list[str]:
+    """The questions in order, cycled to ``count`` at least: bench_serving sends each dataset entry once, so a
+    workload with fewer prompts than ``--num-prompts`` would never fill a batch of the asked concurrency."""
+    return [questions[index % len(questions)] for index in range(max(count, len(questions)))]
 
 
 def row_from_result(policy: str, budget: int, concurrency: int, result: dict, workload: str = "heldout") -> dict:

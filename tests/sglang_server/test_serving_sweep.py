@@ -34,3 +34,18 @@ def test_sweep_against_the_cpu_server(smollm2_cpu, tmp_path):
     assert all(float(row["accept_length"]) > 1.0 for row in rows if row["policy"] == "sequoia")
     assert out.with_suffix(".png").stat().st_size > 10_000 and out.with_suffix(".json").exists()
 
+
+
+def test_a_workload_with_fewer_prompts_than_asked_is_cycled_to_fill_the_concurrency(tmp_path):
+    """bench_serving sends each dataset entry once: the six extraction passages must become 16 requests for a
+    concurrency-16 run to reach a batch of 16."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    args = sweep.parse_args(["--cpu-model", "smollm2", "--workloads", "extraction,code", "--num-prompts", "16"])
+    datasets = sweep.workload_datasets(args, tmp_path)
+    extraction = [entry["conversations"][0]["value"] for entry in json.loads(datasets["extraction"].read_text())]
+    assert len(extraction) == 16 and len(set(extraction)) == 6 and extraction[6] == extraction[0]
+    assert sweep.repeated(["a", "b", "c"], 2) == ["a", "b", "c"]

@@ -71,8 +71,11 @@ def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_t
     ``QLEN_ONLY`` tree mask (``[sum n_b * n_b]``, row-major per request) in tree verify."""
     _unsupported(is_cross, sinks)
     mask_offset = 0
-    for index, row in enumerate(req_pool_indices.tolist()):
-        total, new, start = int(seq_lens[index]), int(extend_seq_lens[index]), int(extend_start_loc[index])
+    # host lists once, not a tensor read per request and field (a verify of one token a request is a plain step)
+    rows, totals = req_pool_indices.tolist(), seq_lens.tolist()
+    news, starts = extend_seq_lens.tolist(), extend_start_loc.tolist()
+    for index, row in enumerate(rows):
+        total, new, start = int(totals[index]), int(news[index]), int(starts[index])
         prefix = total - new
         prefix_slots = req_to_token[row, :prefix].long()
         if k is not None and k.shape[1] != k_buffer.shape[1]:
@@ -91,9 +94,10 @@ def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_t
             keys, values = k_buffer[slots] * k_scale, v_buffer[slots] * v_scale
         allowed = torch.ones((new, total), dtype=torch.bool)
         if tree_mask is not None:
-            allowed[:, prefix:] = tree_mask[mask_offset:mask_offset + new * new].reshape(new, new).bool()
+            if new > 1:  # a lone token sees its prefix and itself whatever the mask (a tree's root)
+                allowed[:, prefix:] = tree_mask[mask_offset:mask_offset + new * new].reshape(new, new).bool()
             mask_offset += new * new
-        elif is_causal:
+        elif is_causal and new > 1:
             allowed[:, prefix:] = torch.ones((new, new), dtype=torch.bool).tril()
         allowed = _window(allowed, prefix + torch.arange(new), sliding_window)
         o[start:start + new] = _attend(q[start:start + new], keys, values, scaling, logit_cap, allowed).to(o.dtype)

@@ -9,8 +9,8 @@ the draft's (``draft_s``: draft decode steps and draft extend). The CPU server r
 processes a batch's result after launching the next batch, so a step's full cost is the loop's period: the next
 line's ``start`` minus this one's. With ``SGLANG_SPEC_CPU_PROFILE_CPROFILE=1`` those periods of decode steps run
 under ``cProfile`` (which slows them: time them without it) and ``<folder>/decode.pstats`` holds the cumulative
-statistics. Both are written when the scheduler goes idle, so nothing is lost when the server is killed after
-its last request.
+statistics. Both are written when the scheduler goes idle (the lines also every ``FLUSH_EVERY`` batches), so
+nothing is lost when the server is killed after its last request.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from pathlib import Path
 
 PROFILE_ENV = "SGLANG_SPEC_CPU_PROFILE"
 CPROFILE_ENV = "SGLANG_SPEC_CPU_PROFILE_CPROFILE"
+
+FLUSH_EVERY = 32  # batches held before they are written (also written whenever the scheduler goes idle)
 
 HOOKS = (
     ("sglang.srt.managers.scheduler.Scheduler.run_batch", "run_batch_around", "AROUND"),
@@ -65,6 +67,8 @@ def run_batch_around(original, scheduler, batch, *args, **kwargs):
         record["run_s"] = time.perf_counter() - record["start"]
         _recorder.current = None
         _recorder.pending.append(record)
+        if len(_recorder.pending) >= FLUSH_EVERY:  # a server stopped while busy loses at most this many lines
+            _flush()
 
 
 def model_forward_around(original, runner, *args, **kwargs):
@@ -80,6 +84,10 @@ def model_forward_around(original, runner, *args, **kwargs):
 
 def on_idle_after(result, scheduler) -> None:
     _recorder.profile(False)
+    _flush()
+
+
+def _flush() -> None:
     if not _recorder.pending:
         return
     folder = Path(os.environ[PROFILE_ENV])
