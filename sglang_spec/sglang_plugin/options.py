@@ -261,9 +261,11 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
         raise SpecError("--speculative-tree-auto's plain steps verify one token a request, which the decode CUDA "
                         "graphs captured for the tree do not hold; add --cuda-graph-backend-decode disabled, or drop "
                         "--speculative-tree-auto")
-    if options.auto and (int(getattr(config, "tp_size", 1) or 1) > 1 or int(getattr(config, "pp_size", 1) or 1) > 1):
+    ranks = [name for name in ("tp_size", "pp_size") if int(getattr(config, name, 1) or 1) > 1]
+    if options.auto and (ranks or getattr(config, "enable_dp_attention", False)):
         raise SpecError("--speculative-tree-auto decides each step from the timings of its own rank, which ranks "
-                        "of one model could disagree on; run it with --tp-size 1 and --pp-size 1, or drop it")
+                        "that step together could disagree on; run it with --tp-size 1 --pp-size 1 and without "
+                        "--enable-dp-attention (--dp-size replicas are fine), or drop it")
     width, steps = config.speculative_eagle_topk, config.speculative_num_steps
     if options.uses_context:
         return  # any tree within its width fits SGLang's encoding (checked with the options); fillers fill the rest

@@ -110,5 +110,7 @@ def test_tree_auto_is_refused_where_decode_graphs_are_captured_or_ranks_could_di
     validate_speculative(options, SimpleNamespace(device="cuda", cuda_graph_config=eager, **resolved))
     validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=graphs, **resolved))
     # each rank decides from its own timings: ranks of one model could disagree
-    with pytest.raises(SpecError, match="run it with --tp-size 1"):
-        validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=graphs, tp_size=2, **resolved))
+    for ranks in ({"tp_size": 2}, {"pp_size": 2}, {"dp_size": 2, "enable_dp_attention": True}):
+        with pytest.raises(SpecError, match="run it with --tp-size 1 --pp-size 1 and without --enable-dp-attention"):
+            validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=graphs, **ranks, **resolved))
+    validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=graphs, dp_size=2, **resolved))
