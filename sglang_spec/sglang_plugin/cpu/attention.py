@@ -36,6 +36,25 @@ def _window(allowed: torch.Tensor, query_positions: torch.Tensor, sliding_window
     return allowed & (key_positions[None, :] > query_positions[:, None] - sliding_window)
 
 
+def _scaled(rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """Gathered cache rows times the cache's scale (rows is a fresh gather: scaled in place, not copied again)."""
+    return rows if scale == 1.0 else rows.mul_(scale)
+
+
+def _prefix_and_new(buffer: torch.Tensor, scale: float, prefix_slots: torch.Tensor, new_rows: torch.Tensor):
+    """[prefix + new, heads, dim]: the prefix's cached rows (scaled) then ``new_rows``, written into one tensor
+    (no concatenation copy: a one-token verify is every plain step under tree auto)."""
+    prefix = prefix_slots.numel()
+    out = torch.empty((prefix + new_rows.shape[0], *new_rows.shape[1:]), dtype=new_rows.dtype)
+    if buffer.dtype == new_rows.dtype:
+        torch.index_select(buffer, 0, prefix_slots, out=out[:prefix])
+        _scaled(out[:prefix], scale)
+    else:  # a quantized cache: dequantize on the way
+        out[:prefix] = buffer[prefix_slots].to(torch.float32).mul_(scale).to(new_rows.dtype)
+    out[prefix:] = new_rows
+    return out
+
+
 def _unsupported(is_cross: bool, sinks) -> None:
     if is_cross or sinks is not None:
         raise NotImplementedError("the CPU attention stand-in serves decoder self-attention without sinks only")
@@ -57,8 +76,8 @@ def decode_attention_cpu(q, k_buffer, v_buffer, k_scale, v_scale, o, k_new, v_ne
         slots = req_to_token[row, :length].long()
         allowed = _window(torch.ones((1, length), dtype=torch.bool),
                           torch.tensor([length - 1]), sliding_window)
-        attended = _attend(q[index:index + 1], k_buffer[slots] * k_scale, v_buffer[slots] * v_scale, scaling,
-                           logit_cap, allowed)
+        attended = _attend(q[index:index + 1], _scaled(k_buffer[slots], k_scale), _scaled(v_buffer[slots], v_scale),
+                           scaling, logit_cap, allowed)
         o[index] = attended[0].to(o.dtype)
 
 
@@ -85,13 +104,11 @@ def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_t
                                           "prefix only (SGLang takes the absorbed path below its chunking threshold)")
             keys, values = k[start:start + new], v[start:start + new]
         elif k is not None and v is not None:
-            keys = torch.cat([(k_buffer[prefix_slots] * k_scale).to(k.dtype),
-                              k[start:start + new].reshape(new, *k.shape[1:])])
-            values = torch.cat([(v_buffer[prefix_slots] * v_scale).to(v.dtype),
-                                v[start:start + new].reshape(new, *v.shape[1:])])
+            keys = _prefix_and_new(k_buffer, k_scale, prefix_slots, k[start:start + new].reshape(new, *k.shape[1:]))
+            values = _prefix_and_new(v_buffer, v_scale, prefix_slots, v[start:start + new].reshape(new, *v.shape[1:]))
         else:
             slots = req_to_token[row, :total].long()
-            keys, values = k_buffer[slots] * k_scale, v_buffer[slots] * v_scale
+            keys, values = _scaled(k_buffer[slots], k_scale), _scaled(v_buffer[slots], v_scale)
         allowed = torch.ones((new, total), dtype=torch.bool)
         if tree_mask is not None:
             if new > 1:  # a lone token sees its prefix and itself whatever the mask (a tree's root)
