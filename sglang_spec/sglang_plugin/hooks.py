@@ -56,6 +56,7 @@ from sglang_spec.sglang_plugin.options import (
     validate_requested,
     validate_speculative,
 )
+from sglang_spec.sglang_plugin.step_costs import measure_step_costs
 
 # our draft model classes, by the architecture name a draft folder's config.json gives (imported on first use)
 MODEL_CLASSES = {"LlamaForCausalLMNextN": "sglang_spec.sglang_plugin.models.llama_nextn"}
@@ -399,8 +400,6 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
 
 def _start_switches(worker) -> BatchSwitches:
     """Tree auto's state, with the target's verify forward timed per batch size (before the first decode step)."""
-    from sglang_spec.sglang_plugin.step_costs import measure_step_costs
-
     start = time.perf_counter()
     try:
         costs = measure_step_costs(worker)
