@@ -123,10 +123,6 @@ class BatchSwitches:
         extra = self.tree_scale * self.costs.tree_at(batch_size) / plain
         return max(math.ceil(round((extra - 1) / PROBE_SHARE, 6)), MIN_PROBE_INTERVAL)  # round: float noise
 
-    def plain(self, batch_size: int) -> bool:
-        """Whether the next step of a batch of ``batch_size`` requests is a plain step (warm or cold)."""
-        return self.decide(batch_size) != TREE
-
     def observe(self, batch_size: int, plain: bool, seconds: float, tokens: int) -> str | None:
         """A step of ``batch_size`` requests took ``seconds`` and emitted ``tokens`` (a plain step: one a
         request). Returns a line for the log when the batch size turns speculation off or back on."""
@@ -145,7 +141,7 @@ class BatchSwitches:
             self.accept_length = _average(self.accept_length, tokens / max(batch_size, 1))
             if self.costs is not None:
                 self.tree_scale = _average(self.tree_scale, seconds / self.costs.tree_at(batch_size))
-        now_plain = self.plain(batch_size)
+        now_plain = self.decide(batch_size) != TREE
         if now_plain == self.logged.get(_bucket(batch_size), False):
             return None
         self.logged[_bucket(batch_size)] = now_plain

@@ -85,9 +85,13 @@ def model_forward_around(original, runner, *args, **kwargs):
 def on_idle_after(result, scheduler) -> None:
     _recorder.profile(False)
     _flush()
+    folder = Path(os.environ[PROFILE_ENV])
+    if _recorder.profiler is not None and folder.is_dir():  # here only: a dump mid-run lands in a profiled period
+        _recorder.profiler.dump_stats(folder / "decode.pstats")
 
 
 def _flush() -> None:
+    """Appends the pending batches to steps.jsonl."""
     if not _recorder.pending:
         return
     folder = Path(os.environ[PROFILE_ENV])
@@ -96,5 +100,3 @@ def _flush() -> None:
         for record in _recorder.pending:
             out.write(json.dumps(record) + "\n")
     _recorder.pending.clear()
-    if _recorder.profiler is not None:
-        _recorder.profiler.dump_stats(folder / "decode.pstats")
