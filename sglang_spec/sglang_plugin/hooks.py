@@ -421,8 +421,11 @@ def _zero_steps(worker, cold: bool = False):
              draft.speculative_num_draft_tokens)
     worker.speculative_num_steps = draft.speculative_num_steps = 0
     worker.speculative_num_draft_tokens = draft.speculative_num_draft_tokens = 1
-    if cold:  # an instance attribute over the method for this step; deleting it shows the method again
+    target = worker.target_worker
+    if cold:  # instance attributes over the methods for this step; deleting them shows the methods again
         draft._draft_extend_for_decode = lambda batch, output, **_: worker._stub_skipped_draft_extend(batch, output)
+        forward = target.forward_batch_generation
+        target.forward_batch_generation = lambda **kwargs: forward(**_as_decode(**kwargs))
     try:
         yield
     finally:
@@ -430,6 +433,28 @@ def _zero_steps(worker, cold: bool = False):
          draft.speculative_num_draft_tokens) = saved
         if cold:
             del draft._draft_extend_for_decode
+            del target.forward_batch_generation
+
+
+def _as_decode(forward_batch, is_verify: bool = False, **kwargs) -> dict:
+    """A cold step's target forward as SGLang's DECODE forward, not a one-token TARGET_VERIFY: the same token
+    (the previous bonus token, at position ``seq_len``) and KV slot, but the decode attention path (no tree
+    mask, no extend kernels) and no hidden states captured (a cold step's draft extend is stubbed). DECODE counts
+    the new token in ``seq_lens``; verify counts it through its draft-token count. The logits come out the same:
+    one row a request."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+
+    if is_verify and forward_batch.forward_mode.is_target_verify():
+        size = forward_batch.batch_size
+        forward_batch.forward_mode = ForwardMode.DECODE
+        forward_batch.spec_info = None
+        forward_batch.capture_hidden_mode = CaptureHiddenMode.NULL
+        forward_batch.seq_lens = forward_batch.seq_lens + 1
+        if forward_batch.seq_lens_cpu is not None:
+            forward_batch.seq_lens_cpu = forward_batch.seq_lens_cpu + 1
+        if forward_batch.seq_lens_sum is not None:
+            forward_batch.seq_lens_sum += size
+    return dict(kwargs, forward_batch=forward_batch, is_verify=is_verify)
 
 
 # ---------------------------------------------------------------------------------------------- fused accept

@@ -12,6 +12,8 @@ target-only rule, checked against its exact law with a biased negative control i
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS, accept_lengths, mean,
@@ -97,10 +99,12 @@ def test_sampled_requests_go_through_the_tree(run, plain_repeat):
 
 
 def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cpu, server_logs, repeat_prompts,
-                                                                       plain_repeat):
+                                                                       plain_repeat, tmp_path, monkeypatch):
     """--speculative-tree-auto: SGLang's dummy verify forward is timed for every batch size up to the running cap
     before the first decode step; the steps that follow (trees, plain steps, cold plain steps where the prediction
-    says trees lose, and trees again as the batch drains) keep plain decoding's output."""
+    says trees lose, and trees again as the batch drains) keep plain decoding's output. A cold step's target
+    forward is SGLang's DECODE forward (the CPU step profile records each target forward's mode)."""
+    monkeypatch.setenv("SGLANG_SPEC_CPU_PROFILE", str(tmp_path))
     args = context_args("hybrid", smollm2_cpu.profile) + ["--speculative-tree-auto"]
     with running_server(smollm2_cpu, server_logs, "smollm2-context-auto", args) as server:
         answers = server.generate(repeat_prompts * 3, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
@@ -108,6 +112,10 @@ def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cp
     assert [answer["output_ids"] for answer in answers] == plain_repeat * 3
     table = [line for line in log.splitlines() if "tree auto: verify forward of" in line]
     assert len(table) == 1 and all(f" {size}: " in table[0] for size in (1, 2, 4, 8)), table
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    modes = {tuple(step["target_modes"]) for step in steps if step["mode"] == "DECODE"}
+    # trees (and warm plain steps) verify; cold steps decode; the start-up table's dummy verifies are not batches
+    assert ("TARGET_VERIFY",) in modes and ("DECODE",) in modes, modes
     print("\n".join(line for line in log.splitlines() if "tree auto" in line))
 
 

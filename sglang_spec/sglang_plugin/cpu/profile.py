@@ -5,7 +5,8 @@ variable is set. Every batch the scheduler runs adds one line to ``<folder>/step
 (``DECODE`` for a decode step: a tree step's draft, verify and draft extend, or a plain step's one forward;
 ``EXTEND`` for a prefill), batch size, ``start`` (``time.perf_counter`` when ``run_batch`` began), ``run_s`` (its
 ``run_batch``) and the time spent in ``ModelRunner.forward`` during it, split into the target's (``target_s``) and
-the draft's (``draft_s``: draft decode steps and draft extend). The CPU server runs SGLang's overlap loop, which
+the draft's (``draft_s``: draft decode steps and draft extend), and the forward modes of the target's forwards
+(``target_modes``: ``TARGET_VERIFY`` for a tree or a plain step, ``DECODE`` for tree auto's cold step). The CPU server runs SGLang's overlap loop, which
 processes a batch's result after launching the next batch, so a step's full cost is the loop's period: the next
 line's ``start`` minus this one's. With ``SGLANG_SPEC_CPU_PROFILE_CPROFILE=1`` those periods of decode steps run
 under ``cProfile`` (which slows them: time them without it) and ``<folder>/decode.pstats`` holds the cumulative
@@ -58,7 +59,7 @@ _recorder = _Recorder()
 
 def run_batch_around(original, scheduler, batch, *args, **kwargs):
     record = {"mode": batch.forward_mode.name, "batch": int(batch.batch_size()), "start": time.perf_counter(),
-              "run_s": 0.0, "target_s": 0.0, "draft_s": 0.0}
+              "run_s": 0.0, "target_s": 0.0, "draft_s": 0.0, "target_modes": []}
     _recorder.profile(record["mode"] == "DECODE")
     _recorder.current = record
     try:
@@ -71,13 +72,15 @@ def run_batch_around(original, scheduler, batch, *args, **kwargs):
             _flush()
 
 
-def model_forward_around(original, runner, *args, **kwargs):
+def model_forward_around(original, runner, forward_batch, *args, **kwargs):
     record = _recorder.current
     if record is None:
-        return original(runner, *args, **kwargs)
+        return original(runner, forward_batch, *args, **kwargs)
+    if not runner.is_draft_worker:
+        record["target_modes"].append(forward_batch.forward_mode.name)
     start = time.perf_counter()
     try:
-        return original(runner, *args, **kwargs)
+        return original(runner, forward_batch, *args, **kwargs)
     finally:
         record["draft_s" if runner.is_draft_worker else "target_s"] += time.perf_counter() - start
 
