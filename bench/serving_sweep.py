@@ -1,13 +1,16 @@
 """Serving throughput and latency across workload x concurrency x method, with SGLang's own benchmark client.
 
-Methods: ``plain`` (no speculation); SGLang's own speculation as a user would pick it instead, ``sglang-chain``
+Methods: ``plain`` (no speculation) and ``plain-sync`` (no speculation, SGLang's overlap scheduler off: the
+scheduler our context policies run under, and on a 2-core CPU the faster plain decoding on long prompts, where the
+overlap loop's host work competes with the forward for the cores); SGLang's own speculation as a user would pick it instead, ``sglang-chain``
 (EAGLE / NEXTN, one candidate a step, 3 steps), ``sglang-tree`` (its topk-4 tree with the same number of draft
 tokens as ours) and ``sglang-ngram`` (its n-gram corpus, no draft model); ours, ``chain``, ``eagle``, ``sequoia``,
 ``specexec``, ``lookup``, ``hybrid`` (``--speculative-tree-policy``) and ``auto`` (hybrid with
 ``--speculative-tree-auto``). For every method and budget the script launches
 ``python -m sglang.launch_server``, waits for ``/health``, runs ``python -m sglang.bench_serving`` per workload and
 concurrency, stops the server (its whole process group), and collects the client's JSON lines into a CSV and a
-plot: output tokens/s and its ratio over plain in the same run, mean accept length and p50 / p99 inter-token
+plot: output tokens/s and its ratio over plain in the same run (the faster of ``plain`` and ``plain-sync`` where
+both ran), mean accept length and p50 / p99 inter-token
 latency (speculation makes tokens arrive in bursts: p50 ITL falls while p99 can rise).
 
 Workloads: ``heldout`` (HumanEval 134-163, never in the shipped heads' training), or ``serving``: three held-out
@@ -48,7 +51,8 @@ FIELDS = ["policy", "budget", "concurrency", "request_throughput", "output_throu
 OUR_POLICIES = ("chain", "eagle", "sequoia", "specexec", "lookup", "hybrid")
 SGLANG_METHODS = ("sglang-chain", "sglang-tree", "sglang-ngram")
 AUTO = "auto"  # hybrid with --speculative-tree-auto: each step a tree or a plain step, by measured rates
-POLICIES = ("plain", *OUR_POLICIES, AUTO, *SGLANG_METHODS)
+PLAIN_METHODS = ("plain", "plain-sync")  # no speculation: with SGLang's overlap scheduler, and without
+POLICIES = (*PLAIN_METHODS, *OUR_POLICIES, AUTO, *SGLANG_METHODS)
 SGLANG_CHAIN_STEPS = 3  # SGLang's usual EAGLE chain for NEXTN: 3 steps, 4 verified tokens
 SGLANG_TREE_TOPK = 4
 SERVING_WORKLOADS = ("code", "extraction", "chat")
@@ -113,6 +117,8 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
     """launch_server options of one method; ``budget`` draft tokens besides the root for the tree methods."""
     if policy == "plain":
         return []
+    if policy == "plain-sync":
+        return ["--disable-overlap-schedule"]
     if policy == "sglang-chain":
         return ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(SGLANG_CHAIN_STEPS),
                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(SGLANG_CHAIN_STEPS + 1)]
@@ -227,15 +233,19 @@ def repeated(questions: list[str], count: int) -> list[str]:
 
 def row_from_result(policy: str, budget: int, concurrency: int, result: dict, workload: str = "heldout") -> dict:
     """One CSV row from bench_serving's JSON result line (accept length when the server reports it)."""
-    budget = 0 if policy == "plain" else SGLANG_CHAIN_STEPS if policy == "sglang-chain" else budget
+    budget = 0 if policy in PLAIN_METHODS else SGLANG_CHAIN_STEPS if policy == "sglang-chain" else budget
     return {"policy": policy, "budget": budget, "concurrency": concurrency,
             **{name: result.get(name) for name in FIELDS[3:11]}, "workload": workload, "speedup_over_plain": None}
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Each row's output tokens/s over plain decoding's at the same workload and concurrency, in this run."""
-    plain = {(row["workload"], row["concurrency"]): row["output_throughput"] for row in rows
-             if row["policy"] == "plain"}
+    """Each row's output tokens/s over plain decoding's at the same workload and concurrency, in this run: the
+    faster of ``plain`` and ``plain-sync`` where both ran (a speedup is over the best plain decoding measured)."""
+    plain: dict[tuple, float] = {}
+    for row in rows:
+        if row["policy"] in PLAIN_METHODS and row["output_throughput"] is not None:
+            key = (row["workload"], row["concurrency"])
+            plain[key] = max(plain.get(key, 0.0), row["output_throughput"])
     for row in rows:
         base = plain.get((row["workload"], row["concurrency"]))
         if base and row["output_throughput"] is not None:
@@ -263,7 +273,7 @@ def write_csv_and_plot(rows: list[dict], out: Path) -> None:
         points = sorted(((row["concurrency"], row) for row in rows
                          if (row.get("workload", ""), row["policy"], row["budget"]) == (workload, policy, budget)),
                         key=lambda point: point[0])
-        label = (policy if policy == "plain" else f"{policy} {budget}") + (f" ({workload})" if len(workloads) > 1 else "")
+        label = (policy if policy in PLAIN_METHODS else f"{policy} {budget}") + (f" ({workload})" if len(workloads) > 1 else "")
         for axis, (field, _) in zip(axes, panels):
             values = [row[field] or (1.0 if field == "accept_length" else 0.0) for _, row in points]
             axis.plot([c for c, _ in points], values, marker="o", label=label)
@@ -294,12 +304,12 @@ def main(argv=None) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     # plain decoding and SGLang's chain have no budget to sweep
     shapes = [(policy, budget) for policy in policies
-              for budget in (budgets[:1] if policy in ("plain", "sglang-chain") else budgets)]
+              for budget in (budgets[:1] if policy in (*PLAIN_METHODS, "sglang-chain") else budgets)]
     if args.dry_run:
         for policy, budget in shapes:
             launch = launch_command(args, policy, budget) if args.cpu_model is None else \
                 [sys.executable, "-m", "sglang_spec.sglang_plugin.cpu", "--model", args.cpu_model,
-                 *(["--no-speculation"] if policy == "plain" else []),
+                 *(["--no-speculation"] if policy in PLAIN_METHODS else []),
                  *tree_arguments(args, policy, budget, args.acceptance_profile or "<shipped profile>")]
             print(" ".join(shlex.quote(part) for part in launch))
             for workload in workload_names(args):
@@ -325,9 +335,9 @@ def main(argv=None) -> int:
         {args.dataset: None}
     rows = []
     for policy, budget in shapes:
-        name = policy if policy == "plain" else f"{policy}-{budget}"
+        name = policy if policy in PLAIN_METHODS else f"{policy}-{budget}"
         if model is not None:
-            launch = cpu_launch_args(model, args.port, speculative=policy != "plain",
+            launch = cpu_launch_args(model, args.port, speculative=policy not in PLAIN_METHODS,
                                      extra=tree_arguments(args, policy, budget, profile) + shlex.split(args.server_args))
             server = SGLangServer(launch, args.port, scratch / f"{name}.log")
         else:

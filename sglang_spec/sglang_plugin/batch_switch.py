@@ -11,11 +11,13 @@ the traffic (copy-heavy prompts accept more). Two layers decide:
   gained per tree step on the served traffic (all batch sizes, moving average) and plain / tree are the start-up
   times scaled by what served plain and tree steps took over their start-up prediction (moving averages: drafting,
   host work and long contexts are in the scale, not in the table). Where the prediction is below
-  ``COLD_BELOW`` the step is plain without trying trees (a tree step now and then, at most ``PROBE_SHARE`` of the
-  time, keeps the accept length current): under load speculation is off from the first step. Those steps are
-  *cold*: they skip the head's forward over the new token (SGLang's own stub for a skipped draft extend), which is
-  most of what a plain step costs over plain decoding; when trees return for those requests, the head drafts
-  without its KV for the cold positions (it accepts less there; verification keeps the output exact).
+  ``COLD_BELOW`` even at the prior accept length (a floor: trees lose whatever the traffic accepts) the step is
+  plain without trying trees (a tree step now and then, at most ``PROBE_SHARE`` of the time, keeps the accept
+  length current): under load speculation is off from the first step. Those steps are *cold*: the target decodes
+  and the head's forward over the new token is skipped (SGLang's own stub for a skipped draft extend); when trees
+  return for those requests, the head drafts without its KV for the cold positions (it accepts less there;
+  verification keeps the output exact). So the accept length is learnt from requests with a warm head only: a
+  request that took a cold step would report the stale head, not the traffic (and, learnt, keep itself cold).
 * **Measurement.** Elsewhere each batch-size bucket (1, 2, 3-4, 5-8, ...) has a ``decode/switch.SpeculationSwitch``,
   the reference decoder's own guard, whose plain-decoding prior is the predicted plain time: it weighs the wall time
   per emitted token of the bucket's recent tree steps against its plain steps'; a loss takes a stretch of plain
@@ -36,9 +38,11 @@ _NO_PRIOR = 1e-9  # seconds a token: any tree loses against it, which measures p
 # a batch step weighs every request's tokens, so fewer steps make a verdict than for one request (the reference
 # decoder's window 8 / probe 4): served runs are short, and each batch size explores on its own
 WINDOW, PROBE_STEPS = 4, 2
-# predicted speedup below which a batch size takes cold plain steps instead of trying trees (the scales are moving
-# averages over all batch sizes' served steps, so the prediction carries what a table would miss)
-COLD_BELOW = 1.0
+# predicted speedup (at no less than the prior accept length) below which a batch size takes cold plain steps
+# instead of trying trees: a clear loss only. Between it and 1.0 the measured switch decides with warm plain steps,
+# because a cold step costs the request its head's KV for good, and a near-even prediction is within the error of
+# the scales (moving averages over all batch sizes' served steps)
+COLD_BELOW = 0.7
 # a batch size the prediction keeps plain still takes a tree step now and then (the accept length is measured on
 # tree steps only, so it would never see the traffic turn copy-heavy), spending at most this share of its time
 PROBE_SHARE, MIN_PROBE_INTERVAL = 0.01, 16
@@ -94,14 +98,14 @@ class BatchSwitches:
             self.switches[bucket] = SpeculationSwitch(plain_seconds=prior, window=WINDOW, probe_steps=PROBE_STEPS)
         return self.switches[bucket]
 
-    def predicted_speedup(self, batch_size: int) -> float | None:
+    def predicted_speedup(self, batch_size: int, floor: bool = False) -> float | None:
         """Tree over plain tokens per second for a batch of ``batch_size``; None without start-up costs. Until
-        ``WINDOW`` tree steps ran, the accept length is at least the prior (one odd first request, such as the
-        server's warm-up, does not turn trees off)."""
+        ``WINDOW`` tree steps ran, or with ``floor``, the accept length is at least the prior (one odd first
+        request, such as the server's warm-up, does not turn trees off)."""
         if self.costs is None:
             return None
-        accept_length = self.accept_length if self.tree_steps >= WINDOW else max(self.accept_length,
-                                                                                  PRIOR_ACCEPT_LENGTH)
+        learnt = self.tree_steps >= WINDOW and not floor
+        accept_length = self.accept_length if learnt else max(self.accept_length, PRIOR_ACCEPT_LENGTH)
         plain = self.plain_scale * self.costs.plain_at(batch_size)
         return accept_length * plain / (self.tree_scale * self.costs.tree_at(batch_size))
 
@@ -110,7 +114,7 @@ class BatchSwitches:
         after the stretch, so the head's KV is kept warm) or COLD (a plain step by prediction: no head forward)."""
         if self.switch(batch_size).lean:
             return PLAIN
-        predicted = self.predicted_speedup(batch_size)
+        predicted = self.predicted_speedup(batch_size, floor=True)
         if predicted is None or predicted >= COLD_BELOW:
             return TREE
         return TREE if self.since_tree.get(_bucket(batch_size), 0) >= self.probe_interval(batch_size) else COLD
@@ -123,9 +127,12 @@ class BatchSwitches:
         extra = self.tree_scale * self.costs.tree_at(batch_size) / plain
         return max(math.ceil(round((extra - 1) / PROBE_SHARE, 6)), MIN_PROBE_INTERVAL)  # round: float noise
 
-    def observe(self, batch_size: int, plain: bool, seconds: float, tokens: int) -> str | None:
+    def observe(self, batch_size: int, plain: bool, seconds: float, tokens: int, warm_requests: int | None = None,
+                warm_tokens: int = 0) -> str | None:
         """A step of ``batch_size`` requests took ``seconds`` and emitted ``tokens`` (a plain step: one a
-        request). Returns a line for the log when the batch size turns speculation off or back on."""
+        request); ``warm_requests`` of them (None: all) never took a cold step and emitted ``warm_tokens``: only
+        they teach the accept length. Returns a line for the log when the batch size turns speculation off or
+        back on."""
         switch = self.switch(batch_size)
         if plain:
             self.plain_steps += 1
@@ -138,7 +145,10 @@ class BatchSwitches:
             self.tree_steps += 1
             self.since_tree[_bucket(batch_size)] = 0
             switch.observe_speculative(seconds, tokens)
-            self.accept_length = _average(self.accept_length, tokens / max(batch_size, 1))
+            if warm_requests is None:
+                warm_requests, warm_tokens = batch_size, tokens
+            if warm_requests > 0:
+                self.accept_length = _average(self.accept_length, warm_tokens / warm_requests)
             if self.costs is not None:
                 self.tree_scale = _average(self.tree_scale, seconds / self.costs.tree_at(batch_size))
         now_plain = self.decide(batch_size) != TREE

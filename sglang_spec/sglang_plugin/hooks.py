@@ -371,6 +371,9 @@ def permute_kv(pool, target, source) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- tree auto
+COLD_MARK = "_sglang_spec_cold"  # set on a Req that took a cold step (its head skipped that position)
+
+
 def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
     """--speculative-tree-auto: a decode batch the switch calls plain goes through SGLang's own 0-step path (the
     root alone verified: a plain decode, the draft KV kept warm by the draft extend); every decode step is timed
@@ -391,8 +394,14 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
             output = original(worker, batch, *args, **kwargs)
     else:
         output = original(worker, batch, *args, **kwargs)
-    tokens = int(output.accept_lens.sum())  # reads the step's result: the time below is the step's own
-    message = switches.observe(size, plain, time.perf_counter() - start, tokens)
+    accept_lens = output.accept_lens.tolist()  # reads the step's result: the time below is the step's own
+    seconds = time.perf_counter() - start
+    warm = [index for index, request in enumerate(batch.reqs) if not getattr(request, COLD_MARK, False)]
+    message = switches.observe(size, plain, seconds, sum(accept_lens), warm_requests=len(warm),
+                               warm_tokens=sum(accept_lens[index] for index in warm))
+    if kind == COLD:
+        for request in batch.reqs:  # its head now lacks KV for this position: its tree steps teach nothing
+            setattr(request, COLD_MARK, True)
     if message is not None:
         log(message)
     return output

@@ -80,3 +80,24 @@ def test_step_costs_are_read_between_measured_batch_sizes():
         StepCosts(plain={1: 0.1}, tree={2: 0.2}, tokens=4)
     with pytest.raises(ValueError, match="positive"):
         StepCosts(plain={1: 0.0}, tree={1: 0.2}, tokens=4)
+
+
+def test_a_low_accept_length_alone_never_turns_a_batch_size_cold_where_the_prior_would_win():
+    """The server's warm-up (or an odd first request) teaches a low accept length; one request's trees, where the
+    prior accept length would win, are then left to the measured switch (warm plain steps), never cold: cold steps
+    would leave the head without KV, and its trees would confirm the low accept length for good."""
+    switches = BatchSwitches(costs=COSTS)
+    run(switches, 1, 8, tree_seconds=0.09, tokens=1.1, plain_seconds=0.06)
+    assert switches.accept_length < 1.3 and switches.predicted_speedup(1) < 1.0
+    assert switches.predicted_speedup(1, floor=True) > 1.0
+    kinds = run(switches, 1, 40, tree_seconds=0.09, tokens=1.1, plain_seconds=0.06)
+    assert COLD not in kinds and PLAIN in kinds  # measured: trees lose, warm plain stretches
+    assert run(switches, 16, 20, tree_seconds=1.2, tokens=16 * 1.1, plain_seconds=0.24) == [COLD] * 20
+
+
+def test_requests_that_took_cold_steps_do_not_teach_the_accept_length():
+    switches = BatchSwitches(costs=COSTS)
+    switches.observe(4, False, 0.2, 4 * 3, warm_requests=0, warm_tokens=0)
+    assert switches.accept_length == 2.0 and switches.tree_steps == 1  # timed, not learnt from
+    switches.observe(4, False, 0.2, 4 + 3 * 5, warm_requests=1, warm_tokens=5)  # one fresh request accepted 5
+    assert switches.accept_length == pytest.approx(0.7 * 2.0 + 0.3 * 5)

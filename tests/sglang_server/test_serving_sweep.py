@@ -49,3 +49,22 @@ def test_a_workload_with_fewer_prompts_than_asked_is_cycled_to_fill_the_concurre
     extraction = [entry["conversations"][0]["value"] for entry in json.loads(datasets["extraction"].read_text())]
     assert len(extraction) == 16 and len(set(extraction)) == 6 and extraction[6] == extraction[0]
     assert sweep.repeated(["a", "b", "c"], 2) == ["a", "b", "c"]
+
+
+def test_speedups_are_over_the_faster_plain_decoding_and_plain_sync_turns_overlap_off():
+    """On this CPU SGLang's overlap loop slows plain decoding on long prompts; the context policies run without it,
+    so their ratio is over the faster of the two plain servers, never over the slower one alone."""
+    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    args = sweep.parse_args(["--cpu-model", "smollm2", "--policies", "plain,plain-sync,hybrid"])
+    assert sweep.tree_arguments(args, "plain-sync", 15, None) == ["--disable-overlap-schedule"]
+
+    def row(policy, workload, throughput):
+        return {**sweep.row_from_result(policy, 15, 1, {"output_throughput": throughput}, workload)}
+
+    rows = [row("plain", "extraction", 6.0), row("plain-sync", "extraction", 8.0), row("hybrid", "extraction", 10.0),
+            row("plain", "code", 12.0), row("plain-sync", "code", 11.0), row("hybrid", "code", 15.0)]
+    sweep.add_speedups(rows)
+    assert [round(r["speedup_over_plain"], 3) for r in rows] == [0.75, 1.0, 1.25, 1.0, 0.917, 1.25]
+    assert rows[1]["budget"] == 0
