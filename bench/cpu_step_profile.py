@@ -4,11 +4,15 @@ the target's forward, the draft's forwards and everything else (the step's overh
     python bench/cpu_step_profile.py                       # plain, sequoia 15/4/4, specexec 15/4/4; 1 and 8 requests
     python bench/cpu_step_profile.py --configs plain,sequoia --concurrency 1 --max-new-tokens 16   # quicker
     python bench/cpu_step_profile.py --cprofile            # also cProfile's top functions per server (slower steps)
+    python bench/cpu_step_profile.py --configs plain,plain-sync,auto --depth 8 --concurrency 16   # tree auto's cold steps
 
 Each server (SmolLM2-135M + shipped head, through the CPU harness) is started with ``SGLANG_SPEC_CPU_PROFILE``
 (``sglang_plugin/cpu/profile.py``), warmed up with one short request, then decodes greedily ``--max-new-tokens``
 tokens (ignore_eos) for 1 prompt and for N concurrent prompts (HumanEval 134 onwards). The scheduler records every
-batch: its start, target and draft ``ModelRunner.forward`` time. A step's time is the scheduler loop's period (the
+batch: its start, target and draft ``ModelRunner.forward`` time and the target forwards' modes (a step whose
+target forward ran in DECODE mode is plain decoding's, or tree auto's cold step). ``plain-sync`` is plain decoding
+with SGLang's overlap scheduler off (as the context policies run), ``auto`` is ``hybrid`` with
+``--speculative-tree-auto``. A step's time is the scheduler loop's period (the
 CPU server runs SGLang's overlap loop, which processes a step's result after launching the next); overhead = step
 - target - draft. ms per token = mean step time / tokens decoded per step; the speedup is plain's ms per token over
 the row's. Greedy outputs are checked identical to plain's. Writes JSON (``--out``) and prints a table.
@@ -30,7 +34,10 @@ from sglang_spec.cli.parser import OneLineErrorParser, comma_list, integer
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 
-CONFIGS = ("plain", "sequoia", "specexec")
+CONFIGS = ("plain", "plain-sync", "sequoia", "specexec", "hybrid", "auto")
+DEFAULT_CONFIGS = ("plain", "sequoia", "specexec")
+PLAIN_CONFIGS = ("plain", "plain-sync")
+CPU_RUNNING_CAP = 8  # the CPU server's default --max-running-requests
 HELD_OUT_FIRST = 134  # HumanEval 134 onwards: never in the shipped head's traffic
 
 
@@ -42,13 +49,13 @@ def config_name(text: str) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", type=comma_list(config_name), default=",".join(CONFIGS),
+    parser.add_argument("--configs", type=comma_list(config_name), default=",".join(DEFAULT_CONFIGS),
                         help=f"servers to run, among {', '.join(CONFIGS)}")
     parser.add_argument("--budget", type=integer(2, 64), default=15)
     parser.add_argument("--depth", type=integer(1, 8), default=4)
     parser.add_argument("--topk", type=integer(1, 8), default=4)
-    parser.add_argument("--concurrency", type=comma_list(integer(1, 8)), default="1,8",
-                        help="concurrent requests per workload (the CPU server runs at most 8)")
+    parser.add_argument("--concurrency", type=comma_list(integer(1, 16)), default="1,8",
+                        help="concurrent requests per workload (above 8 the server's running cap is raised to it)")
     parser.add_argument("--max-new-tokens", type=integer(2, 1024), default=48)
     parser.add_argument("--cprofile", action="store_true",
                         help="run the decode steps under cProfile and print each server's top functions")
@@ -58,11 +65,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def tree_args(config: str, args: argparse.Namespace, profile: Path) -> list[str]:
-    if config == "plain":
-        return []
-    tree = ["--speculative-tree-policy", config, "--speculative-tree-budget", str(args.budget),
+    running = max(args.concurrency)
+    cap = ["--max-running-requests", str(running)] if running > CPU_RUNNING_CAP else []
+    if config in PLAIN_CONFIGS:
+        return cap + (["--disable-overlap-schedule"] if config == "plain-sync" else [])
+    policy = "hybrid" if config == "auto" else config
+    tree = ["--speculative-tree-policy", policy, "--speculative-tree-budget", str(args.budget),
             "--speculative-tree-depth", str(args.depth), "--speculative-tree-topk", str(args.topk)]
-    return tree + (["--speculative-acceptance-profile", str(profile)] if config == "sequoia" else [])
+    tree += ["--speculative-acceptance-profile", str(profile)] if policy in ("sequoia", "hybrid") else []
+    return cap + tree + (["--speculative-tree-auto"] if config == "auto" else [])
 
 
 def read_steps(path: Path, after: int, timeout: float = 30.0) -> list[dict]:
@@ -97,6 +108,7 @@ def summarise(config: str, concurrency: int, batches: list[dict], answers: list[
         "other_batches": sorted(batch["mode"] for batch in batches if batch["mode"] != "DECODE"),
         "mean_batch": sum(batch["batch"] for batch, _ in periods) / timed,
         "tokens_per_step": decoded / count,
+        "decode_mode_steps": sum(batch.get("target_modes") == ["DECODE"] for batch, _ in periods),
         "step_ms": 1e3 * step, "target_ms": 1e3 * target, "draft_ms": 1e3 * draft,
         "overhead_ms": 1e3 * (step - target - draft),
         "ms_per_token": 1e3 * step * count / decoded,
@@ -124,7 +136,7 @@ def run_server(config: str, args: argparse.Namespace, model, prompts: list[list[
         (folder / stale).unlink(missing_ok=True)
     env = dict(os.environ, **{PROFILE_ENV: str(folder), CPROFILE_ENV: "1" if args.cprofile else "0"})
     port = free_port()
-    launch = cpu_launch_args(model, port, speculative=config != "plain",
+    launch = cpu_launch_args(model, port, speculative=config not in PLAIN_CONFIGS,
                              extra=tree_args(config, args, model.profile))
     steps_path = folder / "steps.jsonl"
     rows, outputs = [], {}
@@ -141,7 +153,8 @@ def run_server(config: str, args: argparse.Namespace, model, prompts: list[list[
             row = rows[-1]
             print(f"{config:<9} x{concurrency}: {row['steps']} steps, {row['step_ms']:.1f} ms/step "
                   f"(target {row['target_ms']:.1f}, draft {row['draft_ms']:.1f}, overhead {row['overhead_ms']:.1f}), "
-                  f"{row['tokens_per_step']:.2f} tokens/step", flush=True)
+                  f"{row['tokens_per_step']:.2f} tokens/step, {row['decode_mode_steps']} timed steps decoded "
+                  f"(target forward in DECODE mode)", flush=True)
     top = top_functions(folder / "decode.pstats", args.top) if args.cprofile else []
     return rows, outputs, top
 
@@ -182,9 +195,10 @@ def main(argv=None) -> int:
                                              f"{t['cumulative_s']:.2f}"] for t in top])))
     print()
     print("\n".join(markdown_table(
-        ["server", "requests", "steps", "ms / step", "target fwd", "draft fwds", "overhead", "tokens / step",
-         "ms / token", "speedup"],
-        [[row["config"], row["concurrency"], row["steps"], f"{row['step_ms']:.1f}", f"{row['target_ms']:.1f}",
+        ["server", "requests", "steps", "DECODE-mode", "ms / step", "target fwd", "draft fwds", "overhead",
+         "tokens / step", "ms / token", "speedup"],
+        [[row["config"], row["concurrency"], row["steps"], row["decode_mode_steps"], f"{row['step_ms']:.1f}",
+          f"{row['target_ms']:.1f}",
           f"{row['draft_ms']:.1f}", f"{row['overhead_ms']:.1f}", f"{row['tokens_per_step']:.2f}",
           f"{row['ms_per_token']:.1f}", f"{row['speedup']:.2f}x" if "speedup" in row else ""] for row in rows])))
     print(f"\n{command}")
