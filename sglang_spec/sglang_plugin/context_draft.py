@@ -157,7 +157,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     root_index = spec_info.topk_index[:, :topk]
     if worker.hot_token_id is not None:
         root_index = worker.hot_token_id[root_index]
-    root_candidates = Candidates(tokens=root_index.cpu(), probs=spec_info.topk_p[:, :topk].float().cpu())
+    root_candidates = Candidates(tokens=root_index.cpu(), probs=_finite(spec_info.topk_p[:, :topk].float().cpu()))
 
     builders: list[BestFirstBuilder] = []
     rounds: list[BestFirstRounds] = []
@@ -198,7 +198,8 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
         output, topk_p, topk_index = forward_beams(worker, forward_batch, step, tokens.reshape(-1).to(device),
                                                    state[hidden_rows], step_locs[step - 1], topk)
         state = output.hidden_states
-        topk_p, topk_index = topk_p.float().cpu().view(batch, width, topk), topk_index.cpu().view(batch, width, topk)
+        topk_p, topk_index = _finite(topk_p.float().cpu()).view(batch, width, topk), topk_index.cpu().view(batch, width,
+                                                                                                          topk)
         for row, nodes in list(pending.items()):
             beam_of[row] = {node: beam for beam, node in enumerate(nodes)}
             count = len(nodes)
@@ -211,6 +212,14 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     encoding = encode_sglang_draft(padded, width, drafter.steps)
     return (encoding.parent_list.to(device), encoding.top_scores_index.to(device),
             encoding.draft_tokens.to(device), None)
+
+
+def _finite(probs: torch.Tensor) -> torch.Tensor:
+    """The head's top-k probabilities, checked on the host copy the builder reads anyway: a non-finite head output
+    is a draft fault (``hooks.draft_forward_around`` verifies a filler tree for the batch), not a tree."""
+    if not bool(torch.isfinite(probs).all()):
+        raise FloatingPointError("the MTP head's top-k probabilities are not finite")
+    return probs
 
 
 def _advance(rounds: list[BestFirstRounds], trees: list[DraftTree | None], pending: dict[int, list[int]],

@@ -10,9 +10,9 @@
 | ``EagleDraftWorker.__init__`` | AFTER | the draft loop's static device state, once per worker; metrics |
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | the draft KV pool can give every branch its own ancestry |
 | ``EagleDraftWorker.draft`` | AROUND | lookup / hybrid: the batch's requests for the context; the draft runs eagerly |
-| ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); lookup / hybrid: host-built trees (``context_draft``); eagle: SGLang's |
+| ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); lookup / hybrid: host-built trees (``context_draft``); eagle: SGLang's; a draft that raises: a filler tree for that batch (counted, one log line) |
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
-| ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | ``--speculative-tree-auto``: start-up costs (``step_costs``) before the first decode step; then a tree step, a plain step (SGLang's own 0-step path) or a cold one (its draft-extend stub), timed |
+| ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | ``--speculative-tree-auto``: start-up costs (``step_costs``) before the first decode step; then a tree step, a plain step (SGLang's own 0-step path) or a cold one (the target's DECODE forward, SGLang's draft-extend stub), timed |
 | ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept |
 | ``eagle_utils.eagle_sample`` | AROUND | fused: our verify + accept kernels, or SGLang's path (counted); per-rank counts |
 | ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | fused: the accepted path's KV moved by our kernel |
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import torch
 
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.batch_switch import COLD, TREE, BatchSwitches
-from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draft_forward
+from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draft_forward, pad_to_budget
 from sglang_spec.sglang_plugin.draft_forward import draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.fused_accept import FusedAccept, SGLangAccept
@@ -57,6 +58,8 @@ from sglang_spec.sglang_plugin.options import (
     validate_speculative,
 )
 from sglang_spec.sglang_plugin.step_costs import measure_step_costs
+from sglang_spec.tree.encode_sglang import SGLangDraftEncoding, encode_sglang_draft
+from sglang_spec.tree.token_tree import TokenTree
 
 # our draft model classes, by the architecture name a draft folder's config.json gives (imported on first use)
 MODEL_CLASSES = {"LlamaForCausalLMNextN": "sglang_spec.sglang_plugin.models.llama_nextn"}
@@ -229,6 +232,9 @@ class DraftSetup:
     width: int
     steps: int
     context: ContextDrafter | None = None
+    fault_every: int = 0  # tests: every fault_every-th draft raises (FAULT_ENV, read at start-up); 0: never
+    drafts: int = 0  # drafts run, for fault_every
+    filler: SGLangDraftEncoding | None = None  # the filler tree a faulty draft's batch verifies (built on first use)
 
 
 def draft_worker_init_after(result, worker, *args, **kwargs):
@@ -248,7 +254,7 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
                                  worker.speculative_num_draft_tokens - 1, SOURCES)
     # the draft KV pool is allocated later (Scheduler.init_memory_pools): ancestry is decided in alloc_memory_pool
     worker._sglang_spec = DraftSetup(loop, exact_ancestry=False, width=worker.topk, steps=worker.speculative_num_steps,
-                                     context=context)
+                                     context=context, fault_every=_fault_every())
     claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
     return result
 
@@ -331,6 +337,60 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
     setup = getattr(worker, "_sglang_spec", None)
     if setup is None or forward_batch.forward_mode.is_idle():
         return original(worker, forward_batch, *args, **kwargs)
+    setup.drafts += 1
+    try:
+        if setup.fault_every and setup.drafts % setup.fault_every == 0:
+            raise InjectedFault(f"draft {setup.drafts} ({FAULT_ENV}={setup.fault_every})")
+        return _draft_forward(original, worker, forward_batch, setup, *args, **kwargs)
+    except Exception as error:  # one batch's draft must not take the scheduler down: it verifies a filler tree
+        if _capturing():  # a failed graph capture must fail, not record a filler tree
+            raise
+        if setup.context is not None:
+            setup.context.proposed = []  # nothing was proposed: the accept teaches the counts nothing
+        METRICS.record_draft_fault(type(error).__name__)
+        log(f"draft fault, batch of {forward_batch.batch_size} verified without speculation "
+            f"({type(error).__name__}: {error}; sglang_spec_draft_faults_total)")
+        return _filler_draft(worker, forward_batch, setup)
+
+
+class InjectedFault(RuntimeError):
+    """A draft fault raised on purpose (``FAULT_ENV``), for the fault-injection tests."""
+
+
+FAULT_ENV = "SGLANG_SPEC_INJECT_DRAFT_FAULT"
+
+
+def _fault_every() -> int:
+    text = os.environ.get(FAULT_ENV, "0")
+    if not text.isdigit():
+        raise StartupError(f"{FAULT_ENV}={text!r}: give a whole number n (every n-th draft raises) or 0")
+    return int(text)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _filler_draft(worker, forward_batch, setup: DraftSetup):
+    """SGLang's draft outputs for a tree of filler tokens in the configured shape, one per request: deterministic
+    proposals (no head, no context), so verification stays exact and the step emits the target's own token (and,
+    rarely, a filler that happens to match). Built once per worker."""
+    if setup.filler is None:
+        root = TokenTree.from_parents([-1], tokens=[0])
+        tree = pad_to_budget(root, worker.speculative_num_draft_tokens - 1, worker.topk, worker.speculative_num_steps)
+        setup.filler = encode_sglang_draft([tree], worker.topk, worker.speculative_num_steps)
+    rows = forward_batch.batch_size
+    device = forward_batch.spec_info.bonus_tokens.device
+
+    def per_request(part: torch.Tensor) -> torch.Tensor:
+        return part.to(device).expand(rows, -1).contiguous()
+
+    filler = setup.filler
+    return (per_request(filler.parent_list), per_request(filler.top_scores_index), per_request(filler.draft_tokens),
+            None)
+
+
+def _draft_forward(original, worker, forward_batch, setup: DraftSetup, *args, **kwargs):
     if setup.loop is not None:
         return draft_forward(worker, forward_batch, setup.loop, permute_kv)
     if setup.context is not None:
@@ -376,8 +436,8 @@ COLD_MARK = "_sglang_spec_cold"  # set on a Req that took a cold step (its head 
 
 def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
     """--speculative-tree-auto: a decode batch the switch calls plain goes through SGLang's own 0-step path (the
-    root alone verified: a plain decode, the draft KV kept warm by the draft extend); every decode step is timed
-    with the tokens it emitted."""
+    root alone verified: a plain decode, the draft KV kept warm by the draft extend), or cold (``_zero_steps``);
+    every decode step is timed with the tokens it emitted."""
     options: TreeServerOptions | None = getattr(worker.server_args, ATTRIBUTE, None)
     if (options is None or not options.auto or batch.forward_mode.is_extend() or batch.is_extend_in_batch
             or batch.forward_mode.is_idle()):
@@ -423,8 +483,9 @@ def _start_switches(worker) -> BatchSwitches:
 @contextlib.contextmanager
 def _zero_steps(worker, cold: bool = False):
     """SGLang's drafting-disabled state for one step: 0 draft steps, 1 verified token (its trivial verify input),
-    on the worker and its draft worker, restored after. ``cold``: the draft extend is skipped too, with SGLang's
-    own stub of the next draft input (what its SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND does for every 0-step)."""
+    on the worker and its draft worker, restored after. ``cold``: the target's forward runs in DECODE mode
+    (``_as_decode``) and the draft extend is skipped, with SGLang's own stub of the next draft input (what its
+    SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND does for every 0-step)."""
     draft = worker.draft_worker
     saved = (worker.speculative_num_steps, worker.speculative_num_draft_tokens, draft.speculative_num_steps,
              draft.speculative_num_draft_tokens)

@@ -16,6 +16,9 @@ turns them into a profile's ``sources`` section).
 
 With ``--speculative-tree-accept fused``, ``sglang_spec_fused_accept_batches_total{outcome}`` counts the verify
 batches the fused accept served (``outcome="fused"``) and those it left to SGLang's own path, by reason.
+
+``sglang_spec_draft_faults_total{error}`` counts the batches whose draft raised inside the plugin and were verified
+without speculation instead (``hooks.draft_forward_around``), by exception type.
 """
 
 from __future__ import annotations
@@ -23,10 +26,22 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 MAX_POSITIONS = 64
+
+
+@dataclass(frozen=True)
+class _AcceptanceCounters:
+    """The prometheus_client counters ``AcceptanceMetrics`` feeds once registered."""
+
+    steps: Any
+    accepted: Any  # labelled by position
+    accept_outcomes: Any  # labelled by outcome
+    draft_faults: Any  # labelled by error
 
 
 class AcceptanceMetrics:
@@ -35,7 +50,8 @@ class AcceptanceMetrics:
         self.steps = 0
         self.accepted = [0] * (MAX_POSITIONS + 1)
         self.accept_outcomes: Counter[str] = Counter()
-        self._prometheus = None
+        self.draft_faults: Counter[str] = Counter()
+        self._prometheus: _AcceptanceCounters | None = None
         # False on attention-TP ranks other than 0: they verify the same requests, and counting there too would
         # multiply every total by the TP size (set at worker start-up, hooks.claim_acceptance_metrics)
         self.counting = True
@@ -49,10 +65,9 @@ class AcceptanceMetrics:
             for position in range(1, num_correct_drafts + 1):
                 self.accepted[position] += 1
         if self._prometheus is not None:
-            steps, accepted, _ = self._prometheus
-            steps.inc()
+            self._prometheus.steps.inc()
             for position in range(1, num_correct_drafts + 1):
-                accepted.labels(position=str(position)).inc()
+                self._prometheus.accepted.labels(position=str(position)).inc()
 
     def record_accept(self, outcome: str) -> None:
         """One verify batch: served by the fused accept (``"fused"``) or by SGLang's, with the reason."""
@@ -61,7 +76,16 @@ class AcceptanceMetrics:
         with self._lock:
             self.accept_outcomes[outcome] += 1
         if self._prometheus is not None:
-            self._prometheus[2].labels(outcome=outcome).inc()
+            self._prometheus.accept_outcomes.labels(outcome=outcome).inc()
+
+    def record_draft_fault(self, error: str) -> None:
+        """One batch whose draft raised ``error`` (an exception type name) and went on without speculation."""
+        if not self.counting:
+            return
+        with self._lock:
+            self.draft_faults[error] += 1
+        if self._prometheus is not None:
+            self._prometheus.draft_faults.labels(error=error).inc()
 
     def rates(self) -> list[float]:
         """Acceptance rate per position 1, 2, ... (up to the deepest position seen)."""
@@ -85,7 +109,10 @@ class AcceptanceMetrics:
                            "verify steps that accepted at least `position` drafts", ["position"])
         outcomes = PrometheusCounter("sglang_spec_fused_accept_batches_total",
                            "verify batches by who accepted them: fused, or SGLang's path and why", ["outcome"])
-        self._prometheus = (steps, accepted, outcomes)
+        faults = PrometheusCounter("sglang_spec_draft_faults_total",
+                                   "batches whose draft raised in the plugin and were verified without speculation",
+                                   ["error"])
+        self._prometheus = _AcceptanceCounters(steps, accepted, outcomes, faults)
 
 
 METRICS = AcceptanceMetrics()

@@ -1,0 +1,54 @@
+"""A draft that raises inside the plugin must not take SGLang's scheduler down: that batch verifies a filler tree
+(no head, no context: the target's own token), a counter and one log line say so, and the server goes on.
+
+Faults are injected through launch_server with ``SGLANG_SPEC_INJECT_DRAFT_FAULT=n`` (every n-th draft raises), for
+each draft path: the plugin's own loop (sequoia), the context drafter (hybrid) and SGLang's loop under the plugin's
+hooks (eagle). Greedy output must stay plain decoding's, sampled requests must complete, and the server must answer
+afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cpu_server_helpers import SMOLLM2_NEW_TOKENS, running_server, tree_args
+
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
+
+EVERY = 3  # every third draft raises: steps with and without faults interleave in every request
+
+
+@pytest.fixture(scope="module", params=["sequoia", "hybrid", "eagle"])
+def faulty(request, smollm2_cpu, server_logs, smollm2_prompts):
+    policy = request.param
+    extra = tree_args(policy, 15, 4, 4, smollm2_cpu.profile) + ["--enable-metrics"]
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("SGLANG_SPEC_INJECT_DRAFT_FAULT", str(EVERY))
+    try:
+        with running_server(smollm2_cpu, server_logs, f"smollm2-faults-{policy}", extra) as server:
+            greedy = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
+            sampled = server.generate(smollm2_prompts[:2], {"temperature": 0.8, "max_new_tokens": 8})
+            metrics = server.request("/metrics")
+            after = server.generate(smollm2_prompts[:1], {"temperature": 0, "max_new_tokens": 4})
+            log = server.log_path.read_text(errors="replace")
+    finally:
+        monkeypatch.undo()
+    return {"policy": policy, "greedy": greedy, "sampled": sampled, "metrics": metrics, "after": after, "log": log}
+
+
+def test_faulty_drafts_keep_plain_decodings_output_and_the_server_serving(faulty, smollm2_plain):
+    assert [answer["output_ids"] for answer in faulty["greedy"]] == smollm2_plain, faulty["policy"]
+    assert all(len(answer["output_ids"]) == 8 for answer in faulty["sampled"])
+    assert faulty["after"][0]["output_ids"] == smollm2_plain[0][:4]
+
+
+def test_each_fault_is_counted_and_logged_in_one_line(faulty):
+    lines = [line for line in faulty["log"].splitlines() if "draft fault" in line]
+    counted = re.search(r'sglang_spec_draft_faults_total\{error="InjectedFault"\} (\d+)', faulty["metrics"])
+    assert counted is not None, faulty["metrics"][-2000:]
+    # the metrics were read before the last request, whose drafts may have raised too
+    assert 0 < int(float(counted.group(1))) <= len(lines)
+    assert all("verified without speculation (InjectedFault" in line for line in lines), lines[:3]
+    assert "Traceback" not in faulty["log"]
