@@ -227,7 +227,12 @@ def workload_datasets(args, scratch: Path) -> dict[str, Path]:
 
 def repeated(questions: list[str], count: int) -> list[str]:
     """The questions in order, cycled to ``count`` at least: bench_serving sends each dataset entry once, so a
-    workload with fewer prompts than ``--num-prompts`` would never fill a batch of the asked concurrency."""
+    workload with fewer prompts than ``--num-prompts`` would never fill a batch of the asked concurrency. Cycled
+    prompts repeat whole requests, which a cross-request corpus (SGLang's NGRAM) answers from the earlier copy's
+    output: the sweep says so on stderr, and such a method's numbers there are not a fair comparison."""
+    if count > len(questions):
+        print(f"warning: {len(questions)} distinct prompts repeated to {count} requests: a method with a "
+              f"cross-request corpus (sglang-ngram) sees earlier answers to the same prompt", file=sys.stderr)
     return [questions[index % len(questions)] for index in range(max(count, len(questions)))]
 
 
