@@ -2,16 +2,16 @@
 
 Methods: ``plain`` (no speculation) and ``plain-sync`` (no speculation, SGLang's overlap scheduler off: the
 scheduler our context policies run under, and on a 2-core CPU the faster plain decoding on long prompts, where the
-overlap loop's host work competes with the forward for the cores); SGLang's own speculation as a user would pick it instead, ``sglang-chain``
-(EAGLE / NEXTN, one candidate a step, 3 steps), ``sglang-tree`` (its topk-4 tree with the same number of draft
-tokens as ours) and ``sglang-ngram`` (its n-gram corpus, no draft model); ours, ``chain``, ``eagle``, ``sequoia``,
-``specexec``, ``lookup``, ``hybrid`` (``--speculative-tree-policy``) and ``auto`` (hybrid with
-``--speculative-tree-auto``). For every method and budget the script launches
+overlap loop's host work competes with the forward for the cores); SGLang's own speculation as a user would pick
+it instead, ``sglang-chain`` (EAGLE / NEXTN, one candidate a step, 3 steps), ``sglang-tree`` (its topk-4 tree
+with the same number of draft tokens as ours) and ``sglang-ngram`` (its n-gram corpus, no draft model); ours,
+``chain``, ``eagle``, ``sequoia``, ``specexec``, ``lookup``, ``hybrid`` (``--speculative-tree-policy``) and ``auto``
+(hybrid with ``--speculative-tree-auto``). For every method and budget the script launches
 ``python -m sglang.launch_server``, waits for ``/health``, runs ``python -m sglang.bench_serving`` per workload and
 concurrency, stops the server (its whole process group), and collects the client's JSON lines into a CSV and a
 plot: output tokens/s and its ratio over plain in the same run (the faster of ``plain`` and ``plain-sync`` where
-both ran), mean accept length and p50 / p99 inter-token
-latency (speculation makes tokens arrive in bursts: p50 ITL falls while p99 can rise).
+both ran), mean accept length and p50 / p99 inter-token latency (speculation makes tokens arrive in bursts: p50
+ITL falls while p99 can rise).
 
 Workloads: ``heldout`` (HumanEval 134-163, never in the shipped heads' training), or ``serving``: three held-out
 sets no part of the project trained or tuned on: code (HumanEval 150-163), extraction (passages of the report in
