@@ -14,8 +14,9 @@ both ran), mean accept length and p50 / p99 inter-token latency (speculation mak
 ITL falls while p99 can rise).
 
 Workloads: ``heldout`` (HumanEval 134-163, never in the shipped heads' training), or ``serving``: three held-out
-sets no part of the project trained or tuned on: code (HumanEval 150-163), extraction (passages of the report in
-SGLang's ``test/long_prompt.txt`` with copy-out questions) and chat (``bench/workloads/serving/chat.jsonl``); or a
+sets no part of the project trained or tuned on, 32 distinct requests each: code (HumanEval 150-163, 134-149,
+132-133), extraction (passages of the report in SGLang's ``test/long_prompt.txt`` with copy-out questions) and chat
+(``bench/workloads/serving/chat.jsonl``); more requests than that cycle them (with a warning); or a
 user's own file, ``--prompts FILE.jsonl`` (``{"prompt": ...}`` or ``{"messages": [...]}`` lines, an optional
 ``"domain"`` names the workload).
 
@@ -181,19 +182,31 @@ EXTRACTION_QUESTIONS = (
 )
 
 
+DISTINCT_PROMPTS = 32  # distinct requests a serving workload holds (concurrency 16 twice over, no repeats)
+
+
 def serving_questions(workload: str) -> list[str]:
-    """The held-out ``serving`` workloads (module doc): nothing in the project trained or tuned on them."""
+    """The held-out ``serving`` workloads (module doc): nothing in the project trained or tuned on them, 32
+    distinct requests each. The first ones are the earlier, smaller sets in their order (code: HumanEval 150-163;
+    extraction: six passages with one question each; chat: eight prompts), so runs with few prompts stay
+    comparable with the earlier results."""
     if workload == "code":
-        return [spec.messages[0]["content"] for spec in humaneval_prompts(150, 163)]
+        tasks = [*range(150, 164), *range(134, 150), 132, 133]  # 134+: never in the shipped heads' traffic
+        return [spec.messages[0]["content"] for task in tasks for spec in humaneval_prompts(task, task)]
     if workload == "extraction":
         import importlib.resources
 
         report = importlib.resources.files("sglang").joinpath("test", "long_prompt.txt").read_text()
         # the report alone: the file opens with a summarising instruction of its own
         words = report.replace("\\n", "\n").split("Report:", 1)[-1].strip().split(" ")
-        passages = [" ".join(words[start : start + 350]) for start in range(0, len(words) - 350, 350)][:6]
-        return [f"{passage}\n\n{EXTRACTION_QUESTIONS[index % len(EXTRACTION_QUESTIONS)]}"
-                for index, passage in enumerate(passages)]
+        passages = [" ".join(words[start : start + 350]) for start in range(0, len(words) - 350, 350)]
+        # passage i with question i mod 3 first (the earlier six), then the other questions on each passage
+        pairs = [(index, index % len(EXTRACTION_QUESTIONS)) for index in range(len(passages))]
+        pairs += [(index, question) for question in range(len(EXTRACTION_QUESTIONS)) for index in range(len(passages))
+                  if question != index % len(EXTRACTION_QUESTIONS)]
+        ordered = pairs[:6] + sorted(pairs[6:], key=lambda pair: pair[0] >= 6)  # stable: the first six passages first
+        return [f"{passages[index]}\n\n{EXTRACTION_QUESTIONS[question]}"
+                for index, question in ordered[:DISTINCT_PROMPTS]]
     return [_question(spec) for spec in load_prompts(str(WORKLOADS_DIR / f"{workload}.jsonl"))]
 
 

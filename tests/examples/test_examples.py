@@ -47,7 +47,7 @@ def test_serving_sweep_compares_sglangs_own_speculation_on_held_out_workloads(tm
     assert all(f"--dataset-path {name}.json" in out for name in ("code", "extraction", "chat"))
     chat = sweep.serving_questions("chat")
     code = sweep.serving_questions("code")
-    assert len(chat) == 8 and len(code) == 14 and "def " in code[0]
+    assert len(chat) == len(set(chat)) == 32 and len(code) == len(set(code)) == 32 and "def " in code[0]
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text('{"prompt": "a", "domain": "support"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
     args = sweep.parse_args(["--prompts", str(prompts)])

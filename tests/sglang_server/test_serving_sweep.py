@@ -36,19 +36,23 @@ def test_sweep_against_the_cpu_server(smollm2_cpu, tmp_path):
 
 
 
-def test_a_workload_with_fewer_prompts_than_asked_is_cycled_to_fill_the_concurrency(tmp_path):
-    """bench_serving sends each dataset entry once: the six extraction passages must become 16 requests for a
-    concurrency-16 run to reach a batch of 16."""
+def test_a_workload_with_fewer_prompts_than_asked_is_cycled_to_fill_the_concurrency(tmp_path, capsys):
+    """bench_serving sends each dataset entry once: a workload's 32 distinct requests are cycled when more are asked
+    (with a warning: a cross-request corpus would see the repeats), and never repeat below that."""
     import json
 
     spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
-    args = sweep.parse_args(["--cpu-model", "smollm2", "--workloads", "extraction,code", "--num-prompts", "16"])
+    args = sweep.parse_args(["--cpu-model", "smollm2", "--workloads", "extraction,code", "--num-prompts", "40"])
     datasets = sweep.workload_datasets(args, tmp_path)
     extraction = [entry["conversations"][0]["value"] for entry in json.loads(datasets["extraction"].read_text())]
-    assert len(extraction) == 16 and len(set(extraction)) == 6 and extraction[6] == extraction[0]
+    assert len(extraction) == 40 and len(set(extraction)) == 32 and extraction[32] == extraction[0]
+    assert "32 distinct prompts repeated to 40 requests" in capsys.readouterr().err
+    # the first six are the earlier extraction set: passage i with question i mod 3
+    assert [text.rsplit("\n\n", 1)[1] for text in extraction[:6]] == [*sweep.EXTRACTION_QUESTIONS] * 2
     assert sweep.repeated(["a", "b", "c"], 2) == ["a", "b", "c"]
+    assert "repeated" not in capsys.readouterr().err
 
 
 def test_speedups_are_over_the_faster_plain_decoding_and_plain_sync_turns_overlap_off():
