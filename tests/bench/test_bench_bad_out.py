@@ -26,7 +26,7 @@ def test_unwritable_out_is_one_line_and_status_2(script, tmp_path):
 @pytest.mark.parametrize("script, option, value", [
     ("acceptance", "--budgets", "4,abc"), ("acceptance", "--temperatures", "0,nan"), ("acceptance", "--depths", "0"),
     ("sglang_trees", "--budgets", "16,,32"), ("sglang_trees", "--num-prompts", "99"),
-    ("cpu_step_profile", "--concurrency", "1,9"), ("cpu_step_profile", "--configs", "plain,eagle"),
+    ("cpu_step_profile", "--concurrency", "1,17"), ("cpu_step_profile", "--configs", "plain,eagle"),
 ])
 def test_bad_list_or_number_option_is_one_line_and_status_2(script, option, value):
     result = subprocess.run([sys.executable, str(REPO / "bench" / f"{script}.py"), option, value],
