@@ -18,6 +18,13 @@ the traffic (copy-heavy prompts accept more). Two layers decide:
   return for those requests, the head drafts without its KV for the cold positions (it accepts less there;
   verification keeps the output exact). So the accept length is learnt from requests with a warm head only: a
   request that took a cold step would report the stale head, not the traffic (and, learnt, keep itself cold).
+  Between ``COLD_BELOW`` and even, once the accept length is learnt (``WINDOW`` tree steps), a batch of two or
+  more that is predicted to lose takes warm plain steps (the head's draft extend runs, so trees return at no cost
+  in acceptance), with a tree step at most ``BAND_PROBE_SHARE`` of the time: on the CPU bed the prediction at
+  batch 16 on code (0.8-0.9x) was what served tree steps delivered, and trying trees there at every measured
+  verdict cost 5-10% of throughput. One request is left to the measured switch (below), as the reference
+  decoder's ``--auto`` does: there a tree step costs about two plain steps, its accept length swings from one
+  step to the next, and holding plain on the prediction lost a third of the trees' gain on code.
 * **Measurement.** Elsewhere each batch-size bucket (1, 2, 3-4, 5-8, ...) has a ``decode/switch.SpeculationSwitch``,
   the reference decoder's own guard, whose plain-decoding prior is the predicted plain time: it weighs the wall time
   per emitted token of the bucket's recent tree steps against its plain steps'; a loss takes a stretch of plain
@@ -46,7 +53,13 @@ COLD_BELOW = 0.7
 # a batch size the prediction keeps plain still takes a tree step now and then (the accept length is measured on
 # tree steps only, so it would never see the traffic turn copy-heavy), spending at most this share of its time
 PROBE_SHARE, MIN_PROBE_INTERVAL = 0.01, 16
-SMOOTHING = 0.3  # weight of the newest step in the moving averages
+# the same for a batch size predicted to lose by less (warm plain steps): a probe there costs little and a
+# prediction near even is worth checking against the traffic more often
+BAND_PROBE_SHARE = 0.05
+SMOOTHING = 0.3  # weight of the newest step in the scales' moving averages
+# weight of each request of the newest tree step in the accept length's moving average (a batch of 16 weighs
+# 1 - 0.9 ** 16 = 81%, one request 10%: one request's step, anywhere from 1 to the tree's depth, is noise)
+ACCEPT_SMOOTHING = 0.1
 PRIOR_ACCEPT_LENGTH = 2.0  # tokens a request gains per tree step before any tree step ran
 TREE, PLAIN, COLD = "tree", "plain", "cold"  # the kinds of step ``decide`` returns
 
@@ -82,7 +95,7 @@ class BatchSwitches:
     """The prediction (``costs`` and the served scales) and one SpeculationSwitch per batch-size bucket."""
 
     costs: StepCosts | None = None
-    accept_length: float = PRIOR_ACCEPT_LENGTH  # tokens a request gains per tree step (moving average)
+    accept_length: float = PRIOR_ACCEPT_LENGTH  # tokens a request gains per tree step (moving average by request)
     plain_scale: float = 1.0  # served plain step seconds over costs.plain_at (moving average)
     tree_scale: float = 1.0  # served tree step seconds over costs.tree_at (moving average)
     switches: dict[int, SpeculationSwitch] = field(default_factory=dict)
@@ -109,23 +122,39 @@ class BatchSwitches:
         plain = self.plain_scale * self.costs.plain_at(batch_size)
         return accept_length * plain / (self.tree_scale * self.costs.tree_at(batch_size))
 
+    def regime(self, batch_size: int) -> str:
+        """What the prediction alone makes of a batch of ``batch_size``: TREE, PLAIN (a loss predicted from the
+        learnt accept length, above ``COLD_BELOW`` at the prior) or COLD (a clear loss even at the prior)."""
+        predicted = self.predicted_speedup(batch_size, floor=True)
+        if predicted is None:
+            return TREE
+        if predicted < COLD_BELOW:
+            return COLD
+        if batch_size == 1 or self.tree_steps < WINDOW:  # one request: the measured switch alone (see above)
+            return TREE
+        learnt = self.predicted_speedup(batch_size)
+        return PLAIN if learnt is not None and learnt < 1.0 else TREE
+
     def decide(self, batch_size: int) -> str:
-        """The next step of a batch of ``batch_size`` requests: TREE, PLAIN (a measured loss: trees come back
-        after the stretch, so the head's KV is kept warm) or COLD (a plain step by prediction: no head forward)."""
+        """The next step of a batch of ``batch_size`` requests: TREE, PLAIN (a measured or predicted loss: trees
+        come back, so the head's KV is kept warm) or COLD (a clear loss by prediction: no head forward). A batch
+        size the prediction keeps plain or cold takes a tree step now and then (a probe)."""
         if self.switch(batch_size).lean:
             return PLAIN
-        predicted = self.predicted_speedup(batch_size, floor=True)
-        if predicted is None or predicted >= COLD_BELOW:
+        regime = self.regime(batch_size)
+        if regime == TREE:
             return TREE
-        return TREE if self.since_tree.get(_bucket(batch_size), 0) >= self.probe_interval(batch_size) else COLD
+        share = PROBE_SHARE if regime == COLD else BAND_PROBE_SHARE
+        probe = self.since_tree.get(_bucket(batch_size), 0) >= self.probe_interval(batch_size, share)
+        return TREE if probe else regime
 
-    def probe_interval(self, batch_size: int) -> int:
-        """Cold steps between two tree steps of a batch size the prediction keeps plain: a tree step costs
-        (tree / plain - 1) plain steps more than a plain one, and probes take PROBE_SHARE of the time at most."""
+    def probe_interval(self, batch_size: int, share: float = PROBE_SHARE) -> int:
+        """Plain steps between two tree steps of a batch size the prediction keeps plain: a tree step costs
+        (tree / plain - 1) plain steps more than a plain one, and probes take ``share`` of the time at most."""
         assert self.costs is not None
         plain = self.plain_scale * self.costs.plain_at(batch_size)
         extra = self.tree_scale * self.costs.tree_at(batch_size) / plain
-        return max(math.ceil(round((extra - 1) / PROBE_SHARE, 6)), MIN_PROBE_INTERVAL)  # round: float noise
+        return max(math.ceil(round((extra - 1) / share, 6)), MIN_PROBE_INTERVAL)  # round: float noise
 
     def observe(self, batch_size: int, plain: bool, seconds: float, tokens: int, warm_requests: int | None = None,
                 warm_tokens: int = 0) -> str | None:
@@ -148,10 +177,11 @@ class BatchSwitches:
             if warm_requests is None:
                 warm_requests, warm_tokens = batch_size, tokens
             if warm_requests > 0:
-                self.accept_length = _average(self.accept_length, warm_tokens / warm_requests)
+                kept = (1 - ACCEPT_SMOOTHING) ** warm_requests
+                self.accept_length = kept * self.accept_length + (1 - kept) * warm_tokens / warm_requests
             if self.costs is not None:
                 self.tree_scale = _average(self.tree_scale, seconds / self.costs.tree_at(batch_size))
-        now_plain = self.decide(batch_size) != TREE
+        now_plain = switch.lean or self.regime(batch_size) != TREE  # probes aside: they change no state
         if now_plain == self.logged.get(_bucket(batch_size), False):
             return None
         self.logged[_bucket(batch_size)] = now_plain

@@ -483,42 +483,46 @@ def _start_switches(worker) -> BatchSwitches:
 @contextlib.contextmanager
 def _zero_steps(worker, cold: bool = False):
     """SGLang's drafting-disabled state for one step: 0 draft steps, 1 verified token (its trivial verify input),
-    on the worker and its draft worker, restored after. ``cold``: the target's forward runs in DECODE mode
-    (``_as_decode``) and the draft extend is skipped, with SGLang's own stub of the next draft input (what its
-    SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND does for every 0-step)."""
+    on the worker and its draft worker, restored after; the target's forward runs in DECODE mode (``_as_decode``:
+    a one-token TARGET_VERIFY costs 10-15% more than a decode step on the CPU bed). Warm, its hidden states feed
+    the draft extend as a verify's would; ``cold``: the draft extend is skipped, with SGLang's own stub of the next
+    draft input (what its SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND does for every 0-step)."""
     draft = worker.draft_worker
     saved = (worker.speculative_num_steps, worker.speculative_num_draft_tokens, draft.speculative_num_steps,
              draft.speculative_num_draft_tokens)
     worker.speculative_num_steps = draft.speculative_num_steps = 0
     worker.speculative_num_draft_tokens = draft.speculative_num_draft_tokens = 1
     target = worker.target_worker
-    if cold:  # instance attributes over the methods for this step; deleting them shows the methods again
+    # instance attributes over the methods for this step; deleting them shows the methods again
+    forward = target.forward_batch_generation
+    target.forward_batch_generation = lambda **kwargs: forward(**_as_decode(keep_hidden=not cold, **kwargs))
+    if cold:
         draft._draft_extend_for_decode = lambda batch, output, **_: worker._stub_skipped_draft_extend(batch, output)
-        forward = target.forward_batch_generation
-        target.forward_batch_generation = lambda **kwargs: forward(**_as_decode(**kwargs))
     try:
         yield
     finally:
         (worker.speculative_num_steps, worker.speculative_num_draft_tokens, draft.speculative_num_steps,
          draft.speculative_num_draft_tokens) = saved
+        del target.forward_batch_generation
         if cold:
             del draft._draft_extend_for_decode
-            del target.forward_batch_generation
 
 
-def _as_decode(forward_batch, is_verify: bool = False, **kwargs) -> dict:
-    """A cold step's target forward as SGLang's DECODE forward, not a one-token TARGET_VERIFY: the same token
+def _as_decode(forward_batch, is_verify: bool = False, keep_hidden: bool = True, **kwargs) -> dict:
+    """A plain step's target forward as SGLang's DECODE forward, not a one-token TARGET_VERIFY: the same token
     (the previous bonus token, at position ``seq_len``) and KV slot, but the decode attention path (no tree
-    mask, no extend kernels) and no hidden states captured (a cold step's draft extend is stubbed). DECODE counts
-    the new token in ``seq_lens``; verify counts it through its draft-token count. The logits come out the same:
-    one row a request."""
+    mask, no extend kernels). DECODE counts the new token in ``seq_lens``; verify counts it through its
+    draft-token count. The logits come out the same, one row a request, and so do the hidden states with
+    ``keep_hidden`` (the capture mode verify asked for: the draft extend's input); without it none are captured
+    (a cold step's draft extend is stubbed)."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
     if is_verify and forward_batch.forward_mode.is_target_verify():
         size = forward_batch.batch_size
         forward_batch.forward_mode = ForwardMode.DECODE
         forward_batch.spec_info = None
-        forward_batch.capture_hidden_mode = CaptureHiddenMode.NULL
+        if not keep_hidden:
+            forward_batch.capture_hidden_mode = CaptureHiddenMode.NULL
         forward_batch.seq_lens = forward_batch.seq_lens + 1
         if forward_batch.seq_lens_cpu is not None:
             forward_batch.seq_lens_cpu = forward_batch.seq_lens_cpu + 1

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sglang_spec.sglang_plugin.batch_switch import COLD, PLAIN, TREE, BatchSwitches, StepCosts
+from sglang_spec.sglang_plugin.batch_switch import BAND_PROBE_SHARE, COLD, PLAIN, TREE, BatchSwitches, StepCosts
 
 # a CPU-like table: a tree's verify costs little over a plain step for one request, 5x for 16
 COSTS = StepCosts(plain={1: 0.05, 4: 0.08, 16: 0.2}, tree={1: 0.075, 4: 0.2, 16: 1.0}, tokens=16)
@@ -87,8 +87,8 @@ def test_a_low_accept_length_alone_never_turns_a_batch_size_cold_where_the_prior
     prior accept length would win, are then left to the measured switch (warm plain steps), never cold: cold steps
     would leave the head without KV, and its trees would confirm the low accept length for good."""
     switches = BatchSwitches(costs=COSTS)
-    run(switches, 1, 8, tree_seconds=0.09, tokens=1.1, plain_seconds=0.06)
-    assert switches.accept_length < 1.3 and switches.predicted_speedup(1) < 1.0
+    run(switches, 1, 20, tree_seconds=0.09, tokens=1.0, plain_seconds=0.06)
+    assert switches.accept_length < 1.5 and switches.predicted_speedup(1) < 1.0
     assert switches.predicted_speedup(1, floor=True) > 1.0
     kinds = run(switches, 1, 40, tree_seconds=0.09, tokens=1.1, plain_seconds=0.06)
     assert COLD not in kinds and PLAIN in kinds  # measured: trees lose, warm plain stretches
@@ -100,4 +100,17 @@ def test_requests_that_took_cold_steps_do_not_teach_the_accept_length():
     switches.observe(4, False, 0.2, 4 * 3, warm_requests=0, warm_tokens=0)
     assert switches.accept_length == 2.0 and switches.tree_steps == 1  # timed, not learnt from
     switches.observe(4, False, 0.2, 4 + 3 * 5, warm_requests=1, warm_tokens=5)  # one fresh request accepted 5
-    assert switches.accept_length == pytest.approx(0.7 * 2.0 + 0.3 * 5)
+    assert switches.accept_length == pytest.approx(0.9 * 2.0 + 0.1 * 5)  # one request weighs 10%
+
+
+def test_a_batch_size_predicted_to_lose_a_little_takes_warm_plain_steps_and_probes_trees_now_and_then():
+    """Between COLD_BELOW and even the learnt accept length decides: warm plain steps (never cold: trees may
+    return), a tree step at most BAND_PROBE_SHARE of the time, and trees again once the traffic accepts more."""
+    switches = BatchSwitches(costs=COSTS)
+    assert run(switches, 1, 30, tree_seconds=0.075, tokens=4.0, plain_seconds=0.05) == [TREE] * 30
+    assert switches.predicted_speedup(16) == pytest.approx(0.8, rel=0.05)  # 4 tokens against a tree 5x plain
+    kinds = run(switches, 16, 200, tree_seconds=1.0, tokens=16 * 4.0, plain_seconds=0.2)
+    assert COLD not in kinds and 1 <= kinds.count(TREE) <= 200 * BAND_PROBE_SHARE / 4 + 1
+    assert switches.probe_interval(16, BAND_PROBE_SHARE) == 80  # 4 plain steps extra a probe: 4 / 80 = 5%
+    run(switches, 1, 10, tree_seconds=0.075, tokens=6.0, plain_seconds=0.05)  # copy-heavy traffic
+    assert switches.decide(16) == TREE

@@ -102,8 +102,8 @@ def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cp
                                                                        plain_repeat, tmp_path, monkeypatch):
     """--speculative-tree-auto: SGLang's dummy verify forward is timed for every batch size up to the running cap
     before the first decode step; the steps that follow (trees, plain steps, cold plain steps where the prediction
-    says trees lose, and trees again as the batch drains) keep plain decoding's output. A cold step's target
-    forward is SGLang's DECODE forward (the CPU step profile records each target forward's mode)."""
+    says trees lose, and trees again as the batch drains) keep plain decoding's output. A plain step's target
+    forward, warm or cold, is SGLang's DECODE forward (the CPU step profile records each target forward's mode)."""
     monkeypatch.setenv("SGLANG_SPEC_CPU_PROFILE", str(tmp_path))
     args = context_args("hybrid", smollm2_cpu.profile) + ["--speculative-tree-auto"]
     with running_server(smollm2_cpu, server_logs, "smollm2-context-auto", args) as server:
@@ -114,7 +114,7 @@ def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cp
     assert len(table) == 1 and all(f" {size}: " in table[0] for size in (1, 2, 4, 8)), table
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     modes = {tuple(step["target_modes"]) for step in steps if step["mode"] == "DECODE"}
-    # trees (and warm plain steps) verify; cold steps decode; the start-up table's dummy verifies are not batches
+    # trees verify; plain steps decode; the start-up table's dummy verifies are not batches
     assert ("TARGET_VERIFY",) in modes and ("DECODE",) in modes, modes
     print("\n".join(line for line in log.splitlines() if "tree auto" in line))
 
