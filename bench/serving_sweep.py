@@ -37,6 +37,7 @@ import csv
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--start-timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "serving_sweep.csv")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every server this many times, round by round (each server fresh); the table, "
+                             "CSV and plot give each figure's median over the rounds, the JSON every round's "
+                             "tokens/s too (a 2-core CPU drifts 5%% between runs of one server)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     for policy in args.policies.split(","):
@@ -109,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if any(name not in known for name in names) or ("heldout" in names and len(names) > 1):
             parser.error(f"--workloads {args.workloads!r}: give heldout, serving, or a comma list of "
                          f"{', '.join(SERVING_WORKLOADS)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
     if args.cpu_model is None and args.model_path is None:
         args.model_path = "deepseek-ai/DeepSeek-R1"
     return args
@@ -256,6 +263,23 @@ def row_from_result(policy: str, budget: int, concurrency: int, result: dict, wo
             **{name: result.get(name) for name in FIELDS[3:11]}, "workload": workload, "speedup_over_plain": None}
 
 
+def median_over_rounds(rows: list[dict]) -> list[dict]:
+    """One row per method, workload and concurrency: every measured figure's median over the rounds (each row a
+    round's, in order; ``output_throughput_rounds`` keeps every round's tokens/s)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["policy"], row["budget"], row["workload"], row["concurrency"]), []).append(row)
+    merged = []
+    for group in groups.values():
+        row = dict(group[0])
+        for name in FIELDS[3:11]:
+            values = [member[name] for member in group if member[name] is not None]
+            row[name] = statistics.median(values) if values else None
+        row["output_throughput_rounds"] = [member["output_throughput"] for member in group]
+        merged.append(row)
+    return merged
+
+
 def add_speedups(rows: list[dict]) -> None:
     """Each row's output tokens/s over plain decoding's at the same workload and concurrency, in this run: the
     faster of ``plain`` and ``plain-sync`` where both ran (a speedup is over the best plain decoding measured)."""
@@ -274,7 +298,7 @@ def write_csv_and_plot(rows: list[dict], out: Path) -> None:
     from sglang_spec.files import atomic_write
 
     with atomic_write(out) as handle:
-        writer = csv.DictWriter(handle, fieldnames=FIELDS)
+        writer = csv.DictWriter(handle, fieldnames=FIELDS, extrasaction="ignore")  # rounds: in the JSON
         writer.writeheader()
         writer.writerows(rows)
     import matplotlib
@@ -352,7 +376,9 @@ def main(argv=None) -> int:
     datasets: dict[str, Path | None] = dict(workload_datasets(args, scratch)) if args.dataset == "heldout" else \
         {args.dataset: None}
     rows = []
-    for policy, budget in shapes:
+    for round_index, (policy, budget) in ((r, shape) for r in range(args.rounds) for shape in shapes):
+        if args.rounds > 1 and (policy, budget) == shapes[0]:
+            print(f"round {round_index + 1} of {args.rounds}", flush=True)
         name = policy if policy in PLAIN_METHODS else f"{policy}-{budget}"
         if model is not None:
             launch = cpu_launch_args(model, args.port, speculative=policy not in PLAIN_METHODS,
@@ -385,6 +411,8 @@ def main(argv=None) -> int:
                           flush=True)
         finally:
             server.stop()
+    if args.rounds > 1:
+        rows = median_over_rounds(rows)
     add_speedups(rows)
     print_table(rows)
     write_csv_and_plot(rows, args.out)
