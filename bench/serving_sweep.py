@@ -309,6 +309,12 @@ def write_csv_and_plot(rows: list[dict], out: Path) -> None:
     panels = (("output_throughput", "output tokens/s"), ("accept_length", "mean accept length"),
               ("median_itl_ms", "p50 inter-token latency (ms)"), ("p99_itl_ms", "p99 inter-token latency (ms)"))
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
+    if len({row["concurrency"] for row in rows}) == 1:
+        _bars(axes, panels, rows)
+        figure.tight_layout()
+        figure.savefig(out.with_suffix(".png"), dpi=110)
+        plt.close(figure)
+        return
     lines = sorted({(row.get("workload", ""), row["policy"], row["budget"]) for row in rows})
     workloads = {line[0] for line in lines}
     for workload, policy, budget in lines:
@@ -327,6 +333,28 @@ def write_csv_and_plot(rows: list[dict], out: Path) -> None:
     figure.tight_layout()
     figure.savefig(out.with_suffix(".png"), dpi=110)
     plt.close(figure)
+
+
+def _bars(axes, panels, rows: list[dict]) -> None:
+    """One concurrency: a group of bars per workload, one bar per method (a line over one x says nothing); the
+    throughput bars carry their ratio over plain decoding."""
+    workloads = list(dict.fromkeys(row.get("workload", "") for row in rows))
+    methods = list(dict.fromkeys((row["policy"], row["budget"]) for row in rows))
+    width = 0.8 / len(methods)
+    for axis, (field, label) in zip(axes, panels):
+        for index, (policy, budget) in enumerate(methods):
+            found = {row.get("workload", ""): row for row in rows if (row["policy"], row["budget"]) == (policy, budget)}
+            positions = [w + (index - (len(methods) - 1) / 2) * width for w in range(len(workloads))]
+            values = [(found[name][field] if name in found else None) or (1.0 if field == "accept_length" else 0.0)
+                      for name in workloads]
+            bars = axis.bar(positions, values, width, label=policy if policy in PLAIN_METHODS else f"{policy} {budget}")
+            if field == "output_throughput":
+                ratios = [found[name].get("speedup_over_plain") if name in found else None for name in workloads]
+                axis.bar_label(bars, labels=[f"{r:.2f}x" if r else "" for r in ratios], fontsize=7)
+        axis.set_xticks(range(len(workloads)), workloads)
+        axis.set_xlabel(f"workload (concurrency {rows[0]['concurrency']})")
+        axis.set_ylabel(label)
+    axes[0].legend(fontsize=8)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -74,7 +74,7 @@ def test_speedups_are_over_the_faster_plain_decoding_and_plain_sync_turns_overla
     assert rows[1]["budget"] == 0
 
 
-def test_rounds_report_each_figure_as_its_median_and_keep_every_round():
+def test_rounds_report_each_figure_as_its_median_and_keep_every_round(tmp_path):
     spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
@@ -92,3 +92,6 @@ def test_rounds_report_each_figure_as_its_median_and_keep_every_round():
     assert merged[1]["speedup_over_plain"] == pytest.approx(64.0 / 63.0) and merged[1]["accept_length"] is None
     with pytest.raises(SystemExit):
         sweep.parse_args(["--cpu-model", "smollm2", "--rounds", "0"])
+    sweep.write_csv_and_plot(merged, tmp_path / "one.csv")  # one concurrency: bars by workload
+    assert (tmp_path / "one.png").stat().st_size > 0
+    assert "output_throughput_rounds" not in (tmp_path / "one.csv").read_text()
