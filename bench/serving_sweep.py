@@ -137,11 +137,12 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
         return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(budget + 1)]
     if policy == AUTO:
         return tree_arguments(args, "hybrid", budget, profile) + ["--speculative-tree-auto"]
-    depth = args.hybrid_depth if policy in ("lookup", "hybrid") and args.hybrid_depth else args.depth
+    # a tree of `budget` draft tokens is at most that deep (the server refuses deeper): a budget sweep caps it
+    depth = min(args.hybrid_depth if policy in ("lookup", "hybrid") and args.hybrid_depth else args.depth, budget)
     arguments = ["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", policy,
                  "--speculative-tree-budget", str(budget), "--speculative-tree-depth", str(depth)]
     if policy == "hybrid" and args.mtp_levels is not None:
-        arguments += ["--speculative-tree-mtp-levels", str(args.mtp_levels)]
+        arguments += ["--speculative-tree-mtp-levels", str(min(args.mtp_levels, depth - 1))]
     if policy not in ("chain", "lookup"):
         arguments += ["--speculative-tree-topk", str(args.topk)]
     if policy == "sequoia" and not profile:

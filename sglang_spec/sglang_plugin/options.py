@@ -159,6 +159,9 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
     # ranges, sequoia's profile, eagle's slot capacity: checked by the reference policy itself
     TreePolicy(policy, budget=budget, depth=depth, topk=topk,
                profile=AcceptanceProfile.from_json(profile_path) if profile_path else None)
+    if depth > budget:  # SGLang's verify sizes its accepted path by the draft steps within the verified tokens
+        raise SpecError(f"--speculative-tree-depth {depth} is deeper than a tree of {budget} draft tokens can be; "
+                        f"lower the depth to {budget} or raise --speculative-tree-budget to {depth}")
     width = _width(policy, budget, depth, topk, profile_path, values.get("speculative_tree_width"))
     accept = values.get("speculative_tree_accept") or "sglang"
     if accept not in ACCEPT_CHOICES:

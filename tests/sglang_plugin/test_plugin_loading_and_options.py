@@ -86,6 +86,8 @@ def test_sglangs_parser_accepts_the_tree_options(sglang_with_plugin, tmp_path):
         (["--speculative-tree-policy", "hybrid", "--speculative-tree-depth", "1"],
          "hybrid trees need --speculative-tree-depth >= 2"),
         (["--speculative-tree-policy", "hybrid", "--speculative-tree-width", "3"], "is below topk 4"),
+        (["--speculative-tree-policy", "hybrid", "--speculative-tree-budget", "7", "--speculative-tree-depth", "8"],
+         "--speculative-tree-depth 8 is deeper than a tree of 7 draft tokens can be; lower the depth to 7"),
         (["--speculative-tree-policy", "lookup", "--speculative-tree-budget", "16", "--speculative-tree-depth", "3",
           "--speculative-tree-width", "4"], "raise it to 8 or lower the budget"),
     ],
