@@ -312,10 +312,15 @@ def write_csv_and_plot(rows: list[dict], out: Path) -> None:
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
     if len({row["concurrency"] for row in rows}) == 1:
         _bars(axes, panels, rows)
-        figure.tight_layout()
-        figure.savefig(out.with_suffix(".png"), dpi=110)
-        plt.close(figure)
-        return
+    else:
+        _lines(axes, panels, rows)
+    figure.tight_layout()
+    figure.savefig(out.with_suffix(".png"), dpi=110)
+    plt.close(figure)
+
+
+def _lines(axes, panels, rows: list[dict]) -> None:
+    """Several concurrencies: one line per method (and workload) over concurrency."""
     lines = sorted({(row.get("workload", ""), row["policy"], row["budget"]) for row in rows})
     workloads = {line[0] for line in lines}
     for workload, policy, budget in lines:
@@ -331,9 +336,6 @@ def write_csv_and_plot(rows: list[dict], out: Path) -> None:
         axis.set_xlabel("concurrency")
         axis.set_ylabel(label)
         axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(out.with_suffix(".png"), dpi=110)
-    plt.close(figure)
 
 
 def _bars(axes, panels, rows: list[dict]) -> None:
