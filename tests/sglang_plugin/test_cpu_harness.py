@@ -119,13 +119,16 @@ def test_copy_all_layer_kv_cache_moves_rows_in_place_like_a_gather_then_scatter(
         assert torch.equal(layer, want)
 
 
-def sdpa(q, k, v, allowed, scaling):
-    """Reference attention: q [Q, H, D], k / v [T, Hkv, D], allowed [Q, T] -> [Q, H, Dv]."""
+def sdpa(q, k, v, allowed, scaling, logit_cap=0.0):
+    """Reference attention, an explicit softmax (the stand-in runs torch's fused kernel): q [Q, H, D], k / v
+    [T, Hkv, D], allowed [Q, T] -> [Q, H, Dv]."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                           attn_mask=allowed, scale=scaling)
-    return out.transpose(0, 1)
+    scores = torch.einsum("qhd,thd->hqt", q, k) * scaling
+    if logit_cap:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+    weights = torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
+    return torch.einsum("hqt,thd->qhd", weights, v)
 
 
 def test_extend_attention_with_a_tree_mask_and_decode_attention_match_sdpa():
@@ -155,6 +158,35 @@ def test_extend_attention_with_a_tree_mask_and_decode_attention_match_sdpa():
         keys = req_to_token[row, :length].long()
         want = sdpa(q[row:row + 1], k_buffer[keys], v_buffer[keys], torch.ones(1, length, dtype=torch.bool), 0.3)
         assert torch.allclose(decoded[row], want[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window, logit_cap", [(0, 0.0), (6, 0.0), (0, 5.0), (6, 5.0)])
+def test_causal_extend_and_decode_attention_with_window_and_cap_match_the_explicit_softmax(sliding_window, logit_cap):
+    """A prefill after a cached prefix (causal) and a decode step, with a sliding window and a soft cap: the fused
+    path, the capped path and the window's mask all against the explicit softmax."""
+    torch.manual_seed(1)
+    slots, heads, kv_heads, dim = 64, 6, 2, 8
+    k_buffer, v_buffer = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    req_to_token = torch.randperm(slots).view(2, 32).to(torch.int32)
+    prefix, new = 7, 5
+    q = torch.randn(new, heads, dim)
+    out = torch.empty(new, heads, dim)
+    attention.extend_attention_cpu(q, None, None, out, k_buffer, v_buffer, 1.0, 1.0, req_to_token, torch.tensor([1]),
+                                   torch.tensor([prefix + new]), torch.tensor([new]), torch.tensor([0]), new, 0.3,
+                                   logit_cap, False, sliding_window, None, None, None, True)
+    positions = torch.arange(prefix + new)
+    allowed = positions[None, :] <= (prefix + torch.arange(new))[:, None]
+    if sliding_window:
+        allowed &= positions[None, :] > (prefix + torch.arange(new))[:, None] - sliding_window
+    keys = req_to_token[1, : prefix + new].long()
+    want = sdpa(q, k_buffer[keys], v_buffer[keys], allowed, 0.3, logit_cap)
+    assert torch.allclose(out, want, atol=1e-5)
+    decoded = torch.empty(1, heads, dim)
+    attention.decode_attention_cpu(q[:1], k_buffer, v_buffer, 1.0, 1.0, decoded, None, None, None, None, req_to_token,
+                                   torch.tensor([1]), torch.tensor([prefix + new]), 0.3, logit_cap, False,
+                                   sliding_window, None, None)
+    want = sdpa(q[:1], k_buffer[keys], v_buffer[keys], allowed[-1:], 0.3, logit_cap)
+    assert torch.allclose(decoded, want, atol=1e-5)
 
 
 def run_sampling_verify(target_probs: torch.Tensor, candidates: torch.Tensor, trials: int, rule) -> np.ndarray:

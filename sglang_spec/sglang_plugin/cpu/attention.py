@@ -16,24 +16,36 @@ import torch
 
 
 def _attend(queries, keys, values, scaling: float, logit_cap: float, allowed) -> torch.Tensor:
-    """queries [Q, H, D]; keys [T, Hkv, D]; values [T, Hkv, Dv]; allowed [Q, T] bool -> [Q, H, Dv] float32."""
-    heads, kv_heads = queries.shape[1], keys.shape[1]
-    if heads != kv_heads:
-        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
-        values = values.repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.einsum("qhd,thd->hqt", queries.float(), keys.float()) * scaling
+    """queries [Q, H, D]; keys [T, Hkv, D]; values [T, Hkv, Dv]; allowed [Q, T] bool, or None when every key is
+    visible -> [Q, H, Dv] float32.
+
+    Grouped heads (query head h reads KV head h // (H / Hkv), as a repeat-interleave of the KV heads would give)
+    as two batched products over the KV heads: the KV rows are read in place rather than repeated per query head.
+    One layer, one request at 1,000 tokens of context on this CPU: a decode query 0.87 -> 0.13 ms, a 16-token tree
+    verify 1.05 -> 0.57 ms (torch's fused attention: 0.57 / 1.50 ms, slow on a masked tree; ad-hoc timings)."""
+    count, heads, dim = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    # [Hkv, Q * group, D]: row (q, g) of KV head j is query head j * group + g
+    grouped = queries.float().view(count, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
+    scores = torch.bmm(grouped, keys.float().permute(1, 2, 0)).mul_(scaling)  # [Hkv, Q * group, T]
     if logit_cap and logit_cap > 0:
         scores = logit_cap * torch.tanh(scores / logit_cap)
-    scores = scores.masked_fill(~allowed[None], float("-inf"))
-    return torch.einsum("hqt,thd->qhd", torch.softmax(scores, dim=-1), values.float())
+    if allowed is not None:
+        scores = scores.view(kv_heads, count, group, -1).masked_fill_(~allowed[None, :, None, :], float("-inf"))
+        scores = scores.view(kv_heads, count * group, -1)
+    attended = torch.bmm(torch.softmax(scores, dim=-1), values.float().transpose(0, 1))  # [Hkv, Q * group, Dv]
+    return attended.view(kv_heads, count, group, -1).permute(1, 0, 2, 3).reshape(count, heads, -1)
 
 
-def _window(allowed: torch.Tensor, query_positions: torch.Tensor, sliding_window: int) -> torch.Tensor:
-    """Restricts ``allowed`` [Q, T] to keys within ``sliding_window`` of each query position (<= 0: none)."""
+def _window(allowed, query_positions: torch.Tensor, total: int, sliding_window: int):
+    """Restricts ``allowed`` [Q, total] (None: all visible) to keys within ``sliding_window`` of each query
+    position (<= 0: no window, ``allowed`` returned as given)."""
     if sliding_window is None or sliding_window <= 0:
         return allowed
-    key_positions = torch.arange(allowed.shape[1], device=allowed.device)
-    return allowed & (key_positions[None, :] > query_positions[:, None] - sliding_window)
+    key_positions = torch.arange(total, device=query_positions.device)
+    in_window = key_positions[None, :] > query_positions[:, None] - sliding_window
+    return in_window if allowed is None else allowed & in_window
 
 
 def _scaled(rows: torch.Tensor, scale: float) -> torch.Tensor:
@@ -74,8 +86,7 @@ def decode_attention_cpu(q, k_buffer, v_buffer, k_scale, v_scale, o, k_new, v_ne
     rows = req_pool_indices.tolist()
     for index, (row, length) in enumerate(zip(rows, seq_lens.tolist())):
         slots = req_to_token[row, :length].long()
-        allowed = _window(torch.ones((1, length), dtype=torch.bool),
-                          torch.tensor([length - 1]), sliding_window)
+        allowed = _window(None, torch.tensor([length - 1]), length, sliding_window)
         attended = _attend(q[index:index + 1], _scaled(k_buffer[slots], k_scale), _scaled(v_buffer[slots], v_scale),
                            scaling, logit_cap, allowed)
         o[index] = attended[0].to(o.dtype)
@@ -109,14 +120,16 @@ def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_t
         else:
             slots = req_to_token[row, :total].long()
             keys, values = _scaled(k_buffer[slots], k_scale), _scaled(v_buffer[slots], v_scale)
-        allowed = torch.ones((new, total), dtype=torch.bool)
-        if tree_mask is not None:
-            if new > 1:  # a lone token sees its prefix and itself whatever the mask (a tree's root)
+        allowed = None  # a lone token sees its prefix and itself whatever the mask (a tree's root, a plain step)
+        if new > 1 and (tree_mask is not None or is_causal):
+            allowed = torch.ones((new, total), dtype=torch.bool)
+            if tree_mask is not None:
                 allowed[:, prefix:] = tree_mask[mask_offset:mask_offset + new * new].reshape(new, new).bool()
+            else:
+                allowed[:, prefix:] = torch.ones((new, new), dtype=torch.bool).tril()
+        if tree_mask is not None:
             mask_offset += new * new
-        elif is_causal and new > 1:
-            allowed[:, prefix:] = torch.ones((new, new), dtype=torch.bool).tril()
-        allowed = _window(allowed, prefix + torch.arange(new), sliding_window)
+        allowed = _window(allowed, prefix + torch.arange(new), total, sliding_window)
         o[start:start + new] = _attend(q[start:start + new], keys, values, scaling, logit_cap, allowed).to(o.dtype)
 
 
