@@ -153,3 +153,26 @@ def test_accept_length_matches_the_reference_decoder(tree_run, smollm2_prompts, 
           f"{reference.accept_length_mean:.3f}")
     assert through_sglang == pytest.approx(reference.accept_length_mean, rel=0.10)
     assert [request.tokens for request in reference.requests] == [a["output_ids"] for a in answers]
+
+
+def test_the_bed_packs_its_gemms_and_decodes_as_f_linear_does(smollm2_plain, smollm2_cpu, server_logs,
+                                                              smollm2_prompts, monkeypatch):
+    """The CPU bed runs SGLang's linear layers and LM head on packed float32 weights (``cpu/linear.py``, the
+    target's and the draft's): the plain server's log says so, and a server on SGLang's own ``F.linear`` path
+    (``SGLANG_SPEC_CPU_GEMM=linear``) decodes the held-out prompts to the same greedy tokens."""
+    from sglang_spec.gemm.packed_linear import available_backends
+    from sglang_spec.sglang_plugin.cpu.linear import GEMM_ENV
+
+    packed_log = (server_logs / "smollm2-plain.log").read_text(errors="replace")
+    backend = available_backends()[0]
+    assert re.search(rf"\[sglang_spec\] CPU bed: \d+ float32 weights of the target model packed for the {backend} "
+                     "GEMM", packed_log), packed_log[-3000:]
+    tree_log = (server_logs / "smollm2-sequoia-15-4-4.log")
+    if tree_log.exists():  # the tree servers above ran in this session: their draft model is packed too
+        assert "weights of the draft model packed" in tree_log.read_text(errors="replace")
+    monkeypatch.setenv(GEMM_ENV, "linear")
+    with running_server(smollm2_cpu, server_logs, "smollm2-plain-f-linear", speculative=False) as server:
+        answers = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
+    log = server.log_path.read_text(errors="replace")
+    assert "the target model's linear layers run F.linear (SGLANG_SPEC_CPU_GEMM=linear)" in log
+    assert [answer["output_ids"] for answer in answers] == smollm2_plain

@@ -48,3 +48,14 @@ def test_refused_with_one_line(smollm2_cpu, extra, message):
     assert finished.returncode != 0
     assert len(errors) == 1 and message in errors[0], finished.stderr[-2000:]
     assert "Traceback" not in finished.stderr + finished.stdout
+
+
+def test_a_bad_gemm_backend_for_the_cpu_bed_is_one_line(smollm2_cpu, monkeypatch):
+    from sglang_spec.sglang_plugin.cpu.linear import GEMM_ENV
+
+    monkeypatch.setenv(GEMM_ENV, "blas")
+    finished = launch(smollm2_cpu, [])
+    errors = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
+    assert finished.returncode != 0
+    assert len(errors) == 1 and f"{GEMM_ENV}='blas' is not a GEMM backend" in errors[0], finished.stderr[-2000:]
+    assert "Traceback" not in finished.stderr + finished.stdout

@@ -13,8 +13,9 @@ host's g++) run here unchanged, our plugin included:
 * ``ops``: the stand-ins (cache-location helpers, KV copy, draft metadata, tree build, greedy verify), each
   checked equal to SGLang's own Triton twin where one exists; ``attention``: decode and extend attention, tree mask
   included, for MHA and MLA pools; ``sampling``: the sampling-verify and renormalisation ops (set on SGLang's
-  modules by ``patches``, which also holds the few behaviour hooks a CPU needs). DeepSeek-V3's MoE needs no
-  stand-in: SGLang's own CPU fallback serves it.
+  modules by ``patches``, which also holds the few behaviour hooks a CPU needs); ``linear``: sgl-kernel's packed
+  GEMM (``weight_packed_linear``) over float32 weights packed at load, for the linear layers and the LM head.
+  DeepSeek-V3's MoE needs no stand-in: SGLang's own CPU fallback serves it.
 * ``boot/``: put on ``PYTHONPATH`` of every SGLang process (``server_environment``); its ``sitecustomize`` calls
   ``activate`` before anything imports sglang, and it holds the torchvision stand-in.
 * ``server``: start and stop ``python -m sglang.launch_server`` on this CPU by process group, with hard timeouts.
@@ -32,7 +33,7 @@ from importlib import metadata
 from pathlib import Path
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.cpu import kernels
+from sglang_spec.sglang_plugin.cpu import kernels, linear
 
 SUPPORTED_SGLANG = "0.5.23"
 ENABLE_FLAG = "SGLANG_SPEC_CPU"  # set to 1 in a process's environment: boot/sitecustomize activates the stand-ins
@@ -80,6 +81,8 @@ def activate() -> None:
     if _activated:
         return
     check_sglang_version()
+    if os.environ.get(linear.GEMM_ENV):
+        linear.backend_from_environment()
     kernels.install()
     _activated = True
 

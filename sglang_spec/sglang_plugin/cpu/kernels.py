@@ -18,9 +18,9 @@ from typing import Callable
 
 import torch
 
-from sglang_spec.sglang_plugin.cpu import attention, ops
+from sglang_spec.sglang_plugin.cpu import attention, linear, ops
 
-STAND_INS: dict[str, Callable] = {**ops.STAND_INS, **attention.STAND_INS}
+STAND_INS: dict[str, Callable] = {**ops.STAND_INS, **attention.STAND_INS, **linear.STAND_INS}
 
 IMPORTED_ONLY = frozenset({
     "rotate_input_ids_cpu",
