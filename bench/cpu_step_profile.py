@@ -8,7 +8,8 @@ the target's forward, the draft's forwards and everything else (the step's overh
 
 Each server (SmolLM2-135M + shipped head, through the CPU harness) is started with ``SGLANG_SPEC_CPU_PROFILE``
 (``sglang_plugin/cpu/profile.py``), warmed up with one short request, then decodes greedily ``--max-new-tokens``
-tokens (ignore_eos) for 1 prompt and for N concurrent prompts (HumanEval 134 onwards). The scheduler records every
+tokens (ignore_eos) for 1 prompt and for N concurrent prompts (HumanEval 134 onwards, or with ``--workload`` one
+of serving_sweep.py's held-out serving workloads). The scheduler records every
 batch: its start, target and draft ``ModelRunner.forward`` time and the target forwards' modes (a step whose
 target forward ran in DECODE mode is plain decoding's, or tree auto's cold step). ``plain-sync`` is plain decoding
 with SGLang's overlap scheduler off (as the context policies run), ``auto`` is ``hybrid`` with
@@ -57,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=comma_list(integer(1, 16)), default="1,8",
                         help="concurrent requests per workload (above 8 the server's running cap is raised to it)")
     parser.add_argument("--max-new-tokens", type=integer(2, 1024), default=48)
+    parser.add_argument("--workload", choices=("heldout", "code", "extraction", "chat"), default="heldout",
+                        help="heldout: HumanEval 134 onwards as chat requests; code / extraction / chat: "
+                             "serving_sweep.py's held-out serving workloads (extraction: ~1,000-token prompts)")
     parser.add_argument("--cprofile", action="store_true",
                         help="run the decode steps under cProfile and print each server's top functions")
     parser.add_argument("--top", type=integer(1, 200), default=25, help="functions printed per server (--cprofile)")
@@ -169,9 +173,16 @@ def main(argv=None) -> int:
 
     model = prepare_model("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(model.target_dir)
-    specs = humaneval_prompts(HELD_OUT_FIRST, HELD_OUT_FIRST + max(args.concurrency) - 1)
-    prompts = [list(tokenizer.apply_chat_template(list(spec.messages), add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)) for spec in specs]
+    if args.workload == "heldout":
+        specs = humaneval_prompts(HELD_OUT_FIRST, HELD_OUT_FIRST + max(args.concurrency) - 1)
+        conversations = [list(spec.messages) for spec in specs]
+    else:
+        from serving_sweep import serving_questions
+
+        conversations = [[{"role": "user", "content": question}]
+                         for question in serving_questions(args.workload)[:max(args.concurrency)]]
+    prompts = [list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)) for messages in conversations]
     rows, outputs, profiles = [], {}, {}
     for config in args.configs:
         config_rows, outputs[config], profiles[config] = run_server(config, args, model, prompts,
