@@ -114,3 +114,23 @@ def test_a_batch_size_predicted_to_lose_a_little_takes_warm_plain_steps_and_prob
     assert switches.probe_interval(16, BAND_PROBE_SHARE) == 80  # 4 plain steps extra a probe: 4 / 80 = 5%
     run(switches, 1, 10, tree_seconds=0.075, tokens=6.0, plain_seconds=0.05)  # copy-heavy traffic
     assert switches.decide(16) == TREE
+
+
+def test_one_request_whose_trees_clearly_win_keeps_them_through_bursty_windows():
+    """Copies come in bursts: four steps that accept nothing, then four that accept 4 drafts. Trees win 2x on
+    average (predicted above TRUSTED_WIN throughout) and must not stop for the windows that lose; when the traffic
+    stops copying for good the prediction falls and the measured switch turns trees off again."""
+    switches = BatchSwitches(costs=COSTS)
+    kinds = []
+    for _ in range(20):
+        for tokens in (1, 1, 1, 1, 5, 5, 5, 5):
+            kind = switches.decide(1)
+            kinds.append(kind)
+            if kind == TREE:
+                switches.observe(1, False, 0.075, tokens)
+            else:
+                switches.observe(1, True, 0.05, 1)
+    assert switches.clear_win(1) and kinds.count(PLAIN) <= 2  # at most the first verdict's measurement
+    assert PLAIN not in kinds[8:]
+    kinds = run(switches, 1, 60, tree_seconds=0.075, tokens=1, plain_seconds=0.05)
+    assert not switches.clear_win(1) and kinds[-20:].count(PLAIN) > 10
