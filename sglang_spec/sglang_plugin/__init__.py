@@ -15,7 +15,7 @@ import os
 from importlib import metadata
 
 from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.cpu import ENABLE_FLAG, claim_amx_platform, patches, profile
+from sglang_spec.sglang_plugin.cpu import ENABLE_FLAG, claim_amx_platform, patches, profile, tree_mask
 from sglang_spec.sglang_plugin.hooks import HOOKS, RESOLUTION_HOOKS
 
 SUPPORTED_SGLANG = ("0.5.23",)
@@ -56,6 +56,8 @@ def register() -> None:
     if os.environ.get(ENABLE_FLAG) == "1":
         for target, name, kind in patches.HOOKS:
             HookRegistry.register(target, getattr(patches, name), getattr(HookType, kind))
+        for target, hook, kind in tree_mask.hooks(tree_mask.mode_from_environment()):
+            HookRegistry.register(target, hook, getattr(HookType, kind))
         patches.install_attributes()
         claim_amx_platform()
         if os.environ.get(profile.PROFILE_ENV):

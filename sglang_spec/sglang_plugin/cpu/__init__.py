@@ -14,7 +14,9 @@ host's g++) run here unchanged, our plugin included:
   checked equal to SGLang's own Triton twin where one exists; ``attention``: decode and extend attention, tree mask
   included, for MHA and MLA pools; ``sampling``: the sampling-verify and renormalisation ops (set on SGLang's
   modules by ``patches``, which also holds the few behaviour hooks a CPU needs); ``linear``: sgl-kernel's packed
-  GEMM (``weight_packed_linear``) over float32 weights packed at load, for the linear layers and the LM head.
+  GEMM (``weight_packed_linear``) over float32 weights packed at load, for the linear layers and the LM head;
+  ``tree_mask``: the tree-mask layout SGLang builds and the extend attention reads (``SGLANG_SPEC_CPU_TREE_MASK=full``
+  runs the GPU's ``FULL_MASK`` instead of the CPU's ``QLEN_ONLY``).
   DeepSeek-V3's MoE needs no stand-in: SGLang's own CPU fallback serves it.
 * ``boot/``: put on ``PYTHONPATH`` of every SGLang process (``server_environment``); its ``sitecustomize`` calls
   ``activate`` before anything imports sglang, and it holds the torchvision stand-in.
@@ -33,7 +35,7 @@ from importlib import metadata
 from pathlib import Path
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.cpu import kernels, linear
+from sglang_spec.sglang_plugin.cpu import kernels, linear, tree_mask
 
 SUPPORTED_SGLANG = "0.5.23"
 ENABLE_FLAG = "SGLANG_SPEC_CPU"  # set to 1 in a process's environment: boot/sitecustomize activates the stand-ins
@@ -83,6 +85,7 @@ def activate() -> None:
     check_sglang_version()
     if os.environ.get(linear.GEMM_ENV):
         linear.backend_from_environment()
+    tree_mask.mode_from_environment()
     kernels.install()
     _activated = True
 

@@ -2,8 +2,11 @@
 
 Both read keys and values through SGLang's token tables (``req_to_token[req_pool_indices[b], :len]`` gives the
 cache slots of request b), so they serve plain decoding, prefill, draft decode (where the table rows are the
-per-beam tables of ``build_draft_decode_metadata_cpu``) and tree verify alike. Tree verify passes the
-``QLEN_ONLY`` tree mask: per request an ``n x n`` block over the draft tokens, the prefix always visible.
+per-beam tables of ``build_draft_decode_metadata_cpu``) and tree verify alike. Tree verify passes a tree mask in
+the layout SGLang's workers built (``tree_mask.py``: the backend binds the mode, since sgl-kernel's op has no
+argument for it): ``QLEN_ONLY``, per request an ``n x n`` block over the draft tokens with the prefix always
+visible (SGLang's CPU layout, the real op's only one), or ``FULL_MASK``, per request ``n x (prefix + n)``, prefix
+columns included (the GPU's layout, run here with ``SGLANG_SPEC_CPU_TREE_MASK=full``).
 
 MLA pools (DeepSeek) hold one latent "head" whose value view is a prefix of the key row; the same code serves
 them because queries arrive already absorbed (qk dim = latent + rope, value dim = latent) and attention repeats
@@ -13,6 +16,9 @@ the single KV head across the query heads.
 from __future__ import annotations
 
 import torch
+
+from sglang_spec.sglang_plugin.cpu.tree_mask import first_use
+from sglang_spec.tree.encode_sglang import TreeMaskMode
 
 
 def _attend(queries, keys, values, scaling: float, logit_cap: float, allowed) -> torch.Tensor:
@@ -92,18 +98,41 @@ def decode_attention_cpu(q, k_buffer, v_buffer, k_scale, v_scale, o, k_new, v_ne
         o[index] = attended[0].to(o.dtype)
 
 
+def tree_mask_cells(mode: TreeMaskMode, prefixes: list[int], news: list[int]) -> list[int]:
+    """Cells of each request's block in a tree mask of ``mode`` (requests' blocks back to back): ``new x new``
+    (QLEN_ONLY) or ``new x (prefix + new)`` (FULL_MASK)."""
+    if mode == TreeMaskMode.QLEN_ONLY:
+        return [new * new for new in news]
+    if mode == TreeMaskMode.FULL_MASK:
+        return [new * (prefix + new) for prefix, new in zip(prefixes, news)]
+    raise NotImplementedError(f"the CPU extend-attention stand-in reads QLEN_ONLY or FULL_MASK tree masks, not "
+                              f"{mode.name}")
+
+
 def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_to_token, req_pool_indices,
                          seq_lens, extend_seq_lens, extend_start_loc, max_extend_len, scaling, logit_cap, is_cross,
-                         sliding_window, encoder_lens, sinks, tree_mask, is_causal):
+                         sliding_window, encoder_lens, sinks, tree_mask, is_causal,
+                         tree_mask_mode: TreeMaskMode = TreeMaskMode.QLEN_ONLY):
     """Request b's ``extend_seq_lens[b]`` queries (rows from ``extend_start_loc[b]``) are its last tokens; keys
     are its ``seq_lens[b]`` table slots, the new ones taken from ``k`` / ``v`` when given (MLA prefill passes
-    per-head keys that the latent cache does not hold). New tokens see each other causally, or through the
-    ``QLEN_ONLY`` tree mask (``[sum n_b * n_b]``, row-major per request) in tree verify."""
+    per-head keys that the latent cache does not hold). New tokens see each other causally, or through the tree
+    mask in tree verify: ``tree_mask_mode`` QLEN_ONLY (``[sum n_b * n_b]``, row-major per request, the prefix
+    always visible) or FULL_MASK (``[sum n_b * (prefix_b + n_b)]``, the prefix's columns read from the mask too).
+    A mask may be longer than its layout needs (SGLang sizes some by an upper bound); a shorter one is refused
+    (a mask built in another mode)."""
     _unsupported(is_cross, sinks)
-    mask_offset = 0
     # host lists once, not a tensor read per request and field (a verify of one token a request is a plain step)
     rows, totals = req_pool_indices.tolist(), seq_lens.tolist()
     news, starts = extend_seq_lens.tolist(), extend_start_loc.tolist()
+    cells: list[int] = []
+    if tree_mask is not None:
+        prefixes = [int(total) - int(new) for total, new in zip(totals, news)]
+        cells = tree_mask_cells(tree_mask_mode, prefixes, [int(new) for new in news])
+        if tree_mask.numel() < sum(cells):
+            raise ValueError(f"a {tree_mask_mode.name} tree mask for extends of {news} tokens after prefixes of "
+                             f"{prefixes} has {sum(cells)} cells, got {tree_mask.numel()}: built in another mode?")
+    mask_offset = 0
+    read = False
     for index, row in enumerate(rows):
         total, new, start = int(totals[index]), int(news[index]), int(starts[index])
         prefix = total - new
@@ -121,16 +150,24 @@ def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_t
             slots = req_to_token[row, :total].long()
             keys, values = _scaled(k_buffer[slots], k_scale), _scaled(v_buffer[slots], v_scale)
         allowed = None  # a lone token sees its prefix and itself whatever the mask (a tree's root, a plain step)
-        if new > 1 and (tree_mask is not None or is_causal):
-            allowed = torch.ones((new, total), dtype=torch.bool)
-            if tree_mask is not None:
-                allowed[:, prefix:] = tree_mask[mask_offset:mask_offset + new * new].reshape(new, new).bool()
+        if new > 1 and tree_mask is not None:
+            block = tree_mask[mask_offset:mask_offset + cells[index]].view(new, -1).bool()
+            if tree_mask_mode == TreeMaskMode.FULL_MASK:
+                allowed = block  # [new, prefix + new]
             else:
-                allowed[:, prefix:] = torch.ones((new, new), dtype=torch.bool).tril()
+                allowed = torch.ones((new, total), dtype=torch.bool)
+                allowed[:, prefix:] = block
+            read = True
+        elif new > 1 and is_causal:
+            allowed = torch.ones((new, total), dtype=torch.bool)
+            allowed[:, prefix:] = torch.ones((new, new), dtype=torch.bool).tril()
         if tree_mask is not None:
-            mask_offset += new * new
+            mask_offset += cells[index]
         allowed = _window(allowed, prefix + torch.arange(new), total, sliding_window)
         o[start:start + new] = _attend(q[start:start + new], keys, values, scaling, logit_cap, allowed).to(o.dtype)
+    if read:
+        first_use("read", tree_mask_mode, f"extend attention: {len(rows)} requests x {max(news)} tokens, "
+                                          f"{sum(cells)} cells")
 
 
 STAND_INS = {function.__name__: function for function in (decode_attention_cpu, extend_attention_cpu)}

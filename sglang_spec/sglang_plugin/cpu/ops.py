@@ -21,6 +21,7 @@ import os
 import numpy as np
 import torch
 
+from sglang_spec.sglang_plugin.cpu.tree_mask import first_use
 from sglang_spec.tree.encode_sglang import TreeMaskMode, decode_sglang_draft, encode_sglang_verify
 
 TRITON_TREE_FLAG = "SGLANG_SPEC_CPU_TRITON_TREE"
@@ -104,6 +105,11 @@ def build_draft_decode_metadata_cpu(req_to_token, req_pool_indices, seq_lens, to
 def build_tree_kernel_efficient_cpu(parent_list, top_scores_index, seq_lens, tree_mask, positions, retrieve_index,
                                     retrieve_next_token, retrieve_next_sibling, topk, spec_steps, num_verify_tokens,
                                     tree_mask_mode):
+    """Writes the tree mask in the layout ``tree_mask_mode`` names (SGLang's worker picks it:
+    ``default_tree_mask_mode()``, QLEN_ONLY on a CPU unless ``SGLANG_SPEC_CPU_TREE_MASK`` says otherwise); a
+    FULL_MASK's prefix columns are written True, as SGLang's caller pre-fills them."""
+    first_use("built", TreeMaskMode(int(tree_mask_mode)), f"{top_scores_index.shape[0]} requests x "
+                                                          f"{num_verify_tokens} tokens")
     if os.environ.get(TRITON_TREE_FLAG) == "1":
         from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton
 

@@ -15,6 +15,9 @@
 * SGLang's dummy forward (warm-up, autotune; ``--speculative-tree-auto`` times it at start-up) asks the attention
   backend for the dummy batch's sequence length through the CUDA-graph name; the CPU backend answers only to its
   CPU-graph name, with the same value.
+
+The tree-mask layout's hooks (the backend's binding; with ``SGLANG_SPEC_CPU_TREE_MASK``, SGLang's choice of
+layout) are in ``tree_mask`` and registered beside these.
 """
 
 from __future__ import annotations
