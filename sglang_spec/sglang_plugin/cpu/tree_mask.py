@@ -71,14 +71,13 @@ def default_tree_mask_mode_cpu(mode: TreeMaskMode):
 
 
 def amx_backend_init_after(result, backend, *args, **kwargs):
-    """After ``IntelAMXAttnBackend.__init__``: its extend attention (the bed's stand-in) reads tree masks in the mode
-    SGLang's workers build them (``default_tree_mask_mode()``, replaced or not)."""
+    """After ``IntelAMXAttnBackend.__init__``: the extend attention it holds (the bed's stand-in,
+    ``attention.extend_attention_cpu``) reads tree masks in the mode SGLang's workers build them
+    (``default_tree_mask_mode()``, replaced or not)."""
     from sglang.srt.speculative import eagle_utils
 
-    from sglang_spec.sglang_plugin.cpu.attention import extend_attention_cpu
-
     mode = TreeMaskMode(int(eagle_utils.default_tree_mask_mode()))
-    backend.extend_attention_fwd = functools.partial(extend_attention_cpu, tree_mask_mode=mode)
+    backend.extend_attention_fwd = functools.partial(backend.extend_attention_fwd, tree_mask_mode=mode)
     return result
 
 
