@@ -84,7 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
                         help="your own prompts, one JSON object a line ({\"prompt\": ...} or {\"messages\": ...}, "
                              "optional \"domain\" = workload, default general; also a .txt file, one prompt a line)")
-    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--num-prompts", default="200",
+                        help="requests a run sends: one number, or one per --concurrency value (e.g. 6,16,32 for "
+                             "1,4,16: a concurrency-1 run needs fewer requests than a full batch of 16 twice over)")
     parser.add_argument("--dataset", default="heldout",
                         help="heldout (HumanEval 134-163 as chat requests, never in the shipped heads' training; "
                              "written as a ShareGPT file, no download) or any bench_serving --dataset-name")
@@ -116,6 +118,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"{', '.join(SERVING_WORKLOADS)}")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
+    concurrencies = args.concurrency.split(",")
+    counts = args.num_prompts.split(",")
+    if not all(count.strip().isdigit() and int(count) > 0 for count in counts) or \
+            len(counts) not in (1, len(concurrencies)):
+        parser.error(f"--num-prompts {args.num_prompts!r}: give one positive number, or one per --concurrency value "
+                     f"({len(concurrencies)})")
+    args.prompts_at = dict(zip(concurrencies, counts * len(concurrencies) if len(counts) == 1 else counts))
+    args.prompts_at = {int(concurrency): int(count) for concurrency, count in args.prompts_at.items()}
     if args.cpu_model is None and args.model_path is None:
         args.model_path = "deepseek-ai/DeepSeek-R1"
     return args
@@ -161,7 +171,7 @@ def launch_command(args, policy: str, budget: int, profile: str | None = None) -
 def bench_command(args, concurrency: int, output: Path, dataset: Path | None = None) -> list[str]:
     """bench_serving at one concurrency over ``dataset`` (a ShareGPT file of one workload)."""
     command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
-               "--port", str(args.port), "--num-prompts", str(args.num_prompts), "--max-concurrency",
+               "--port", str(args.port), "--num-prompts", str(args.prompts_at[concurrency]), "--max-concurrency",
                str(concurrency), "--output-file", str(output)]
     if args.dataset == "heldout":
         return command + ["--dataset-name", "sharegpt", "--dataset-path", str(dataset or "heldout.json"),
@@ -237,12 +247,13 @@ def workload_datasets(args, scratch: Path) -> dict[str, Path]:
         by_domain: dict[str, list[str]] = {}
         for spec in load_prompts(str(args.prompts)):  # the project's prompt-file reader: one line per bad input
             by_domain.setdefault(spec.domain, []).append(_question(spec))
-        return {name: write_sharegpt(scratch / f"prompts-{name}.json", repeated(questions, args.num_prompts))
+        return {name: write_sharegpt(scratch / f"prompts-{name}.json", repeated(questions, max(args.prompts_at.values())))
                 for name, questions in by_domain.items()}
     names = workload_names(args)
     if names == ["heldout"]:
         return {"heldout": write_heldout_dataset(scratch / "heldout.json")}
-    return {name: write_sharegpt(scratch / f"serving-{name}.json", repeated(serving_questions(name), args.num_prompts))
+    return {name: write_sharegpt(scratch / f"serving-{name}.json",
+                                 repeated(serving_questions(name), max(args.prompts_at.values())))
             for name in names}
 
 

@@ -5,6 +5,7 @@ latency per policy."""
 from __future__ import annotations
 
 import csv
+import json
 import importlib.util
 from pathlib import Path
 
@@ -39,8 +40,6 @@ def test_sweep_against_the_cpu_server(smollm2_cpu, tmp_path):
 def test_a_workload_with_fewer_prompts_than_asked_is_cycled_to_fill_the_concurrency(tmp_path, capsys):
     """bench_serving sends each dataset entry once: a workload's 32 distinct requests are cycled when more are asked
     (with a warning: a cross-request corpus would see the repeats), and never repeat below that."""
-    import json
-
     spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
@@ -95,3 +94,24 @@ def test_rounds_report_each_figure_as_its_median_and_keep_every_round(tmp_path):
     sweep.write_csv_and_plot(merged, tmp_path / "one.csv")  # one concurrency: bars by workload
     assert (tmp_path / "one.png").stat().st_size > 0
     assert "output_throughput_rounds" not in (tmp_path / "one.csv").read_text()
+
+
+def test_num_prompts_per_concurrency_reaches_the_benchmark_client_and_a_bad_list_is_refused(tmp_path, capsys):
+    """``--num-prompts 6,16,32`` with ``--concurrency 1,4,16``: each run sends its own count (the dataset holds
+    the largest), so a concurrency-1 run does not decode a concurrency-16 run's requests one by one."""
+    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    args = sweep.parse_args(["--cpu-model", "smollm2", "--workloads", "code", "--concurrency", "1,4,16",
+                             "--num-prompts", "6,16,32"])
+    assert args.prompts_at == {1: 6, 4: 16, 16: 32}
+    sent = {concurrency: sweep.bench_command(args, concurrency, tmp_path / "out.jsonl", tmp_path / "code.json")
+            for concurrency in (1, 4, 16)}
+    assert {c: int(command[command.index("--num-prompts") + 1]) for c, command in sent.items()} == args.prompts_at
+    dataset = sweep.workload_datasets(args, tmp_path)["code"]
+    assert len(json.loads(dataset.read_text())) == 32
+    assert sweep.parse_args(["--concurrency", "1,4", "--num-prompts", "8"]).prompts_at == {1: 8, 4: 8}
+    for bad in ("6,16", "0", "six"):
+        with pytest.raises(SystemExit):
+            sweep.parse_args(["--concurrency", "1,4,16", "--num-prompts", bad])
+        assert "--num-prompts" in capsys.readouterr().err
