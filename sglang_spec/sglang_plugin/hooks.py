@@ -13,8 +13,8 @@
 | ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); lookup / hybrid: host-built trees (``context_draft``); eagle: SGLang's; a draft that raises: a filler tree for that batch (counted, one log line) |
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
 | ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | ``--speculative-tree-auto``: start-up costs (``step_costs``) before the first decode step; then a tree step, a plain step (SGLang's own 0-step path) or a cold one (the target's DECODE forward, SGLang's draft-extend stub), timed |
-| ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept |
-| ``eagle_utils.eagle_sample`` | AROUND | fused: our verify + accept kernels, or SGLang's path (counted); per-rank counts |
+| ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept; the verify step's state on every tree server |
+| ``eagle_utils.eagle_sample`` | AROUND | every tree server: penalties per node, as plain decoding applies them (``penalties``); fused: our verify + accept kernels, or SGLang's path (counted); per-rank counts |
 | ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | fused: the accepted path's KV moved by our kernel |
 | ``DecodeCudaGraphRunner.execute`` | AROUND | fused under CUDA graphs: static tree links in, greedy accept out |
 | ``Req.update_spec_correct_drafts_histogram`` | AFTER | per-position acceptance metrics |
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import os
 import sys
@@ -57,6 +58,7 @@ from sglang_spec.sglang_plugin.options import (
     validate_requested,
     validate_speculative,
 )
+from sglang_spec.sglang_plugin.penalties import RequestPenalties, tree_penalties
 from sglang_spec.sglang_plugin.step_costs import measure_step_costs
 from sglang_spec.tree.encode_sglang import SGLangDraftEncoding, encode_sglang_draft
 from sglang_spec.tree.token_tree import TokenTree
@@ -561,9 +563,10 @@ def _accept_tp_group():
 
 @dataclass
 class VerifyStep:
-    """The fused accept's state for one verify step: set by the worker's verify, gone when it returns."""
+    """A tree server's verify step: set by the worker's verify, gone when it returns. ``fused``: the worker's fused
+    accept (``--speculative-tree-accept fused``), None for SGLang's."""
 
-    fused: FusedAccept
+    fused: FusedAccept | None
     replayed: SGLangAccept | None = None  # the greedy accept of the verify graph this step replayed
     accepted: bool = False  # whether the fused path accepted the batch (its KV commit follows it)
 
@@ -572,8 +575,8 @@ _STEP: contextvars.ContextVar[VerifyStep | None] = contextvars.ContextVar("sglan
 
 
 def verify_around(original, worker, *args, **kwargs):
-    fused = getattr(worker, "_sglang_spec_fused", None)
-    if fused is None:
+    fused = getattr(worker, "_sglang_spec_fused", None)  # set only on tree servers
+    if fused is None and getattr(getattr(worker, "server_args", None), ATTRIBUTE, None) is None:
         return original(worker, *args, **kwargs)
     token = _STEP.set(VerifyStep(fused))
     try:
@@ -583,8 +586,11 @@ def verify_around(original, worker, *args, **kwargs):
 
 
 def eagle_sample_around(original, verify_input, batch, logits_output, *args, **kwargs):
-    """SGLang's or the fused accept, then the accepted paths to a context drafter (lookup / hybrid) and (with
-    --enable-metrics) the per-(depth, rank) counts on the device."""
+    """On a tree server: penalties per node as plain decoding applies them (``penalties``), then SGLang's or the
+    fused accept; then the accepted paths to a context drafter (lookup / hybrid) and (with --enable-metrics) the
+    per-(depth, rank) counts on the device."""
+    if _STEP.get() is not None and not batch.forward_mode.is_idle():
+        original = functools.partial(_with_exact_penalties, original)
     result = _eagle_sample(original, verify_input, batch, logits_output, *args, **kwargs)
     context: ContextDrafter | None = getattr(verify_input, "_sglang_spec_context", None)
     if context is not None and not batch.forward_mode.is_idle():
@@ -594,10 +600,37 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
     return result
 
 
+def _with_exact_penalties(original, verify_input, batch, logits_output, *args, **kwargs):
+    """SGLang's eagle_sample, with a penalised batch's penalties applied per node first (``penalties``) and SGLang's
+    relaxed ones (the root's, for every node) held back for the call. The fused accept never gets here with
+    penalties: it leaves such batches to SGLang's path."""
+    info = batch.sampling_info
+    if info.acc_additive_penalties is None and info.acc_scaling_penalties is None:
+        return original(verify_input, batch, logits_output, *args, **kwargs)
+    logits = logits_output.next_token_logits
+    bs = len(batch.reqs)
+    nodes = verify_input.draft_token_num
+    additive = info.acc_additive_penalties
+    stop_tokens = (torch.isneginf(additive) if additive is not None
+                   else torch.zeros(bs, logits.shape[-1], dtype=torch.bool, device=logits.device))
+    exact = tree_penalties([RequestPenalties.of(req) for req in batch.reqs], verify_input.draft_token.view(bs, nodes),
+                           verify_input.retrieve_next_token, verify_input.retrieve_next_sibling, stop_tokens,
+                           logits.shape[-1])
+    if exact is None:  # output ids lag the tree (overlap scheduler): SGLang's relaxed penalties
+        return original(verify_input, batch, logits_output, *args, **kwargs)
+    exact.apply(logits)
+    saved = info.acc_additive_penalties, info.acc_scaling_penalties
+    info.acc_additive_penalties = info.acc_scaling_penalties = None
+    try:
+        return original(verify_input, batch, logits_output, *args, **kwargs)
+    finally:
+        info.acc_additive_penalties, info.acc_scaling_penalties = saved
+
+
 def _eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None, uno_target_max_top_k=None,
                   **kwargs):
     step = _STEP.get()
-    if step is None or batch.forward_mode.is_idle():
+    if step is None or step.fused is None or batch.forward_mode.is_idle():
         return original(verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k, **kwargs)
     fused = step.fused
     from sglang.srt.runtime_context import get_spec
@@ -632,6 +665,7 @@ def move_accept_tokens_around(original, batch, accept_index, num_correct_drafts,
     if step is None or not step.accepted or not supports_row_permutation(pool):
         return original(batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator)
     nodes = batch.out_cache_loc.shape[0] // len(batch.seq_lens)
+    assert step.fused is not None  # only the fused path accepts
     step.fused.commit_kv(pool, batch.out_cache_loc, accept_index, num_correct_drafts + 1, nodes)
     return None
 
@@ -640,7 +674,8 @@ def graph_execute_around(original, runner, forward_batch, *args, **kwargs):
     """Under CUDA graphs: the verify replay's static tree links before it; after it, the greedy accept of the graph
     SGLang replayed, for this verify step only."""
     step = _STEP.get()
-    if step is None or runner.model_runner.is_draft_worker or not forward_batch.forward_mode.is_target_verify():
+    if (step is None or step.fused is None or runner.model_runner.is_draft_worker
+            or not forward_batch.forward_mode.is_target_verify()):
         return original(runner, forward_batch, *args, **kwargs)
     step.fused.before_replay(forward_batch)
     output = original(runner, forward_batch, *args, **kwargs)
