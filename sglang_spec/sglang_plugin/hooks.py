@@ -18,6 +18,8 @@
 | ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | fused: the accepted path's KV moved by our kernel |
 | ``DecodeCudaGraphRunner.execute`` | AROUND | fused under CUDA graphs: static tree links in, greedy accept out |
 | ``Req.update_spec_correct_drafts_histogram`` | AFTER | per-position acceptance metrics |
+| ``TokenizerManager.__init__`` | AFTER | the context a tree server reserves: none where the model's positions hold the tree past it |
+| ``KVCacheConfigurator._build_req_to_token_pool``, ``allocation_sizing.get_req_to_token_extra_context_len`` | AROUND | a tree server's req_to_token rows hold a decode step's draft slots past the context |
 
 Every hot-path hook reads its settings from the worker it runs for (set at construction), never from globals.
 Start-up failures end the launch with one ``error:`` line.
@@ -88,6 +90,11 @@ HOOKS = (
     ("sglang.srt.speculative.spec_utils.move_accept_tokens_to_target_kvcache", "move_accept_tokens_around", "AROUND"),
     ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
      "graph_execute_around", "AROUND"),
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__", "tokenizer_manager_init_after", "AFTER"),
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_req_to_token_pool",
+     "build_req_to_token_pool_around", "AROUND"),
+    ("sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len", "req_to_token_headroom_around",
+     "AROUND"),
 )
 RESOLUTION_HOOKS = (
     ("handle_speculative_decoding", "handle_speculative_decoding_wrapper"),
@@ -220,6 +227,45 @@ def registry_lookup_before(registry, *args, **kwargs):
         if architecture not in registry.models:
             registry.models[architecture] = getattr(importlib.import_module(module_name), architecture)
     return None
+
+
+# ---------------------------------------------------------------------------------------------- context limit
+def tokenizer_manager_init_after(result, manager, *args, **kwargs):
+    """The context a tree server reserves for its trees (``TreeServerOptions.reserved_context``): none where the
+    model's positions hold the tree past the context length, so it takes every prompt a plain server takes."""
+    options: TreeServerOptions | None = getattr(manager.server_args, ATTRIBUTE, None)
+    if options is not None:
+        config = getattr(manager.model_config, "hf_text_config", None)
+        max_positions = getattr(config, "max_position_embeddings", None)
+        manager.num_reserved_tokens = options.reserved_context(manager.context_len, max_positions,
+                                                               manager.num_reserved_tokens)
+    return result
+
+
+_TREE_POOL: contextvars.ContextVar[bool] = contextvars.ContextVar("sglang_spec_tree_pool", default=False)
+
+
+def build_req_to_token_pool_around(original, configurator, *args, **kwargs):
+    """Marks the req_to_token pool a tree server builds (``req_to_token_headroom_around`` widens its rows)."""
+    token = _TREE_POOL.set(getattr(configurator.server_args, ATTRIBUTE, None) is not None)
+    try:
+        return original(configurator, *args, **kwargs)
+    finally:
+        _TREE_POOL.reset(token)
+
+
+def req_to_token_headroom_around(original, *args, **kwargs):
+    """A tree server's req_to_token rows hold a request's committed tokens plus what SGLang maps past them each
+    decode step (``get_alloc_reserve_per_decode``: twice max(W * D, budget + 1)). SGLang sizes the headroom to
+    budget + 5, enough only while its tokenizer keeps every request max(W * D, budget + 1) short of the context;
+    with W * D past it (specexec 15/4/4: 60 slots, a 120-slot reserve) a request near the end of the context ran
+    its row over, and with no reservation (``tokenizer_manager_init_after``) any tree could."""
+    extra = original(*args, **kwargs)
+    if not _TREE_POOL.get():
+        return extra
+    from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
+
+    return max(extra, get_alloc_reserve_per_decode())
 
 
 # ---------------------------------------------------------------------------------------------- draft worker

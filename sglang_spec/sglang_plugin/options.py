@@ -98,6 +98,20 @@ class TreeServerOptions:
         assert shape is not None  # sequoia's DP tree
         return DraftPlan.from_tree(shape, self.width, self.depth)
 
+    def reserved_context(self, context_len: int, max_positions: int | None, sglang_reserved: int) -> int:
+        """Positions a prompt must leave free below the context length (SGLang's tokenizer manager refuses a prompt,
+        or a prompt plus max_new_tokens, within them of it). SGLang reserves max(W * D, budget + 1) on every EAGLE
+        server, so that a request's draft slots, mapped in its req_to_token row past its tokens, and the tree's
+        positions, up to D past its last token, stay inside the context; a plain server reserves nothing and
+        takes a prompt up to the last position. The plugin widens the rows for the draft slots
+        (``hooks.req_to_token_headroom_around``), which leaves the positions: where the model's position table
+        (``max_positions``) holds context_len + D, nothing is reserved and a tree server answers every request a
+        plain one answers (a tree node past the context length emits nothing: the request ends at it); where it
+        does not (a server run at the model's full context), SGLang's reservation stays."""
+        if max_positions is not None and context_len + self.depth <= max_positions:
+            return 0
+        return sglang_reserved
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tree speculation (sglang_spec)")
