@@ -5,17 +5,28 @@ Per step it runs SGLang's draft model on the W beams exactly as SGLang's loop do
 same per-step KV slots, same hot-token map, same softmax), and does the rest with ``draft_loop.DraftLoop``:
 each node keeps its top-K candidates as children, the next beams are chosen by the policy, and before a beam
 is forwarded its KV column is overwritten with its parent's, so every node attends to its own ancestors only.
-Everything is device tensor code with the shapes fixed by (batch, W, steps): nothing is read on the host and
-nothing copied from it, so SGLang's draft CUDA graph can capture the loop.
+
+Only the beams that can grow (``DraftLoop.live``: at step 1 the root's K candidates, then the plan's expanded
+nodes or SpecExec's growable ranks) get the head's logits: the draft model's layers run over the W beams SGLang's
+attention metadata holds, and its logits processor over the live rows only (``LOGIT_ROWS``, read by the hook on
+``LogitsMetadata.from_forward_batch`` through SGLang's own row selection), the larger part of a draft forward's
+cost where the head projects onto the vocabulary. Everything is device tensor code with the shapes fixed by
+(batch, W, steps, live): nothing is read on the host and nothing copied from it, so SGLang's draft CUDA graph can
+capture the loop.
 """
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import torch
 
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, Level, ancestry_permutation
+
+# the rows of a draft forward whose logits are computed (``forward_beams``; None: every row)
+LOGIT_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("sglang_spec_logit_rows",
+                                                                                 default=None)
 
 
 def draft_forward(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv) -> tuple[torch.Tensor, torch.Tensor,
@@ -36,14 +47,19 @@ def draft_forward(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv) 
     level = loop.root_level(spec_info.topk_p, topk_index)
     levels: list[Level] = [level]
     hidden = spec_info.hidden_states.repeat_interleave(width, dim=0)  # [b * W, H], the root's state per beam
-    beam_offsets = (torch.arange(batch, device=hidden.device) * width)[:, None]
+    requests = torch.arange(batch, device=hidden.device)[:, None]
     for step in range(1, loop.steps):
+        live = loop.live[step - 1]
+        rows = None if live == width else (requests * width + torch.arange(live, device=hidden.device)).reshape(-1)
         output, topk_p, topk_index = forward_beams(worker, forward_batch, step, level.beam_tokens, hidden,
-                                                   step_locs[step - 1], width)
-        level = loop.next_level(step, level.beam_scores, topk_p, topk_index)
+                                                   step_locs[step - 1], loop.children, rows)
+        level = loop.next_level(step, level.beam_scores, *loop.candidate_grid(step, topk_p, topk_index, batch))
         levels.append(level)
         if step < loop.steps - 1:  # the last level is never forwarded: no state or history to carry
-            hidden = output.hidden_states[(level.parent_beam + beam_offsets).reshape(-1)]
+            # a beam's parent is live (or the beam is dead, its state unread): states of the live rows only
+            states_per_request = output.hidden_states.shape[0] // batch
+            parents = torch.clamp(level.parent_beam, max=states_per_request - 1) + requests * states_per_request
+            hidden = output.hidden_states[parents.reshape(-1)]
             target, source = ancestry_permutation(level.parent_beam, step_locs, step)
             permute_kv(pool, target, source)
     parent_list, top_scores_index, draft_tokens = loop.organize(levels, worker.speculative_num_draft_tokens - 1)
@@ -51,11 +67,13 @@ def draft_forward(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv) 
 
 
 def forward_beams(worker: Any, forward_batch: Any, step: int, input_ids: torch.Tensor, hidden: torch.Tensor,
-                  out_cache_loc: torch.Tensor, topk: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+                  out_cache_loc: torch.Tensor, topk: int,
+                  logit_rows: torch.Tensor | None = None) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """Draft step ``step`` >= 1 over the batch's b * W beams, exactly as SGLang's loop runs it: input_ids [b * W]
     (full-vocabulary tokens), hidden [b * W, H] (each beam's parent state), out_cache_loc [b * W] (the step's draft
-    KV slots). Returns SGLang's logits output and each beam's top-``topk`` candidates ([b * W, topk] probabilities
-    and full-vocabulary tokens, best first); advances the positions by one."""
+    KV slots). ``logit_rows``: [R] the rows whose logits (and last hidden states) the forward returns, None for
+    all. Returns SGLang's logits output and those rows' top-``topk`` candidates ([R, topk] probabilities and
+    full-vocabulary tokens, best first); advances the positions by one."""
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.speculative.spec_utils import renorm_draft_probs
 
@@ -63,8 +81,12 @@ def forward_beams(worker: Any, forward_batch: Any, step: int, input_ids: torch.T
     forward_batch.out_cache_loc = out_cache_loc
     forward_batch.spec_info.hidden_states = hidden
     backend = worker.draft_attn_backend.attn_backends[step - 1]
-    with forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch):
-        output = worker.draft_runner.forward(forward_batch).logits_output
+    token = LOGIT_ROWS.set(logit_rows)
+    try:
+        with forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch):
+            output = worker.draft_runner.forward(forward_batch).logits_output
+    finally:
+        LOGIT_ROWS.reset(token)
     probs = renorm_draft_probs(output.next_token_logits, forward_batch.sampling_info, False)
     topk_p, topk_index = torch.topk(probs, topk, dim=-1)
     if worker.hot_token_id is not None:

@@ -14,8 +14,13 @@ are never chosen), which lets a Sequoia or SpecExec tree expand more than K node
 * ``sequoia``: ``DraftPlan`` lays the DP tree over the slots: the frontier at each step is forced to the plan's
   nodes that have children (``DevicePlan``'s boosts) and the verified tree is exactly the plan's slots.
 * ``specexec``: best-first by cumulative draft probability, on the device: each level's frontier is its best W
-  candidates and the verified tree is the best ``budget`` of all candidates (with W at least the number of a
-  level's nodes in the final tree this is exactly SpecExec's tree; see ``TreePolicy`` ``width``).
+  candidates and the verified tree is the best ``budget`` of all candidates (with W at least the rank of the
+  lowest-ranked node of a level that has a child in the final tree, this is exactly SpecExec's tree; see
+  ``TreePolicy`` ``width`` and ``growable_beams``).
+* beams that can grow: SGLang's attention metadata forwards W beams a request at every step, but only the first
+  ``live[s]`` beams of step s can have children in the verified tree (the root's K candidates at step 1; for
+  specexec the ranks ``growable_beams`` bounds, for sequoia the plan's expanded nodes). The others are masked
+  (their children may not be chosen) and ``draft_forward`` computes the head's logits for the live beams only.
 * ``ancestry_permutation``: beam j drafts into KV column [j][0..steps) and beams are re-chosen every step, so a
   beam whose parent was another beam would read that beam's history; copying column parent(j) into column j
   for the steps drafted so far gives every beam exactly its own ancestors.
@@ -43,12 +48,15 @@ class DraftPlan:
       frontier:         per step i in 1..steps-1, the expansion positions (f*W + r in the step's W*W grid) the
                         plan needs in the next frontier, in frontier order; at most W each.
       slots:            sorted slot ids of the plan's draft nodes (length = budget = num_draft_tokens - 1).
+      live:             per forwarded step s in 1..steps-1, the beams that hold the plan's nodes with children
+                        (a prefix: the root's candidates by rank at step 1, the forced frontier first after it).
     """
 
     width: int
     steps: int
     frontier: tuple[tuple[int, ...], ...]
     slots: tuple[int, ...]
+    live: tuple[int, ...] = ()
 
     @classmethod
     def from_tree(cls, tree: TokenTree, width: int, steps: int) -> DraftPlan:
@@ -86,19 +94,61 @@ class DraftPlan:
                 frontier_order[child] = order
             frontier.append(tuple(position for _, position in needed))
         slots = tuple(sorted(slot_of[node] for node in range(1, tree.num_nodes)))
-        return cls(width=width, steps=steps, frontier=tuple(frontier), slots=slots)
+        expanded_roots = [ranks[node] for node in children[0] if children[node]]
+        live = (max(expanded_roots, default=0) + 1, *(max(len(positions), 1) for positions in frontier[:-1]))
+        return cls(width=width, steps=steps, frontier=tuple(frontier), slots=slots, live=live[: max(steps - 1, 0)])
 
 
-def usable_slots(width: int, children: int, steps: int) -> int:
+def usable_slots(width: int, children: int, steps: int, live: tuple[int, ...] | None = None) -> int:
     """The candidate slots the draft loop can choose, counted the way ``DraftLoop`` marks them: the root level
     holds W candidates of which the K best are usable; each later level holds the K best children of the beams
     drafted from the level above, and a level yields at most W beams (fewer when it has fewer usable candidates;
-    the others are dead, score -1, and so are their children). With W = K this is SGLang's K + (D-1)·K·K."""
+    the others are dead, score -1, and so are their children); ``live``: the beams that may grow per forwarded
+    step (``DraftLoop.live``; all W when None). With W = K this is SGLang's K + (D-1)·K·K."""
     usable = beams = min(children, width)
-    for _ in range(1, steps):
-        usable += beams * children
-        beams = min(width, beams * children)
+    for step in range(1, steps):
+        growing = beams if live is None else min(beams, live[step - 1])
+        usable += growing * children
+        beams = min(width, growing * children)
     return usable
+
+
+def growable_beams(budget: int, steps: int, topk: int) -> tuple[int, ...]:
+    """Per forwarded draft step s = 1 .. steps - 1, the most beams (a level's best candidates, best first) of which
+    one can have a child in a best-``budget`` tree (SpecExec's): a level-s node ranked r with a child in the tree
+    brings the r - 1 nodes ranked above it on its level (each scores at least as much as the child), their
+    ancestors (at least ceil(r / K^(s - d)) on each level d < s, K children a node) and the child, so
+    r + 1 + sum_d ceil(r / K^(s - d)) <= budget; and r <= K^s. Lower-ranked beams never grow in the tree."""
+    bounds = []
+    for step in range(1, steps):
+        rank = 0
+        for candidate in range(1, topk ** step + 1):
+            nodes = candidate + 1 + sum(-(-candidate // topk ** (step - level)) for level in range(1, step))
+            if nodes > budget:
+                break
+            rank = candidate
+        bounds.append(max(rank, 1))
+    return tuple(bounds)
+
+
+def live_beams(width: int, children: int, steps: int, budget: int | None = None,
+               plan: DraftPlan | None = None) -> tuple[int, ...]:
+    """Per forwarded step s = 1 .. steps - 1, the beams (a prefix of the W) that can grow in the verified tree: the
+    plan's (sequoia), else ``growable_beams`` for ``budget`` nodes (specexec), else all W; at step 1 at most the
+    root's K usable candidates."""
+    if budget is None:
+        counts: tuple[int, ...] = (width,) * (steps - 1)
+    elif plan is not None:
+        counts = plan.live
+    else:
+        counts = growable_beams(budget, steps, children)
+    return tuple(min(count, width, children if step == 0 else width) for step, count in enumerate(counts))
+
+
+def specexec_width(budget: int, steps: int, topk: int) -> int:
+    """The static width W that draws exactly SpecExec's tree: every beam that can grow (``growable_beams``), and
+    at least topk (the root level holds the root's K children). Specexec 15/4/4: 11 (the budget was the default)."""
+    return max([topk, *growable_beams(budget, steps, topk)])
 
 
 def widest_level(tree: TokenTree) -> int:
@@ -173,6 +223,9 @@ class DraftLoop:
       steps:     draft steps (tree depth).
       rank_ok:   [W] bool device buffer, rank < K.
       plan:      sequoia's forced frontier and slots; None for best-first selection (specexec).
+      live:      per forwarded step s in 1..steps-1, the beams (a prefix of the W) that can grow: only their
+                 candidates may be chosen, and only their logits are computed (``draft_forward``).
+      beam_live: [max(steps - 1, 1), W] bool device buffer, row s - 1: beam < live[s - 1].
     """
 
     width: int
@@ -180,14 +233,21 @@ class DraftLoop:
     steps: int
     rank_ok: torch.Tensor
     plan: DevicePlan | None
+    live: tuple[int, ...]
+    beam_live: torch.Tensor
 
     @classmethod
     def build(cls, width: int, children: int, steps: int, plan: DraftPlan | None,
-              device: torch.device | str) -> DraftLoop:
+              device: torch.device | str, budget: int | None = None) -> DraftLoop:
+        """``budget``: the verified nodes; with it, beams that cannot grow in the tree are masked (sequoia: the
+        plan's; specexec: ``growable_beams``). Without it every beam is live (any budget up to the capacity)."""
         if not 1 <= children <= width:
             raise SpecError(f"a node keeps at most the draft width {width} children, got {children}")
         rank_ok = (torch.arange(width) < children).to(device)
-        return cls(width, children, steps, rank_ok, None if plan is None else DevicePlan.build(plan, device))
+        live = live_beams(width, children, steps, budget, plan)
+        beam_live = torch.arange(width)[None, :] < torch.tensor((*live, width)[: max(steps - 1, 1)])[:, None]
+        return cls(width, children, steps, rank_ok, None if plan is None else DevicePlan.build(plan, device), live,
+                   beam_live.to(device))
 
     def root_level(self, topk_p: torch.Tensor, topk_index: torch.Tensor) -> Level:
         """topk_p, topk_index: [b, W] the root's candidates, best first. Every root candidate is a beam of step 0
@@ -206,7 +266,8 @@ class DraftLoop:
         width = self.width
         batch = beam_scores.shape[0]
         probs = topk_p.float().view(batch, width, width)
-        usable = (beam_scores >= 0)[:, :, None] & self.rank_ok[None, None, :]
+        live = (beam_scores >= 0) & self.beam_live[step - 1][None, :]  # beams that may grow at this step
+        usable = live[:, :, None] & self.rank_ok[None, None, :]
         scores = torch.where(usable, beam_scores[:, :, None] * probs, torch.full_like(probs, _UNUSED))
         scores = scores.view(batch, width * width)
         ranked = scores
@@ -222,6 +283,18 @@ class DraftLoop:
             beam_tokens=torch.gather(tokens, 1, chosen).reshape(-1),
             parent_beam=torch.div(chosen, width, rounding_mode="floor"),
         )
+
+    def candidate_grid(self, step: int, topk_p: torch.Tensor, topk_index: torch.Tensor,
+                       batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live beams' candidates at step ``step`` in ``next_level``'s layout: topk_p / topk_index
+        [b * live[step - 1], K] (best first) -> [b * W, W], probability 0 and token 0 where a beam is not live or a
+        rank is >= K (both masked in ``next_level``)."""
+        live, width, children = self.live[step - 1], self.width, self.children
+        probs = torch.zeros(batch, width, width, dtype=topk_p.dtype, device=topk_p.device)
+        tokens = torch.zeros(batch, width, width, dtype=topk_index.dtype, device=topk_index.device)
+        probs[:, :live, :children] = topk_p.view(batch, live, children)
+        tokens[:, :live, :children] = topk_index.view(batch, live, children)
+        return probs.view(batch * width, width), tokens.view(batch * width, width)
 
     def organize(self, levels: list[Level], budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """SGLang's verify input from the drafted levels: (parent_list [b, W * (steps - 1) + 1], top_scores_index

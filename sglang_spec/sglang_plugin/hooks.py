@@ -12,6 +12,7 @@
 | ``EagleDraftWorker.draft`` | AROUND | lookup / hybrid: the batch's requests for the context; the draft runs eagerly |
 | ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); lookup / hybrid: host-built trees (``context_draft``); eagle: SGLang's; a draft that raises: a filler tree for that batch (counted, one log line) |
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
+| ``LogitsMetadata.from_forward_batch`` | AFTER | sequoia / specexec: the draft head's logits for the beams that can grow only |
 | ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | ``--speculative-tree-auto``: start-up costs (``step_costs``) before the first decode step; then a tree step, a plain step (SGLang's own 0-step path) or a cold one (the target's DECODE forward, SGLang's draft-extend stub), timed |
 | ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept; the verify step's state on every tree server |
 | ``eagle_utils.eagle_sample`` | AROUND | every tree server: penalties per node, as plain decoding applies them (``penalties``); fused: our verify + accept kernels, or SGLang's path (counted); per-rank counts |
@@ -42,7 +43,7 @@ import torch
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.batch_switch import COLD, TREE, BatchSwitches
 from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draft_forward, pad_to_budget
-from sglang_spec.sglang_plugin.draft_forward import draft_forward
+from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS, draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.fused_accept import FusedAccept, SGLangAccept
 from sglang_spec.sglang_plugin.metrics import METRICS, RANKS, SOURCES
@@ -81,6 +82,7 @@ HOOKS = (
     (f"{_WORKER}.draft", "draft_around", "AROUND"),
     (f"{_WORKER}.draft_forward", "draft_forward_around", "AROUND"),
     ("sglang.srt.speculative.spec_utils.select_top_k_tokens", "select_top_k_tokens_around", "AROUND"),
+    ("sglang.srt.layers.logits_processor.LogitsMetadata.from_forward_batch", "logits_metadata_after", "AFTER"),
     ("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", "correct_drafts_after", "AFTER"),
     ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.__init__", "eagle_worker_init_after", "AFTER"),
     ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation", "forward_batch_generation_around",
@@ -295,7 +297,10 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
             plan = options.draft_plan()
         except SpecError as error:  # validated at start-up already; a mismatch here is a bug, said plainly
             raise StartupError(error) from None
-        loop = DraftLoop.build(worker.topk, options.topk, worker.speculative_num_steps, plan, worker.device)
+        # under DP attention the logits processor gathers every rank's rows: the head runs over all the beams
+        budget = None if _dp_attention() else worker.speculative_num_draft_tokens - 1
+        loop = DraftLoop.build(worker.topk, options.topk, worker.speculative_num_steps, plan, worker.device,
+                               budget=budget)
     context = None
     if options.uses_context:
         context = ContextDrafter(options.tree_policy(), worker.speculative_num_steps,
@@ -305,6 +310,12 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
                                      context=context, fault_every=_fault_every())
     claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
     return result
+
+
+def _dp_attention() -> bool:
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+
+    return bool(is_dp_attention_enabled())
 
 
 def claim_acceptance_metrics(server_args, rank: int) -> bool:
@@ -466,6 +477,16 @@ def select_top_k_tokens_around(original, i, topk_p, topk_index, hidden_states, s
     parent_beam = torch.div(result[3][2] - (topk * topk * (i - 1) + topk), topk, rounding_mode="floor")
     target, source = ancestry_permutation(parent_beam, context.step_locs, i)
     permute_kv(context.pool, target, source)
+    return result
+
+
+def logits_metadata_after(result, cls, *args, **kwargs):
+    """Inside the plugin's draft forward (``draft_forward.LOGIT_ROWS`` set): the logits processor computes the
+    head over those rows only, through SGLang's own row selection (``draft_extend_select_index``, which it applies
+    in decode mode too); its last hidden states are those rows' as well."""
+    rows = LOGIT_ROWS.get()
+    if rows is not None:
+        result.draft_extend_select_index = rows
     return result
 
 

@@ -7,7 +7,7 @@ arguments), attached to its ServerArgs, checked against the resolved configurati
     --speculative-tree-topk K            children per expanded node (the node's top-K draft candidates)
     --speculative-tree-width W           most nodes expanded on one level (SGLang's speculative_eagle_topk):
                                          eagle W = K; sequoia: its tree's widest level; specexec: a static
-                                         bound, by default the budget (exact SpecExec)
+                                         bound, by default the most beams that can grow (exact SpecExec)
     --speculative-acceptance-profile P   JSON profile for sequoia (``sglang-spec calibrate``)
     --speculative-tree-accept {sglang,fused}   who accepts the verified tree: SGLang's eagle_sample (default)
                                          or the project's fused verify + accept kernels and KV commit
@@ -23,17 +23,18 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.draft_loop import DraftPlan, usable_slots, widest_level
+from sglang_spec.sglang_plugin.draft_loop import DraftPlan, live_beams, specexec_width, usable_slots, widest_level
 from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
 ATTRIBUTE = "_sglang_spec_tree"  # where the parsed options ride on ServerArgs (pickled into subprocesses)
 TREE_ALGORITHMS = ("EAGLE", "NEXTN")
 DEFAULTS = {"budget": 8, "depth": 4, "topk": 4}
-# specexec's default width is its budget: SpecExec expands every node of its best-``budget`` set with children,
-# and levels get wide (held-out HumanEval 130-133, shipped SmolLM2 head, K = 4, depth 5-6: up to 12 / 20 / 47 nodes
-# on one level at budgets 16 / 32 / 64), so only W = budget is exact for every request; a smaller W trades
-# accept length for W rows per draft step
+# specexec's default width is the most beams that can grow (``draft_loop.specexec_width``): SpecExec expands
+# every node of its best-``budget`` set with children, and levels get wide (held-out HumanEval 130-133, shipped
+# SmolLM2 head, K = 4, depth 5-6: up to 12 / 20 / 47 nodes on one level at budgets 16 / 32 / 64), but a node ranked
+# below budget-dependent bounds on its level never has a child in the tree (12 / 23 / 48 beams at those shapes,
+# 11 at 15/4/4), so that width is exact for every request; a smaller W trades accept length for rows per step
 # policies that run the plugin's own draft loop (the others run SGLang's)
 OWN_LOOP_POLICIES = ("sequoia", "specexec")
 # attention backends whose target-verify and draft-decode paths take a tree (sglang-internals §9); MLA models
@@ -126,7 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"children per expanded node (default {DEFAULTS['topk']}; chain uses 1)")
     group.add_argument("--speculative-tree-width", type=int, default=None,
                        help="most nodes expanded on one level (SGLang's speculative_eagle_topk); default: topk for "
-                            "eagle, the tree's widest level for sequoia, the budget for specexec (exact SpecExec)")
+                            "eagle, the tree's widest level for sequoia, the most beams that can grow for specexec "
+                            "(exact SpecExec)")
     group.add_argument("--speculative-acceptance-profile", default=None, metavar="PATH",
                        help="acceptance profile JSON (sglang-spec calibrate); required by sequoia")
     group.add_argument("--speculative-tree-accept", choices=ACCEPT_CHOICES, default=None,
@@ -225,7 +227,7 @@ def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | 
             raise SpecError(f"--speculative-tree-width {width} is below topk {topk}: the root keeps its {topk} head "
                             f"candidates")
         return width
-    width = given if given is not None else max(topk, budget)
+    width = given if given is not None else specexec_width(budget, depth, topk)
     if width < topk:
         raise SpecError(f"--speculative-tree-width {width} is below topk {topk}: the root's {topk} children are "
                         f"all expanded at the first step")
@@ -288,14 +290,14 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
     if options.uses_context:
         return  # any tree within its width fits SGLang's encoding (checked with the options); fillers fill the rest
     topk = min(options.topk, width)
-    capacity = usable_slots(width, topk, steps)
+    # the beams the loop lets grow (``DraftLoop.live``); a sequoia plan that does not fit fails here first
+    capacity = usable_slots(width, topk, steps, live_beams(width, topk, steps, options.budget, options.draft_plan()))
     if options.budget > capacity:
         raise SpecError(
             f"--speculative-tree-budget {options.budget} exceeds the {capacity} draft tokens that topk {topk}, "
             f"width {width} and depth {steps} can produce (topk candidates a node, at most width expanded a "
             f"level); raise --speculative-tree-topk, -width or -depth, or lower the budget"
         )
-    options.draft_plan()  # a sequoia tree that the draft loop cannot hold fails here
 
 
 def _decode_graphs(config) -> str | None:

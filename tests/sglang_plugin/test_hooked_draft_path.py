@@ -11,7 +11,14 @@ from doubles import SyntheticCandidates
 from helpers import targets_following_drafts
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.draft_loop import DraftLoop, DraftPlan, ancestry_permutation, widest_level
+from sglang_spec.sglang_plugin.draft_loop import (
+    DraftLoop,
+    DraftPlan,
+    ancestry_permutation,
+    growable_beams,
+    specexec_width,
+    widest_level,
+)
 from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
 from sglang_spec.tree import (
     AcceptanceProfile,
@@ -133,10 +140,11 @@ def uncompiled(monkeypatch, sglang_with_plugin):
 
 
 def sequoia_loop(budget, steps, topk, width=None):
+    """The plan's loop as the server builds it: beams off the plan masked (``budget``)."""
     tree = TreePolicy("sequoia", budget=budget, depth=steps, topk=topk, profile=PROFILE).static_shape()
     assert tree is not None
     width = width or max(topk, widest_level(tree))
-    return tree, DraftLoop.build(width, topk, steps, DraftPlan.from_tree(tree, width, steps), "cpu")
+    return tree, DraftLoop.build(width, topk, steps, DraftPlan.from_tree(tree, width, steps), "cpu", budget=budget)
 
 
 def paths_of(tree):
@@ -202,6 +210,186 @@ def test_specexec_through_the_own_loop_is_the_reference_tree(budget, steps, topk
         reference = TreePolicy("specexec", budget=budget, depth=steps, topk=topk, width=width).build(root, DraftSources(mtp=source)).tree
         assert paths_of(got) == paths_of(reference)
         assert int(got.ranks[1:].max()) < topk
+
+
+class ScriptedCandidates(SyntheticCandidates):
+    """A drafter whose next-token distribution is scripted per path (tokens 1..4, the rest 0), default
+    [0.3, 0.3, 0.3, 0.1]. ``SPECEXEC_15_4_4``: specexec 15/4/4's tree has a child under the 11th-ranked node of
+    level 2 (levels 1 / 2 / 3: 3 / 11 / 1 nodes), the widest growth the budget allows there (``growable_beams``)."""
+
+    def __init__(self, script: dict[tuple[int, ...], list[float]], vocab_size: int = 12) -> None:
+        super().__init__(vocab_size)
+        self.script = script
+
+    def distribution(self, path_tokens):
+        probs = torch.zeros(self.vocab_size)
+        probs[1:5] = torch.tensor(self.script.get(tuple(int(t) for t in path_tokens[1:]), [0.3, 0.3, 0.3, 0.1]))
+        return probs
+
+
+SPECEXEC_15_4_4 = {(): [0.33, 0.33, 0.33, 0.01], (1,): [0.3, 0.3, 0.28, 0.12], (2,): [0.3, 0.3, 0.29, 0.11],
+                   (3,): [0.3, 0.3, 0.3, 0.1], (2, 4): [0.95, 0.03, 0.01, 0.01]}
+
+
+def exact_specexec(budget, steps, topk, source, root):
+    """SpecExec's tree without a width bound (the reference decoder's policy)."""
+    return TreePolicy("specexec", budget=budget, depth=steps, topk=topk).build(root, DraftSources(mtp=source)).tree
+
+
+@pytest.mark.parametrize("budget, steps, topk", [(15, 4, 4), (16, 5, 4), (32, 6, 4), (24, 4, 3), (10, 5, 2),
+                                                 (40, 4, 3)])
+def test_specexec_over_the_beams_that_can_grow_is_exactly_specexecs_tree(budget, steps, topk):
+    """The default width (``specexec_width``: 11 at 15/4/4, where it was the budget) with the beams past
+    ``growable_beams`` masked draws exactly SpecExec's unbounded tree, for flat drafters (wide levels) and sharp
+    ones (deep paths)."""
+    width = specexec_width(budget, steps, topk)
+    assert topk <= width < budget
+    loop = DraftLoop.build(width, topk, steps, None, "cpu", budget=budget)
+    assert loop.live == growable_beams(budget, steps, topk)[: steps - 1]
+    roots = [3, 4, 5]
+    for seed, sharpness in [(1, 0.05), (2, 0.5), (3, 1.5), (4, 4.0)]:
+        source = SyntheticCandidates(vocab_size=40, seed=seed * 100 + budget, sharpness=sharpness)
+        parent_list, top_scores_index, draft_tokens = run_own_loop(loop, source, roots, budget)
+        decoded = decode_sglang_draft(parent_list, top_scores_index, draft_tokens, torch.tensor(roots), width)
+        for root, got in zip(roots, decoded):
+            assert paths_of(got) == paths_of(exact_specexec(budget, steps, topk, source, root)), (seed, root)
+
+
+def test_the_growable_bound_is_reached():
+    """Specexec 15/4/4 can grow the 11th-ranked beam of level 2 (scripted drafter): width 11 draws SpecExec's tree,
+    width 10 misses the child under that beam (the negative control: the bound is tight there)."""
+    assert growable_beams(15, 4, 4) == (4, 11, 10) and specexec_width(15, 4, 4) == 11
+    source = ScriptedCandidates(SPECEXEC_15_4_4)
+    exact = exact_specexec(15, 4, 4, source, 0)
+    assert [int((exact.depths == depth).sum()) for depth in (1, 2, 3)] == [3, 11, 1]
+    for width, equal in ((11, True), (10, False)):
+        loop = DraftLoop.build(width, 4, 4, None, "cpu", budget=15)
+        got = decode_sglang_draft(*run_own_loop(loop, source, [0], 15), torch.tensor([0]), width)[0]
+        assert (paths_of(got) == paths_of(exact)) is equal, width
+
+
+class PathDraftModel:
+    """SGLang's draft runner for ``draft_forward.draft_forward``, over a scripted drafter: a row's hidden state is
+    the id of its path, a forward extends it by the row's input token and returns the path's log-probabilities.
+    Like SGLang's logits processor it computes the head over ``LOGIT_ROWS`` only (and keeps those rows' last hidden
+    states); records (rows through the layers, rows through the head) per forward."""
+
+    def __init__(self, source, roots):
+        self.source = source
+        self.paths = [[root] for root in roots]
+        self.rows: list[tuple[int, int]] = []
+
+    def forward(self, forward_batch):
+        from types import SimpleNamespace
+
+        from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS
+
+        ids = []
+        for parent, token in zip(forward_batch.spec_info.hidden_states[:, 0].long().tolist(),
+                                 forward_batch.input_ids.tolist()):
+            self.paths.append(self.paths[parent] + [token])
+            ids.append(len(self.paths) - 1)
+        rows = LOGIT_ROWS.get()
+        head = list(range(len(ids))) if rows is None else rows.tolist()
+        self.rows.append((len(ids), len(head)))
+        logits = torch.stack([torch.log(self.source.distribution(self.paths[ids[row]]) + 1e-30) for row in head])
+        hidden = torch.tensor([[float(ids[row])] for row in head])
+        return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=hidden))
+
+
+def draft_worker(loop: DraftLoop, source, roots, budget):
+    """(worker, forward_batch, model): SGLang's draft worker and draft-step batch as the plugin's draft reads them,
+    with ``PathDraftModel`` as the draft runner."""
+    from types import SimpleNamespace
+
+    batch, width, steps = len(roots), loop.width, loop.steps
+    model = PathDraftModel(source, roots)
+    root_p, root_index = torch.topk(torch.stack([source.distribution([root]) for root in roots]), width, dim=-1)
+    spec_info = SimpleNamespace(topk_p=root_p, topk_index=root_index, bonus_tokens=torch.tensor(roots),
+                                hidden_states=torch.arange(batch, dtype=torch.float32)[:, None])
+    forward_batch = SimpleNamespace(spec_info=spec_info, batch_size=batch, out_cache_loc=torch.arange(
+        batch * width * steps), positions=torch.zeros(batch * width, dtype=torch.int64), input_ids=None,
+        moe_num_token_non_padded=None, sampling_info=None, forward_mode=SimpleNamespace(is_idle=lambda: False))
+    runner = SimpleNamespace(token_to_kv_pool=FakePool(batch * width * steps), forward=model.forward,
+                             model_config=SimpleNamespace(model_is_mrope=False))
+    worker = SimpleNamespace(hot_token_id=None, draft_runner=runner, speculative_num_draft_tokens=budget + 1,
+                             topk=width, speculative_num_steps=steps,
+                             draft_attn_backend=SimpleNamespace(attn_backends=[None] * steps))
+    return worker, forward_batch, model
+
+
+def run_draft_forward(loop: DraftLoop, source, roots, budget):
+    """``draft_forward.draft_forward`` (the server's own-loop entry) with ``PathDraftModel`` as the draft runner."""
+    from sglang_spec.sglang_plugin.draft_forward import draft_forward
+
+    worker, forward_batch, model = draft_worker(loop, source, roots, budget)
+    parent_list, top_scores_index, draft_tokens, _ = draft_forward(worker, forward_batch, loop, hooks.permute_kv)
+    width = loop.width
+    trees = decode_sglang_draft(parent_list, top_scores_index, draft_tokens, torch.tensor(roots), width)
+    return trees, model.rows
+
+
+def test_the_draft_forwards_the_head_over_the_beams_that_can_grow_only(sglang_with_plugin):
+    """Specexec 15/4/4 as the server builds it: W = 11 rows a request through the draft's layers (SGLang's
+    attention metadata holds W beams) and the head over 4 / 11 / 10 rows at steps 1 / 2 / 3 (the root's 4
+    candidates, then the growable ranks): 25 head rows a request where the loop ran 3 x 15 = 45 of each. The tree
+    is still exactly SpecExec's, the growable bound reached included."""
+    from sglang_spec.sglang_plugin.options import from_values
+
+    options = from_values({"speculative_tree_policy": "specexec", "speculative_tree_budget": 15,
+                           "speculative_tree_depth": 4, "speculative_tree_topk": 4})
+    loop = DraftLoop.build(options.width, options.topk, options.depth, options.draft_plan(), "cpu",
+                           budget=options.budget)
+    assert (options.width, loop.live) == (11, (4, 11, 10))
+    for source, roots in ((ScriptedCandidates(SPECEXEC_15_4_4), [0, 0]),
+                          (SyntheticCandidates(vocab_size=40, seed=9, sharpness=0.5), [3, 4, 5])):
+        trees, rows = run_draft_forward(loop, source, roots, 15)
+        batch = len(roots)
+        assert rows == [(batch * 11, batch * 4), (batch * 11, batch * 11), (batch * 11, batch * 10)]
+        for root, got in zip(roots, trees):
+            assert paths_of(got) == paths_of(exact_specexec(15, 4, 4, source, root))
+
+
+def test_sequoia_forwards_the_head_over_the_plans_expanded_nodes_only(sglang_with_plugin):
+    """Sequoia 32/5/4: the head runs over the beams holding the plan's nodes with children at each step, and the
+    drafted tree is still the plan."""
+    plan_tree, loop = sequoia_loop(32, 5, 4)
+    expanded = [sum(1 for node in range(1, plan_tree.num_nodes) if int(plan_tree.depths[node]) == depth
+                    and bool((plan_tree.parents == node).any())) for depth in range(1, 5)]
+    assert list(loop.live) == expanded and max(expanded) == loop.width and min(expanded) < loop.width
+    source = SyntheticCandidates(vocab_size=60, seed=4, sharpness=1.5)
+    trees, rows = run_draft_forward(loop, source, [7, 8], 32)
+    assert rows == [(2 * loop.width, 2 * live) for live in loop.live]
+    for got in trees:
+        assert got.parents.tolist() == plan_tree.parents.tolist()
+
+
+def test_sglangs_logits_processor_selects_the_rows_in_decode_mode(sglang_with_plugin):
+    """The hook's row selection reaches SGLang's own logits processor: in a DECODE forward (the draft's), with
+    ``draft_extend_select_index`` set by ``logits_metadata_after``, the head's input and the last hidden states are
+    those rows; outside the plugin's draft forward nothing is selected."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.logits_processor import LogitsMetadata, LogitsProcessor
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+
+    from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS
+
+    hidden = torch.arange(24, dtype=torch.float32).view(8, 3)
+    rows = torch.tensor([0, 1, 4, 5])
+    for selected in (rows, None):
+        metadata = LogitsMetadata(forward_mode=ForwardMode.DECODE, capture_hidden_mode=CaptureHiddenMode.LAST)
+        token = LOGIT_ROWS.set(selected)
+        try:
+            metadata = hooks.logits_metadata_after(metadata, LogitsMetadata)
+        finally:
+            LOGIT_ROWS.reset(token)
+        pruned, _, aux, sample_indices, _, _ = LogitsProcessor._get_pruned_states(SimpleNamespace(), hidden, None,
+                                                                                   None, metadata)
+        stored = LogitsProcessor._get_hidden_states_to_store(SimpleNamespace(), hidden, None, None, pruned, None, aux,
+                                                              sample_indices, metadata)
+        expected = hidden if selected is None else hidden[rows]
+        assert torch.equal(pruned, expected) and torch.equal(stored, expected) and sample_indices is None
 
 
 def test_own_loop_reads_nothing_on_the_host():

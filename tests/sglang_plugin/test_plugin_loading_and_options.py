@@ -99,9 +99,10 @@ def test_bad_combinations_fail_with_one_line(sglang_with_plugin, argv, message):
     assert text.startswith("error: ") and message in text and "\n" not in text
 
 
-def test_width_is_the_trees_widest_level_or_the_specexec_budget(sglang_with_plugin):
+def test_width_is_the_trees_widest_level_or_the_specexec_beams_that_can_grow(sglang_with_plugin):
     """SGLang's speculative_eagle_topk is the draft width W: topk for eagle, the Sequoia tree's widest level (here
-    wider than topk), the budget for specexec (exact SpecExec); topk stays the children per node."""
+    wider than topk), the most beams that can grow for specexec (exact SpecExec: 23 at 32/6/4, not the budget);
+    topk stays the children per node."""
     from sglang_spec.models.loading import shipped_profile_path
 
     profile = str(shipped_profile_path("smollm2"))
@@ -111,7 +112,7 @@ def test_width_is_the_trees_widest_level_or_the_specexec_budget(sglang_with_plug
     assert (sequoia._sglang_spec_tree.topk, sequoia._sglang_spec_tree.width, sequoia.speculative_eagle_topk) == (4, 5, 5)
     specexec = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "specexec",
                       "--speculative-tree-budget", "32", "--speculative-tree-depth", "6", "--speculative-tree-topk", "4"])
-    assert (specexec.speculative_eagle_topk, specexec.speculative_num_draft_tokens) == (32, 33)
+    assert (specexec.speculative_eagle_topk, specexec.speculative_num_draft_tokens) == (23, 33)
     bounded = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "specexec",
                      "--speculative-tree-budget", "32", "--speculative-tree-width", "8"])
     assert bounded.speculative_eagle_topk == 8 and bounded._sglang_spec_tree.tree_policy().width == 8
