@@ -98,22 +98,20 @@ def tree_penalties(requests: Sequence[RequestPenalties], tokens: torch.Tensor, f
         return None
     device = stop_tokens.device
     first_rows, sibling_rows = first_child.tolist(), next_sibling.tolist()
-    # counts[b * N + i, v]: occurrences of v in request b's output followed by node i's path
-    rows: list[int] = []
-    columns: list[int] = []
+    # counts[b * N + i, v]: occurrences of v in request b's output (counted once a request), then node i's path
+    output_rows = [b for b, request in enumerate(requests) for _ in request.output_ids]
+    output_tokens = [token for request in requests for token in request.output_ids]
+    counts = _counted(torch.zeros(batch, vocab_size, dtype=torch.float32, device=device), output_rows, output_tokens)
+    counts = counts.repeat_interleave(nodes, dim=0)
+    path_rows: list[int] = []
+    path_tokens: list[int] = []
     depths: list[int] = []
-    for b, request in enumerate(requests):
-        paths = node_paths(first_rows[b], sibling_rows[b], token_rows[b])
-        for i, path in enumerate(paths):
-            row = b * nodes + i
-            seen = list(request.output_ids) + path
-            rows += [row] * len(seen)
-            columns += seen
+    for b in range(batch):
+        for i, path in enumerate(node_paths(first_rows[b], sibling_rows[b], token_rows[b])):
+            path_rows += [b * nodes + i] * len(path)
+            path_tokens += path
             depths.append(len(path))
-    counts = torch.zeros(batch * nodes, vocab_size, dtype=torch.float32, device=device)
-    counts.index_put_((torch.tensor(rows, dtype=torch.long, device=device),
-                       torch.tensor(columns, dtype=torch.long, device=device)),
-                      torch.ones(len(rows), dtype=torch.float32, device=device), accumulate=True)
+    counts = _counted(counts, path_rows, path_tokens)
     present = counts > 0
 
     def per_node(values: Sequence[float]) -> torch.Tensor:  # [bs] settings -> [bs * N, 1]
@@ -128,3 +126,11 @@ def tree_penalties(requests: Sequence[RequestPenalties], tokens: torch.Tensor, f
     if any(r.repetition != 1.0 for r in requests):
         scaling = torch.where(present, per_node([r.repetition for r in requests]), torch.ones_like(counts))
     return TreePenalties(additive, scaling)
+
+
+def _counted(counts: torch.Tensor, rows: list[int], tokens: list[int]) -> torch.Tensor:
+    """``counts`` with 1 added at every (row, token) pair, repeats accumulating."""
+    device = counts.device
+    return counts.index_put_((torch.tensor(rows, dtype=torch.long, device=device),
+                              torch.tensor(tokens, dtype=torch.long, device=device)),
+                             torch.ones(len(rows), dtype=torch.float32, device=device), accumulate=True)
