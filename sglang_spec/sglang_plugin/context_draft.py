@@ -143,10 +143,10 @@ def pad_to_budget(tree: TokenTree, budget: int, width: int, steps: int) -> Token
 def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], drafter: ContextDrafter,
                           permute_kv: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
     """``draft_forward`` for ``worker`` (an EagleDraftWorker) over ``reqs`` (the ScheduleBatch's requests, in
-    batch order): SGLang's (parent_list, top_scores_index, draft_tokens, draft_probs=None)."""
+    batch order): SGLang's (parent_list, top_scores_index, draft_tokens, draft_probs=None). The caller has had the
+    drafter observe the last accepted paths (``ContextDrafter.observe_outcome``)."""
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
 
-    drafter.observe_outcome()
     policy = drafter.drafter.policy
     width = worker.topk
     topk = policy.effective_topk

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -287,14 +287,68 @@ class FusedAccept:
         """Moves each request's accepted path (global ids in accept_index) to the front of its verify window
         (out_cache_loc [bs * n]), in every layer buffer of the target pool: what SGLang's
         move_accept_tokens_to_target_kvcache does, with kernels/kv_commit.py."""
+        KVCommit.of(pool, out_cache_loc, accept_index, accept_lens, nodes).run()
+
+
+@dataclass(eq=False)
+class KVCommit:
+    """One verify step's KV commit (``FusedAccept.commit_kv``), buffer by buffer, so that a commit interrupted by
+    a fault is finished exactly: each launch moves one whole layer buffer (a kernel that starts runs to its end),
+    ``done`` counts the buffers moved, and ``finish`` moves the rest with torch ops. No buffer is moved twice (a
+    second move would read rows the first one overwrote).
+
+    Fields:
+      buffers:    the target pool's layer buffers ([slots, *row] each).
+      tree_slots: [bs, n] int64, each request's verify window (node i's KV slot).
+      path:       [bs, D + 1] int64 accepted local node ids, root first, -1 padded.
+      lengths:    [bs] int64 accepted nodes (drafts + 1).
+      num_nodes, freed: the kernel's [bs] node counts and [bs, n] freed-slot output (unread here).
+      done:       buffers moved so far.
+    """
+
+    buffers: list[torch.Tensor]
+    tree_slots: torch.Tensor
+    path: torch.Tensor
+    lengths: torch.Tensor
+    num_nodes: torch.Tensor
+    freed: torch.Tensor
+    done: int = 0
+
+    @classmethod
+    def of(cls, pool: Any, out_cache_loc: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor,
+           nodes: int) -> KVCommit:
+        """Reads the step's outputs and allocates; moves nothing."""
         bs = accept_lens.shape[0]
-        local = torch.where(accept_index >= 0, accept_index - (torch.arange(bs, device=accept_index.device)
-                                                               * nodes)[:, None], -1).long()
+        path = torch.where(accept_index >= 0, accept_index - (torch.arange(bs, device=accept_index.device)
+                                                              * nodes)[:, None], -1).long()
         tree_slots = out_cache_loc[: bs * nodes].view(bs, nodes).long()
         buffers = [buffer for name in ("k_buffer", "v_buffer", "kv_buffer") for buffer in getattr(pool, name, None) or ()]
         num_nodes = torch.full((bs,), nodes, dtype=torch.int64, device=accept_lens.device)
         freed = torch.empty(bs, nodes, dtype=torch.int64, device=accept_lens.device)
-        commit_kv(buffers, tree_slots, local, accept_lens.long(), num_nodes, freed)
+        return cls(buffers, tree_slots, path, accept_lens.long(), num_nodes, freed)
+
+    def run(self, between: Callable[[], None] | None = None) -> None:
+        """The kernel over the buffers not yet moved; ``between`` runs after each buffer but the last (tests
+        inject a fault there: a commit stopped half way)."""
+        while self.done < len(self.buffers):
+            commit_kv([self.buffers[self.done]], self.tree_slots, self.path, self.lengths, self.num_nodes, self.freed)
+            self.done += 1
+            if between is not None and self.done < len(self.buffers):
+                between()
+
+    def finish(self) -> None:
+        """The buffers the kernel did not move, moved by torch: every accepted row gathered, then scattered to its
+        window position (as the kernel's ascending in-place copies: a path's node ids are at least its positions, so
+        no source is a target of an earlier position). Padded path entries copy their own slot onto itself."""
+        positions = torch.arange(self.path.shape[1], device=self.path.device)[None, :]
+        valid = (positions < self.lengths[:, None]) & (self.path >= 0)
+        own = self.tree_slots[:, : self.path.shape[1]]
+        sources = torch.where(valid, torch.gather(self.tree_slots, 1, self.path.clamp(min=0)), own).reshape(-1)
+        targets = own.reshape(-1)
+        while self.done < len(self.buffers):
+            buffer = self.buffers[self.done]
+            buffer[targets] = buffer[sources]
+            self.done += 1
 
 
 def _with_links(buffers: AcceptBuffers, links: AcceptBuffers, bs: int) -> AcceptBuffers:

@@ -15,8 +15,8 @@
 | ``LogitsMetadata.from_forward_batch`` | AFTER | sequoia / specexec: the draft head's logits for the beams that can grow only |
 | ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | ``--speculative-tree-auto``: start-up costs (``step_costs``) before the first decode step; then a tree step, a plain step (SGLang's own 0-step path) or a cold one (the target's DECODE forward, SGLang's draft-extend stub), timed |
 | ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept; the verify step's state on every tree server |
-| ``eagle_utils.eagle_sample`` | AROUND | every tree server: penalties per node, as plain decoding applies them (``penalties``); fused: our verify + accept kernels, or SGLang's path (counted); per-rank counts |
-| ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | fused: the accepted path's KV moved by our kernel |
+| ``eagle_utils.eagle_sample`` | AROUND | every tree server: penalties per node, as plain decoding applies them (``penalties``); fused: our verify + accept kernels, or SGLang's path (counted; also after a fault in ours); per-rank counts |
+| ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | fused: the accepted path's KV moved by our kernel, layer buffer by buffer (a fault: the rest by torch) |
 | ``DecodeCudaGraphRunner.execute`` | AROUND | fused under CUDA graphs: static tree links in, greedy accept out |
 | ``Req.update_spec_correct_drafts_histogram`` | AFTER | per-position acceptance metrics |
 | ``TokenizerManager.__init__`` | AFTER | the context a tree server reserves: none where the model's positions hold the tree past it |
@@ -41,11 +41,13 @@ from typing import Any
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.batch_switch import COLD, TREE, BatchSwitches
+from sglang_spec.sglang_plugin.batch_switch import COLD, PLAIN, TREE, BatchSwitches
 from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draft_forward, pad_to_budget
 from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS, draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
-from sglang_spec.sglang_plugin.fused_accept import FusedAccept, SGLangAccept
+from sglang_spec.sglang_plugin.faults import ACCEPT, AUTO, COMMIT, COUNTS, OBSERVE, RECORD
+from sglang_spec.sglang_plugin.faults import AcceptFaults, InjectedFault
+from sglang_spec.sglang_plugin.fused_accept import FusedAccept, KVCommit, SGLangAccept
 from sglang_spec.sglang_plugin.metrics import METRICS, RANKS, SOURCES
 from sglang_spec.sglang_plugin.options import (
     ATTRIBUTE,
@@ -285,6 +287,7 @@ class DraftSetup:
     fault_every: int = 0  # tests: every fault_every-th draft raises (FAULT_ENV, read at start-up); 0: never
     drafts: int = 0  # drafts run, for fault_every
     filler: SGLangDraftEncoding | None = None  # the filler tree a faulty draft's batch verifies (built on first use)
+    accept_faults: AcceptFaults | None = None  # tests: the target worker's injected accept faults (OBSERVE fires here)
 
 
 def draft_worker_init_after(result, worker, *args, **kwargs):
@@ -412,22 +415,32 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
         return _filler_draft(worker, forward_batch, setup)
 
 
-class InjectedFault(RuntimeError):
-    """A draft fault raised on purpose (``FAULT_ENV``), for the fault-injection tests."""
-
-
 FAULT_ENV = "SGLANG_SPEC_INJECT_DRAFT_FAULT"
+ACCEPT_FAULT_ENV = "SGLANG_SPEC_INJECT_ACCEPT_FAULT"
 
 
-def _fault_every() -> int:
-    text = os.environ.get(FAULT_ENV, "0")
+def _fault_every(name: str = FAULT_ENV) -> int:
+    text = os.environ.get(name, "0")
     if not text.isdigit():
-        raise StartupError(f"{FAULT_ENV}={text!r}: give a whole number n (every n-th draft raises) or 0")
+        what = "draft" if name == FAULT_ENV else "verify step's accept"
+        raise StartupError(f"{name}={text!r}: give a whole number n (every n-th {what} raises) or 0")
     return int(text)
 
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _observe_accepted(setup: DraftSetup, batch_size: int) -> None:
+    """The context drafter learns what the last verified trees accepted; a fault there is an accept fault: the
+    drafter's counts keep what they learnt before it (they shape trees, never the output) and this batch drafts."""
+    assert setup.context is not None
+    try:
+        if setup.accept_faults is not None:
+            setup.accept_faults.fire(OBSERVE)
+        setup.context.observe_outcome()
+    except Exception as error:
+        accept_fault(OBSERVE, error, batch_size, "its drafter did not learn from the last accepted paths")
 
 
 def _filler_draft(worker, forward_batch, setup: DraftSetup):
@@ -456,6 +469,7 @@ def _draft_forward(original, worker, forward_batch, setup: DraftSetup, *args, **
         reqs = _REQS.get()
         if reqs is None:  # a draft graph capture: SGLang's loop fills the graph, which context trees never replay
             return original(worker, forward_batch, *args, **kwargs)
+        _observe_accepted(setup, forward_batch.batch_size)
         return context_draft_forward(worker, forward_batch, reqs, setup.context, permute_kv)
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
 
@@ -515,7 +529,11 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
     if switches is None:
         switches = worker._sglang_spec_switches = _start_switches(worker)
     size = len(batch.reqs)
-    kind = switches.decide(size)
+    try:
+        kind = switches.decide(size)
+    except Exception as error:  # SGLang's own plain step (the head's KV kept warm): exact whatever the switch
+        accept_fault(AUTO, error, size, "decoded by a plain step")
+        kind = PLAIN
     plain = kind != TREE
     start = time.perf_counter()
     if plain:
@@ -523,17 +541,26 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
             output = original(worker, batch, *args, **kwargs)
     else:
         output = original(worker, batch, *args, **kwargs)
+    try:
+        _observe_step(switches, batch, kind, output, start)
+    except Exception as error:  # the step's output stands; the switch learns nothing from it
+        accept_fault(AUTO, error, size, "decoded; tree auto did not learn from its time")
+    return output
+
+
+def _observe_step(switches: BatchSwitches, batch, kind: str, output, start: float) -> None:
+    """Tree auto's bookkeeping of a decoded step: its time per emitted token, the cold marks."""
+    size = len(batch.reqs)
     accept_lens = output.accept_lens.tolist()  # reads the step's result: the time below is the step's own
     seconds = time.perf_counter() - start
     warm = [index for index, request in enumerate(batch.reqs) if not getattr(request, COLD_MARK, False)]
-    message = switches.observe(size, plain, seconds, sum(accept_lens), warm_requests=len(warm),
+    message = switches.observe(size, kind != TREE, seconds, sum(accept_lens), warm_requests=len(warm),
                                warm_tokens=sum(accept_lens[index] for index in warm))
     if kind == COLD:
         for request in batch.reqs:  # its head now lacks KV for this position: its tree steps teach nothing
             setattr(request, COLD_MARK, True)
     if message is not None:
         log(message)
-    return output
 
 
 def _start_switches(worker) -> BatchSwitches:
@@ -603,7 +630,10 @@ def _as_decode(forward_batch, is_verify: bool = False, keep_hidden: bool = True,
 # ---------------------------------------------------------------------------------------------- fused accept
 def eagle_worker_init_after(result, worker, *args, **kwargs):
     options: TreeServerOptions | None = getattr(worker.server_args, ATTRIBUTE, None)
-    if options is None or options.accept != "fused":
+    if options is None:
+        return result
+    _start_accept_faults(worker, options)
+    if options.accept != "fused":
         return result
     from sglang.srt.utils import is_hip
 
@@ -614,6 +644,31 @@ def eagle_worker_init_after(result, worker, *args, **kwargs):
     if str(worker.device).startswith("cuda"):
         worker.target_worker.model_runner.capture_tail_hooks.append(fused.capture_tail)  # before graph capture
     return result
+
+
+def _start_accept_faults(worker, options: TreeServerOptions) -> None:
+    """The worker's injected accept faults (``ACCEPT_FAULT_ENV``, tests), over the stages its server runs; the draft
+    worker fires the context drafter's (OBSERVE)."""
+    every = _fault_every(ACCEPT_FAULT_ENV)
+    if not every:
+        return
+    stages = ((ACCEPT, COMMIT) if options.accept == "fused" else ()) + (RECORD,)
+    stages += (OBSERVE,) if options.uses_context else ()
+    faults = worker._sglang_spec_accept_faults = AcceptFaults(every, stages)
+    setup: DraftSetup | None = getattr(getattr(worker, "draft_worker", None), "_sglang_spec", None)
+    if setup is not None:
+        setup.accept_faults = faults
+
+
+def accept_fault(stage: str, error: Exception, batch_size: int, outcome: str) -> None:
+    """One fault in the plugin's accept (raised at ``stage``, see ``faults``) that the caller recovers from as
+    ``outcome`` says: counted (sglang_spec_accept_faults_total), one log line. While a CUDA graph is being captured
+    it raises instead (a capture must fail, not record a fallback)."""
+    if _capturing():
+        raise error
+    METRICS.record_accept_fault(stage, type(error).__name__)
+    log(f"accept fault in {stage}, batch of {batch_size}: {outcome} ({type(error).__name__}: {error}; "
+        f"sglang_spec_accept_faults_total)")
 
 
 def _accept_tp_group():
@@ -636,6 +691,12 @@ class VerifyStep:
     fused: FusedAccept | None
     replayed: SGLangAccept | None = None  # the greedy accept of the verify graph this step replayed
     accepted: bool = False  # whether the fused path accepted the batch (its KV commit follows it)
+    faults: AcceptFaults | None = None  # tests: the worker's injected accept faults, armed for this step
+    fused_fault: bool = False  # a fault before the accept (the replay's links): SGLang's accept serves the batch
+
+    def fire(self, stage: str) -> None:
+        if self.faults is not None:
+            self.faults.fire(stage)
 
 
 _STEP: contextvars.ContextVar[VerifyStep | None] = contextvars.ContextVar("sglang_spec_verify_step", default=None)
@@ -645,7 +706,10 @@ def verify_around(original, worker, *args, **kwargs):
     fused = getattr(worker, "_sglang_spec_fused", None)  # set only on tree servers
     if fused is None and getattr(getattr(worker, "server_args", None), ATTRIBUTE, None) is None:
         return original(worker, *args, **kwargs)
-    token = _STEP.set(VerifyStep(fused))
+    faults: AcceptFaults | None = getattr(worker, "_sglang_spec_accept_faults", None)
+    if faults is not None:
+        faults.arm()
+    token = _STEP.set(VerifyStep(fused, faults=faults))
     try:
         return original(worker, *args, **kwargs)
     finally:
@@ -659,11 +723,19 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
     if _STEP.get() is not None and not batch.forward_mode.is_idle():
         original = functools.partial(_with_exact_penalties, original)
     result = _eagle_sample(original, verify_input, batch, logits_output, *args, **kwargs)
-    context: ContextDrafter | None = getattr(verify_input, "_sglang_spec_context", None)
-    if context is not None and not batch.forward_mode.is_idle():
-        context.record_outcome(result[2], verify_input.draft_token_num)
-    if RANKS.enabled and not batch.forward_mode.is_idle() and len(result[2]):
-        RANKS.record(verify_input.retrieve_next_token, verify_input.retrieve_next_sibling, result[2])
+    if batch.forward_mode.is_idle():
+        return result
+    try:  # bookkeeping on an accept already made: a fault skips it, the batch's result stands
+        context: ContextDrafter | None = getattr(verify_input, "_sglang_spec_context", None)
+        if context is not None:
+            context.record_outcome(result[2], verify_input.draft_token_num)
+        step = _STEP.get()
+        if step is not None:
+            step.fire(RECORD)
+        if RANKS.enabled and len(result[2]):
+            RANKS.record(verify_input.retrieve_next_token, verify_input.retrieve_next_sibling, result[2])
+    except Exception as error:
+        accept_fault(RECORD, error, len(batch.reqs), "accepted; its bookkeeping after the accept not finished")
     return result
 
 
@@ -697,9 +769,26 @@ def _with_exact_penalties(original, verify_input, batch, logits_output, *args, *
 def _eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None, uno_target_max_top_k=None,
                   **kwargs):
     step = _STEP.get()
-    if step is None or step.fused is None or batch.forward_mode.is_idle():
+    if step is None or step.fused is None or step.fused_fault or batch.forward_mode.is_idle():
         return original(verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k, **kwargs)
+    try:
+        accepted = _fused_accept(step, verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k,
+                                 **kwargs)
+    except Exception as error:  # the fused accept wrote only its own buffers: SGLang's accept starts afresh
+        accept_fault(ACCEPT, error, len(batch.reqs), "accepted by SGLang's eagle_sample")
+        step.fused.count("fault")
+        accepted = None
+    if accepted is None:
+        return original(verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k, **kwargs)
+    step.accepted = True
+    return accepted.predict, accepted.accept_lens, accepted.accept_index
+
+
+def _fused_accept(step: VerifyStep, verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k,
+                  **kwargs) -> SGLangAccept | None:
+    """The fused accept of one batch, or None where SGLang's path must serve it (counted by reason)."""
     fused = step.fused
+    assert fused is not None
     from sglang.srt.runtime_context import get_spec
     from sglang.srt.speculative import eagle_utils, spec_utils
     from sglang.srt.utils.async_probe import sanitize_nan_logits
@@ -710,7 +799,7 @@ def _eagle_sample(original, verify_input, batch, logits_output, grammar_mask=Non
         reason = "simulated_acceptance"
     if reason is not None:
         fused.count(reason)
-        return original(verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k, **kwargs)
+        return None
     logits = logits_output.next_token_logits
     sanitize_nan_logits(logits, "verify: target model logits")
     coins = None
@@ -721,9 +810,9 @@ def _eagle_sample(original, verify_input, batch, logits_output, grammar_mask=Non
                                           draft_token_num=verify_input.draft_token_num, candidates=candidates,
                                           device=batch.device)
     accepted = fused.sample(verify_input, batch, logits, coins, step.replayed)
+    step.fire(ACCEPT)  # tests: a fault with the fused outputs written
     fused.count("fused")
-    step.accepted = True
-    return accepted.predict, accepted.accept_lens, accepted.accept_index
+    return accepted
 
 
 def move_accept_tokens_around(original, batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator):
@@ -733,7 +822,18 @@ def move_accept_tokens_around(original, batch, accept_index, num_correct_drafts,
         return original(batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator)
     nodes = batch.out_cache_loc.shape[0] // len(batch.seq_lens)
     assert step.fused is not None  # only the fused path accepts
-    step.fused.commit_kv(pool, batch.out_cache_loc, accept_index, num_correct_drafts + 1, nodes)
+    bs = len(batch.seq_lens)
+    try:
+        commit = KVCommit.of(pool, batch.out_cache_loc, accept_index, num_correct_drafts + 1, nodes)
+    except Exception as error:  # nothing moved yet
+        accept_fault(COMMIT, error, bs, "its KV moved by SGLang's move_accept_tokens_to_target_kvcache")
+        return original(batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator)
+    try:
+        commit.run(between=lambda: step.fire(COMMIT))  # tests: a fault with the first layer buffer moved
+    except Exception as error:  # each buffer moved whole or not at all: the rest by torch, none twice
+        accept_fault(COMMIT, error, bs, f"its KV moved by the kernel in {commit.done} of {len(commit.buffers)} "
+                                        f"layer buffers, by torch in the rest")
+        commit.finish()
     return None
 
 
@@ -744,14 +844,28 @@ def graph_execute_around(original, runner, forward_batch, *args, **kwargs):
     if (step is None or step.fused is None or runner.model_runner.is_draft_worker
             or not forward_batch.forward_mode.is_target_verify()):
         return original(runner, forward_batch, *args, **kwargs)
-    step.fused.before_replay(forward_batch)
+    try:
+        step.fused.before_replay(forward_batch)
+    except Exception as error:  # the graph's links may be half written: its accept is not read
+        accept_fault(ACCEPT, error, forward_batch.batch_size, "accepted by SGLang's eagle_sample")
+        step.fused.count("fault")
+        step.fused_fault = True
     output = original(runner, forward_batch, *args, **kwargs)
-    step.replayed = step.fused.replayed(runner, forward_batch)
+    if not step.fused_fault:
+        try:
+            step.replayed = step.fused.replayed(runner, forward_batch)
+        except Exception as error:
+            accept_fault(ACCEPT, error, forward_batch.batch_size, "accepted by SGLang's eagle_sample")
+            step.fused.count("fault")
+            step.fused_fault = True
     return output
 
 
 def correct_drafts_after(result, request, num_correct_drafts):
-    METRICS.record(num_correct_drafts)  # counts on attention-TP rank 0 only (METRICS.counting)
+    try:
+        METRICS.record(num_correct_drafts)  # counts on attention-TP rank 0 only (METRICS.counting)
+    except Exception as error:
+        accept_fault(COUNTS, error, 1, "its acceptance counts skipped")
     return result
 
 

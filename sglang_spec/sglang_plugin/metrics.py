@@ -18,7 +18,9 @@ With ``--speculative-tree-accept fused``, ``sglang_spec_fused_accept_batches_tot
 batches the fused accept served (``outcome="fused"``) and those it left to SGLang's own path, by reason.
 
 ``sglang_spec_draft_faults_total{error}`` counts the batches whose draft raised inside the plugin and were verified
-without speculation instead (``hooks.draft_forward_around``), by exception type.
+without speculation instead (``hooks.draft_forward_around``), by exception type;
+``sglang_spec_accept_faults_total{stage,error}`` the faults in the plugin's accept (``hooks.accept_fault``), by
+stage (``faults``: accept, commit, record, observe, counts, auto) and exception type.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class _AcceptanceCounters:
     accepted: Any  # labelled by position
     accept_outcomes: Any  # labelled by outcome
     draft_faults: Any  # labelled by error
+    accept_faults: Any  # labelled by stage and error
 
 
 class AcceptanceMetrics:
@@ -51,6 +54,7 @@ class AcceptanceMetrics:
         self.accepted = [0] * (MAX_POSITIONS + 1)
         self.accept_outcomes: Counter[str] = Counter()
         self.draft_faults: Counter[str] = Counter()
+        self.accept_faults: Counter[tuple[str, str]] = Counter()
         self._prometheus: _AcceptanceCounters | None = None
         # False on attention-TP ranks other than 0: they verify the same requests, and counting there too would
         # multiply every total by the TP size (set at worker start-up, hooks.claim_acceptance_metrics)
@@ -87,6 +91,15 @@ class AcceptanceMetrics:
         if self._prometheus is not None:
             self._prometheus.draft_faults.labels(error=error).inc()
 
+    def record_accept_fault(self, stage: str, error: str) -> None:
+        """One fault raised at ``stage`` of the plugin's accept (an exception type name ``error``), recovered."""
+        if not self.counting:
+            return
+        with self._lock:
+            self.accept_faults[stage, error] += 1
+        if self._prometheus is not None:
+            self._prometheus.accept_faults.labels(stage=stage, error=error).inc()
+
     def rates(self) -> list[float]:
         """Acceptance rate per position 1, 2, ... (up to the deepest position seen)."""
         with self._lock:
@@ -112,7 +125,10 @@ class AcceptanceMetrics:
         faults = PrometheusCounter("sglang_spec_draft_faults_total",
                                    "batches whose draft raised in the plugin and were verified without speculation",
                                    ["error"])
-        self._prometheus = _AcceptanceCounters(steps, accepted, outcomes, faults)
+        accept_faults = PrometheusCounter("sglang_spec_accept_faults_total",
+                                          "faults in the plugin's accept, recovered (the batch accepted by SGLang's "
+                                          "path, or its bookkeeping skipped)", ["stage", "error"])
+        self._prometheus = _AcceptanceCounters(steps, accepted, outcomes, faults, accept_faults)
 
 
 METRICS = AcceptanceMetrics()

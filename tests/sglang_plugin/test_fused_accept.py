@@ -3,7 +3,8 @@
 * greedy: ``run_accept`` == SGLang's ``verify_tree_greedy`` (its Triton twin, interpreted);
 * sampled: ``run_accept`` with SGLang's coins == ``tree_speculative_sampling_target_only`` (the harness's
   stand-in, itself checked against exact target sampling in test_cpu_harness.py) for the same coins;
-* KV commit: ``FusedAccept.commit_kv`` leaves the pool as ``move_accept_tokens_to_target_kvcache`` does.
+* KV commit: ``FusedAccept.commit_kv`` leaves the pool as ``move_accept_tokens_to_target_kvcache`` does, and so
+  does a commit stopped by a fault after any number of layer buffers and finished (``KVCommit.finish``).
 
 The end-to-end comparison through SGLang's server is in tests/sglang_server/test_tiny_deepseek_through_launch_server.py.
 """
@@ -18,7 +19,7 @@ import torch
 
 from helpers import random_tree, targets_following_drafts
 from sglang_spec.kernels.verify_accept import CandidateSampleMode, node_normalizers
-from sglang_spec.sglang_plugin.fused_accept import AcceptBuffers, FusedAccept, run_accept
+from sglang_spec.sglang_plugin.fused_accept import AcceptBuffers, FusedAccept, KVCommit, run_accept
 from sglang_spec.tree import encode_sglang_verify
 
 pytestmark = pytest.mark.sglang
@@ -108,7 +109,10 @@ class MovingPool:
         return [buffer.clone() for buffer in self.k_buffer + self.v_buffer]
 
 
-def test_kv_commit_equals_sglangs_move_accept_tokens(sglang_with_plugin):
+@pytest.mark.parametrize("interrupted_after", [None, 0, 1, 3])
+def test_kv_commit_equals_sglangs_move_accept_tokens(sglang_with_plugin, interrupted_after):
+    """Whole, or stopped by a fault after ``interrupted_after`` of the 4 layer buffers and finished by torch: the
+    pool SGLang's move leaves (moving a buffer twice would not be: its second move reads moved rows)."""
     from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
     batch, nodes, depth = 3, 8, 4
@@ -128,6 +132,26 @@ def test_kv_commit_equals_sglangs_move_accept_tokens(sglang_with_plugin):
     allocator = SimpleNamespace(get_kvcache=lambda: sglang_pool)
     move_accept_tokens_to_target_kvcache(schedule_batch, accepted.accept_index.long(),
                                          accepted.accept_lens.long() - 1, allocator)
-    FusedAccept.commit_kv(our_pool, out_cache_loc, accepted.accept_index, accepted.accept_lens, nodes)
+    if interrupted_after is None:
+        FusedAccept.commit_kv(our_pool, out_cache_loc, accepted.accept_index, accepted.accept_lens, nodes)
+    else:
+        commit = KVCommit.of(our_pool, out_cache_loc, accepted.accept_index, accepted.accept_lens, nodes)
+
+        def fault():
+            if commit.done == interrupted_after:
+                raise RuntimeError("injected")
+
+        if interrupted_after == 0:
+            commit.finish()
+        else:
+            with pytest.raises(RuntimeError, match="injected"):
+                commit.run(between=fault)
+            assert commit.done == interrupted_after
+            commit.finish()
+        assert commit.done == 4
     for ours, theirs in zip(our_pool.rows(), sglang_pool.rows()):
         assert torch.equal(ours, theirs)
+    if interrupted_after:  # the negative control: the interrupted buffers moved again
+        again = KVCommit.of(our_pool, out_cache_loc, accepted.accept_index, accepted.accept_lens, nodes)
+        again.finish()
+        assert any(not torch.equal(ours, theirs) for ours, theirs in zip(our_pool.rows(), sglang_pool.rows()))

@@ -364,6 +364,27 @@ def test_sequoia_forwards_the_head_over_the_plans_expanded_nodes_only(sglang_wit
         assert got.parents.tolist() == plan_tree.parents.tolist()
 
 
+def test_an_impossible_plan_at_run_time_is_a_draft_fault(sglang_with_plugin, monkeypatch, capsys):
+    """Where the own loop can meet an impossible plan at run time: organize lays the sequoia plan's slots over the
+    tokens SGLang verifies, and a plan of 15 nodes under a worker verifying 16 cannot be laid (checked at start-up,
+    so only a bug or a changed SGLang gets here). The SpecError is a draft fault: the batch verifies the filler
+    tree of SGLang's shape, counted and logged in one line."""
+    _, loop = sequoia_loop(15, 4, 4)
+    metrics = AcceptanceMetrics()
+    monkeypatch.setattr(hooks, "METRICS", metrics)
+    source = SyntheticCandidates(vocab_size=60, seed=4, sharpness=1.5)
+    worker, forward_batch, _ = draft_worker(loop, source, [7, 8], 16)
+    worker._sglang_spec = hooks.DraftSetup(loop, exact_ancestry=True, width=loop.width, steps=4)
+
+    def sglangs_draft_forward(*args):
+        raise AssertionError("the own loop replaces SGLang's")
+
+    _, _, draft_tokens, _ = hooks.draft_forward_around(sglangs_draft_forward, worker, forward_batch)
+    assert draft_tokens.shape == (2, 16) and metrics.draft_faults == {"SpecError": 1}
+    lines = [line for line in capsys.readouterr().err.splitlines() if "draft fault" in line]
+    assert len(lines) == 1 and "the plan has 15 draft nodes but SGLang verifies 16" in lines[0]
+
+
 def test_sglangs_logits_processor_selects_the_rows_in_decode_mode(sglang_with_plugin):
     """The hook's row selection reaches SGLang's own logits processor: in a DECODE forward (the draft's), with
     ``draft_extend_select_index`` set by ``logits_metadata_after``, the head's input and the last hidden states are

@@ -1,0 +1,248 @@
+"""Faults inside the plugin's accept fail safe, hook by hook, with SGLang's objects stood in: the fused accept's
+batch goes to SGLang's eagle_sample, a KV commit stopped half way is finished exactly, bookkeeping (the rank
+counts, the per-request acceptance counts, tree auto's switch) is skipped while the batch's result stands; each
+fault counted and logged in one line, and re-raised while a CUDA graph is being captured.
+
+The server path, with faults injected through launch_server, is ``tests/sglang_server/test_accept_faults.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import random_tree, targets_following_drafts
+from sglang_spec.sglang_plugin import hooks
+from sglang_spec.sglang_plugin.faults import ACCEPT, AUTO, COMMIT, COUNTS, RECORD, AcceptFaults, InjectedFault
+from sglang_spec.sglang_plugin.fused_accept import FusedAccept
+from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
+from sglang_spec.tree import encode_sglang_verify
+
+pytestmark = pytest.mark.sglang
+
+VOCAB = 30
+
+
+@pytest.fixture
+def metrics(monkeypatch, capsys):
+    counted = AcceptanceMetrics()
+    monkeypatch.setattr(hooks, "METRICS", counted)
+    return counted
+
+
+def fault_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if "accept fault" in line]
+
+
+def test_injected_faults_arm_one_stage_every_nth_step_in_turn():
+    faults = AcceptFaults(2, (ACCEPT, COMMIT, RECORD))
+    raised = []
+    for _ in range(8):
+        faults.arm()
+        for stage in (ACCEPT, COMMIT, RECORD):
+            try:
+                faults.fire(stage)
+            except InjectedFault:
+                raised.append((faults.steps, stage))
+    assert raised == [(2, ACCEPT), (4, COMMIT), (6, RECORD), (8, ACCEPT)]
+    idle = AcceptFaults(0, (ACCEPT,))
+    idle.arm()
+    idle.fire(ACCEPT)  # never armed
+
+
+def test_a_bad_accept_fault_setting_stops_the_launch_in_one_line(monkeypatch):
+    monkeypatch.setenv(hooks.ACCEPT_FAULT_ENV, "often")
+    with pytest.raises(SystemExit, match=f"error: {hooks.ACCEPT_FAULT_ENV}='often': give a whole number n"):
+        hooks._fault_every(hooks.ACCEPT_FAULT_ENV)
+    monkeypatch.setenv(hooks.ACCEPT_FAULT_ENV, "4")
+    assert hooks._fault_every(hooks.ACCEPT_FAULT_ENV) == 4
+
+
+def greedy_batch(seed: int = 3, batch: int = 3, nodes: int = 9, depth: int = 4):
+    """A greedy verify batch in SGLang's layout: (verify_input, batch, logits_output)."""
+    rng = np.random.default_rng(seed)
+    trees = [random_tree(rng, nodes, 3, depth, vocab_size=VOCAB) for _ in range(batch)]
+    meta = encode_sglang_verify(trees, [depth + 1] * batch)
+    target = targets_following_drafts(rng, trees, nodes, accept_rate=0.9, vocab_size=VOCAB)
+    logits = torch.nn.functional.one_hot(target.reshape(-1), VOCAB).float() * 5
+    verify_input = SimpleNamespace(draft_token=meta.draft_tokens, draft_token_num=nodes,
+                                   retrieve_next_token=meta.retrieve_next_token,
+                                   retrieve_next_sibling=meta.retrieve_next_sibling)
+    info = SimpleNamespace(is_all_greedy=True, acc_additive_penalties=None, acc_scaling_penalties=None,
+                           logit_bias=None, has_watermark_candidates=False, need_top_k_sampling=False,
+                           need_top_p_sampling=False, need_min_p_sampling=False)
+    schedule_batch = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False), reqs=[None] * batch,
+                                     seq_lens=torch.full((batch,), 7), sampling_info=info, device="cpu")
+    return verify_input, schedule_batch, SimpleNamespace(next_token_logits=logits)
+
+
+@pytest.fixture
+def spec(monkeypatch, sglang_with_plugin):
+    from sglang.srt import runtime_context
+
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: SimpleNamespace(
+        speculative_use_rejection_sampling=False, speculative_accept_threshold_single=1.0,
+        speculative_accept_threshold_acc=1.0))
+
+
+def test_a_fused_accept_fault_hands_the_batch_to_sglangs_eagle_sample(spec, metrics, capsys):
+    """The fault fires with the fused outputs written (the walk's buffers): SGLang's accept serves the batch, from
+    the same logits, and the worker commits its KV by SGLang's move (step.accepted stays False)."""
+    verify_input, batch, logits_output = greedy_batch()
+    fused = FusedAccept(9, 4, "cpu", metrics)
+    sglang_calls = []
+
+    def sglang_eagle_sample(*args, **kwargs):
+        sglang_calls.append(args)
+        return "sglang's accept"
+
+    faults = AcceptFaults(2, (ACCEPT,))
+    outcomes = []
+    for _ in range(2):  # step 1: nothing armed, the fused accept serves it; step 2: the fault
+        faults.arm()
+        step = hooks.VerifyStep(fused, faults=faults)
+        token = hooks._STEP.set(step)
+        try:
+            outcomes.append((hooks._eagle_sample(sglang_eagle_sample, verify_input, batch, logits_output),
+                             step.accepted))
+        finally:
+            hooks._STEP.reset(token)
+    (fused_result, fused_accepted), (fallback_result, fallback_accepted) = outcomes
+    assert fused_accepted and int(fused_result[1].max()) >= 2  # the fused accept walked the trees
+    assert fallback_result == "sglang's accept" and len(sglang_calls) == 1 and not fallback_accepted
+    assert fused.counts == {"fused": 1, "fault": 1} and metrics.accept_faults == {(ACCEPT, "InjectedFault"): 1}
+    lines = fault_lines(capsys)
+    assert len(lines) == 1 and "accept fault in accept, batch of 3: accepted by SGLang's eagle_sample" in lines[0]
+
+
+class MovingPool:
+    """One layer of K and V rows (SGLang's slot-major MHA layout)."""
+
+    def __init__(self, slots: int, layers: int = 3) -> None:
+        generator = torch.Generator().manual_seed(slots)
+        self.k_buffer = [torch.randn(slots, 2, 3, generator=generator) for _ in range(layers)]
+        self.v_buffer = [torch.randn(slots, 2, 3, generator=generator) for _ in range(layers)]
+
+    def rows(self) -> list[torch.Tensor]:
+        return [buffer.clone() for buffer in self.k_buffer + self.v_buffer]
+
+
+def test_a_kv_commit_fault_half_way_is_finished_exactly(metrics, capsys):
+    """A fault after the first of six layer buffers moved: the rest are moved by torch, none twice, and the pool is
+    what an uninterrupted commit leaves; SGLang's own move is not called (it would move the first buffer again)."""
+    batch_size, nodes = 2, 6
+    accept_index = torch.tensor([[0, 2, 5], [6, 7, -1]], dtype=torch.int32)
+    accept_lens = torch.tensor([3, 2], dtype=torch.int32)
+    out_cache_loc = torch.tensor([20, 3, 11, 7, 15, 9, 4, 18, 2, 13, 6, 10])
+    expected = MovingPool(24)
+    FusedAccept.commit_kv(expected, out_cache_loc, accept_index, accept_lens, nodes)
+    pool = MovingPool(24)
+    assert not all(torch.equal(a, b) for a, b in zip(pool.rows(), expected.rows()))
+    faults = AcceptFaults(1, (COMMIT,))
+    faults.arm()
+    step = hooks.VerifyStep(FusedAccept(nodes, 2, "cpu", metrics), accepted=True, faults=faults)
+    schedule_batch = SimpleNamespace(seq_lens=torch.tensor([5, 8]), out_cache_loc=out_cache_loc)
+    allocator = SimpleNamespace(get_kvcache=lambda: pool)
+
+    def sglang_move(*args):
+        raise AssertionError("SGLang's move ran after the kernel had moved a buffer")
+
+    token = hooks._STEP.set(step)
+    try:
+        hooks.move_accept_tokens_around(sglang_move, schedule_batch, accept_index, accept_lens - 1, allocator)
+    finally:
+        hooks._STEP.reset(token)
+    assert all(torch.equal(a, b) for a, b in zip(pool.rows(), expected.rows()))
+    assert metrics.accept_faults == {(COMMIT, "InjectedFault"): 1}
+    lines = fault_lines(capsys)
+    assert len(lines) == 1 and "by the kernel in 1 of 6 layer buffers, by torch in the rest" in lines[0]
+
+
+def test_a_fault_in_the_bookkeeping_after_the_accept_leaves_the_result(monkeypatch, metrics, capsys):
+    """The rank counts raise after SGLang's accept: the accept's outputs are returned as they were."""
+    verify_input, batch, logits_output = greedy_batch()
+    accepted = (torch.zeros(27, dtype=torch.int32), torch.ones(3, dtype=torch.int32),
+                torch.tensor([[0, -1], [9, -1], [18, -1]], dtype=torch.int32))
+
+    class BrokenRanks:
+        enabled = True
+
+        def record(self, *args):
+            raise ValueError("rank counts")
+
+    monkeypatch.setattr(hooks, "RANKS", BrokenRanks())
+    token = hooks._STEP.set(hooks.VerifyStep(None))
+    try:
+        result = hooks.eagle_sample_around(lambda *args, **kwargs: accepted, verify_input, batch, logits_output)
+    finally:
+        hooks._STEP.reset(token)
+    assert result is accepted
+    assert metrics.accept_faults == {(RECORD, "ValueError"): 1}
+    assert len(fault_lines(capsys)) == 1
+
+
+def test_a_fault_in_the_acceptance_counts_leaves_the_request(monkeypatch, metrics, capsys, sglang_with_plugin):
+    from sglang.srt.managers.schedule_batch import Req
+
+    monkeypatch.setattr(metrics, "record", lambda drafts: 1 / 0)
+    request = SimpleNamespace(spec_correct_drafts_histogram=[])
+    Req.update_spec_correct_drafts_histogram(request, 2)
+    assert request.spec_correct_drafts_histogram == [0, 0, 1]
+    assert metrics.accept_faults == {(COUNTS, "ZeroDivisionError"): 1} and len(fault_lines(capsys)) == 1
+
+
+def test_a_fault_while_a_cuda_graph_is_captured_still_raises(monkeypatch, metrics):
+    monkeypatch.setattr(hooks, "_capturing", lambda: True)
+    with pytest.raises(InjectedFault):
+        try:
+            raise InjectedFault("in capture")
+        except InjectedFault as error:
+            hooks.accept_fault(ACCEPT, error, 1, "unused")
+    assert not metrics.accept_faults
+
+
+class AutoWorker:
+    """EAGLEWorkerV2 as --speculative-tree-auto's hook reads it: the step count during the step tells a plain step
+    (0 draft steps, SGLang's own path) from a tree step."""
+
+    def __init__(self, switches) -> None:
+        from sglang_spec.sglang_plugin.options import ATTRIBUTE, TreeServerOptions
+
+        self.server_args = SimpleNamespace(**{ATTRIBUTE: TreeServerOptions("hybrid", 12, 5, 4, 6, auto=True)})
+        self._sglang_spec_switches = switches
+        self.speculative_num_steps, self.speculative_num_draft_tokens = 5, 13
+        self.draft_worker = SimpleNamespace(speculative_num_steps=5, speculative_num_draft_tokens=13)
+        self.target_worker = SimpleNamespace(forward_batch_generation=lambda **kwargs: None)
+        self.steps_seen: list[int] = []
+
+    def step(self, worker, batch):
+        self.steps_seen.append(worker.speculative_num_steps)
+        return SimpleNamespace(accept_lens=torch.tensor([1, 1]))
+
+
+@pytest.mark.parametrize("broken", ["decide", "observe"])
+def test_a_tree_auto_fault_decodes_the_batch(metrics, capsys, broken):
+    """decide raises: the batch takes SGLang's own plain step (0 draft steps); observe raises: the step's output
+    stands and the switch learns nothing from it."""
+
+    class Switches:
+        def decide(self, size):
+            if broken == "decide":
+                raise KeyError("bucket")
+            return "tree"
+
+        def observe(self, *args, **kwargs):
+            if broken == "observe":
+                raise KeyError("bucket")
+
+    worker = AutoWorker(Switches())
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False),
+                            is_extend_in_batch=False, reqs=[SimpleNamespace(), SimpleNamespace()])
+    output = hooks.forward_batch_generation_around(worker.step, worker, batch)
+    assert output.accept_lens.tolist() == [1, 1]
+    assert worker.steps_seen == ([0] if broken == "decide" else [5]) and worker.speculative_num_steps == 5
+    assert metrics.accept_faults == {(AUTO, "KeyError"): 1}
+    lines = fault_lines(capsys)
+    assert len(lines) == 1 and ("plain step" in lines[0] if broken == "decide" else "did not learn" in lines[0])

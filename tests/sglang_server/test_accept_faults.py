@@ -1,0 +1,68 @@
+"""A fault inside the plugin's accept must not take SGLang's scheduler down: the batch is accepted by SGLang's own
+path (or its bookkeeping skipped, the accept standing), a counter and one log line say so, and the server goes on.
+
+Faults are injected through launch_server with ``SGLANG_SPEC_INJECT_ACCEPT_FAULT=n`` (every n-th verify step raises
+at one stage of the plugin's accept, the server's stages in turn): the fused accept with the plugin's own loop
+(sequoia: the fused outputs written, then the fault; the KV commit stopped after its first layer buffer; the rank
+counts) and the context drafter with SGLang's accept (hybrid: the rank counts, the drafter's observe of the
+accepted paths). Greedy output must stay plain decoding's, sampled requests must complete, and the server must
+answer afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cpu_server_helpers import SMOLLM2_NEW_TOKENS, running_server, tree_args
+
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
+
+EVERY = 2  # every second verify step raises: steps with and without faults interleave in every request
+CONFIGS = {"sequoia-fused": ("sequoia", ["--speculative-tree-accept", "fused"], ("accept", "commit", "record")),
+           "hybrid": ("hybrid", [], ("record", "observe"))}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def faulty(request, smollm2_cpu, server_logs, smollm2_prompts):
+    policy, accept, stages = CONFIGS[request.param]
+    extra = tree_args(policy, 15, 4, 4, smollm2_cpu.profile) + accept + ["--enable-metrics"]
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("SGLANG_SPEC_INJECT_ACCEPT_FAULT", str(EVERY))
+    try:
+        with running_server(smollm2_cpu, server_logs, f"smollm2-accept-faults-{request.param}", extra) as server:
+            greedy = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
+            sampled = server.generate(smollm2_prompts[:2], {"temperature": 0.8, "max_new_tokens": 8})
+            metrics = server.request("/metrics")
+            after = server.generate(smollm2_prompts[:1], {"temperature": 0, "max_new_tokens": 4})
+            log = server.log_path.read_text(errors="replace")
+    finally:
+        monkeypatch.undo()
+    return {"config": request.param, "stages": stages, "greedy": greedy, "sampled": sampled, "metrics": metrics,
+            "after": after, "log": log}
+
+
+def test_accept_faults_keep_plain_decodings_output_and_the_server_serving(faulty, smollm2_plain):
+    assert [answer["output_ids"] for answer in faulty["greedy"]] == smollm2_plain, faulty["config"]
+    assert all(len(answer["output_ids"]) == 8 for answer in faulty["sampled"])
+    assert faulty["after"][0]["output_ids"] == smollm2_plain[0][:4]
+
+
+def test_each_accept_fault_is_counted_and_logged_in_one_line(faulty):
+    counted = {}
+    for labels, count in re.findall(r"sglang_spec_accept_faults_total\{([^}]*)\} (\S+)", faulty["metrics"]):
+        label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        assert label["error"] == "InjectedFault", labels
+        counted[label["stage"]] = int(float(count))
+    assert set(counted) == set(faulty["stages"]), faulty["metrics"][-3000:]
+    assert all(counted.values())
+    lines = [line for line in faulty["log"].splitlines() if "accept fault" in line]
+    logged = {stage: sum(f"accept fault in {stage}," in line for line in lines) for stage in faulty["stages"]}
+    # the metrics were read before the last request, whose verify steps may have raised too
+    assert all(0 < counted[stage] <= logged[stage] for stage in faulty["stages"]), (counted, logged)
+    assert all("(InjectedFault: verify step" in line for line in lines), lines[:3]
+    assert "Traceback" not in faulty["log"]
+    if "accept" in faulty["stages"]:  # the fused accept's own counter sees the batches it handed to SGLang
+        handed = re.search(r'sglang_spec_fused_accept_batches_total\{outcome="fault"\} (\S+)', faulty["metrics"])
+        assert handed is not None and int(float(handed.group(1))) == counted["accept"]
