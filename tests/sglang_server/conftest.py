@@ -14,6 +14,7 @@ import pytest
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS,
                                running_server)
 from optional_packages import require_sglang
+from parity_requests import PARITY_SERVER_ARGS, plain_oracle
 from sglang_spec.sglang_plugin.cpu.server import CpuModel, prepare_model
 
 
@@ -48,15 +49,19 @@ def smollm2_prompts(smollm2_cpu) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def smollm2_plain_runs(smollm2_cpu, server_logs, smollm2_prompts) -> dict[str, list[list[int]]]:
-    """Greedy output of one SGLang server without speculation: ``heldout`` (the held-out prompts) and
-    ``repeat_context`` (REPEAT_CONTEXT_PROMPTS)."""
-    with running_server(smollm2_cpu, server_logs, "smollm2-plain", speculative=False) as server:
+def smollm2_plain_runs(smollm2_cpu, server_logs, smollm2_prompts) -> dict:
+    """What one SGLang server without speculation answers, greedy: ``heldout`` (the held-out prompts' output ids),
+    ``repeat_context`` (REPEAT_CONTEXT_PROMPTS') and ``parity`` (test_parity_under_load.py's request set, its oracle:
+    the server runs at that test's context length, which leaves the other answers as they are)."""
+    from transformers import AutoTokenizer
+
+    with running_server(smollm2_cpu, server_logs, "smollm2-plain", PARITY_SERVER_ARGS, speculative=False) as server:
         heldout = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
         repeat = server.generate(list(REPEAT_CONTEXT_PROMPTS),
                                  {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
+        parity = plain_oracle(server.port, AutoTokenizer.from_pretrained(smollm2_cpu.target_dir), smollm2_prompts)
     return {"heldout": [answer["output_ids"] for answer in heldout],
-            "repeat_context": [answer["output_ids"] for answer in repeat]}
+            "repeat_context": [answer["output_ids"] for answer in repeat], "parity": parity}
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,230 @@
+"""The request set of ``test_parity_under_load.py``: every kind of /generate request, the bad bodies, and the HTTP
+client pieces (refusals as answers, a stream closed early, a client that disconnects, waiting for an idle server).
+
+The plain server of conftest.py (``smollm2_plain_runs``) answers the set once, as the oracle, so it runs with the
+same ``--context-length`` as the tree servers (``PARITY_SERVER_ARGS``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from cpu_server_helpers import REPEAT_CONTEXT_PROMPTS
+
+CONTEXT_LENGTH = 512  # every server of the parity test, and the plain oracle: the near-limit prompt is measured on it
+PARITY_SERVER_ARGS = ("--context-length", str(CONTEXT_LENGTH))
+NEW_TOKENS = 16
+FREE_POSITIONS = 7  # the near-limit prompt leaves this many positions: fewer than any tree of the test verifies (8-16);
+# SGLang takes a prompt up to its context length - 7 (max_req_input_len), and caps its output at 5 tokens there
+TOP_LOGPROBS = 4
+# a tree server's logprobs come from its verify forward (13-16 tree tokens through extend attention with a tree
+# mask), plain decoding's from a one-token decode forward: the float32 sums run in another order. They differ by
+# ~1e-5 here (the test prints the largest); an error of meaning (another node's logits, a penalty on the wrong
+# tokens) moves a logprob by far more than this
+LOGPROB_TOLERANCE = 1e-3
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                 "required": ["name", "age"]}
+ANSWER_REGEX = r"(Yes|No), because [a-z ,]{1,60}\."
+
+
+@dataclass(frozen=True)
+class Case:
+    """One /generate request of the set: its name (the feature it covers) and its JSON body."""
+
+    name: str
+    body: dict[str, Any]
+
+
+def greedy(max_new_tokens: int = NEW_TOKENS, **extra: Any) -> dict[str, Any]:
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, **extra}
+
+
+def chat_ids(tokenizer, content: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+
+
+def near_limit_ids(tokenizer) -> list[int]:
+    """A raw-text prompt of CONTEXT_LENGTH - FREE_POSITIONS tokens (records that repeat, so trees accept)."""
+    line = "The order {} shipped on day {} and the invoice {} was paid in full.\n"
+    ids: list[int] = []
+    index = 0
+    while len(ids) < CONTEXT_LENGTH:
+        ids += tokenizer(line.format(100 + index, index % 7 + 1, 900 + index), add_special_tokens=False)["input_ids"]
+        index += 1
+    return ids[: CONTEXT_LENGTH - FREE_POSITIONS]
+
+
+def request_set(tokenizer, heldout: list[list[int]]) -> list[Case]:
+    """Every feature once (``heldout``: chat prompts as token ids); the first is what a server must answer after
+    an abort."""
+    _, people, orders = REPEAT_CONTEXT_PROMPTS
+    return [
+        Case("greedy", {"input_ids": heldout[0], "sampling_params": greedy()}),
+        # the stop string ends the first record of the JSON list the prompt starts, about 10 tokens in
+        Case("stop", {"text": people, "sampling_params": greedy(stop=["}, {"])}),
+        Case("max_new_tokens_1", {"input_ids": heldout[1], "sampling_params": greedy(1)}),
+        Case("max_new_tokens_2", {"input_ids": heldout[1], "sampling_params": greedy(2)}),
+        Case("logprobs", {"input_ids": heldout[2], "sampling_params": greedy(), "return_logprob": True,
+                          "top_logprobs_num": TOP_LOGPROBS}),
+        # a table whose rows repeat: the penalty changes the greedy output (checked on the plain server)
+        Case("frequency_penalty", {"text": orders, "sampling_params": greedy(20, frequency_penalty=0.8)}),
+        Case("json_schema", {"input_ids": chat_ids(tokenizer, "Describe a person as JSON with a name and an age."),
+                             "sampling_params": greedy(24, json_schema=json.dumps(PERSON_SCHEMA))}),
+        Case("regex", {"input_ids": chat_ids(tokenizer, "Is the sea salty? Answer yes or no, and say why."),
+                       "sampling_params": greedy(20, regex=ANSWER_REGEX)}),
+        Case("n_2", {"text": people, "sampling_params": greedy(n=2)}),
+        # answered in 7 tokens and an EOS: ignore_eos decodes on past it (into what the chat template follows it with)
+        Case("ignore_eos", {"input_ids": chat_ids(tokenizer, "What is 2 + 2? Answer with the number only."),
+                            "sampling_params": greedy(ignore_eos=True)}),
+        Case("near_context_limit", {"input_ids": near_limit_ids(tokenizer),
+                                    "sampling_params": greedy(FREE_POSITIONS)}),
+    ]
+
+
+def unpenalised(case: Case) -> Case:
+    params = {key: value for key, value in case.body["sampling_params"].items() if key != "frequency_penalty"}
+    return Case(f"{case.name}_off", {**case.body, "sampling_params": params})
+
+
+def long_case(tokenizer) -> Case:
+    """A request that would run far longer than the abort tests wait (ignore_eos to near the context's end)."""
+    ids = chat_ids(tokenizer, "Write a long story about a lighthouse keeper.")
+    return Case("long", {"input_ids": ids, "sampling_params": greedy(CONTEXT_LENGTH - len(ids) - 8, ignore_eos=True)})
+
+
+def bad_bodies(tokenizer) -> dict[str, bytes]:
+    """Bodies /generate must refuse, identically with and without trees."""
+    too_long = near_limit_ids(tokenizer) + [198] * (FREE_POSITIONS - 4)
+    return {
+        "malformed_json": b'{"text": "Hello", "sampling_params": {"max_new_tokens": 4',
+        "negative_max_new_tokens": json.dumps({"text": "Hello", "sampling_params": greedy(-1)}).encode(),
+        "top_p_above_1": json.dumps({"text": "Hello", "sampling_params": greedy(4, top_p=1.5)}).encode(),
+        "past_the_context": json.dumps({"input_ids": too_long, "sampling_params": greedy(16)}).encode(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- HTTP
+def post(port: int, path: str, body: bytes, timeout: float = 600.0) -> tuple[int, Any]:
+    """(status, decoded JSON or text) for any status: a refusal is an answer here, not an exception."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        text = response.read().decode()
+    finally:
+        connection.close()
+    try:
+        return response.status, json.loads(text)
+    except json.JSONDecodeError:
+        return response.status, text
+
+
+def answer_or_error(port: int, case: Case) -> Any:
+    """The answer, or the refusal as ``{"status": ..., "body": ...}`` (compared like an answer)."""
+    status, answer = post(port, "/generate", json.dumps(case.body).encode())
+    return answer if status == 200 else {"status": status, "body": answer}
+
+
+def generate(port: int, case: Case) -> Any:
+    status, answer = post(port, "/generate", json.dumps(case.body).encode())
+    assert status == 200, f"{case.name}: status {status}: {answer}"
+    return answer
+
+
+def _send(port: int, body: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def _close(sock: socket.socket) -> None:
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def stream_and_close(port: int, case: Case, chunks: int) -> int:
+    """A streaming request closed after ``chunks`` data chunks; returns how many were read."""
+    sock = _send(port, json.dumps({**case.body, "stream": True}).encode())
+    received = b""
+    try:
+        while received.count(b"data: ") < chunks:
+            data = sock.recv(65536)
+            if not data:
+                break
+            received += data
+    finally:
+        _close(sock)
+    return received.count(b"data: ")
+
+
+def disconnect_before_answer(port: int, case: Case, seconds: float) -> None:
+    """A non-streaming request whose client closes its socket ``seconds`` after sending it."""
+    sock = _send(port, json.dumps(case.body).encode())
+    try:
+        time.sleep(seconds)
+    finally:
+        _close(sock)
+
+
+def wait_idle(port: int, timeout: float) -> None:
+    """Until the scheduler holds no request (SGLang's /flush_cache succeeds only then); raises past ``timeout``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if post(port, "/flush_cache", b"")[0] == 200:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the server still held requests {timeout:.0f} s after the client left")
+
+
+def plain_oracle(port: int, tokenizer, heldout: list[list[int]]) -> dict[str, Any]:
+    """What the plain server answers: each request of the set alone (``single``), the penalised one without its
+    penalty (``unpenalised``: the penalty must matter), and the bad bodies (``refusals``)."""
+    cases = request_set(tokenizer, heldout)
+    penalised = next(case for case in cases if case.name == "frequency_penalty")
+    return {"single": {case.name: answer_or_error(port, case) for case in cases},
+            "unpenalised": answer_or_error(port, unpenalised(penalised)),
+            "refusals": {name: post(port, "/generate", body) for name, body in bad_bodies(tokenizer).items()}}
+
+
+# ---------------------------------------------------------------------------------------------- comparison
+def comparable(answer: Any) -> Any:
+    """What must be identical: per output (n > 1 gives a list), ids, text, finish reason, token count, and the
+    logprobs' token ids; a refusal as a whole. The logprob values go apart (``logprob_values``)."""
+    if isinstance(answer, list):
+        return [comparable(one) for one in answer]
+    if "status" in answer:
+        return answer
+    meta = answer["meta_info"]
+    out = {"output_ids": answer["output_ids"], "text": answer["text"], "finish_reason": meta["finish_reason"],
+           "completion_tokens": meta["completion_tokens"]}
+    if "output_token_logprobs" in meta:
+        out["logprob_ids"] = [entry[1] for entry in meta["output_token_logprobs"]]
+        out["top_logprob_ids"] = [[entry[1] for entry in top] for top in meta["output_top_logprobs"]]
+    return out
+
+
+def logprob_values(answer: Any) -> list[float]:
+    if isinstance(answer, list):
+        return [value for one in answer for value in logprob_values(one)]
+    meta = answer.get("meta_info", {})
+    if "output_token_logprobs" not in meta:
+        return []
+    return ([entry[0] for entry in meta["output_token_logprobs"]]
+            + [entry[0] for top in meta["output_top_logprobs"] for entry in top])
+
+
+def assert_same(name: str, got: Any, expected: Any) -> float:
+    """Identical where it must be; returns the largest logprob difference (asserted within the tolerance)."""
+    assert comparable(got) == comparable(expected), f"{name}: differs from plain decoding"
+    got_values, expected_values = logprob_values(got), logprob_values(expected)
+    assert len(got_values) == len(expected_values), name
+    difference = max((abs(a - b) for a, b in zip(got_values, expected_values)), default=0.0)
+    assert difference <= LOGPROB_TOLERANCE, f"{name}: a logprob differs by {difference:.2e}"
+    return difference
