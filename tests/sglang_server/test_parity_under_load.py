@@ -41,28 +41,31 @@ import json
 import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from cpu_server_helpers import accept_lengths, running_server, tree_args
+from cpu_server_helpers import accept_lengths, running_server
 from parity_requests import (
     ANSWER_REGEX,
+    CONCURRENT,
     CONTEXT_LENGTH,
     FREE_POSITIONS,
     NEW_TOKENS,
     PARITY_SERVER_ARGS,
+    POLICIES,
     TOP_LOGPROBS,
     Case,
     answer_or_error,
     assert_same,
     bad_bodies,
     comparable,
+    concurrent,
     disconnect_before_answer,
     generate,
     long_case,
+    policy_args,
     post,
     request_set,
     stream_and_close,
@@ -72,27 +75,6 @@ from parity_requests import (
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
 FULL = os.environ.get("SGLANG_SPEC_PARITY_FULL") == "1"
-CONCURRENT = 32
-# name -> (policy, budget, depth, topk, extra options); trees of 8-16 verified tokens, all above FREE_POSITIONS
-POLICIES = {
-    "chain": ("chain", 7, 7, 1, ()),
-    "eagle": ("eagle", 15, 4, 4, ()),
-    "sequoia": ("sequoia", 15, 4, 4, ()),
-    "specexec": ("specexec", 15, 4, 4, ()),
-    "hybrid": ("hybrid", 12, 5, 0, ()),
-    "lookup": ("lookup", 12, 5, 0, ()),
-    "sequoia-fused": ("sequoia", 15, 4, 4, ("--speculative-tree-accept", "fused")),
-}
-
-
-def policy_args(name: str, profile) -> list[str]:
-    policy, budget, depth, topk, extra = POLICIES[name]
-    if policy in ("hybrid", "lookup"):  # the context trees' width is the policy's own (test_context_trees.py)
-        args = ["--speculative-tree-policy", policy, "--speculative-tree-budget", str(budget),
-                "--speculative-tree-depth", str(depth), "--speculative-acceptance-profile", str(profile)]
-    else:
-        args = tree_args(policy, budget, depth, topk, profile)
-    return args + list(extra) + list(PARITY_SERVER_ARGS)
 
 
 @dataclass
@@ -128,14 +110,6 @@ def serve(run: Run, port: int, cases: list[Case], bodies: dict[str, bytes], long
         except Exception as error:  # noqa: BLE001 - reported by the phase's test
             run.errors[phase] = error
         run.seconds[phase] = time.monotonic() - began
-
-
-def concurrent(port: int, cases: list[Case]) -> list[tuple[str, Any]]:
-    """CONCURRENT requests cycling through the set, all sent at once; (case name, answer) in submission order."""
-    mixed = [cases[(index * 5) % len(cases)] for index in range(CONCURRENT)]  # 5 is prime to the set's size
-    with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
-        answers = list(pool.map(lambda case: answer_or_error(port, case), mixed))
-    return [(case.name, answer) for case, answer in zip(mixed, answers)]
 
 
 def aborts(port: int, after: Case, long: Case) -> dict[str, Any]:
