@@ -162,7 +162,12 @@ class StepInputs:
 
 @dataclass(frozen=True, eq=False)
 class StepBuffers:
-    """Everything one step writes. ``logits`` [B * N, V] float32 is written by the target forward."""
+    """Everything one step writes. ``logits`` [B * N, V] float32 is written by the target forward.
+
+    ``packed_mask`` [config.packed_mask_bytes] uint8 is sized for the longest context; a step writes its first
+    ``indptrs.packed_mask_indptr[-1]`` bytes, and the bytes past them keep an earlier step's (FlashInfer reads a
+    request's block through the indptr only, so a memset of the tail on every step would buy nothing).
+    """
 
     metadata: TreeMetadata
     indptrs: FlashInferIndptrs

@@ -93,7 +93,9 @@ def snapshot(step):
         "tokens": buffers.metadata.tokens,
         "positions": buffers.metadata.positions,
         "tree_mask": buffers.metadata.tree_mask,
-        "packed_mask": buffers.packed_mask,
+        # the live bytes only: past the indptr's end a step leaves an earlier step's bytes (StepBuffers)
+        # the live bytes only: past the indptr's end a step leaves an earlier step's bytes (StepBuffers)
+        "packed_mask": buffers.packed_mask[: int(buffers.indptrs.packed_mask_indptr[-1])],
         "kv_indptr": buffers.indptrs.paged_kv_indptr,
         "accepted": buffers.accept.accepted_nodes,
         "accept_length": buffers.accept.accept_length,
@@ -139,6 +141,30 @@ def test_kernel_step_equals_reference_step_over_consecutive_steps(kernel_device,
         deepest = max(deepest, int(ours["accept_length"].max()))
         assert int(ours["accept_length"][-1]) == 0 and int(ours["output_lens"][-1]) == 0  # padded request
     assert deepest >= 3
+
+
+@pytest.mark.slow
+def test_a_step_after_a_batch_the_reference_never_saw_equals_the_reference(kernel_device):
+    """What a graph replay sees (the GPU check caught it first): the kernel step ran a batch before, the reference
+    did not, so only what a step defines may be compared (the packed mask's live bytes, not its stale tail)."""
+    config = config_for("greedy", batch=8)
+    step, target = make_step(config, "kernel", device=kernel_device)
+    reference, _ = make_step(config, "reference", device=kernel_device)
+    rng = np.random.default_rng(3)
+    fill_inputs(step.inputs, target.rule, config, rng)
+    step.run()
+    longest = int(step.buffers.indptrs.packed_mask_indptr[-1])
+    for _ in range(2):
+        fill_inputs(step.inputs, target.rule, config, rng)
+        reference.inputs.copy_(step.inputs)
+        for ours, theirs in zip(step.kv_buffers, reference.kv_buffers):
+            theirs.copy_(ours)
+        step.run()
+        reference.run()
+        ours, theirs = snapshot(step), snapshot(reference)
+        for name in ours:
+            assert torch.equal(ours[name], theirs[name]), name
+    assert longest > ours["packed_mask"].numel()  # the first batch's mask was longer: its tail is stale here
 
 
 def test_step_path_reads_nothing_on_the_host_and_allocates_nothing(kernel_device):
