@@ -6,7 +6,7 @@ Two launches, each a Triton kernel beside its launcher and its pure-torch refere
 1. per node (one program per tree node, a loop over the vocabulary):
    * ``target_tokens``: the target's token at the node. Greedy: argmax (first index on ties). Sampling (per-request
      temperature >= ``TEMPERATURE_FLOOR``, 1e-5; lower ones are greedy, as everywhere): an inverse-CDF draw with
-     the node's coin from the tempered distribution after top-k and top-p, whose thresholds are found by bisection over float32 bit patterns (no vocabulary sort); the
+     the node's coin from the tempered distribution after top-k and top-p, whose thresholds are found by a 16-way search over float32 bit patterns (8 passes over the vocabulary each, no sort); the
      definitions are those of ``sglang_spec.sampling.target_probs_from_logits``.
    * ``top_n_probs`` (relaxed mode): the N most likely tokens and their plain-softmax probabilities.
 2. per request: ``accept_walk`` follows the tree from the root, in the ``AcceptMode`` it is given.
@@ -43,7 +43,16 @@ MODES = ("greedy", "sample", "relaxed")
 ONE_BITS = 0x3F800000  # float32 1.0: tempered weights exp((x - max) / T) lie in (0, 1]
 # In @triton.jit bodies a Python int literal becomes a Triton scalar with a `.to`; mypy only sees the int, hence the
 # `type: ignore[attr-defined]` on those lines.
-SEARCH_STEPS = 31  # bisection over [0, ONE_BITS] pins the threshold bit pattern exactly
+SEARCH_WAYS = 16  # thresholds tried a pass over the vocabulary by the top-k / top-p searches
+
+
+def search_passes(ways: int, span: int = ONE_BITS + 1) -> int:
+    """Passes a ``ways``-ary search needs to pin one value of ``span``: the ``ways`` candidates cut a width into
+    ``ways + 1`` runs of at most ``ceil(width / (ways + 1))`` (8 passes for 16 ways; a bisection needs 30)."""
+    passes = 0
+    while span > 1:
+        span, passes = -(-span // (ways + 1)), passes + 1
+    return passes
 
 
 @triton.jit
@@ -63,6 +72,31 @@ def _mass_at_least(row_ptr, V, best, inv_temperature, threshold, BLOCK_V: tl.con
 
 
 @triton.jit
+def _masses_at_least(row_ptr, V, best, inv_temperature, thresholds, BLOCK_V: tl.constexpr, WAYS: tl.constexpr):
+    """``_mass_at_least`` for every threshold of ``thresholds`` [WAYS] in one pass: counts [WAYS], masses [WAYS]."""
+    offsets = tl.arange(0, BLOCK_V)
+    count = tl.zeros([BLOCK_V, WAYS], dtype=tl.int32)
+    mass = tl.zeros([BLOCK_V, WAYS], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        index = start + offsets
+        x = tl.load(row_ptr + index, mask=index < V, other=-float("inf")).to(tl.float32)
+        weight = tl.exp((x - best) * inv_temperature)
+        keep = (weight[:, None] >= thresholds[None, :]) & (index < V)[:, None]
+        count += keep.to(tl.int32)
+        mass += tl.where(keep, weight[:, None], 0.0)
+    return tl.sum(count, axis=0), tl.sum(mass, axis=0)
+
+
+@triton.jit
+def _narrow(low, high, holds, candidates):
+    """One k-ary search step: ``candidates`` [WAYS] int64 ascending in [low, high], ``holds`` the (monotone:
+    true up to the answer) predicate at each; returns the new [low, high] around the largest t that holds."""
+    new_low = tl.max(tl.where(holds, candidates, low), axis=0)
+    new_high = tl.min(tl.where(holds, high, candidates - 1), axis=0)
+    return new_low, new_high
+
+
+@triton.jit
 def _target_tokens_kernel(
     logits_ptr,  # [B * N, V] float logits, row stride logits_stride
     logits_stride,
@@ -75,7 +109,10 @@ def _target_tokens_kernel(
     N: tl.constexpr,
     SAMPLE: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    SEARCH: tl.constexpr,
+    SEARCH_BLOCK_V: tl.constexpr,  # the searches' block: each element is compared with WAYS thresholds at once
+    WAYS: tl.constexpr,
+    SEARCH: tl.constexpr,  # passes of a search: search_passes(WAYS)
+    ONE: tl.constexpr,  # ONE_BITS
     GREEDY_BELOW: tl.constexpr,  # sampling.TEMPERATURE_FLOOR: 1 / T of a smaller T overflows float32
 ):
     # one program per tree node
@@ -100,31 +137,31 @@ def _target_tokens_kernel(
             top_p = tl.load(top_p_ptr + request)
             coin = tl.load(coins_ptr + row)
             # top-k: the largest t (as float bits) with count(w >= t) >= k is exactly the k-th largest weight
+            # (a k-ary search: WAYS thresholds a pass over the vocabulary, SEARCH passes pin the bit pattern)
+            ways = tl.arange(0, WAYS).to(tl.int64) + 1
             kth = 0.0
             if (top_k > 0) & (top_k < V):
-                low = 0
-                high = 0x3F800000
+                low = tl.zeros([], dtype=tl.int64)
+                high = tl.full([], ONE, dtype=tl.int64)
                 for _ in range(SEARCH):
-                    middle = (low + high + 1) // 2
-                    candidate = middle.to(tl.float32, bitcast=True)  # type: ignore[attr-defined]
-                    count, mass = _mass_at_least(row_ptr, V, best, inv_temperature, candidate, BLOCK_V)
-                    low = tl.where(count >= top_k, middle, low)
-                    high = tl.where(count >= top_k, high, middle - 1)
-                kth = low.to(tl.float32, bitcast=True)  # type: ignore[attr-defined]
+                    candidates = low + ways * (high - low + 1) // (WAYS + 1)
+                    thresholds = candidates.to(tl.int32).to(tl.float32, bitcast=True)
+                    count, mass = _masses_at_least(row_ptr, V, best, inv_temperature, thresholds, SEARCH_BLOCK_V, WAYS)
+                    low, high = _narrow(low, high, count >= top_k, candidates)
+                kth = low.to(tl.int32).to(tl.float32, bitcast=True)  # type: ignore[attr-defined]
             # top-p: the largest t with mass(w >= max(t, kth)) >= top_p * mass(w >= kth)
             threshold = kth
             if top_p < 1.0:
                 count, kept_mass = _mass_at_least(row_ptr, V, best, inv_temperature, kth, BLOCK_V)
                 target = top_p * kept_mass
-                low = 0
-                high = 0x3F800000
+                low = tl.zeros([], dtype=tl.int64)
+                high = tl.full([], ONE, dtype=tl.int64)
                 for _ in range(SEARCH):
-                    middle = (low + high + 1) // 2
-                    candidate = tl.maximum(middle.to(tl.float32, bitcast=True), kth)  # type: ignore[attr-defined]
-                    count, mass = _mass_at_least(row_ptr, V, best, inv_temperature, candidate, BLOCK_V)
-                    low = tl.where(mass >= target, middle, low)
-                    high = tl.where(mass >= target, high, middle - 1)
-                threshold = tl.maximum(low.to(tl.float32, bitcast=True), kth)  # type: ignore[attr-defined]
+                    candidates = low + ways * (high - low + 1) // (WAYS + 1)
+                    thresholds = tl.maximum(candidates.to(tl.int32).to(tl.float32, bitcast=True), kth)
+                    count, mass = _masses_at_least(row_ptr, V, best, inv_temperature, thresholds, SEARCH_BLOCK_V, WAYS)
+                    low, high = _narrow(low, high, mass >= target, candidates)
+                threshold = tl.maximum(low.to(tl.int32).to(tl.float32, bitcast=True), kth)  # type: ignore[attr-defined]
             count, total = _mass_at_least(row_ptr, V, best, inv_temperature, threshold, BLOCK_V)
             # inverse CDF in token order: the first kept token whose running mass exceeds coin * total
             limit = coin * total
@@ -179,7 +216,10 @@ def target_tokens(
         N=num_nodes_per_request,
         SAMPLE=sample,
         BLOCK_V=min(block_v, triton.next_power_of_2(logits.shape[1])),
-        SEARCH=SEARCH_STEPS,
+        SEARCH_BLOCK_V=min(block_v, 256, triton.next_power_of_2(logits.shape[1])),
+        WAYS=SEARCH_WAYS,
+        SEARCH=search_passes(SEARCH_WAYS),
+        ONE=ONE_BITS,
         GREEDY_BELOW=TEMPERATURE_FLOOR,
     )
     return out

@@ -1,3 +1,5 @@
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from sglang_spec.kernels.verify_accept import (
     node_normalizers,
     node_normalizers_reference,
     node_probabilities,
+    search_passes,
     target_tokens,
     target_tokens_reference,
     top_n_probs,
@@ -220,3 +223,21 @@ def test_accept_walk_candidate_sample_mode_equals_reference(kernel_device, seed)
     reference = run_walk(accept_walk_reference, meta, num_nodes, depth, mode)
     assert_same(kernel, reference)
     assert int(kernel[0].accept_length.max()) >= 2
+
+
+@pytest.mark.parametrize("ways", [1, 3, 16])
+def test_the_k_ary_search_pins_every_answer_in_its_passes(ways):
+    """The kernel's search step on the host: candidates low + j * width // (ways + 1), j = 1..ways, then the largest
+    that holds and the first that fails; every answer of a span is found in ``search_passes`` passes."""
+    span = 700
+    passes = search_passes(ways, span)
+    assert passes == math.ceil(math.log(span, ways + 1) - 1e-9)
+    for answer in range(span):
+        low, high = 0, span - 1
+        for _ in range(passes):
+            candidates = [low + j * (high - low + 1) // (ways + 1) for j in range(1, ways + 1)]
+            holds = [candidate <= answer for candidate in candidates]
+            low = max([c for c, h in zip(candidates, holds) if h], default=low)
+            high = min([c - 1 for c, h in zip(candidates, holds) if not h], default=high)
+        assert low == high == answer, (ways, answer)
+    assert search_passes(16) == 8 and search_passes(1) == 30  # the kernel's: 8 passes where a bisection took 30
