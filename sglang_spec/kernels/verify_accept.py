@@ -6,7 +6,8 @@ Two launches, each a Triton kernel beside its launcher and its pure-torch refere
 1. per node (one program per tree node, a loop over the vocabulary):
    * ``target_tokens``: the target's token at the node. Greedy: argmax (first index on ties). Sampling (per-request
      temperature >= ``TEMPERATURE_FLOOR``, 1e-5; lower ones are greedy, as everywhere): an inverse-CDF draw with
-     the node's coin from the tempered distribution after top-k and top-p, whose thresholds are found by a 16-way search over float32 bit patterns (8 passes over the vocabulary each, no sort); the
+     the node's coin from the tempered distribution after top-k and top-p, whose thresholds are found by a
+     16-way search over float32 bit patterns (8 passes over the vocabulary each, no sort); the
      definitions are those of ``sglang_spec.sampling.target_probs_from_logits``.
    * ``top_n_probs`` (relaxed mode): the N most likely tokens and their plain-softmax probabilities.
 2. per request: ``accept_walk`` follows the tree from the root, in the ``AcceptMode`` it is given.
@@ -146,8 +147,9 @@ def _target_tokens_kernel(
                 for _ in range(SEARCH):
                     candidates = low + ways * (high - low + 1) // (WAYS + 1)
                     thresholds = candidates.to(tl.int32).to(tl.float32, bitcast=True)
-                    count, mass = _masses_at_least(row_ptr, V, best, inv_temperature, thresholds, SEARCH_BLOCK_V, WAYS)
-                    low, high = _narrow(low, high, count >= top_k, candidates)
+                    k_counts, k_masses = _masses_at_least(row_ptr, V, best, inv_temperature, thresholds,
+                                                          SEARCH_BLOCK_V, WAYS)
+                    low, high = _narrow(low, high, k_counts >= top_k, candidates)
                 kth = low.to(tl.int32).to(tl.float32, bitcast=True)  # type: ignore[attr-defined]
             # top-p: the largest t with mass(w >= max(t, kth)) >= top_p * mass(w >= kth)
             threshold = kth
@@ -159,8 +161,9 @@ def _target_tokens_kernel(
                 for _ in range(SEARCH):
                     candidates = low + ways * (high - low + 1) // (WAYS + 1)
                     thresholds = tl.maximum(candidates.to(tl.int32).to(tl.float32, bitcast=True), kth)
-                    count, mass = _masses_at_least(row_ptr, V, best, inv_temperature, thresholds, SEARCH_BLOCK_V, WAYS)
-                    low, high = _narrow(low, high, mass >= target, candidates)
+                    p_counts, p_masses = _masses_at_least(row_ptr, V, best, inv_temperature, thresholds,
+                                                          SEARCH_BLOCK_V, WAYS)
+                    low, high = _narrow(low, high, p_masses >= target, candidates)
                 threshold = tl.maximum(low.to(tl.int32).to(tl.float32, bitcast=True), kth)  # type: ignore[attr-defined]
             count, total = _mass_at_least(row_ptr, V, best, inv_temperature, threshold, BLOCK_V)
             # inverse CDF in token order: the first kept token whose running mass exceeds coin * total
