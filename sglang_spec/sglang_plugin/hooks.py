@@ -350,18 +350,28 @@ def alloc_memory_pool_after(result, worker, *args, **kwargs):
     pool = worker.draft_runner.token_to_kv_pool
     if not supports_row_permutation(pool):
         raise StartupError(
-            f"the draft KV pool ({type(pool).__name__}) is not slot-major, so tree branches cannot each keep their "
-            f"own ancestry; use page size 1 with an NHD layout, or --speculative-tree-policy chain"
+            f"the draft KV pool ({type(pool).__name__}, layout {getattr(pool, 'kv_cache_layout', 'unknown')}) does "
+            f"not hold one token a row, so tree branches cannot each keep their own ancestry; use the NHD layout "
+            f"(unset SGLANG_USE_HND_KVCACHE and the vectorized_5d / page-major layouts), or "
+            f"--speculative-tree-policy chain"
         )
     setup.exact_ancestry = True
     return result
 
 
 def supports_row_permutation(pool) -> bool:
-    """True for pools whose buffers are [slots, ...] per layer (MHA NHD k/v, MLA latent)."""
-    if getattr(pool, "use_hnd", False) or getattr(pool, "page_size", 1) != 1:
+    """True for pools whose layer buffers hold one token slot a row, ``[size + page_size, heads, dim]`` (MHA k / v in
+    the NHD layout, MLA's latent), at any page size: a page is then ``page_size`` consecutive rows, a row copy
+    moves one token's KV, and SGLang's paged draft layout (each beam on its own pages, ``prepare_for_draft``) gives
+    every beam its own rows to permute. Pools whose rows are pages (HND, vectorized_5d) are refused."""
+    if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
         return False
-    return any(getattr(pool, name, None) for name in ("k_buffer", "kv_buffer"))
+    buffers = [buffer for name in ("k_buffer", "v_buffer", "kv_buffer") for buffer in getattr(pool, name, None) or ()]
+    rows = getattr(pool, "size", None)
+    if not buffers or rows is None:
+        return False
+    rows += int(getattr(pool, "page_size", 1) or 1)
+    return all(buffer.dim() == 3 and buffer.shape[0] == rows for buffer in buffers)
 
 
 @dataclass

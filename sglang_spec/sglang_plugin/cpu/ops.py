@@ -87,17 +87,38 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
         view[targets] = view[sources]
 
 
-def build_draft_decode_metadata_cpu(req_to_token, req_pool_indices, seq_lens, topk, num_steps, pool_len):
+def draft_slot_starts(seq_lens: torch.Tensor, topk: int, num_steps: int, page_size: int = 1) -> torch.Tensor:
+    """[bs, topk] position in each request's req_to_token row of every beam's first draft slot, as SGLang lays them
+    out (``eagle_worker_common.prepare_for_draft``, read back by ``generate_draft_decode_kv_indices``): page size 1
+    or a chain, the beams' columns back to back from the request's length (``seq_len + beam * num_steps``); page
+    size > 1 with topk > 1, each beam its own run of whole pages from the prefix's last partial page on, its slots
+    after that page's filled part (``prefix_base + beam * num_new_pages * page_size + last_page``, where the
+    branch's first ``last_page`` slots hold copies of the prefix's tail)."""
+    seq_lens = seq_lens.long()
+    beams = torch.arange(topk, device=seq_lens.device)[None, :]
+    if page_size == 1 or topk == 1:
+        return seq_lens[:, None] + beams * num_steps
+    last_page = seq_lens % page_size
+    num_new_pages = (last_page + num_steps + page_size - 1) // page_size
+    return (seq_lens - last_page)[:, None] + beams * (num_new_pages * page_size)[:, None] + last_page[:, None]
+
+
+def build_draft_decode_metadata_cpu(req_to_token, req_pool_indices, seq_lens, topk, num_steps, pool_len,
+                                    page_size: int = 1):
     """[bs * topk, pool_len] token tables for draft decode: row (b, beam) = request b's prefix followed by the
-    beam's own column of draft slots, ``req_to_token[r, seq_len + beam * num_steps + step]`` (page size 1)."""
+    beam's own draft slots (``draft_slot_starts``). sgl-kernel's CPU op has no page size (its layout is page size
+    1's); ``page_size`` is bound by the bed when the draft backend is built (``patches.amx_draft_backend_init_after``)
+    and reads the paged layout as SGLang's Triton twin does (``generate_draft_decode_kv_indices``: the prefix from
+    the row, then the beam's slots)."""
     batch = seq_lens.shape[0]
     table = torch.zeros((batch * topk, pool_len), dtype=req_to_token.dtype, device=req_to_token.device)
+    starts = draft_slot_starts(seq_lens, topk, num_steps, page_size).tolist()
     for request, (row, length) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         source = req_to_token[row]
         for beam in range(topk):
             out = table[request * topk + beam]
             out[:length] = source[:length]
-            first = length + beam * num_steps
+            first = starts[request][beam]
             out[length:length + num_steps] = source[first:first + num_steps]
     return table
 

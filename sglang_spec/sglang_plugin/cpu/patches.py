@@ -15,6 +15,12 @@
 * SGLang's dummy forward (warm-up, autotune; ``--speculative-tree-auto`` times it at start-up) asks the attention
   backend for the dummy batch's sequence length through the CUDA-graph name; the CPU backend answers only to its
   CPU-graph name, with the same value.
+* Trees (topk > 1) at page size > 1: SGLang lays each beam's draft slots out on its own pages (``prepare_for_draft``,
+  the prefix's partial tail page copied into every branch) and reads them back with its GPU backends (flashinfer,
+  fa3, triton); it refuses the combination on any other backend, ``intel_amx`` included, because sgl-kernel's CPU
+  draft metadata op assumes page size 1. The bed's stand-in of that op reads the paged layout when the draft
+  backend binds it to the page size (``amx_draft_backend_init_after``), so the refusal, the last statement of
+  ``_handle_eagle_family``, is let through for ``intel_amx`` only (``handle_eagle_family_cpu``).
 
 The tree-mask layout's hooks (the backend's binding; with ``SGLANG_SPEC_CPU_TREE_MASK``, SGLang's choice of
 layout) are in ``tree_mask`` and registered beside these.
@@ -22,10 +28,12 @@ layout) are in ``tree_mask`` and registered beside these.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from sglang_spec.sglang_plugin.cpu import sampling
 from sglang_spec.sglang_plugin.cpu.linear import linear_apply_around, load_model_after  # noqa: F401 (HOOKS)
+from sglang_spec.sglang_plugin.hooks import log
 
 HOOKS = (
     ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", "load_model_after", "AFTER"),
@@ -35,7 +43,12 @@ HOOKS = (
     ("sglang.srt.speculative.eagle_utils._verify_uses_greedy", "verify_uses_greedy_cpu", "REPLACE"),
     ("sglang.srt.layers.attention.intel_amx_backend.IntelAMXAttnBackend.get_cuda_graph_seq_len_fill_value",
      "seq_len_fill_value_cpu", "REPLACE"),
+    ("sglang.srt.arg_groups.speculative_hook._handle_eagle_family", "handle_eagle_family_cpu", "AROUND"),
+    ("sglang.srt.layers.attention.intel_amx_backend.IntelAMXMultiStepDraftBackend.__init__",
+     "amx_draft_backend_init_after", "AFTER"),
 )
+# SGLang's refusal of trees at page size > 1 off its GPU backends (speculative_hook._handle_eagle_family)
+PAGED_TREE_REFUSAL = "speculative_eagle_topk > 1 with page_size > 1 is only supported on"
 # module attribute -> stand-in (module ``sglang_spec.sglang_plugin.cpu.sampling``)
 ATTRIBUTES = {
     "sglang.srt.speculative.eagle_utils": ("tree_speculative_sampling_target_only", "top_k_renorm_prob",
@@ -76,3 +89,26 @@ def verify_uses_greedy_cpu(*, is_all_greedy, is_cpu, is_hip, is_xpu, use_rejecti
 
 def seq_len_fill_value_cpu(backend) -> int:
     return backend.get_cpu_graph_seq_len_fill_value()
+
+
+def handle_eagle_family_cpu(original, server_args) -> None:
+    """SGLang's EAGLE-family resolution, with its refusal of trees at page size > 1 let through for ``intel_amx``
+    (the bed reads the paged draft layout: ``amx_draft_backend_init_after``). The refusal is the function's last
+    statement (checked by the tests), so letting it through skips nothing else; any other error stands."""
+    try:
+        original(server_args)
+    except ValueError as error:
+        if not (str(error).startswith(PAGED_TREE_REFUSAL) and "'intel_amx'" in str(error)):
+            raise
+
+
+def amx_draft_backend_init_after(result, backend, model_runner, *args, **kwargs):
+    """After ``IntelAMXMultiStepDraftBackend.__init__``: the draft metadata op it holds (the bed's
+    ``ops.build_draft_decode_metadata_cpu``) reads the beams' draft slots in the layout SGLang assigns at the
+    server's page size."""
+    page_size = int(getattr(model_runner, "page_size", 1) or 1)
+    backend.build_draft_decode_metadata = functools.partial(backend.build_draft_decode_metadata, page_size=page_size)
+    if page_size > 1 and backend.topk > 1:
+        log(f"CPU bed: draft decode reads SGLang's paged draft layout (page size {page_size}, {backend.topk} beams "
+            f"on their own pages)")
+    return result
