@@ -25,7 +25,8 @@ host's g++) run here unchanged, our plugin included:
   forwards, loop period) and optionally cProfile statistics of its decode steps (``bench/cpu_step_profile.py``).
 
 Everything here is numerics-faithful but slow; it exists to run SGLang's control flow and our plugin end to end,
-not to serve traffic. CUDA graphs, FlashInfer / FA3 / Triton attention backends and page size > 1 stay GPU-only.
+not to serve traffic. CUDA graphs and the FlashInfer / FA3 / Triton attention backends stay GPU-only; page size > 1
+(trees included: ``patches``) and several scheduler ranks (tensor parallelism over gloo: ``rank_cores``) run here.
 """
 
 from __future__ import annotations
@@ -54,9 +55,28 @@ def check_sglang_version(version: str | None = None) -> str:
     return installed
 
 
-def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment an SGLang process needs to run on this CPU with the stand-ins active."""
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def rank_cores(ranks: int, cores: int | None = None) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` processes: rank i on core i (modulo the cores), ``0|1`` for two.
+
+    SGLang's CPU engine asks for one NUMA node per rank unless this names each rank's cores
+    (``numa_utils.init_threads_binding``: dp x tp x pp ranks on a one-node machine stop the launch). It pins
+    threads only through sgl-kernel's AMX build (``init_cpu_threads_env``), which the bed's stand-ins do not
+    claim, so here the value passes that check; each rank runs ``OMP_NUM_THREADS`` threads wherever the OS puts
+    them."""
+    cores = cores or os.cpu_count() or 1
+    return "|".join(str(rank % cores) for rank in range(ranks))
+
+
+def server_environment(base: dict[str, str] | None = None, ranks: int = 1) -> dict[str, str]:
+    """The environment an SGLang process needs to run on this CPU with the stand-ins active; ``ranks``: the
+    scheduler processes the launch starts (dp x tp x pp, ``server.launch_ranks``), more than one gets a core
+    binding per rank (``rank_cores``) unless the environment names one."""
     env = dict(os.environ if base is None else base)
+    if ranks > 1 and not env.get(THREADS_BIND_ENV):
+        env[THREADS_BIND_ENV] = rank_cores(ranks)
     paths = [str(BOOT_DIR)] + [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
     env.update(
         PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)),

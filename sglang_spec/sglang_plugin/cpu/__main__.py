@@ -23,7 +23,7 @@ import sys
 
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.cpu import check_sglang_version, server_environment
-from sglang_spec.sglang_plugin.cpu.server import CPU_MODELS, cpu_launch_args, prepare_model
+from sglang_spec.sglang_plugin.cpu.server import CPU_MODELS, cpu_launch_args, launch_ranks, prepare_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = [sys.executable, "-m", "sglang.launch_server", *launch]
     print("starting:", " ".join(command), file=sys.stderr, flush=True)
-    os.execve(sys.executable, command, server_environment())
+    os.execve(sys.executable, command, server_environment(ranks=launch_ranks(launch)))
     return 0  # not reached
 
 

@@ -67,16 +67,37 @@ def prepare_model(name: str, progress: bool = True) -> CpuModel:
     return CpuModel(name, target_dir, tuple(export.server_args()), shipped_profile_path(name))
 
 
-def option_value(args: Sequence[str], flag: str) -> str | None:
-    """The value ``args`` (a launch_server argument list) gives ``flag``, as ``--flag value`` or ``--flag=value``;
-    the last one wins, as in SGLang's argparse parser. None when absent."""
+def option_value(args: Sequence[str], *flags: str) -> str | None:
+    """The value ``args`` (a launch_server argument list) gives an option spelt as any of ``flags`` (its name and
+    aliases), as ``--flag value`` or ``--flag=value``; the last one in ``args`` wins, as in SGLang's argparse
+    parser. None when absent."""
     value = None
     for index, arg in enumerate(args):
-        if arg == flag and index + 1 < len(args):
+        name, equals, inline = arg.partition("=")
+        if name not in flags:
+            continue
+        if equals:
+            value = inline
+        elif index + 1 < len(args):
             value = args[index + 1]
-        elif arg.startswith(flag + "="):
-            value = arg[len(flag) + 1:]
     return value
+
+
+# launch_server's parallel sizes whose product is the scheduler processes it starts, each with its spellings (the
+# abbreviations ``--tp`` / ``--dp`` are argparse's unique prefixes; ``--pp`` is ambiguous there, so not one)
+PARALLEL_SIZE_FLAGS = (("--tp-size", "--tp", "--tensor-parallel-size"), ("--dp-size", "--dp", "--data-parallel-size"),
+                       ("--pp-size", "--pipeline-parallel-size"))
+
+
+def launch_ranks(args: Sequence[str]) -> int:
+    """The scheduler processes a launch_server argument list starts: its tensor-, data- and pipeline-parallel
+    sizes multiplied (each 1 when absent), SGLang's ``dp_size * tp_size * pp_size`` world of the CPU engine's
+    per-rank NUMA check (``numa_utils.init_threads_binding``)."""
+    ranks = 1
+    for flags in PARALLEL_SIZE_FLAGS:
+        value = option_value(args, *flags)
+        ranks *= int(value) if value is not None else 1
+    return ranks
 
 
 def cpu_launch_args(model: CpuModel, port: int, speculative: bool = True, extra: Sequence[str] = ()) -> list[str]:
@@ -155,7 +176,8 @@ class SGLangServer:
         self.args = list(args)
         self.port = port
         self.log_path = Path(log_path)
-        self.env = server_environment(env) if cpu else dict(os.environ if env is None else env)
+        self.env = (server_environment(env, ranks=launch_ranks(self.args)) if cpu
+                    else dict(os.environ if env is None else env))
         self.process: subprocess.Popen | None = None
 
     @property
