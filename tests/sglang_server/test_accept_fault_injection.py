@@ -5,7 +5,9 @@ Faults are injected through launch_server with ``SGLANG_SPEC_INJECT_ACCEPT_FAULT
 at one stage of the plugin's accept, the server's stages in turn): the fused accept with the plugin's own loop
 (sequoia: the fused outputs written, then the fault; the KV commit stopped after its first layer buffer; the rank
 counts) and the context drafter with SGLang's accept (hybrid: the rank counts, the drafter's observe of the
-accepted paths). Greedy output must stay plain decoding's, sampled requests must complete, and the server must
+accepted paths). The other policies (chain, eagle and specexec with SGLang's accept, lookup) take accept faults
+and draft faults (``SGLANG_SPEC_INJECT_DRAFT_FAULT``, as in ``test_draft_faults.py``) on one server each, so that
+every policy's server meets both. Greedy output must stay plain decoding's, sampled requests must complete, and the server must
 answer afterwards.
 """
 
@@ -16,20 +18,36 @@ import re
 import pytest
 
 from cpu_server_helpers import SMOLLM2_NEW_TOKENS, running_server, tree_args
+from parity_requests import policy_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
 EVERY = 2  # every second verify step raises: steps with and without faults interleave in every request
-CONFIGS = {"sequoia-fused": ("sequoia", ["--speculative-tree-accept", "fused"], ("accept", "commit", "record")),
-           "hybrid": ("hybrid", [], ("record", "observe"))}
+DRAFT_EVERY = 3  # the servers that also take draft faults: every third draft raises
+# name -> (the accept's stages that server runs, draft faults too)
+CONFIGS = {"sequoia-fused": (("accept", "commit", "record"), False), "hybrid": (("record", "observe"), False),
+           "chain": (("record",), True), "eagle": (("record",), True), "specexec": (("record",), True),
+           "lookup": (("record", "observe"), True)}
+
+
+def server_options(name: str, profile) -> list[str]:
+    """The tree options of server ``name``: sequoia (fused) and hybrid at 15/4/4, the others as the parity suite's
+    tree servers (``parity_requests.POLICIES``: chain 7/7, eagle and specexec 15/4/4, lookup 12/5)."""
+    if name == "sequoia-fused":
+        return tree_args("sequoia", 15, 4, 4, profile) + ["--speculative-tree-accept", "fused"]
+    if name == "hybrid":
+        return tree_args("hybrid", 15, 4, 4, profile)
+    return policy_args(name, profile)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def faulty(request, smollm2_cpu, server_logs, smollm2_prompts):
-    policy, accept, stages = CONFIGS[request.param]
-    extra = tree_args(policy, 15, 4, 4, smollm2_cpu.profile) + accept + ["--enable-metrics"]
+    stages, draft_faults = CONFIGS[request.param]
+    extra = server_options(request.param, smollm2_cpu.profile) + ["--enable-metrics"]
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("SGLANG_SPEC_INJECT_ACCEPT_FAULT", str(EVERY))
+    if draft_faults:
+        monkeypatch.setenv("SGLANG_SPEC_INJECT_DRAFT_FAULT", str(DRAFT_EVERY))
     try:
         with running_server(smollm2_cpu, server_logs, f"smollm2-accept-faults-{request.param}", extra) as server:
             greedy = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
@@ -39,8 +57,8 @@ def faulty(request, smollm2_cpu, server_logs, smollm2_prompts):
             log = server.log_path.read_text(errors="replace")
     finally:
         monkeypatch.undo()
-    return {"config": request.param, "stages": stages, "greedy": greedy, "sampled": sampled, "metrics": metrics,
-            "after": after, "log": log}
+    return {"config": request.param, "stages": stages, "draft_faults": draft_faults, "greedy": greedy,
+            "sampled": sampled, "metrics": metrics, "after": after, "log": log}
 
 
 def test_accept_faults_keep_plain_decodings_output_and_the_server_serving(faulty, smollm2_plain):
@@ -66,3 +84,12 @@ def test_each_accept_fault_is_counted_and_logged_in_one_line(faulty):
     if "accept" in faulty["stages"]:  # the fused accept's own counter sees the batches it handed to SGLang
         handed = re.search(r'sglang_spec_fused_accept_batches_total\{outcome="fault"\} (\S+)', faulty["metrics"])
         assert handed is not None and int(float(handed.group(1))) == counted["accept"]
+
+
+def test_draft_faults_beside_accept_faults_are_counted_and_logged(faulty):
+    if not faulty["draft_faults"]:
+        pytest.skip("this server takes accept faults only (its draft path: test_draft_faults.py)")
+    counted = re.search(r'sglang_spec_draft_faults_total\{error="InjectedFault"\} (\S+)', faulty["metrics"])
+    lines = [line for line in faulty["log"].splitlines() if "draft fault" in line]
+    assert counted is not None and 0 < int(float(counted.group(1))) <= len(lines), faulty["metrics"][-2000:]
+    assert all("verified without speculation (InjectedFault" in line for line in lines), lines[:3]

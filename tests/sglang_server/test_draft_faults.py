@@ -2,9 +2,10 @@
 (no head, no context: the target's own token), a counter and one log line say so, and the server goes on.
 
 Faults are injected through launch_server with ``SGLANG_SPEC_INJECT_DRAFT_FAULT=n`` (every n-th draft raises), for
-each draft path: the plugin's own loop (sequoia), the context drafter (hybrid) and SGLang's loop under the plugin's
-hooks (eagle). Greedy output must stay plain decoding's, sampled requests must complete, and the server must answer
-afterwards.
+each draft path: the plugin's own loop (sequoia) and the context drafter (hybrid); SGLang's loop under the plugin's
+hooks (chain, eagle), specexec and lookup take draft faults beside accept faults in
+``test_accept_fault_injection.py``. Greedy output must stay plain decoding's, sampled requests must complete, and
+the server must answer afterwards.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 EVERY = 3  # every third draft raises: steps with and without faults interleave in every request
 
 
-@pytest.fixture(scope="module", params=["sequoia", "hybrid", "eagle"])
+@pytest.fixture(scope="module", params=["sequoia", "hybrid"])
 def faulty(request, smollm2_cpu, server_logs, smollm2_prompts):
     policy = request.param
     extra = tree_args(policy, 15, 4, 4, smollm2_cpu.profile) + ["--enable-metrics"]
