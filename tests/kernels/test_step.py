@@ -143,6 +143,28 @@ def test_kernel_step_equals_reference_step_over_consecutive_steps(kernel_device,
     assert deepest >= 3
 
 
+def replay_against_reference(step, reference, target, config, rng, run, steps, kv_atol=None):
+    """``steps`` new batches: each run by ``run`` (the step, or its graph's replay) on the kernel step and by the
+    reference step from the same inputs and KV; everything a step defines must be equal (KV within ``kv_atol``
+    across devices; snapshots are host copies). Returns the last kernel snapshot."""
+    for _ in range(steps):
+        fill_inputs(step.inputs, target.rule, config, rng)
+        reference.inputs.copy_(step.inputs)
+        for ours, theirs in zip(step.kv_buffers, reference.kv_buffers):
+            theirs.copy_(ours)
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        reference.run()
+        ours, theirs = snapshot(step), snapshot(reference)
+        for name in ours:
+            if kv_atol is not None and name.startswith("kv"):
+                assert torch.allclose(ours[name], theirs[name], atol=kv_atol), name
+            else:
+                assert torch.equal(ours[name], theirs[name]), name
+    return ours
+
+
 @pytest.mark.slow
 def test_a_step_after_a_batch_the_reference_never_saw_equals_the_reference(kernel_device):
     """What a graph replay sees (the GPU check caught it first): the kernel step ran a batch before, the reference
@@ -154,16 +176,7 @@ def test_a_step_after_a_batch_the_reference_never_saw_equals_the_reference(kerne
     fill_inputs(step.inputs, target.rule, config, rng)
     step.run()
     longest = int(step.buffers.indptrs.packed_mask_indptr[-1])
-    for _ in range(2):
-        fill_inputs(step.inputs, target.rule, config, rng)
-        reference.inputs.copy_(step.inputs)
-        for ours, theirs in zip(step.kv_buffers, reference.kv_buffers):
-            theirs.copy_(ours)
-        step.run()
-        reference.run()
-        ours, theirs = snapshot(step), snapshot(reference)
-        for name in ours:
-            assert torch.equal(ours[name], theirs[name]), name
+    ours = replay_against_reference(step, reference, target, config, rng, step.run, steps=2)
     assert longest > ours["packed_mask"].numel()  # the first batch's mask was longer: its tail is stale here
 
 
@@ -198,20 +211,7 @@ def test_cuda_graph_capture_and_replay_matches_the_reference(mode):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step.run()
-    for _ in range(3):
-        fill_inputs(step.inputs, target.rule, config, rng)
-        reference.inputs.copy_(step.inputs)
-        for ours, theirs in zip(step.kv_buffers, reference.kv_buffers):
-            theirs.copy_(ours)
-        graph.replay()
-        torch.cuda.synchronize()
-        reference.run()
-        ours, theirs = snapshot(step), snapshot(reference)
-        for name in ours:
-            if name.startswith("kv"):
-                assert torch.allclose(ours[name], theirs[name], atol=1e-5), name
-            else:
-                assert torch.equal(ours[name], theirs[name]), name
+    replay_against_reference(step, reference, target, config, rng, graph.replay, steps=3, kv_atol=1e-5)
 
 
 @pytest.mark.gpu
