@@ -60,8 +60,9 @@ def target_probs_from_logits(
     * top-p keeps, among those, every token with w >= t, where t is the largest value for which the kept mass
       of tokens with w >= t still reaches top_p times the mass kept by top-k (ties kept again).
     The kept mass is renormalised. These threshold definitions are what a GPU kernel can compute without
-    sorting the vocabulary (``kernels/verify_accept.py`` finds the same thresholds by bisection). Whether any
-    row uses top-k or top-p is read on the host: pass those two as CPU tensors to keep a device stream unsynced.
+    sorting the vocabulary (``kernels/verify_accept.py`` finds the same thresholds by a k-ary search over float
+    bit patterns). Whether any row uses top-k or top-p is read on the host: pass those two as CPU tensors to keep
+    a device stream unsynced.
     """
     batch = logits.shape[0]
     vocab = logits.shape[-1]
