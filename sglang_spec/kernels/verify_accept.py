@@ -150,7 +150,7 @@ def _target_tokens_kernel(
                     k_counts, k_masses = _masses_at_least(row_ptr, V, best, inv_temperature, thresholds,
                                                           SEARCH_BLOCK_V, WAYS)
                     low, high = _narrow(low, high, k_counts >= top_k, candidates)
-                kth = low.to(tl.int32).to(tl.float32, bitcast=True)  # type: ignore[attr-defined]
+                kth = low.to(tl.int32).to(tl.float32, bitcast=True)
             # top-p: the largest t with mass(w >= max(t, kth)) >= top_p * mass(w >= kth)
             threshold = kth
             if top_p < 1.0:
@@ -164,7 +164,7 @@ def _target_tokens_kernel(
                     p_counts, p_masses = _masses_at_least(row_ptr, V, best, inv_temperature, thresholds,
                                                           SEARCH_BLOCK_V, WAYS)
                     low, high = _narrow(low, high, p_masses >= target, candidates)
-                threshold = tl.maximum(low.to(tl.int32).to(tl.float32, bitcast=True), kth)  # type: ignore[attr-defined]
+                threshold = tl.maximum(low.to(tl.int32).to(tl.float32, bitcast=True), kth)
             count, total = _mass_at_least(row_ptr, V, best, inv_temperature, threshold, BLOCK_V)
             # inverse CDF in token order: the first kept token whose running mass exceeds coin * total
             limit = coin * total
