@@ -118,9 +118,11 @@ def test_a_fused_accept_fault_hands_the_batch_to_sglangs_eagle_sample(spec, metr
 
 
 class MovingPool:
-    """One layer of K and V rows (SGLang's slot-major MHA layout)."""
+    """K and V rows of ``layers`` layers in SGLang's slot-major MHA layout: ``size + page_size`` rows a buffer (the
+    shape ``hooks.supports_row_permutation`` checks)."""
 
     def __init__(self, slots: int, layers: int = 3) -> None:
+        self.size, self.page_size = slots - 1, 1
         generator = torch.Generator().manual_seed(slots)
         self.k_buffer = [torch.randn(slots, 2, 3, generator=generator) for _ in range(layers)]
         self.v_buffer = [torch.randn(slots, 2, 3, generator=generator) for _ in range(layers)]
