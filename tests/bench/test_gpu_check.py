@@ -113,3 +113,14 @@ def test_rows_go_at_the_end_of_the_log_table_and_escape_pipes(tmp_path):
     docs.write_text("# log\n\nno table at the end\n")
     with pytest.raises(SpecError, match="does not end with its log table"):
         gpu_check.append_rows(docs, rows)
+
+
+def test_groups_are_chosen_by_name_and_an_unknown_one_is_one_line(capsys):
+    gpu_check = load_gpu_check()
+    assert [group.name for group in gpu_check.selected_groups("server-tp2, kernels")] == ["kernels", "server-tp2"]
+    with pytest.raises(SpecError, match=r"--group 'nope': choose among kernels, server, "):
+        gpu_check.selected_groups("nope")
+    assert gpu_check.main(["--list", "--group", "kernels"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0].startswith("  [kernels]") and len(listed) == 1 + sum(
+        check.group == "kernels" for check in gpu_check.CHECKS)
