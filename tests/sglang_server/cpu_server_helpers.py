@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
+
+import pytest
 
 from sglang_spec.sglang_plugin.cpu.server import CpuModel, SGLangServer, cpu_launch_args, free_port
 
@@ -49,6 +52,35 @@ def running_server(model: CpuModel, logs: Path, name: str, extra: Sequence[str] 
         server.stop()
     log = server.log_path.read_text(errors="replace")
     assert "Traceback" not in log, f"{name}: the server logged a traceback:\n" + server.log_tail(60)
+
+
+def faulty_run(model: CpuModel, logs: Path, name: str, extra: Sequence[str], prompts: list,
+               faults: Mapping[str, str]) -> dict:
+    """The fault-injection tests' run: a server started with ``faults`` (``SGLANG_SPEC_INJECT_*_FAULT``) in its
+    environment; its greedy answers to ``prompts``, two sampled answers, its /metrics, a greedy answer sent after
+    those metrics were read, and its log."""
+    with contextlib.ExitStack() as stack:
+        patch = stack.enter_context(pytest.MonkeyPatch.context())
+        for variable, value in faults.items():
+            patch.setenv(variable, value)
+        server = stack.enter_context(running_server(model, logs, name, extra))
+        greedy = server.generate(prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
+        sampled = server.generate(prompts[:2], {"temperature": 0.8, "max_new_tokens": 8})
+        metrics = server.request("/metrics")
+        after = server.generate(prompts[:1], {"temperature": 0, "max_new_tokens": 4})
+    return {"greedy": greedy, "sampled": sampled, "metrics": metrics, "after": after,
+            "log": server.log_path.read_text(errors="replace")}
+
+
+def assert_draft_faults_counted_and_logged(run: dict) -> None:
+    """Each injected draft fault is counted (read before the last request, whose drafts may have raised too) and
+    logged in one line; no traceback."""
+    lines = [line for line in run["log"].splitlines() if "draft fault" in line]
+    counted = re.search(r'sglang_spec_draft_faults_total\{error="InjectedFault"\} (\S+)', run["metrics"])
+    assert counted is not None, run["metrics"][-2000:]
+    assert 0 < int(float(counted.group(1))) <= len(lines)
+    assert all("verified without speculation (InjectedFault" in line for line in lines), lines[:3]
+    assert "Traceback" not in run["log"]
 
 
 def accept_lengths(answers: list[dict]) -> list[int]:

@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from cpu_server_helpers import SMOLLM2_NEW_TOKENS, running_server, tree_args
+from cpu_server_helpers import assert_draft_faults_counted_and_logged, faulty_run, tree_args
 from parity_requests import policy_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
@@ -44,21 +44,12 @@ def server_options(name: str, profile) -> list[str]:
 def faulty(request, smollm2_cpu, server_logs, smollm2_prompts):
     stages, draft_faults = CONFIGS[request.param]
     extra = server_options(request.param, smollm2_cpu.profile) + ["--enable-metrics"]
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("SGLANG_SPEC_INJECT_ACCEPT_FAULT", str(EVERY))
+    faults = {"SGLANG_SPEC_INJECT_ACCEPT_FAULT": str(EVERY)}
     if draft_faults:
-        monkeypatch.setenv("SGLANG_SPEC_INJECT_DRAFT_FAULT", str(DRAFT_EVERY))
-    try:
-        with running_server(smollm2_cpu, server_logs, f"smollm2-accept-faults-{request.param}", extra) as server:
-            greedy = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
-            sampled = server.generate(smollm2_prompts[:2], {"temperature": 0.8, "max_new_tokens": 8})
-            metrics = server.request("/metrics")
-            after = server.generate(smollm2_prompts[:1], {"temperature": 0, "max_new_tokens": 4})
-            log = server.log_path.read_text(errors="replace")
-    finally:
-        monkeypatch.undo()
-    return {"config": request.param, "stages": stages, "draft_faults": draft_faults, "greedy": greedy,
-            "sampled": sampled, "metrics": metrics, "after": after, "log": log}
+        faults["SGLANG_SPEC_INJECT_DRAFT_FAULT"] = str(DRAFT_EVERY)
+    run = faulty_run(smollm2_cpu, server_logs, f"smollm2-accept-faults-{request.param}", extra, smollm2_prompts,
+                     faults)
+    return {"config": request.param, "stages": stages, "draft_faults": draft_faults, **run}
 
 
 def test_accept_faults_keep_plain_decodings_output_and_the_server_serving(faulty, smollm2_plain):
@@ -89,7 +80,4 @@ def test_each_accept_fault_is_counted_and_logged_in_one_line(faulty):
 def test_draft_faults_beside_accept_faults_are_counted_and_logged(faulty):
     if not faulty["draft_faults"]:
         pytest.skip("this server takes accept faults only (its draft path: test_draft_faults.py)")
-    counted = re.search(r'sglang_spec_draft_faults_total\{error="InjectedFault"\} (\S+)', faulty["metrics"])
-    lines = [line for line in faulty["log"].splitlines() if "draft fault" in line]
-    assert counted is not None and 0 < int(float(counted.group(1))) <= len(lines), faulty["metrics"][-2000:]
-    assert all("verified without speculation (InjectedFault" in line for line in lines), lines[:3]
+    assert_draft_faults_counted_and_logged(faulty)

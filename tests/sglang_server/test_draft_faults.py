@@ -10,11 +10,9 @@ the server must answer afterwards.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from cpu_server_helpers import SMOLLM2_NEW_TOKENS, running_server, tree_args
+from cpu_server_helpers import assert_draft_faults_counted_and_logged, faulty_run, tree_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
@@ -25,18 +23,9 @@ EVERY = 3  # every third draft raises: steps with and without faults interleave 
 def faulty(request, smollm2_cpu, server_logs, smollm2_prompts):
     policy = request.param
     extra = tree_args(policy, 15, 4, 4, smollm2_cpu.profile) + ["--enable-metrics"]
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("SGLANG_SPEC_INJECT_DRAFT_FAULT", str(EVERY))
-    try:
-        with running_server(smollm2_cpu, server_logs, f"smollm2-faults-{policy}", extra) as server:
-            greedy = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
-            sampled = server.generate(smollm2_prompts[:2], {"temperature": 0.8, "max_new_tokens": 8})
-            metrics = server.request("/metrics")
-            after = server.generate(smollm2_prompts[:1], {"temperature": 0, "max_new_tokens": 4})
-            log = server.log_path.read_text(errors="replace")
-    finally:
-        monkeypatch.undo()
-    return {"policy": policy, "greedy": greedy, "sampled": sampled, "metrics": metrics, "after": after, "log": log}
+    run = faulty_run(smollm2_cpu, server_logs, f"smollm2-faults-{policy}", extra, smollm2_prompts,
+                     {"SGLANG_SPEC_INJECT_DRAFT_FAULT": str(EVERY)})
+    return {"policy": policy, **run}
 
 
 def test_faulty_drafts_keep_plain_decodings_output_and_the_server_serving(faulty, smollm2_plain):
@@ -46,10 +35,4 @@ def test_faulty_drafts_keep_plain_decodings_output_and_the_server_serving(faulty
 
 
 def test_each_fault_is_counted_and_logged_in_one_line(faulty):
-    lines = [line for line in faulty["log"].splitlines() if "draft fault" in line]
-    counted = re.search(r'sglang_spec_draft_faults_total\{error="InjectedFault"\} (\d+)', faulty["metrics"])
-    assert counted is not None, faulty["metrics"][-2000:]
-    # the metrics were read before the last request, whose drafts may have raised too
-    assert 0 < int(float(counted.group(1))) <= len(lines)
-    assert all("verified without speculation (InjectedFault" in line for line in lines), lines[:3]
-    assert "Traceback" not in faulty["log"]
+    assert_draft_faults_counted_and_logged(faulty)
