@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget", type=integer(2, 64), default=15)
     parser.add_argument("--depth", type=integer(1, 8), default=4)
     parser.add_argument("--topk", type=integer(1, 8), default=4)
+    parser.add_argument("--mtp-levels", type=integer(1, 7), default=None,
+                        help="hybrid / auto: head levels below the root's children (the server's default 2)")
     parser.add_argument("--concurrency", type=comma_list(integer(1, 16)), default="1,8",
                         help="concurrent requests per workload (above 8 the server's running cap is raised to it)")
     parser.add_argument("--max-new-tokens", type=integer(2, 1024), default=48)
@@ -77,6 +79,8 @@ def tree_args(config: str, args: argparse.Namespace, profile: Path) -> list[str]
     tree = ["--speculative-tree-policy", policy, "--speculative-tree-budget", str(args.budget),
             "--speculative-tree-depth", str(args.depth), "--speculative-tree-topk", str(args.topk)]
     tree += ["--speculative-acceptance-profile", str(profile)] if policy in ("sequoia", "hybrid") else []
+    if policy == "hybrid" and args.mtp_levels is not None:
+        tree += ["--speculative-tree-mtp-levels", str(min(args.mtp_levels, args.depth - 1))]
     return cap + tree + (["--speculative-tree-auto"] if config == "auto" else [])
 
 

@@ -172,7 +172,10 @@ def bench_command(args, concurrency: int, output: Path, dataset: Path | None = N
     """bench_serving at one concurrency over ``dataset`` (a ShareGPT file of one workload)."""
     command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
                "--port", str(args.port), "--num-prompts", str(args.prompts_at[concurrency]), "--max-concurrency",
-               str(concurrency), "--output-file", str(output)]
+               str(concurrency), "--output-file", str(output),
+               # SGLang's accept length is its counters' total since they were last reset: without a flush after
+               # the warm-up request, a server's second workload would report the mean over both
+               "--flush-cache"]
     if args.dataset == "heldout":
         return command + ["--dataset-name", "sharegpt", "--dataset-path", str(dataset or "heldout.json"),
                           "--sharegpt-output-len", str(args.random_output_len), "--apply-chat-template"]

@@ -89,3 +89,10 @@ class SpeculationSwitch:
         else:
             self.stretch = 0
             self.probing = False
+
+    def forget_verdict(self) -> None:
+        """New traffic (the requests judged have all left): the verdict and its stretches go, plain decoding's
+        measured rate stays (the plugin's per-batch-size switch, whose requests change under it)."""
+        self.lean_left = self.stretch = 0
+        self.speculative.clear()
+        self.probing = False

@@ -8,7 +8,9 @@ the traffic (copy-heavy prompts accept more). Two layers decide:
 * **Prediction.** ``StepCosts`` holds the target's verify forward timed at start-up for each batch size at the
   tree's tokens and at one token per request (``step_costs.py``: SGLang's own dummy forward). A batch of b is
   predicted to speed up by ``accept_length * plain(b) / tree(b)``, where accept_length is the tokens a request
-  gained per tree step on the served traffic (all batch sizes, moving average) and plain / tree are the start-up
+  gains per tree step: the mean over the batch's requests of each one's own moving average (a request's content,
+  copy-heavy or not, decides what its trees accept; a request not yet seen starts from the traffic's moving
+  average over all requests and batch sizes), and plain / tree are the start-up
   times scaled by what served plain and tree steps took over their start-up prediction (moving averages: drafting,
   host work and long contexts are in the scale, not in the table). Where the prediction is below
   ``COLD_BELOW`` even at the prior accept length (a floor: trees lose whatever the traffic accepts) the step is
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 from sglang_spec.decode.switch import SpeculationSwitch
 from sglang_spec.tree.cost_model import interpolate_seconds
@@ -68,6 +71,15 @@ SMOOTHING = 0.3  # weight of the newest step in the scales' moving averages
 # weight of each request of the newest tree step in the accept length's moving average (a batch of 16 weighs
 # 1 - 0.9 ** 16 = 81%, one request 10%: one request's step, anywhere from 1 to the tree's depth, is noise)
 ACCEPT_SMOOTHING = 0.1
+# a request's own accept length is the mean of its tree steps, the traffic's average counted as REQUEST_PRIOR_STEPS
+# steps, until the newest step's weight falls to REQUEST_SMOOTHING (then a moving average, so a long answer that
+# stops copying is followed). Faster than the traffic's: one request stays copy-heavy (or not) for its whole answer,
+# while the traffic's average carries earlier requests (the server's warm-up, another workload), which held one
+# request's copy-heavy trees below the clear-win line for a dozen steps (CPU bed, extraction at concurrency 1:
+# learnt 1.5-1.7 while its trees accepted 2.5 a step); a mean, not a fast moving average, because one request's
+# copies come in bursts (a window of four steps may accept nothing)
+REQUEST_PRIOR_STEPS, REQUEST_SMOOTHING = 2, 0.1
+_SPARE_REQUESTS = 256  # per-request averages kept beyond the batch's before the finished ones are dropped
 PRIOR_ACCEPT_LENGTH = 2.0  # tokens a request gains per tree step before any tree step ran
 TREE, PLAIN, COLD = "tree", "plain", "cold"  # the kinds of step ``decide`` returns
 
@@ -104,6 +116,9 @@ class BatchSwitches:
 
     costs: StepCosts | None = None
     accept_length: float = PRIOR_ACCEPT_LENGTH  # tokens a request gains per tree step (moving average by request)
+    request_accept: dict[str, float] = field(default_factory=dict)  # rid -> its own accept length (see above)
+    request_steps: dict[str, int] = field(default_factory=dict)  # rid -> its tree steps learnt from
+    judged: dict[int, frozenset[str]] = field(default_factory=dict)  # per bucket, the requests of its last step
     plain_scale: float = 1.0  # served plain step seconds over costs.plain_at (moving average)
     tree_scale: float = 1.0  # served tree step seconds over costs.tree_at (moving average)
     switches: dict[int, SpeculationSwitch] = field(default_factory=dict)
@@ -119,51 +134,72 @@ class BatchSwitches:
             self.switches[bucket] = SpeculationSwitch(plain_seconds=prior, window=WINDOW, probe_steps=PROBE_STEPS)
         return self.switches[bucket]
 
-    def predicted_speedup(self, batch_size: int, floor: bool = False) -> float | None:
-        """Tree over plain tokens per second for a batch of ``batch_size``; None without start-up costs. Until
-        ``WINDOW`` tree steps ran, or with ``floor``, the accept length is at least the prior (one odd first
-        request, such as the server's warm-up, does not turn trees off)."""
+    def batch_accept_length(self, rids: Sequence[str] | None = None) -> float:
+        """The mean of the requests' own accept lengths (the traffic's for a request not seen in a tree step yet);
+        the traffic's without ``rids``."""
+        if not rids:
+            return self.accept_length
+        return math.fsum(self.request_accept.get(rid, self.accept_length) for rid in rids) / len(rids)
+
+    def predicted_speedup(self, batch_size: int, floor: bool = False, rids: Sequence[str] | None = None) -> float | None:
+        """Tree over plain tokens per second for a batch of ``batch_size`` (the requests ``rids``, when given);
+        None without start-up costs. Until ``WINDOW`` tree steps ran, or with ``floor``, the accept length is at
+        least the prior (one odd first request, such as the server's warm-up, does not turn trees off)."""
         if self.costs is None:
             return None
         learnt = self.tree_steps >= WINDOW and not floor
-        accept_length = self.accept_length if learnt else max(self.accept_length, PRIOR_ACCEPT_LENGTH)
+        accept_length = self.batch_accept_length(rids)
+        accept_length = accept_length if learnt else max(accept_length, PRIOR_ACCEPT_LENGTH)
         plain = self.plain_scale * self.costs.plain_at(batch_size)
         return accept_length * plain / (self.tree_scale * self.costs.tree_at(batch_size))
 
-    def regime(self, batch_size: int) -> str:
+    def regime(self, batch_size: int, rids: Sequence[str] | None = None) -> str:
         """What the prediction alone makes of a batch of ``batch_size``: TREE, PLAIN (a loss predicted from the
         learnt accept length, above ``COLD_BELOW`` at the prior) or COLD (a clear loss even at the prior)."""
-        predicted = self.predicted_speedup(batch_size, floor=True)
+        predicted = self.predicted_speedup(batch_size, floor=True, rids=rids)
         if predicted is None:
             return TREE
         if predicted < COLD_BELOW:
             return COLD
         if batch_size == 1 or self.tree_steps < WINDOW:  # one request: the measured switch alone (see above)
             return TREE
-        learnt = self.predicted_speedup(batch_size)
+        learnt = self.predicted_speedup(batch_size, rids=rids)
         return PLAIN if learnt is not None and learnt < 1.0 else TREE
 
-    def decide(self, batch_size: int) -> str:
-        """The next step of a batch of ``batch_size`` requests: TREE, PLAIN (a measured or predicted loss: trees
-        come back, so the head's KV is kept warm) or COLD (a clear loss by prediction: no head forward). A batch
-        size the prediction keeps plain or cold takes a tree step now and then (a probe)."""
-        if self.clear_win(batch_size):
+    def decide(self, batch_size: int, rids: Sequence[str] | None = None) -> str:
+        """The next step of a batch of ``batch_size`` requests (``rids``, when known): TREE, PLAIN (a measured or
+        predicted loss: trees come back, so the head's KV is kept warm) or COLD (a clear loss by prediction: no
+        head forward). A batch size the prediction keeps plain or cold takes a tree step now and then (a probe)."""
+        self._forget_left_traffic(batch_size, rids)
+        if self.clear_win(batch_size, rids):
             return TREE
         if self.switch(batch_size).lean:
             return PLAIN
-        regime = self.regime(batch_size)
+        regime = self.regime(batch_size, rids)
         if regime == TREE:
             return TREE
         share = PROBE_SHARE if regime == COLD else BAND_PROBE_SHARE
         probe = self.since_tree.get(_bucket(batch_size), 0) >= self.probe_interval(batch_size, share)
         return TREE if probe else regime
 
-    def clear_win(self, batch_size: int) -> bool:
+    def _forget_left_traffic(self, batch_size: int, rids: Sequence[str] | None) -> None:
+        """A batch with none of the requests of its bucket's last step is new traffic: the measured switch's verdict
+        (and the plain stretch it bought) was about requests that have left, so it goes (at one request: each new
+        request is judged on its own trees, as the reference decoder's per-request switch judges it)."""
+        if not rids:
+            return
+        bucket = _bucket(batch_size)
+        last = self.judged.get(bucket)
+        if last is not None and last.isdisjoint(rids) and bucket in self.switches:
+            self.switches[bucket].forget_verdict()
+        self.judged[bucket] = frozenset(rids)
+
+    def clear_win(self, batch_size: int, rids: Sequence[str] | None = None) -> bool:
         """Trees predicted to win by ``TRUSTED_WIN`` or more at the learnt accept length (``WINDOW`` tree steps
         ran): taken whatever the measured switch's last verdict, which does not see these steps."""
         if self.tree_steps < WINDOW:
             return False
-        predicted = self.predicted_speedup(batch_size)
+        predicted = self.predicted_speedup(batch_size, rids=rids)
         return predicted is not None and predicted >= TRUSTED_WIN
 
     def probe_interval(self, batch_size: int, share: float = PROBE_SHARE) -> int:
@@ -175,11 +211,15 @@ class BatchSwitches:
         return max(math.ceil(round((extra - 1) / share, 6)), MIN_PROBE_INTERVAL)  # round: float noise
 
     def observe(self, batch_size: int, plain: bool, seconds: float, tokens: int, warm_requests: int | None = None,
-                warm_tokens: int = 0) -> str | None:
-        """A step of ``batch_size`` requests took ``seconds`` and emitted ``tokens`` (a plain step: one a
-        request); ``warm_requests`` of them (None: all) never took a cold step and emitted ``warm_tokens``: only
-        they teach the accept length. Returns a line for the log when the batch size turns speculation off or
-        back on."""
+                warm_tokens: int = 0, rids: Sequence[str] | None = None,
+                request_tokens: Mapping[str, int] | None = None) -> str | None:
+        """A step of ``batch_size`` requests (``rids``, when known) took ``seconds`` and emitted ``tokens`` (a
+        plain step: one a request); ``warm_requests`` of them (None: all) never took a cold step and emitted
+        ``warm_tokens``: only they teach the accept length. ``request_tokens`` (rid -> tokens, the warm requests
+        only) gives the same by request and teaches each its own. Returns a line for the log when the batch size
+        turns speculation off or back on."""
+        if request_tokens is not None:
+            warm_requests, warm_tokens = len(request_tokens), sum(request_tokens.values())
         switch = self.switch(batch_size)
         if plain:
             self.plain_steps += 1
@@ -189,29 +229,46 @@ class BatchSwitches:
             if self.costs is not None:
                 self.plain_scale = _average(self.plain_scale, seconds / self.costs.plain_at(batch_size))
         else:
-            clear = self.clear_win(batch_size)  # before this step moves the prediction: what decided it
+            clear = self.clear_win(batch_size, rids)  # before this step moves the prediction: what decided it
             self.tree_steps += 1
             self.since_tree[_bucket(batch_size)] = 0
             if not clear:
                 switch.observe_speculative(seconds, tokens)
             if warm_requests is None:
                 warm_requests, warm_tokens = batch_size, tokens
+            if request_tokens:
+                self._learn_requests(request_tokens, rids or ())
             if warm_requests > 0:
                 kept = (1 - ACCEPT_SMOOTHING) ** warm_requests
                 self.accept_length = kept * self.accept_length + (1 - kept) * warm_tokens / warm_requests
             if self.costs is not None:
                 self.tree_scale = _average(self.tree_scale, seconds / self.costs.tree_at(batch_size))
-        now_plain = not self.clear_win(batch_size) and (switch.lean or self.regime(batch_size) != TREE)  # probes
+        now_plain = not self.clear_win(batch_size, rids) and (switch.lean or self.regime(batch_size, rids) != TREE)  # probes
         # aside: they change no state
         if now_plain == self.logged.get(_bucket(batch_size), False):
             return None
         self.logged[_bucket(batch_size)] = now_plain
-        predicted = self.predicted_speedup(batch_size)
+        predicted = self.predicted_speedup(batch_size, rids=rids)
         why = "" if predicted is None else f"predicted {predicted:.2f}x, "
         state = "plain" if now_plain else "trees"
         return (f"tree auto, batches up to {_bucket(batch_size)}: {state} ({why}accept length "
-                f"{self.accept_length:.2f}, plain decoding {switch.plain_rate():.4f} s/token; {self.tree_steps} tree / "
+                f"{self.batch_accept_length(rids):.2f}, plain decoding {switch.plain_rate():.4f} s/token; {self.tree_steps} tree / "
                 f"{self.plain_steps} plain steps so far)")
+
+
+    def _learn_requests(self, request_tokens: Mapping[str, int], rids: Sequence[str]) -> None:
+        """Each warm request's own moving average, from the traffic's before its first tree step; finished
+        requests are forgotten once ``_SPARE_REQUESTS`` more than the batch are held."""
+        for rid, tokens in request_tokens.items():
+            old = self.request_accept.get(rid, self.accept_length)
+            steps = self.request_steps.get(rid, 0) + 1
+            weight = max(1 / (steps + REQUEST_PRIOR_STEPS), REQUEST_SMOOTHING)
+            self.request_accept[rid] = (1 - weight) * old + weight * tokens
+            self.request_steps[rid] = steps
+        if len(self.request_accept) > len(rids) + len(request_tokens) + _SPARE_REQUESTS:
+            alive = {*rids, *request_tokens}
+            self.request_accept = {rid: value for rid, value in self.request_accept.items() if rid in alive}
+            self.request_steps = {rid: steps for rid, steps in self.request_steps.items() if rid in alive}
 
 
 def _average(old: float, new: float) -> float:

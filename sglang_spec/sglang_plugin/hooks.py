@@ -540,7 +540,7 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
         switches = worker._sglang_spec_switches = _start_switches(worker)
     size = len(batch.reqs)
     try:
-        kind = switches.decide(size)
+        kind = switches.decide(size, [request.rid for request in batch.reqs])
     except Exception as error:  # SGLang's own plain step (the head's KV kept warm): exact whatever the switch
         accept_fault(AUTO, error, size, "decoded by a plain step")
         kind = PLAIN
@@ -563,9 +563,10 @@ def _observe_step(switches: BatchSwitches, batch, kind: str, output, start: floa
     size = len(batch.reqs)
     accept_lens = output.accept_lens.tolist()  # reads the step's result: the time below is the step's own
     seconds = time.perf_counter() - start
-    warm = [index for index, request in enumerate(batch.reqs) if not getattr(request, COLD_MARK, False)]
-    message = switches.observe(size, kind != TREE, seconds, sum(accept_lens), warm_requests=len(warm),
-                               warm_tokens=sum(accept_lens[index] for index in warm))
+    rids = [request.rid for request in batch.reqs]
+    warm = {rid: accept_lens[index] for index, (rid, request) in enumerate(zip(rids, batch.reqs))
+            if not getattr(request, COLD_MARK, False)}
+    message = switches.observe(size, kind != TREE, seconds, sum(accept_lens), rids=rids, request_tokens=warm)
     if kind == COLD:
         for request in batch.reqs:  # its head now lacks KV for this position: its tree steps teach nothing
             setattr(request, COLD_MARK, True)

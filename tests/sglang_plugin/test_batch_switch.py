@@ -134,3 +134,55 @@ def test_one_request_whose_trees_clearly_win_keeps_them_through_bursty_windows()
     assert PLAIN not in kinds[8:]
     kinds = run(switches, 1, 60, tree_seconds=0.075, tokens=1, plain_seconds=0.05)
     assert not switches.clear_win(1) and kinds[-20:].count(PLAIN) > 10
+
+
+def serve(switches, rid, pattern, repeats, tree_seconds, plain_seconds, by_request=True):
+    """One request alone (batch 1) for ``repeats`` x ``pattern`` steps, its tree steps accepting ``pattern``'s
+    tokens in turn; with ``by_request`` the switch is told the request (as the plugin tells it); returns the kinds."""
+    kinds = []
+    rids = [rid] if by_request else None
+    for _ in range(repeats):
+        for tokens in pattern:
+            kind = switches.decide(1, rids)
+            kinds.append(kind)
+            plain = kind != TREE
+            emitted = 1 if plain else tokens
+            switches.observe(1, plain, plain_seconds if plain else tree_seconds, emitted, rids=rids,
+                             request_tokens={rid: emitted} if by_request else None)
+    return kinds
+
+
+COPIES = (1, 1, 4, 4, 3, 1, 5, 2)  # bursty copies, 2.6 tokens a tree step
+CHAT = (1, 2, 1, 1, 2, 1, 1, 1)  # 1.25
+
+
+def test_one_request_is_judged_on_its_own_trees_not_on_the_traffic_before_it():
+    """At one request each answer is its own traffic: after the warm-up (trees accept nothing) a copy-heavy
+    request's trees (2.6 tokens a step at 1.6x a plain step: 1.6x faster) are taken from its first steps, while a
+    chatty one (1.25 tokens: 0.78x) is still turned plain; judged by the traffic's average alone (no request ids),
+    the first copy-heavy answer spent most of its steps plain."""
+    plain_steps = []
+    for by_request in (False, True):
+        switches = BatchSwitches(costs=COSTS)
+        serve(switches, "warm-up", (1, 1, 1, 1), 2, 0.075, 0.05, by_request)
+        plain_steps.append(serve(switches, "copy", COPIES, 2, 0.09, 0.056, by_request).count(PLAIN))
+    assert plain_steps[0] >= 8 and plain_steps[1] == 0
+    assert switches.request_accept["copy"] == pytest.approx(2.6, abs=0.2) and switches.accept_length < 2.6
+    for index in range(4):  # copy-heavy and chatty answers in turn
+        kinds = serve(switches, f"answer {index}", CHAT if index % 2 else COPIES, 3, 0.09, 0.056)
+        assert kinds.count(PLAIN) >= 12 if index % 2 else kinds.count(PLAIN) == 0
+
+
+def test_a_new_request_forgets_the_verdict_but_not_plain_decodings_rate():
+    switches = BatchSwitches(costs=COSTS)
+    serve(switches, "chat", CHAT, 3, 0.09, 0.056)
+    switch = switches.switch(1)
+    assert switch.lean and switch.plain_rate() == pytest.approx(0.056)
+    assert switches.decide(1, ["chat"]) == PLAIN  # the same request: the stretch goes on
+    assert switches.decide(1, ["next"]) == TREE and not switch.lean
+    assert switch.plain_rate() == pytest.approx(0.056)
+    # a batch that keeps any of its bucket's requests is the same traffic
+    switches.decide(4, ["a", "b", "c", "d"])
+    switches.switch(4).lean_left = 3
+    switches.decide(4, ["d", "e", "f", "g"])
+    assert switches.switch(4).lean

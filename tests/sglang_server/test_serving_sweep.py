@@ -115,3 +115,14 @@ def test_num_prompts_per_concurrency_reaches_the_benchmark_client_and_a_bad_list
         with pytest.raises(SystemExit):
             sweep.parse_args(["--concurrency", "1,4,16", "--num-prompts", bad])
         assert "--num-prompts" in capsys.readouterr().err
+
+
+def test_each_bench_run_flushes_so_its_accept_length_is_its_own():
+    """SGLang reports the accept length its counters hold since their last reset (a cache flush): a server that
+    serves code, then extraction, then chat would otherwise report chat's as the mean over all three."""
+    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    args = sweep.parse_args(["--cpu-model", "smollm2", "--workloads", "code,chat", "--concurrency", "1"])
+    command = sweep.bench_command(args, 1, Path("out.jsonl"), Path("code.json"))
+    assert "--flush-cache" in command
