@@ -25,6 +25,7 @@ import torch
 
 from sglang_spec.sglang_plugin.draft_forward import forward_beams
 from sglang_spec.sglang_plugin.draft_loop import ancestry_permutation
+from sglang_spec.sglang_plugin.head_guard import NonFiniteHeadOutput
 from sglang_spec.sglang_plugin.metrics import SourceMetrics
 from sglang_spec.tree.candidates import Candidates
 from sglang_spec.tree.draft import DraftTree
@@ -218,7 +219,7 @@ def _finite(probs: torch.Tensor) -> torch.Tensor:
     """The head's top-k probabilities, checked on the host copy the builder reads anyway: a non-finite head output
     is a draft fault (``hooks.draft_forward_around`` verifies a filler tree for the batch), not a tree."""
     if not bool(torch.isfinite(probs).all()):
-        raise FloatingPointError("the MTP head's top-k probabilities are not finite")
+        raise NonFiniteHeadOutput("the MTP head's top-k probabilities are not finite")
     return probs
 
 

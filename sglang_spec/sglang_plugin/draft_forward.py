@@ -23,17 +23,19 @@ from typing import Any
 import torch
 
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, Level, ancestry_permutation
+from sglang_spec.sglang_plugin.head_guard import HeadGuard, finite_rows
 
 # the rows of a draft forward whose logits are computed (``forward_beams``; None: every row)
 LOGIT_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("sglang_spec_logit_rows",
                                                                                  default=None)
 
 
-def draft_forward(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                             torch.Tensor, None]:
+def draft_forward(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv,
+                  guard: HeadGuard | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
     """``draft_forward`` for ``worker`` (an EagleDraftWorker): SGLang's (parent_list, top_scores_index,
     draft_tokens, draft_probs) with draft_probs None (greedy and target-only sampling verify never read them).
-    ``permute_kv(pool, target, source)`` copies draft KV rows in every layer buffer."""
+    ``permute_kv(pool, target, source)`` copies draft KV rows in every layer buffer; with ``guard`` a request whose
+    head probabilities are not all finite verifies the filler tree (``head_guard``)."""
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
 
     spec_info = forward_batch.spec_info
@@ -45,6 +47,7 @@ def draft_forward(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv) 
     step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, batch, width, loop.steps)
     pool = worker.draft_runner.token_to_kv_pool
     level = loop.root_level(spec_info.topk_p, topk_index)
+    finite = finite_rows(spec_info.topk_p, batch)
     levels: list[Level] = [level]
     hidden = spec_info.hidden_states.repeat_interleave(width, dim=0)  # [b * W, H], the root's state per beam
     requests = torch.arange(batch, device=hidden.device)[:, None]
@@ -53,6 +56,7 @@ def draft_forward(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv) 
         rows = None if live == width else (requests * width + torch.arange(live, device=hidden.device)).reshape(-1)
         output, topk_p, topk_index = forward_beams(worker, forward_batch, step, level.beam_tokens, hidden,
                                                    step_locs[step - 1], loop.children, rows)
+        finite &= finite_rows(topk_p, batch)
         level = loop.next_level(step, level.beam_scores, *loop.candidate_grid(step, topk_p, topk_index, batch))
         levels.append(level)
         if step < loop.steps - 1:  # the last level is never forwarded: no state or history to carry
@@ -63,6 +67,9 @@ def draft_forward(worker: Any, forward_batch: Any, loop: DraftLoop, permute_kv) 
             target, source = ancestry_permutation(level.parent_beam, step_locs, step)
             permute_kv(pool, target, source)
     parent_list, top_scores_index, draft_tokens = loop.organize(levels, worker.speculative_num_draft_tokens - 1)
+    if guard is not None:
+        parent_list, top_scores_index, draft_tokens = guard.select(finite, parent_list, top_scores_index,
+                                                                   draft_tokens)
     return parent_list, top_scores_index, draft_tokens, None
 
 
@@ -89,6 +96,9 @@ def forward_beams(worker: Any, forward_batch: Any, step: int, input_ids: torch.T
         LOGIT_ROWS.reset(token)
     probs = renorm_draft_probs(output.next_token_logits, forward_batch.sampling_info, False)
     topk_p, topk_index = torch.topk(probs, topk, dim=-1)
+    poison = getattr(getattr(worker, "_sglang_spec", None), "poison", None)
+    if poison is not None:  # tests only (head_guard.INJECT_ENV)
+        topk_p = poison.apply(topk_p, forward_batch.batch_size)
     if worker.hot_token_id is not None:
         topk_index = worker.hot_token_id[topk_index]
     forward_batch.positions.add_(1)

@@ -9,7 +9,7 @@
 | ``_ModelRegistry.resolve_model_cls`` / ``is_arch_supported`` | BEFORE | our draft model classes (``models/``) |
 | ``EagleDraftWorker.__init__`` | AFTER | the draft loop's static device state, once per worker; metrics |
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | the draft KV pool can give every branch its own ancestry |
-| ``EagleDraftWorker.draft`` | AROUND | lookup / hybrid: the batch's requests for the context; the draft runs eagerly |
+| ``EagleDraftWorker.draft`` | AROUND | lookup / hybrid: the batch's requests for the context; the draft runs eagerly; sequoia / specexec: requests drafted from a non-finite head output counted (``head_guard``) |
 | ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); lookup / hybrid: host-built trees (``context_draft``); eagle: SGLang's; a draft that raises: a filler tree for that batch (counted, one log line) |
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
 | ``LogitsMetadata.from_forward_batch`` | AFTER | sequoia / specexec: the draft head's logits for the beams that can grow only |
@@ -48,6 +48,8 @@ from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.faults import ACCEPT, AUTO, COMMIT, COUNTS, OBSERVE, RECORD
 from sglang_spec.sglang_plugin.faults import AcceptFaults, InjectedFault
 from sglang_spec.sglang_plugin.fused_accept import FusedAccept, KVCommit, SGLangAccept
+from sglang_spec.sglang_plugin.head_guard import ERROR as HEAD_FAULT
+from sglang_spec.sglang_plugin.head_guard import HeadGuard, HeadPoison
 from sglang_spec.sglang_plugin.metrics import METRICS, RANKS, SOURCES
 from sglang_spec.sglang_plugin.options import (
     ATTRIBUTE,
@@ -288,6 +290,8 @@ class DraftSetup:
     drafts: int = 0  # drafts run, for fault_every
     filler: SGLangDraftEncoding | None = None  # the filler tree a faulty draft's batch verifies (built on first use)
     accept_faults: AcceptFaults | None = None  # tests: the target worker's injected accept faults (OBSERVE fires here)
+    guard: HeadGuard | None = None  # the own loop: a non-finite head output verifies the filler (head_guard)
+    poison: HeadPoison | None = None  # tests: head forwards whose probabilities turn NaN (head_guard.INJECT_ENV)
 
 
 def draft_worker_init_after(result, worker, *args, **kwargs):
@@ -309,8 +313,15 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
         context = ContextDrafter(options.tree_policy(), worker.speculative_num_steps,
                                  worker.speculative_num_draft_tokens - 1, SOURCES)
     # the draft KV pool is allocated later (Scheduler.init_memory_pools): ancestry is decided in alloc_memory_pool
-    worker._sglang_spec = DraftSetup(loop, exact_ancestry=False, width=worker.topk, steps=worker.speculative_num_steps,
-                                     context=context, fault_every=_fault_every())
+    try:
+        poison = HeadPoison.from_environment()
+    except SpecError as error:
+        raise StartupError(error) from None
+    setup = worker._sglang_spec = DraftSetup(loop, exact_ancestry=False, width=worker.topk,
+                                             steps=worker.speculative_num_steps, context=context,
+                                             fault_every=_fault_every(), poison=poison)
+    if loop is not None:  # before any draft graph is captured: the guard's tensors live on the device
+        setup.guard = HeadGuard.build(_filler_encoding(worker, setup), worker.device)
     claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
     return result
 
@@ -390,6 +401,10 @@ _REQS: contextvars.ContextVar[list | None] = contextvars.ContextVar("sglang_spec
 
 def draft_around(original, worker, batch, *args, **kwargs):
     setup = getattr(worker, "_sglang_spec", None)
+    if setup is not None and setup.guard is not None:  # the own loop, eager or replayed from its graph
+        verify_input = original(worker, batch, *args, **kwargs)
+        _report_head_faults(setup.guard)
+        return verify_input
     if setup is None or setup.context is None:
         return original(worker, batch, *args, **kwargs)
     # host-built trees cannot replay a captured draft graph: this step drafts eagerly
@@ -453,14 +468,30 @@ def _observe_accepted(setup: DraftSetup, batch_size: int) -> None:
         accept_fault(OBSERVE, error, batch_size, "its drafter did not learn from the last accepted paths")
 
 
-def _filler_draft(worker, forward_batch, setup: DraftSetup):
-    """SGLang's draft outputs for a tree of filler tokens in the configured shape, one per request: deterministic
-    proposals (no head, no context), so verification stays exact and the step emits the target's own token (and,
-    rarely, a filler that happens to match). Built once per worker."""
+def _report_head_faults(guard: HeadGuard) -> None:
+    """The own loop's requests drafted from a non-finite head output since the last read: counted, one log line."""
+    new = guard.new_faults(time.monotonic())
+    if new:
+        METRICS.record_draft_fault(HEAD_FAULT, new)
+        log(f"draft fault, {new} request(s) whose head output was not finite verified without speculation "
+            f"({HEAD_FAULT}; sglang_spec_draft_faults_total)")
+
+
+def _filler_encoding(worker, setup: DraftSetup) -> SGLangDraftEncoding:
+    """The filler tree in the configured shape, one request's rows (host tensors; built once per worker): a root
+    and filler tokens, proposals of no head and no context."""
     if setup.filler is None:
         root = TokenTree.from_parents([-1], tokens=[0])
         tree = pad_to_budget(root, worker.speculative_num_draft_tokens - 1, worker.topk, worker.speculative_num_steps)
         setup.filler = encode_sglang_draft([tree], worker.topk, worker.speculative_num_steps)
+    return setup.filler
+
+
+def _filler_draft(worker, forward_batch, setup: DraftSetup):
+    """SGLang's draft outputs for a tree of filler tokens in the configured shape, one per request: deterministic
+    proposals (no head, no context), so verification stays exact and the step emits the target's own token (and,
+    rarely, a filler that happens to match)."""
+    _filler_encoding(worker, setup)
     rows = forward_batch.batch_size
     device = forward_batch.spec_info.bonus_tokens.device
 
@@ -474,7 +505,7 @@ def _filler_draft(worker, forward_batch, setup: DraftSetup):
 
 def _draft_forward(original, worker, forward_batch, setup: DraftSetup, *args, **kwargs):
     if setup.loop is not None:
-        return draft_forward(worker, forward_batch, setup.loop, permute_kv)
+        return draft_forward(worker, forward_batch, setup.loop, permute_kv, setup.guard)
     if setup.context is not None:
         reqs = _REQS.get()
         if reqs is None:  # a draft graph capture: SGLang's loop fills the graph, which context trees never replay

@@ -82,14 +82,15 @@ class AcceptanceMetrics:
         if self._prometheus is not None:
             self._prometheus.accept_outcomes.labels(outcome=outcome).inc()
 
-    def record_draft_fault(self, error: str) -> None:
-        """One batch whose draft raised ``error`` (an exception type name) and went on without speculation."""
+    def record_draft_fault(self, error: str, count: int = 1) -> None:
+        """``count`` drafts (a batch whose draft raised ``error``, an exception type name; or requests of the own
+        loop whose head output was not finite, ``head_guard``) that went on without speculation."""
         if not self.counting:
             return
         with self._lock:
-            self.draft_faults[error] += 1
+            self.draft_faults[error] += count
         if self._prometheus is not None:
-            self._prometheus.draft_faults.labels(error=error).inc()
+            self._prometheus.draft_faults.labels(error=error).inc(count)
 
     def record_accept_fault(self, stage: str, error: str) -> None:
         """One fault raised at ``stage`` of the plugin's accept (an exception type name ``error``), recovered."""
