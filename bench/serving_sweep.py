@@ -165,7 +165,17 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
 def launch_command(args, policy: str, budget: int, profile: str | None = None) -> list[str]:
     """launch_server arguments on a GPU host (the CPU path builds them with the harness)."""
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model_path, "--port", str(args.port)]
-    return command + tree_arguments(args, policy, budget, profile or args.acceptance_profile) + shlex.split(args.server_args)
+    return command + tree_arguments(args, policy, budget, profile or args.acceptance_profile) + extra_server_args(args)
+
+
+def extra_server_args(args) -> list[str]:
+    """``--server-args``, with SGLang's decode log every step unless they set its interval: SGLang adds a window's
+    accepted tokens to the totals that /get_server_info reports only when it logs the window (every 40 decode steps
+    by default), so a run of fewer steps reported no accept length and a longer one left its last window out."""
+    extra = shlex.split(args.server_args)
+    if not any(arg.split("=")[0] == "--decode-log-interval" for arg in extra):
+        extra += ["--decode-log-interval", "1"]
+    return extra
 
 
 def bench_command(args, concurrency: int, output: Path, dataset: Path | None = None) -> list[str]:
@@ -427,7 +437,7 @@ def main(argv=None) -> int:
         name = policy if policy in PLAIN_METHODS else f"{policy}-{budget}"
         if model is not None:
             launch = cpu_launch_args(model, args.port, speculative=policy not in PLAIN_METHODS,
-                                     extra=tree_arguments(args, policy, budget, profile) + shlex.split(args.server_args))
+                                     extra=tree_arguments(args, policy, budget, profile) + extra_server_args(args))
             server = SGLangServer(launch, args.port, scratch / f"{name}.log")
         else:
             launch = launch_command(args, policy, budget, profile)[3:]

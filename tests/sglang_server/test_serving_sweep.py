@@ -126,3 +126,14 @@ def test_each_bench_run_flushes_so_its_accept_length_is_its_own():
     args = sweep.parse_args(["--cpu-model", "smollm2", "--workloads", "code,chat", "--concurrency", "1"])
     command = sweep.bench_command(args, 1, Path("out.jsonl"), Path("code.json"))
     assert "--flush-cache" in command
+
+
+def test_every_server_logs_each_decode_step_so_its_accept_length_counts_every_step():
+    """SGLang's reported accept length only takes in a window of steps when it logs it (every 40 by default)."""
+    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    args = sweep.parse_args(["--cpu-model", "smollm2", "--server-args", "--max-running-requests 16"])
+    assert sweep.extra_server_args(args) == ["--max-running-requests", "16", "--decode-log-interval", "1"]
+    args = sweep.parse_args(["--cpu-model", "smollm2", "--server-args=--decode-log-interval=40"])
+    assert sweep.extra_server_args(args) == ["--decode-log-interval=40"]
