@@ -131,6 +131,11 @@ KERNEL_CHECKS = (
           "batches, and captured in a CUDA graph, replayed against eager runs",
           (*PYTEST, "tests/sglang_plugin/test_fused_accept_graph.py"),
           (*PYTEST, "tests/sglang_plugin/test_fused_accept_graph.py"), ("pytest",), 90),
+    Check("head_guard_cuda_graph",
+          "the own draft loop's non-finite head check (head_guard: per-request filler, device counter) captured in "
+          "a CUDA graph and replayed on new probabilities, against eager runs",
+          (*PYTEST, "tests/sglang_plugin/test_head_guard.py"),
+          (*PYTEST, "tests/sglang_plugin/test_head_guard.py"), ("pytest",), 60),
     Check("no_host_sync",
           "the step path under torch.cuda.set_sync_debug_mode('error') with no new allocation, and under the "
           "host-access guard",

@@ -49,3 +49,34 @@ def test_the_poison_turns_every_nth_forward_nan_for_the_first_request_only(monke
     monkeypatch.setenv(INJECT_ENV, "often")
     with pytest.raises(SpecError, match=f"{INJECT_ENV}='often': give a whole number"):
         HeadPoison.from_environment()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_guard_is_captured_in_a_cuda_graph_and_replayed_with_new_probabilities():
+    """The own loop's check runs inside SGLang's draft graph: finite_rows + select captured once, replayed on new
+    probabilities (static input), equal to eager runs, and the device counter advances on every replay."""
+    encoding = filler()
+    guard = HeadGuard.build(encoding, "cuda")
+    batch = 3
+    probs = torch.full((batch * 2, TOPK), 0.5, device="cuda")  # static input: two rows a request
+    drafts = [(torch.arange(batch * part.shape[1]).view(batch, -1) + 100).cuda()
+              for part in (encoding.parent_list, encoding.top_scores_index, encoding.draft_tokens)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        guard.select(finite_rows(probs, batch), *drafts)  # warm-up, as SGLang's capture does
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = guard.select(finite_rows(probs, batch), *drafts)
+    guard.count.zero_()
+    for bad in ([1], [0, 2], []):
+        fresh = torch.full_like(probs, 0.5)
+        for request in bad:
+            fresh[2 * request + 1, 0] = float("nan")
+        probs.copy_(fresh)
+        graph.replay()
+        eager = HeadGuard.build(encoding, "cuda").select(finite_rows(fresh, batch), *drafts)
+        assert all(torch.equal(got, want) for got, want in zip(outputs, eager))
+    assert guard.new_faults(now=10.0) == 3
