@@ -333,33 +333,37 @@ def write_csv_and_plot(rows: list[dict], out: Path) -> None:
 
     panels = (("output_throughput", "output tokens/s"), ("accept_length", "mean accept length"),
               ("median_itl_ms", "p50 inter-token latency (ms)"), ("p99_itl_ms", "p99 inter-token latency (ms)"))
-    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
     if len({row["concurrency"] for row in rows}) == 1:
+        figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
         _bars(axes, panels, rows)
     else:
-        _lines(axes, panels, rows)
+        workloads = list(dict.fromkeys(row.get("workload", "") for row in rows))
+        figure, axes = plt.subplots(len(workloads), len(panels), figsize=(5 * len(panels), 3.6 * len(workloads)),
+                                    squeeze=False)
+        for row_axes, workload in zip(axes, workloads):
+            _lines(row_axes, panels, [row for row in rows if row.get("workload", "") == workload], workload)
     figure.tight_layout()
     figure.savefig(out.with_suffix(".png"), dpi=110)
     plt.close(figure)
 
 
-def _lines(axes, panels, rows: list[dict]) -> None:
-    """Several concurrencies: one line per method (and workload) over concurrency."""
-    lines = sorted({(row.get("workload", ""), row["policy"], row["budget"]) for row in rows})
-    workloads = {line[0] for line in lines}
-    for workload, policy, budget in lines:
-        points = sorted(((row["concurrency"], row) for row in rows
-                         if (row.get("workload", ""), row["policy"], row["budget"]) == (workload, policy, budget)),
+def _lines(axes, panels, rows: list[dict], workload: str) -> None:
+    """Several concurrencies, one workload (a row of panels): one line per method over concurrency, each method in
+    the same colour in every row; the legend on the first panel only."""
+    methods = sorted({(row["policy"], row["budget"]) for row in rows})
+    for index, (policy, budget) in enumerate(methods):
+        points = sorted(((row["concurrency"], row) for row in rows if (row["policy"], row["budget"]) == (policy, budget)),
                         key=lambda point: point[0])
-        label = (policy if policy in PLAIN_METHODS else f"{policy} {budget}") + (f" ({workload})" if len(workloads) > 1 else "")
+        label = policy if policy in PLAIN_METHODS else f"{policy} {budget}"
         for axis, (field, _) in zip(axes, panels):
             values = [row[field] or (1.0 if field == "accept_length" else 0.0) for _, row in points]
-            axis.plot([c for c, _ in points], values, marker="o", label=label)
+            axis.plot([c for c, _ in points], values, marker="o", label=label, color=f"C{index % 10}")
     for axis, (_, label) in zip(axes, panels):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("concurrency")
         axis.set_ylabel(label)
-        axis.legend(fontsize=8)
+        axis.set_title(workload or "prompts", fontsize=9)
+    axes[0].legend(fontsize=8)
 
 
 def _bars(axes, panels, rows: list[dict]) -> None:
