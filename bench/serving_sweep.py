@@ -352,8 +352,8 @@ def _lines(axes, panels, rows: list[dict], workload: str) -> None:
     the same colour in every row; the legend on the first panel only."""
     methods = sorted({(row["policy"], row["budget"]) for row in rows})
     for index, (policy, budget) in enumerate(methods):
-        points = sorted(((row["concurrency"], row) for row in rows if (row["policy"], row["budget"]) == (policy, budget)),
-                        key=lambda point: point[0])
+        points = sorted(((row["concurrency"], row) for row in rows
+                         if (row["policy"], row["budget"]) == (policy, budget)), key=lambda point: point[0])
         label = policy if policy in PLAIN_METHODS else f"{policy} {budget}"
         for axis, (field, _) in zip(axes, panels):
             values = [row[field] or (1.0 if field == "accept_length" else 0.0) for _, row in points]

@@ -8,7 +8,7 @@ the traffic (copy-heavy prompts accept more). Two layers decide:
 * **Prediction.** ``StepCosts`` holds the target's verify forward timed at start-up for each batch size at the
   tree's tokens and at one token per request (``step_costs.py``: SGLang's own dummy forward). A batch of b is
   predicted to speed up by ``accept_length * plain(b) / tree(b)``, where accept_length is the tokens a request
-  gains per tree step: the mean over the batch's requests of each one's own moving average (a request's content,
+  gains per tree step: the mean over the batch's requests of each one's own running mean (a request's content,
   copy-heavy or not, decides what its trees accept; a request not yet seen starts from the traffic's moving
   average over all requests and batch sizes), and plain / tree are the start-up
   times scaled by what served plain and tree steps took over their start-up prediction (moving averages: drafting,
@@ -141,7 +141,8 @@ class BatchSwitches:
             return self.accept_length
         return math.fsum(self.request_accept.get(rid, self.accept_length) for rid in rids) / len(rids)
 
-    def predicted_speedup(self, batch_size: int, floor: bool = False, rids: Sequence[str] | None = None) -> float | None:
+    def predicted_speedup(self, batch_size: int, floor: bool = False,
+                          rids: Sequence[str] | None = None) -> float | None:
         """Tree over plain tokens per second for a batch of ``batch_size`` (the requests ``rids``, when given);
         None without start-up costs. Until ``WINDOW`` tree steps ran, or with ``floor``, the accept length is at
         least the prior (one odd first request, such as the server's warm-up, does not turn trees off)."""
@@ -243,8 +244,8 @@ class BatchSwitches:
                 self.accept_length = kept * self.accept_length + (1 - kept) * warm_tokens / warm_requests
             if self.costs is not None:
                 self.tree_scale = _average(self.tree_scale, seconds / self.costs.tree_at(batch_size))
-        now_plain = not self.clear_win(batch_size, rids) and (switch.lean or self.regime(batch_size, rids) != TREE)  # probes
-        # aside: they change no state
+        # probes aside: they change no state
+        now_plain = not self.clear_win(batch_size, rids) and (switch.lean or self.regime(batch_size, rids) != TREE)
         if now_plain == self.logged.get(_bucket(batch_size), False):
             return None
         self.logged[_bucket(batch_size)] = now_plain
@@ -252,13 +253,13 @@ class BatchSwitches:
         why = "" if predicted is None else f"predicted {predicted:.2f}x, "
         state = "plain" if now_plain else "trees"
         return (f"tree auto, batches up to {_bucket(batch_size)}: {state} ({why}accept length "
-                f"{self.batch_accept_length(rids):.2f}, plain decoding {switch.plain_rate():.4f} s/token; {self.tree_steps} tree / "
-                f"{self.plain_steps} plain steps so far)")
-
+                f"{self.batch_accept_length(rids):.2f}, plain decoding {switch.plain_rate():.4f} s/token; "
+                f"{self.tree_steps} tree / {self.plain_steps} plain steps so far)")
 
     def _learn_requests(self, request_tokens: Mapping[str, int], rids: Sequence[str]) -> None:
-        """Each warm request's own moving average, from the traffic's before its first tree step; finished
-        requests are forgotten once ``_SPARE_REQUESTS`` more than the batch are held."""
+        """Each warm request's own accept length (``REQUEST_PRIOR_STEPS``, ``REQUEST_SMOOTHING``), from the
+        traffic's before its first tree step; finished requests are forgotten once ``_SPARE_REQUESTS`` more than
+        the batch are held."""
         for rid, tokens in request_tokens.items():
             old = self.request_accept.get(rid, self.accept_length)
             steps = self.request_steps.get(rid, 0) + 1
