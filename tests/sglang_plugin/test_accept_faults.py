@@ -230,7 +230,7 @@ def test_a_tree_auto_fault_decodes_the_batch(metrics, capsys, broken):
     stands and the switch learns nothing from it."""
 
     class Switches:
-        def decide(self, size):
+        def decide(self, size, rids=None):
             if broken == "decide":
                 raise KeyError("bucket")
             return "tree"
@@ -241,7 +241,7 @@ def test_a_tree_auto_fault_decodes_the_batch(metrics, capsys, broken):
 
     worker = AutoWorker(Switches())
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False),
-                            is_extend_in_batch=False, reqs=[SimpleNamespace(), SimpleNamespace()])
+                            is_extend_in_batch=False, reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b")])
     output = hooks.forward_batch_generation_around(worker.step, worker, batch)
     assert output.accept_lens.tolist() == [1, 1]
     assert worker.steps_seen == ([0] if broken == "decide" else [5]) and worker.speculative_num_steps == 5
