@@ -491,14 +491,13 @@ def _filler_draft(worker, forward_batch, setup: DraftSetup):
     """SGLang's draft outputs for a tree of filler tokens in the configured shape, one per request: deterministic
     proposals (no head, no context), so verification stays exact and the step emits the target's own token (and,
     rarely, a filler that happens to match)."""
-    _filler_encoding(worker, setup)
+    filler = _filler_encoding(worker, setup)
     rows = forward_batch.batch_size
     device = forward_batch.spec_info.bonus_tokens.device
 
     def per_request(part: torch.Tensor) -> torch.Tensor:
         return part.to(device).expand(rows, -1).contiguous()
 
-    filler = setup.filler
     return (per_request(filler.parent_list), per_request(filler.top_scores_index), per_request(filler.draft_tokens),
             None)
 

@@ -72,15 +72,21 @@ def faulty_run(model: CpuModel, logs: Path, name: str, extra: Sequence[str], pro
             "log": server.log_path.read_text(errors="replace")}
 
 
+def counted_draft_faults(metrics: str, error: str) -> int | None:
+    """``sglang_spec_draft_faults_total{error=...}`` in a /metrics page; None when the page has no such line."""
+    found = re.search(rf'sglang_spec_draft_faults_total\{{error="{error}"\}} (\S+)', metrics)
+    return None if found is None else int(float(found.group(1)))
+
+
 def assert_draft_faults_counted_and_logged(run: dict, also: Sequence[str] = ()) -> None:
     """Each injected draft fault is counted (read before the last request, whose drafts may have raised too) and
     logged in one line; no traceback. ``also``: the other draft-fault errors injected on the server (their lines
     are left to their own checks)."""
     lines = [line for line in run["log"].splitlines() if "draft fault" in line]
     injected = [line for line in lines if "(InjectedFault" in line]
-    counted = re.search(r'sglang_spec_draft_faults_total\{error="InjectedFault"\} (\S+)', run["metrics"])
+    counted = counted_draft_faults(run["metrics"], "InjectedFault")
     assert counted is not None, run["metrics"][-2000:]
-    assert 0 < int(float(counted.group(1))) <= len(injected)
+    assert 0 < counted <= len(injected)
     assert all("verified without speculation (InjectedFault" in line for line in injected), injected[:3]
     assert all(any(f"({error}" in line for error in ("InjectedFault", *also)) for line in lines), lines[:3]
     assert "Traceback" not in run["log"]

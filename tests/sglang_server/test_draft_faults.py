@@ -11,11 +11,9 @@ output must stay plain decoding's, sampled requests must complete, and the serve
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from cpu_server_helpers import assert_draft_faults_counted_and_logged, faulty_run, tree_args
+from cpu_server_helpers import assert_draft_faults_counted_and_logged, counted_draft_faults, faulty_run, tree_args
 from sglang_spec.sglang_plugin.head_guard import ERROR as HEAD_FAULT
 from sglang_spec.sglang_plugin.head_guard import INJECT_ENV
 
@@ -48,8 +46,8 @@ def test_a_non_finite_head_output_is_counted_and_logged(faulty):
     """The own loop (sequoia) swaps the request's drafts for the filler on the device and counts requests; the
     context drafter (hybrid) reads the probabilities on the host and turns its batch into a draft fault."""
     lines = [line for line in faulty["log"].splitlines() if f"({HEAD_FAULT}" in line]
-    counted = re.search(rf'sglang_spec_draft_faults_total\{{error="{HEAD_FAULT}"\}} (\S+)', faulty["metrics"])
+    counted = counted_draft_faults(faulty["metrics"], HEAD_FAULT)
     assert lines and counted is not None, faulty["metrics"][-2000:]
-    assert int(float(counted.group(1))) >= 1
+    assert counted >= 1
     expected = "request(s) whose head output was not finite" if faulty["policy"] == "sequoia" else "verified without"
     assert all(expected in line for line in lines), lines[:3]
