@@ -6,6 +6,8 @@ One module per op, each with its Triton kernel(s), launcher(s) and pure-torch re
 * ``verify_accept``  target logits -> per-node target token -> accepted path, bonus, output-buffer writes
 * ``kv_commit``      accepted KV rows moved in place to contiguous positions; freed slots reported
 * ``step``           the three chained on static buffers (CUDA-graph capturable)
+* ``mla_tree_attention``  MLA tree verify's tree part: each tree query against its ancestors' latent rows,
+                     base-2 lse for FlashInfer's ``merge_state`` (the prefix part is FlashInfer's MLA decode)
 
 Launchers take everything as arguments (``out=`` buffers included) and never read tensors on the host. On a CPU
 the kernels run under ``TRITON_INTERPRET=1``, which must be set before this package is imported.
