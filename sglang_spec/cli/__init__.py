@@ -12,6 +12,7 @@ import threading
 from typing import Any, Sequence
 
 from sglang_spec.cli import calibrate as calibrate_command
+from sglang_spec.cli import capture as capture_command
 from sglang_spec.cli import generate as generate_command
 from sglang_spec.cli import traffic as traffic_command
 from sglang_spec.cli import train as train_command
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     traffic_command.add_parser(subcommands)
     train_command.add_parser(subcommands)
     calibrate_command.add_parser(subcommands)
+    capture_command.add_parser(subcommands)
     return parser
 
 

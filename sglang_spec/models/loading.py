@@ -105,7 +105,7 @@ def load_model_folder(label: str, path: Path, dtype: torch.dtype = torch.float32
     """Loads the transformers model folder ``path`` for decoding (sdpa attention, eval mode, no gradients);
     ``label`` names it in reports and picks its shipped head."""
     # transformers is the optional `models` extra and takes seconds to import: only loading a model pays for it
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
     verbosity = transformers_logging.get_verbosity()
@@ -123,14 +123,24 @@ def load_model_folder(label: str, path: Path, dtype: torch.dtype = torch.float32
     model.eval()
     for parameter in model.parameters():
         parameter.requires_grad_(False)
+    tokenizer, eos_ids, chat = load_tokenizer(path, model.config)
+    return LoadedModel(label, path, model, tokenizer, eos_ids, chat=chat)
+
+
+def load_tokenizer(path: Path, config: Any) -> tuple[Any, tuple[int, ...], bool]:
+    """(tokenizer, end-of-sequence ids, whether prompts go through a chat template) of the model folder ``path``:
+    its transformers tokenizer, or ``ByteTokenizer`` for a toy model without one. ``config``: the model config
+    (its ``eos_token_id`` when the tokenizer names none)."""
+    from transformers import AutoTokenizer
+
     has_tokenizer = any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else ByteTokenizer()
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
-        eos = model.config.eos_token_id
+        eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     chat = has_tokenizer and bool(getattr(tokenizer, "chat_template", None))
-    return LoadedModel(label, path, model, tokenizer, eos_ids, chat=chat)
+    return tokenizer, eos_ids, chat
 
 
 def shipped_head_path(model_name: str) -> Path | None:

@@ -101,7 +101,9 @@ class MTPHead(nn.Module):
         init_weights = getattr(target, "_init_weights", None)
         if init_weights is not None:
             head.apply(init_weights)
-        parameter = next(target.parameters())
+        # the embedding, not any parameter: a target shell (models/target_shell.py) has only it and the output
+        # head off the meta device
+        parameter = target.get_input_embeddings().weight
         head.to(device=parameter.device, dtype=parameter.dtype)
         return head.attach(target)
 
