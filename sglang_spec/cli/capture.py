@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.force and args.out.is_dir():
         shutil.rmtree(args.out)
     manifest = CaptureManifest(label, str(config.get("model_type")), config["hidden_size"], config["vocab_size"],
-                               args.dtype)
+                               args.dtype, source={"model_path": str(folder.resolve())})
     settings = CaptureSettings(args.max_new_tokens, args.temperature, args.batch_size, args.shard_size, args.seed)
     summary = capture_from_server(url, prompts, encoded, manifest, args.out, settings, progress=not args.json)
     if args.json:

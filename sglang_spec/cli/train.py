@@ -1,4 +1,8 @@
-"""``sglang-spec train``: fit an MTP head to a target on traffic by self-distillation."""
+"""``sglang-spec train``: fit an MTP head to a target on traffic, or on a capture from a server, by
+self-distillation. Under ``torchrun`` the head trains on every rank, sharded by FSDP2 (``train/distributed.py``):
+
+    torchrun --nproc-per-node 2 -m sglang_spec.cli train --capture DIR --model tiny-deepseek --out head.safetensors
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,16 @@ import json
 import sys
 from pathlib import Path
 
-from sglang_spec.catalog import load_model
+from sglang_spec.catalog import load_model, resolve_model_path
 from sglang_spec.cli.parser import MAX_BATCH_SIZE, MAX_STEPS, integer, number, path_arg, seed, text_arg
 from sglang_spec.errors import SpecError
 from sglang_spec.models.loading import load_head_for
+from sglang_spec.models.target_shell import load_target_shell
+from sglang_spec.train.capture import read_manifest
+from sglang_spec.train.distributed import World, join_world, leave_world
 from sglang_spec.train.traffic import check_traffic_model, read_traffic_strict
-from sglang_spec.train.trainer import TrainConfig, check_train_paths, resume_config, state_path_for, train_head
+from sglang_spec.train.trainer import (TrainConfig, check_train_paths, resume_config, state_path_for, train_head,
+                                       train_head_from_capture)
 from sglang_spec.tree.token_tree import MAX_DEPTH
 
 
@@ -44,10 +52,14 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         "change is reported) except those that fix the data (--seq-len, --draft-vocab, --top-k-targets, "
         "--eval-fraction).",
     )
-    parser.add_argument("--model", required=True, type=text_arg,
-                        help="smollm2, tiny-deepseek, or a local model folder")
-    parser.add_argument("--traffic", type=path_arg, action="append", required=True,
-                        help="traffic JSONL; repeatable")
+    parser.add_argument("--model", type=text_arg, default=None,
+                        help="smollm2, tiny-deepseek, or a local model folder (with --capture: default the "
+                        "captured model; only its config, tokenizer, embedding and output head are loaded)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--traffic", type=path_arg, action="append",
+                        help="traffic JSONL; repeatable (the target is loaded for a teacher pass)")
+    source.add_argument("--capture", type=path_arg, default=None,
+                        help="a dataset folder from `sglang-spec capture` (the target is not loaded)")
     parser.add_argument("--domain", action="append", default=None, type=text_arg,
                         help="keep only these domains; repeatable")
     parser.add_argument("--out", type=path_arg, required=True, help="head .safetensors to write")
@@ -70,46 +82,92 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    world = join_world()
+    try:
+        return _run(args, world)
+    finally:
+        leave_world(world)
+
+
+def _run(args: argparse.Namespace, world: World) -> int:
     given = {name: getattr(args, name) for name in _SETTINGS if getattr(args, name) is not None}
     if args.save_dtype is not None:
         given["save_dtype"] = args.save_dtype
     if args.bf16:
         given["autocast_bf16"] = True
+    if args.batch_size is not None and args.batch_size < world.size:
+        raise SpecError(f"--batch-size {args.batch_size} is smaller than the {world.size} processes; give each "
+                        f"at least one sequence")
     # everything that can be checked without the model first: a bad --out fails now, not after the teacher pass
     check_train_paths(args.out, args.resume, args.force)
     if args.resume:
         config, notes = resume_config(state_path_for(args.out), given)
-        for note in notes:
+        for note in notes if world.is_main else ():
             print(note, file=sys.stderr)
     else:
         config = TrainConfig(**given)
-    records = read_traffic_strict(args.traffic)
-    if args.domain:
-        records = [record for record in records if record.domain in args.domain]
-        if not records:
-            raise SpecError(f"no traffic records with domain {', '.join(args.domain)}")
-    if args.init is not None and not Path(args.init).exists():
-        raise SpecError(f"--init {args.init} does not exist")
-    loaded = load_model(args.model, progress=not args.json)
-    warning = check_traffic_model(records, loaded.name, args.allow_model_mismatch)
-    if warning:
-        print(warning, file=sys.stderr)
+    progress = not args.json and world.is_main
+    if args.capture is not None:
+        loaded, records, metadata = _from_capture(args, progress)
+    else:
+        if args.model is None:
+            raise SpecError("--model is required with --traffic")
+        records = read_traffic_strict(args.traffic)
+        if args.domain:
+            records = [record for record in records if record.domain in args.domain]
+            if not records:
+                raise SpecError(f"no traffic records with domain {', '.join(args.domain)}")
+        _check_init(args)
+        loaded = load_model(args.model, progress=progress)
+        warning = check_traffic_model(records, loaded.name, args.allow_model_mismatch)
+        if warning and world.is_main:
+            print(warning, file=sys.stderr)
+        metadata = {"model": loaded.name, "traffic": [str(p) for p in args.traffic], "domains": args.domain,
+                    "init": args.init}
     init = None
     if args.init is not None:
         init = load_head_for(loaded, args.init, allow_model_mismatch=args.allow_model_mismatch)
-    summary = train_head(
-        loaded, records, config, args.out, init=init, resume=args.resume, force=args.force, progress=not args.json,
-        metadata={"model": loaded.name, "traffic": [str(p) for p in args.traffic], "domains": args.domain,
-                  "init": args.init},
-    )
-    report = {"out": str(args.out), **summary.__dict__}
+    common = dict(init=init, resume=args.resume, force=args.force, progress=progress, metadata=metadata,
+                  world=world)
+    if args.capture is not None:
+        summary = train_head_from_capture(loaded, args.capture, config, args.out, **common)
+    else:
+        summary = train_head(loaded, records, config, args.out, **common)
+    if not world.is_main:
+        return 0
+    report = {"out": str(args.out), "world_size": world.size, **summary.__dict__}
     if args.json:
         print(json.dumps(report))
     else:
         print(f"wrote {args.out}: {summary.steps} steps in {summary.seconds / 60:.1f} min on "
-              f"{summary.train_sequences} sequences ({summary.train_tokens} tokens)")
+              f"{summary.train_sequences} sequences ({summary.train_tokens} tokens)"
+              + (f", {world.size} processes" if world.size > 1 else ""))
         print(f"draft vocabulary {summary.draft_vocab_size} tokens, covering {summary.draft_vocab_coverage:.1%} of "
               f"completion tokens")
         print("held-out top-1 agreement per drafting depth: "
               + ", ".join(f"d{i + 1} {value:.3f}" for i, value in enumerate(summary.eval_top1)))
     return 0
+
+
+def _check_init(args: argparse.Namespace) -> None:
+    if args.init is not None and not Path(args.init).exists():
+        raise SpecError(f"--init {args.init} does not exist")
+
+
+def _from_capture(args: argparse.Namespace, progress: bool):
+    """(target shell, no traffic, metadata) for ``--capture``: the model the manifest names unless --model."""
+    if args.domain:
+        raise SpecError("--domain filters traffic; a capture is trained on as a whole")
+    manifest = read_manifest(args.capture)
+    model = args.model or manifest.source.get("model_path") or manifest.model
+    _check_init(args)
+    label, folder = resolve_model_path(model, progress=progress)
+    if args.model is None:
+        label = manifest.model
+    loaded = load_target_shell(label, folder)
+    if label != manifest.model and not args.allow_model_mismatch:
+        raise SpecError(f"{args.capture} was captured from {manifest.model!r}, not {label!r}; pass "
+                        f"--allow-model-mismatch to train on it anyway")
+    metadata = {"model": label, "capture": str(args.capture), "captured_sequences": manifest.num_sequences,
+                "init": args.init}
+    return loaded, None, metadata

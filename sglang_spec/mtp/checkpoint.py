@@ -36,13 +36,16 @@ FP8_BLOCK = 128
 
 
 def save_mtp_head(
-    head: MTPHead, path: str | Path, metadata: dict[str, Any] | None = None, dtype: torch.dtype | None = None
+    head: MTPHead, path: str | Path, metadata: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Writes the head to ``path`` (a ``.safetensors`` file) atomically; floating tensors in ``dtype`` when given
     (bfloat16 halves a shipped head; loading casts back to the target's dtype). A head with a NaN or infinite
-    weight is refused: it could only ever draft garbage."""
+    weight is refused: it could only ever draft garbage. ``state``: the head's full state dict when its own holds
+    shards (a head trained under FSDP2, ``train/distributed.py``); default ``head.state_dict()``."""
     path = Path(path)
-    _check_finite(head.state_dict(), f"the head for {path}")
+    state = head.state_dict() if state is None else state
+    _check_finite(state, f"the head for {path}")
     header = {
         "format": FORMAT,
         "target_model_type": head.config.model_type,
@@ -54,7 +57,7 @@ def save_mtp_head(
     }
     tensors = {
         name: (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor).detach().contiguous()
-        for name, tensor in head.state_dict().items()
+        for name, tensor in state.items()
     }
     _check_finite(tensors, f"the head for {path}")  # a cast to float16 can overflow
     data = save(tensors, metadata={HEADER_KEY: json.dumps(header)})

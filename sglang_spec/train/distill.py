@@ -15,7 +15,7 @@ of p over the draft vocabulary (K = the whole draft vocabulary is the dense case
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, TYPE_CHECKING
+from typing import Callable, Iterator, TYPE_CHECKING
 
 import torch
 
@@ -91,8 +91,22 @@ class UnrolledStep:
     token_index: torch.Tensor
 
 
-def unrolled_steps(head: MTPHead, batch: TeacherBatch, unroll: int) -> Iterator[UnrolledStep]:
-    """Runs the head ``unroll`` times, feeding back its own hidden states, with inference's attention view."""
+def step_valid(batch: TeacherBatch, step: int) -> torch.Tensor:
+    """[B, T - 1] bool: the bases i whose step-``step`` prediction is supervised (t_{i+step} inside the sequence
+    and, with a loss mask, in it)."""
+    size, length = batch.input_ids.shape
+    base = torch.arange(length - 1, device=batch.input_ids.device)
+    valid = base[None, :] + step <= batch.lengths[:, None] - 1
+    if batch.loss_mask is not None:
+        valid = valid & batch.loss_mask[:, (base + step).clamp(max=length - 1)]
+    return valid
+
+
+def unrolled_steps(head: MTPHead, batch: TeacherBatch, unroll: int, stop_when_empty: bool = True
+                   ) -> Iterator[UnrolledStep]:
+    """Runs the head ``unroll`` times, feeding back its own hidden states, with inference's attention view.
+    ``stop_when_empty``: stop at the first step with no supervised position in this batch (False: always run
+    ``unroll`` steps, as every rank of a distributed run must, since each forward is a collective there)."""
     input_ids, hidden = batch.input_ids, batch.hidden
     size, length = input_ids.shape
     pairs = length - 1  # bases i = 0..T-2
@@ -103,11 +117,9 @@ def unrolled_steps(head: MTPHead, batch: TeacherBatch, unroll: int) -> Iterator[
     feedback = hidden[:, :pairs].to(dtype)
     for step in range(1, unroll + 1):
         # step s: token t_{i+s} at position i+s-1, supervised by p_{i+s}
-        valid = base[None, :] + step <= batch.lengths[:, None] - 1  # [B, pairs]
+        valid = step_valid(batch, step)  # [B, pairs]
         token_index = (base + step).clamp(max=length - 1)
-        if batch.loss_mask is not None:
-            valid = valid & batch.loss_mask[:, token_index]
-        if not bool(valid.any()):
+        if stop_when_empty and not bool(valid.any()):
             return
         tokens = input_ids[:, token_index]
         positions = (base + step - 1).expand(size, pairs)
@@ -122,19 +134,32 @@ def unrolled_steps(head: MTPHead, batch: TeacherBatch, unroll: int) -> Iterator[
         feedback = output.hidden
 
 
-def unrolled_loss(head: MTPHead, batch: TeacherBatch, unroll: int, step_decay: float = 0.8) -> tuple[torch.Tensor, StepMetrics]:
-    """The training objective on one teacher batch (differentiable in the head's parameters)."""
-    total = torch.zeros((), device=batch.input_ids.device)
-    losses, top1s, counts = [], [], []
-    for drafted in unrolled_steps(head, batch, unroll):
+def unrolled_loss(head: MTPHead, batch: TeacherBatch, unroll: int, step_decay: float = 0.8,
+                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, StepMetrics]:
+    """The training objective on one teacher batch (differentiable in the head's parameters).
+
+    ``reduce`` sums a tensor over the ranks of a distributed run (None: one process). Each step's loss is
+    normalised by the supervised positions of the whole (global) batch, so the ranks' losses add up to the loss
+    of the batch in one process, and their gradients summed are its gradient. The metrics are global."""
+    reduce = reduce if reduce is not None else (lambda tensor: tensor)
+    device = batch.input_ids.device
+    local_counts = torch.stack([step_valid(batch, step).sum() for step in range(1, unroll + 1)])
+    global_counts = reduce(local_counts.to(torch.float64)).round().long().tolist()
+    # the leading steps with a supervised position anywhere (a single process stops at its first empty step)
+    steps = next((index for index, count in enumerate(global_counts) if count == 0), unroll)
+    total = torch.zeros((), device=device)
+    sums = torch.zeros(2, steps, dtype=torch.float64, device=device)  # [loss sum, top-1 agreements] per step
+    for drafted in unrolled_steps(head, batch, steps, stop_when_empty=False):
+        index = drafted.step - 1
         log_q = torch.log_softmax(drafted.logits.float(), dim=-1)
         teacher_ids = batch.target_ids[:, drafted.token_index]
         per_position = -(batch.target_probs[:, drafted.token_index] * log_q.gather(-1, teacher_ids)).sum(-1)
-        count = drafted.valid.sum()
-        step_loss = (per_position * drafted.valid).sum() / count.clamp(min=1)
-        total = total + (step_decay ** (drafted.step - 1)) * step_loss
+        step_sum = (per_position * drafted.valid).sum()
+        total = total + (step_decay ** index) * (step_sum / global_counts[index])
         agree = (log_q.argmax(-1) == teacher_ids[..., 0]) & drafted.valid
-        losses.append(float(step_loss.detach()))
-        top1s.append(float(agree.sum()) / max(int(count), 1))
-        counts.append(int(count))
-    return total, StepMetrics(losses, top1s, counts)
+        sums[0, index] = step_sum.detach().double()
+        sums[1, index] = agree.sum().double()
+    sums = reduce(sums)
+    counts = global_counts[:steps]
+    return total, StepMetrics([float(sums[0, s]) / counts[s] for s in range(steps)],
+                              [float(sums[1, s]) / counts[s] for s in range(steps)], counts)

@@ -12,7 +12,14 @@
    head with a non-finite weight is ever written.
 
 ``train_head`` runs these as four steps: ``prepare_data`` (1, 2), ``load_or_build_teacher`` (3), ``start_fit`` +
-``fit`` (4) and ``Checkpoints``.
+``fit`` (4) and ``Checkpoints``. ``train_head_from_capture`` replaces 1 and 3 by a captured dataset
+(``train/capture.py``): the sequences and the target's hidden states come from the server that captured them and
+the top-K targets from those states through the target's output head, so only the target's embedding and output
+head are loaded (``models/target_shell.py``), never its layers.
+
+Steps 3-4 run on the distributed engine of ``train/distributed.py``: under ``torchrun`` each rank trains on its
+share of every global batch with the head sharded by FSDP2; one plain process is the world-size-1 case of the
+same code. The loss of a batch is normalised over the whole batch, so W ranks reach the loss one process does.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from sglang_spec.files import atomic_write, check_output_path
 from sglang_spec.models.loading import LoadedModel
 from sglang_spec.mtp.checkpoint import save_mtp_head
 from sglang_spec.mtp.head import MTPHead
+from sglang_spec.train.capture import CapturedSequence, iter_captured, read_manifest
 from sglang_spec.train.distill import TeacherBatch, unrolled_loss
+from sglang_spec.train.distributed import World, full_state, load_full_state, rank_rows, shard_head
 from sglang_spec.train.records import EncodedRecord, encode_record, is_eval_record
 from sglang_spec.train.traffic import TrafficRecord
 
@@ -139,7 +148,34 @@ def build_teacher_cache(loaded: LoadedModel, records: Sequence[EncodedRecord], d
     return TeacherCache(list(records), hidden_list, ids_list, probs_list)
 
 
-def make_batch(cache: TeacherCache, rows: Sequence[int], device: torch.device, dtype: torch.dtype) -> TeacherBatch:
+@torch.no_grad()
+def soft_targets(hidden: torch.Tensor, output_weight: torch.Tensor, draft_vocab: torch.Tensor | None,
+                 top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-K next-token probabilities over the draft vocabulary from its final hidden states.
+    hidden: [L, d]; output_weight: [V, d] the output head. Returns ids [L, K] int32 (draft-vocabulary indices,
+    most likely first) and probs [L, K] float16."""
+    probs = torch.softmax(torch.nn.functional.linear(hidden.to(output_weight.dtype), output_weight).float(), dim=-1)
+    if draft_vocab is not None:
+        probs = probs.index_select(-1, draft_vocab.to(probs.device))
+    top_probs, top_ids = torch.topk(probs, top_k, dim=-1)
+    return top_ids.to(torch.int32).cpu(), top_probs.to(torch.float16).cpu()
+
+
+def teacher_from_capture(data: TrainingData, hidden: Sequence[torch.Tensor], output_weight: torch.Tensor,
+                         top_k: int, progress: bool = True) -> TeacherCache:
+    """Step 3 from a capture: the captured hidden states (float16, [L, d] per record) and their soft targets."""
+    ids_list, probs_list = [], []
+    for states in tqdm(hidden, desc="soft targets from captured states", unit="seq", disable=not progress):
+        ids, probs = soft_targets(states, output_weight, data.draft_vocab, top_k)
+        ids_list.append(ids)
+        probs_list.append(probs)
+    return TeacherCache(list(data.records), [states.to(torch.float16) for states in hidden], ids_list, probs_list)
+
+
+def make_batch(cache: TeacherCache, rows: Sequence[int], device: torch.device, dtype: torch.dtype,
+               supervised: bool = True) -> TeacherBatch:
+    """The padded batch of ``rows``; ``supervised`` False masks every position out of the loss (a distributed
+    rank's stand-in row, ``distributed.rank_rows``)."""
     width = max(len(cache.records[row].tokens) for row in rows)
     size, top_k = len(rows), cache.target_ids[rows[0]].shape[1]
     hidden_size = cache.hidden[rows[0]].shape[1]
@@ -156,7 +192,7 @@ def make_batch(cache: TeacherCache, rows: Sequence[int], device: torch.device, d
         hidden[slot, :length] = cache.hidden[row].float()
         target_ids[slot, :length] = cache.target_ids[row].long()
         target_probs[slot, :length] = cache.target_probs[row].float()
-        loss_mask[slot, :length] = True
+        loss_mask[slot, :length] = supervised
         lengths[slot] = length
     return TeacherBatch(input_ids.to(device), lengths.to(device), hidden.to(device, dtype), target_ids.to(device),
                         target_probs.to(device), loss_mask.to(device))
@@ -183,9 +219,9 @@ def _cache_path(out: Path) -> Path:
     return out.with_suffix(".teacher.pt")
 
 
-def _fingerprint(loaded: LoadedModel, records: Sequence[EncodedRecord], config: TrainConfig) -> str:
+def _fingerprint(model_name: str, records: Sequence[EncodedRecord], config: TrainConfig) -> str:
     digest = hashlib.sha256()
-    digest.update(json.dumps([loaded.name, config.draft_vocab, config.top_k_targets, config.seq_len]).encode())
+    digest.update(json.dumps([model_name, config.draft_vocab, config.top_k_targets, config.seq_len]).encode())
     for record in records:
         digest.update(record.id.encode())
         digest.update(bytes(str(record.tokens), "utf-8"))
@@ -194,16 +230,19 @@ def _fingerprint(loaded: LoadedModel, records: Sequence[EncodedRecord], config: 
 
 @torch.no_grad()
 def evaluate(
-    head: MTPHead, cache: TeacherCache, rows: Sequence[int], config: TrainConfig, device: torch.device, dtype: torch.dtype
+    head: MTPHead, cache: TeacherCache, rows: Sequence[int], config: TrainConfig, device: torch.device,
+    dtype: torch.dtype, world: World = World(),
 ) -> list[float]:
-    """Top-1 agreement with the target per unrolled step over ``rows`` (all positions)."""
+    """Top-1 agreement with the target per unrolled step over ``rows`` (all positions), each batch shared by the
+    ranks."""
     if not rows:
         return []
     agree = [0.0] * config.unroll
     count = [0] * config.unroll
     for start in range(0, len(rows), config.batch_size):
-        _, metrics = unrolled_loss(head, make_batch(cache, rows[start : start + config.batch_size], device, dtype),
-                                   config.unroll, config.step_decay)
+        mine, real = rank_rows(list(rows[start : start + config.batch_size]), world)
+        _, metrics = unrolled_loss(head, make_batch(cache, mine, device, dtype, supervised=real), config.unroll,
+                                   config.step_decay, reduce=world.sum)
         for step, (top1, number) in enumerate(zip(metrics.top1, metrics.count)):
             agree[step] += top1 * number
             count[step] += number
@@ -223,13 +262,21 @@ class TrainingData:
     fingerprint: str
 
 
-def prepare_data(loaded: LoadedModel, records: Sequence[TrafficRecord], config: TrainConfig) -> TrainingData:
+def check_seq_len(loaded: LoadedModel, config: TrainConfig) -> None:
     context = loaded.context_length
     if context is not None and config.seq_len > context:
         raise SpecError(f"--seq-len {config.seq_len} exceeds {loaded.name}'s context of {context} tokens; use at "
                         f"most {context}")
+
+
+def prepare_data(loaded: LoadedModel, records: Sequence[TrafficRecord], config: TrainConfig) -> TrainingData:
+    check_seq_len(loaded, config)
     encoded = [encode_record(loaded, record, config.seq_len) for record in records]
-    encoded = [record for record in encoded if len(record.tokens) >= 3]
+    return split_data(loaded, [record for record in encoded if len(record.tokens) >= 3], config)
+
+
+def split_data(loaded: LoadedModel, encoded: list[EncodedRecord], config: TrainConfig) -> TrainingData:
+    """Step 1's split and draft vocabulary over encoded records (three tokens or more)."""
     eval_rows = [i for i, r in enumerate(encoded) if is_eval_record(r.id, config.eval_fraction)]
     train_rows = [i for i, r in enumerate(encoded) if not is_eval_record(r.id, config.eval_fraction)]
     if not train_rows:
@@ -240,19 +287,41 @@ def prepare_data(loaded: LoadedModel, records: Sequence[TrafficRecord], config: 
     if config.top_k_targets > draft_size:
         raise SpecError(f"--top-k-targets {config.top_k_targets} exceeds the draft vocabulary of {draft_size} "
                         f"tokens; use at most {draft_size}")
-    return TrainingData(encoded, train_rows, eval_rows, draft_vocab, coverage, _fingerprint(loaded, encoded, config))
+    return TrainingData(encoded, train_rows, eval_rows, draft_vocab, coverage,
+                        _fingerprint(loaded.name, encoded, config))
+
+
+def captured_data(loaded: LoadedModel, sequences: Sequence[CapturedSequence], config: TrainConfig
+                  ) -> tuple[TrainingData, list[torch.Tensor]]:
+    """Step 1 from a capture: each sequence's tokens with a hidden state (all but the last, whose next token the
+    target never predicted; see ``train/capture.py``), cut to ``seq_len``, and those states [L, d]."""
+    check_seq_len(loaded, config)
+    encoded, hidden = [], []
+    for sequence in sequences:
+        length = min(len(sequence.tokens) - 1, config.seq_len)
+        if length < 3:
+            continue
+        # ``{prompt id}/{answer}`` as generated traffic names its records, so the split goes by prompt
+        encoded.append(EncodedRecord(f"{sequence.id}/captured", sequence.tokens[:length].tolist(),
+                                     min(sequence.completion_start, length)))
+        hidden.append(sequence.hidden[:length])
+    return split_data(loaded, encoded, config), hidden
 
 
 def load_or_build_teacher(
-    loaded: LoadedModel, data: TrainingData, config: TrainConfig, cache_path: Path, progress: bool
+    loaded: LoadedModel, data: TrainingData, config: TrainConfig, cache_path: Path, progress: bool,
+    write: bool = True,
 ) -> TeacherCache:
-    """Step 2, teacher: the cached teacher pass when it was made from the same data, else a fresh one (saved).
-    A cache that cannot be read (damaged, or another version's) is only a cache: it is built again."""
+    """Step 2, teacher: the cached teacher pass when it was made from the same data, else a fresh one (saved
+    when ``write``: by one rank of a distributed run). A cache that cannot be read (damaged, or another
+    version's) is only a cache: it is built again."""
     if cache_path.exists():
         cache = _read_teacher_cache(cache_path, data)
         if cache is not None:
             return cache
     cache = build_teacher_cache(loaded, data.records, data.draft_vocab, config.top_k_targets, progress=progress)
+    if not write:
+        return cache
     with atomic_write(cache_path, "wb") as handle:
         torch.save({
             "fingerprint": data.fingerprint, "hidden": cache.hidden, "target_ids": cache.target_ids,
@@ -305,18 +374,26 @@ def learning_rate_factor(step: int, config: TrainConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress_fraction, 1.0)))
 
 
+def target_device_dtype(loaded: LoadedModel) -> tuple[torch.device, torch.dtype]:
+    """Where the head trains and in which dtype: the target's embedding's (a target shell has no other weight)."""
+    weight = loaded.model.get_input_embeddings().weight
+    return weight.device, weight.dtype
+
+
 def start_fit(
-    loaded: LoadedModel, data: TrainingData, config: TrainConfig, init: MTPHead | None, resume_from: Path | None
+    loaded: LoadedModel, data: TrainingData, config: TrainConfig, init: MTPHead | None, resume_from: Path | None,
+    world: World = World(),
 ) -> FitState:
-    """A trainable head over the draft vocabulary with AdamW and the schedule, or the state of the checkpoint
-    ``resume_from`` (which must come from the same data and settings)."""
-    device = next(loaded.model.parameters()).device
+    """A trainable head over the draft vocabulary (sharded over the ranks) with AdamW and the schedule, or the
+    state of the checkpoint ``resume_from`` (which must come from the same data and settings)."""
+    device, _ = target_device_dtype(loaded)
     head = init if init is not None else MTPHead.for_target(loaded.model, feedback=config.feedback)
     head.draft_vocab = None if data.draft_vocab is None else data.draft_vocab.to(device)
     head.refresh_draft_head()
     head.train()
     for parameter in head.parameters():
         parameter.requires_grad_(True)
+    head = shard_head(head, world)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(learning_rate_factor, config=config))
     state = FitState(head, optimizer, scheduler)
@@ -325,8 +402,7 @@ def start_fit(
         if saved["fingerprint"] != data.fingerprint:
             raise SpecError(f"{resume_from} was made from other traffic or settings; start over with --force")
         try:
-            head.load_state_dict(saved["head"])
-            optimizer.load_state_dict(saved["optimizer"])
+            load_full_state(head, optimizer, saved["head"], saved["optimizer"])
             scheduler.load_state_dict(saved["scheduler"])
             torch.set_rng_state(saved["rng"])
         except (RuntimeError, ValueError, KeyError, TypeError) as error:
@@ -392,13 +468,20 @@ class Checkpoints:
     config: TrainConfig
     data: TrainingData
     metadata: dict[str, Any]
+    world: World = World()
 
     @property
     def state_path(self) -> Path:
         return state_path_for(self.out)
 
     def save(self, state: FitState, final: bool = False) -> None:
+        """A collective in a distributed run (the head's shards are gathered); rank 0 writes."""
         state.head.eval()
+        head_state, optimizer_state = full_state(state.head, state.optimizer)
+        if not self.world.is_main:
+            self.world.barrier()
+            state.head.train()
+            return
         summary = {
             "steps": state.step,
             "config": asdict(self.config),
@@ -408,15 +491,17 @@ class Checkpoints:
             "history": state.history[-5:],
             **self.metadata,
         }
-        save_mtp_head(state.head, self.out, metadata=summary, dtype=getattr(torch, self.config.save_dtype))
+        save_mtp_head(state.head, self.out, metadata=summary, dtype=getattr(torch, self.config.save_dtype),
+                      state=head_state)
         if not final:
             with atomic_write(self.state_path, "wb") as handle:
                 torch.save({
                     "step": state.step, "elapsed": state.elapsed, "history": state.history,
-                    "fingerprint": self.data.fingerprint, "head": state.head.state_dict(),
-                    "optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(),
-                    "rng": torch.get_rng_state(), "config": asdict(self.config),
+                    "fingerprint": self.data.fingerprint, "head": head_state, "optimizer": optimizer_state,
+                    "scheduler": state.scheduler.state_dict(), "rng": torch.get_rng_state(),
+                    "config": asdict(self.config), "world_size": self.world.size,
                 }, handle)
+        self.world.barrier()
         state.head.train()
 
 
@@ -429,26 +514,33 @@ def fit(
     device: torch.device,
     dtype: torch.dtype,
     progress: bool,
+    world: World = World(),
 ) -> list[float]:
     """Step 3, fit: AdamW steps on random training batches until ``config.steps``, evaluating and checkpointing
-    every ``config.checkpoint_every`` steps; Ctrl-C saves a checkpoint. Returns the last batch's top-1 per step."""
+    every ``config.checkpoint_every`` steps; Ctrl-C saves a checkpoint (one process; a distributed run keeps its
+    last one). Returns the last batch's top-1 per step. Every rank draws the same global batch and trains on its
+    rows of it."""
     generator = torch.Generator().manual_seed(config.seed + state.step)
-    bar = tqdm(total=config.steps, initial=state.step, desc="training MTP head", disable=not progress)
+    bar = tqdm(total=config.steps, initial=state.step, desc="training MTP head",
+               disable=not (progress and world.is_main))
     train_top1: list[float] = []
     try:
         while state.step < config.steps:
             tick = time.perf_counter()
             picks = torch.randint(len(data.train_rows), (config.batch_size,), generator=generator)
-            rows = [data.train_rows[int(i)] for i in picks]
+            rows, real = rank_rows([data.train_rows[int(i)] for i in picks], world)
             # bf16 autocast: float32 master weights and loss, bfloat16 matmuls (2x+ on CPUs with AVX-512 BF16)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16):
-                loss, metrics = unrolled_loss(state.head, make_batch(cache, rows, device, dtype), config.unroll,
-                                              config.step_decay)
-            if not math.isfinite(loss.item()):
-                raise SpecError(f"training diverged at step {state.step + 1}: the loss is {loss.item()}; lower "
+                loss, metrics = unrolled_loss(state.head, make_batch(cache, rows, device, dtype, supervised=real),
+                                              config.unroll, config.step_decay, reduce=world.sum)
+            # this rank's part of the batch loss; the parts add up to it (and every rank sees the same sum)
+            batch_loss = float(world.sum(loss.detach()))
+            if not math.isfinite(batch_loss):
+                raise SpecError(f"training diverged at step {state.step + 1}: the loss is {batch_loss}; lower "
                                 f"--lr (now {config.lr:g}); no head was written from the diverged weights")
             state.optimizer.zero_grad()
-            loss.backward()
+            # FSDP2 averages the ranks' gradients; the batch's gradient is their sum
+            (loss * world.size if world.size > 1 else loss).backward()
             torch.nn.utils.clip_grad_norm_(state.head.parameters(), 1.0)
             state.optimizer.step()
             state.scheduler.step()
@@ -456,14 +548,15 @@ def fit(
             state.elapsed += time.perf_counter() - tick
             train_top1 = metrics.top1
             bar.update()
-            bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{t:.2f}" for t in metrics.top1))
+            bar.set_postfix(loss=f"{batch_loss:.3f}", top1="/".join(f"{t:.2f}" for t in metrics.top1))
             if state.step % config.checkpoint_every == 0 or state.step == config.steps:
-                eval_top1 = evaluate(state.head, cache, data.eval_rows, config, device, dtype)
-                state.history.append({"step": state.step, "loss": loss.item(), "train_top1": train_top1,
+                eval_top1 = evaluate(state.head, cache, data.eval_rows, config, device, dtype, world)
+                state.history.append({"step": state.step, "loss": batch_loss, "train_top1": train_top1,
                                       "eval_top1": eval_top1})
                 checkpoints.save(state)
     except KeyboardInterrupt:
-        checkpoints.save(state)
+        if not world.sharded:  # gathering the shards needs every rank; a distributed run keeps its last checkpoint
+            checkpoints.save(state)
         bar.close()
         raise SpecError(f"interrupted at step {state.step}; continue with --resume") from None
     bar.close()
@@ -493,22 +586,61 @@ def train_head(
     force: bool = False,
     progress: bool = True,
     metadata: dict[str, Any] | None = None,
+    world: World = World(),
 ) -> TrainSummary:
     """Data, teacher, fit, checkpoint: trains an MTP head for ``loaded`` on ``records`` and writes it to ``out``."""
     out = Path(out)
-    state_path = state_path_for(out)
     check_train_paths(out, resume, force)
     torch.manual_seed(config.seed)
     data = prepare_data(loaded, records, config)
-    cache = load_or_build_teacher(loaded, data, config, _cache_path(out), progress)
-    state = start_fit(loaded, data, config, init, state_path if resume else None)
-    checkpoints = Checkpoints(out, config, data, metadata or {})
-    device = next(loaded.model.parameters()).device
-    dtype = next(loaded.model.parameters()).dtype
-    train_top1 = fit(state, cache, data, config, checkpoints, device, dtype, progress)
-    eval_top1 = evaluate(state.head, cache, data.eval_rows, config, device, dtype)
+    cache = load_or_build_teacher(loaded, data, config, _cache_path(out), progress and world.is_main,
+                                  write=world.is_main)
+    return _fit_and_save(loaded, data, cache, config, out, init, resume, progress, metadata or {}, world)
+
+
+def train_head_from_capture(
+    loaded: LoadedModel,
+    capture: str | Path,
+    config: TrainConfig,
+    out: str | Path,
+    init: MTPHead | None = None,
+    resume: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    metadata: dict[str, Any] | None = None,
+    world: World = World(),
+) -> TrainSummary:
+    """Trains an MTP head on the captured dataset in ``capture`` and writes it to ``out``. ``loaded`` needs only
+    the target's config, tokenizer, embedding and output head: a target shell (``models/target_shell.py``)."""
+    out, capture = Path(out), Path(capture)
+    check_train_paths(out, resume, force)
+    manifest = read_manifest(capture)
+    target = loaded.model.config
+    for name, theirs in (("model_type", manifest.model_type), ("hidden_size", manifest.hidden_size),
+                         ("vocab_size", manifest.vocab_size)):
+        if getattr(target, name) != theirs:
+            raise SpecError(f"{capture} was captured from a model with {name} {theirs}, but {loaded.name} has "
+                            f"{getattr(target, name)}; give the --model that was served")
+    torch.manual_seed(config.seed)
+    data, hidden = captured_data(loaded, list(iter_captured(capture)), config)
+    output_weight = loaded.model.get_output_embeddings().weight
+    cache = teacher_from_capture(data, hidden, output_weight, config.top_k_targets, progress and world.is_main)
+    return _fit_and_save(loaded, data, cache, config, out, init, resume, progress, metadata or {}, world)
+
+
+def _fit_and_save(loaded: LoadedModel, data: TrainingData, cache: TeacherCache, config: TrainConfig, out: Path,
+                  init: MTPHead | None, resume: bool, progress: bool, metadata: dict[str, Any],
+                  world: World) -> TrainSummary:
+    """Steps 3-4 for either source: fit, the final evaluation, the final head; the training state removed."""
+    state_path = state_path_for(out)
+    state = start_fit(loaded, data, config, init, state_path if resume else None, world)
+    checkpoints = Checkpoints(out, config, data, metadata, world)
+    device, dtype = target_device_dtype(loaded)
+    train_top1 = fit(state, cache, data, config, checkpoints, device, dtype, progress, world)
+    eval_top1 = evaluate(state.head, cache, data.eval_rows, config, device, dtype, world)
     checkpoints.save(state, final=True)
-    state_path.unlink(missing_ok=True)
+    if world.is_main:
+        state_path.unlink(missing_ok=True)
     head = state.head
     head.eval()
     for parameter in head.parameters():
