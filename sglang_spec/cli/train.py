@@ -164,10 +164,10 @@ def _from_capture(args: argparse.Namespace, progress: bool):
     label, folder = resolve_model_path(model, progress=progress)
     if args.model is None:
         label = manifest.model
-    loaded = load_target_shell(label, folder)
     if label != manifest.model and not args.allow_model_mismatch:
         raise SpecError(f"{args.capture} was captured from {manifest.model!r}, not {label!r}; pass "
                         f"--allow-model-mismatch to train on it anyway")
+    loaded = load_target_shell(label, folder)
     metadata = {"model": label, "capture": str(args.capture), "captured_sequences": manifest.num_sequences,
                 "init": args.init}
     return loaded, None, metadata

@@ -541,7 +541,9 @@ def fit(
             state.optimizer.zero_grad()
             # FSDP2 averages the ranks' gradients; the batch's gradient is their sum
             (loss * world.size if world.size > 1 else loss).backward()
-            torch.nn.utils.clip_grad_norm_(state.head.parameters(), 1.0)
+            grad_norm = torch.nn.utils.clip_grad_norm_(state.head.parameters(), 1.0)
+            # under FSDP2 the norm is a replicated DTensor (computed over every rank's shards)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             state.optimizer.step()
             state.scheduler.step()
             state.step += 1
@@ -551,7 +553,8 @@ def fit(
             bar.set_postfix(loss=f"{batch_loss:.3f}", top1="/".join(f"{t:.2f}" for t in metrics.top1))
             if state.step % config.checkpoint_every == 0 or state.step == config.steps:
                 eval_top1 = evaluate(state.head, cache, data.eval_rows, config, device, dtype, world)
-                state.history.append({"step": state.step, "loss": batch_loss, "train_top1": train_top1,
+                state.history.append({"step": state.step, "loss": batch_loss, "grad_norm": grad_norm,
+                                      "train_top1": train_top1,
                                       "eval_top1": eval_top1})
                 checkpoints.save(state)
     except KeyboardInterrupt:

@@ -1,0 +1,93 @@
+"""Training from a captured dataset on the distributed engine: two ``torchrun`` processes (gloo, FSDP2) and one
+plain process reach the same loss and weights from the same data and seed; the soft targets made from captured
+states through the output head are the teacher pass's; the target's layers are never loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from captured import toy_sequences, write_capture
+from sglang_spec.cli import main
+from sglang_spec.mtp.checkpoint import read_mtp_header
+from sglang_spec.train.trainer import (TrainConfig, build_teacher_cache, captured_data, teacher_from_capture)
+
+TRAIN = ["train", "--steps", "6", "--batch-size", "4", "--checkpoint-every", "3", "--draft-vocab", "64",
+         "--unroll", "2", "--eval-fraction", "0.25", "--lr", "0.005", "--json"]
+
+
+@pytest.fixture(scope="module")
+def capture(tiny, tmp_path_factory):
+    return write_capture(tmp_path_factory.mktemp("capture") / "toy", toy_sequences(tiny[0], 12, length=20))
+
+
+def _torchrun(processes: int, args: list[str]) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+               "-m", "sglang_spec.cli", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, done.stdout  # rank 0 alone reports
+    return json.loads(lines[0])
+
+
+def _weights(path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}
+
+
+def test_two_processes_reach_the_loss_and_weights_of_one(capture, tmp_path, capsys):
+    one, two, other_seed = tmp_path / "one.safetensors", tmp_path / "two.safetensors", tmp_path / "s1.safetensors"
+    assert main([*TRAIN, "--capture", str(capture), "--out", str(one)]) == 0
+    single = json.loads(capsys.readouterr().out)
+    double = _torchrun(2, [*TRAIN, "--capture", str(capture), "--out", str(two)])
+    assert single["world_size"] == 1 and double["world_size"] == 2 and double["steps"] == 6
+    history_one = read_mtp_header(one)["metadata"]["history"]
+    history_two = read_mtp_header(two)["metadata"]["history"]
+    assert [h["step"] for h in history_two] == [3, 6]
+    for a, b in zip(history_one, history_two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        # the batch's gradient, not its average over the ranks (AdamW would hide a constant factor)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["train_top1"] == pytest.approx(a["train_top1"], abs=1e-9)
+        assert b["eval_top1"] == pytest.approx(a["eval_top1"], abs=1e-9)
+    assert history_one[1]["loss"] < history_one[0]["loss"]  # it trained
+    weights_one, weights_two = _weights(one), _weights(two)
+    assert weights_one.keys() == weights_two.keys()
+    for name in weights_one:
+        torch.testing.assert_close(weights_two[name], weights_one[name], atol=1e-6, rtol=1e-5, msg=name)
+    # the agreement means something: another seed (other batches) ends elsewhere
+    assert main([*TRAIN, "--capture", str(capture), "--out", str(other_seed), "--seed", "1"]) == 0
+    capsys.readouterr()
+    assert max((w - weights_one[n]).abs().max().item() for n, w in _weights(other_seed).items()) > 1e-3
+
+
+def test_soft_targets_from_captured_states_are_the_teacher_pass(tiny, capture):
+    loaded, _ = tiny
+    from sglang_spec.train.capture import iter_captured
+
+    config = TrainConfig(draft_vocab=64, top_k_targets=8, seq_len=64)
+    data, hidden = captured_data(loaded, list(iter_captured(capture)), config)
+    from_capture = teacher_from_capture(data, hidden, loaded.model.lm_head.weight, 8, progress=False)
+    teacher = build_teacher_cache(loaded, data.records, data.draft_vocab, 8, progress=False)
+    for row in range(len(data.records)):
+        assert len(data.records[row].tokens) == 19  # 20 tokens, the last without a state
+        torch.testing.assert_close(from_capture.hidden[row].float(), teacher.hidden[row].float(), atol=4e-3,
+                                   rtol=1e-3)
+        # the captured states are float16: the most likely next token agrees, the probabilities to ~1e-2
+        assert torch.equal(from_capture.target_ids[row][:, 0], teacher.target_ids[row][:, 0])
+        torch.testing.assert_close(from_capture.target_probs[row][:, 0].float(),
+                                   teacher.target_probs[row][:, 0].float(), atol=1e-2, rtol=0)
+
+
+def test_a_capture_from_another_model_is_refused(capture, tmp_path, capsys):
+    code = main([*TRAIN, "--capture", str(capture), "--model", "smollm2", "--out", str(tmp_path / "h.safetensors")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "captured from 'tiny-deepseek', not 'smollm2'" in err, err
