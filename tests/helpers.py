@@ -8,7 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from sglang_spec.attention.cascade import mla_tree_attention_reference
 from sglang_spec.tree import TokenTree
+from sglang_spec.tree.batch import with_prefix
+from sglang_spec.tree.encode_sglang import TreeMaskMode
 
 
 def random_tree(
@@ -134,3 +137,56 @@ def law_p_value(law: dict[tuple[int, ...], float], samples: list[tuple[int, ...]
     expected = np.append(expected[~rare], expected[rare].sum())
     observed = np.append(observed[~rare], observed[rare].sum())
     return float(stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
+
+
+# MLA tree verify over a paged pool (tests/kernels/test_mla_tree_verify.py, tests/sglang_plugin/
+# test_mla_tree_backend.py): H heads, L latent, R rope
+MLA_HEADS, MLA_LATENT, MLA_ROPE = 3, 32, 8
+
+
+def paged_mla_batch(seed, batch, tree_tokens, page_size, mode):
+    """B requests in a paged pool (each request's pages drawn at random, SGLang's slot = page * size + offset),
+    their trees' rows written at positions prefix .. prefix + n, SGLang's flat tree mask in ``mode``."""
+    rng = np.random.default_rng(seed)
+    generator = torch.Generator().manual_seed(seed)
+    prefixes = [int(p) for p in rng.integers(1, 50, size=batch)]
+    num_pages = sum(-(-(prefix + tree_tokens) // page_size) for prefix in prefixes) + 8
+    context = 64 * page_size
+    req_to_token = torch.zeros(batch + 2, context, dtype=torch.int32)
+    rows = rng.permutation(batch + 2)[:batch]
+    free_pages = list(rng.permutation(np.arange(1, num_pages)))  # page 0 is SGLang's padding page
+    for row, prefix in zip(rows, prefixes):
+        pages = [free_pages.pop() for _ in range(-(-(prefix + tree_tokens) // page_size))]
+        positions = torch.arange(prefix + tree_tokens)
+        req_to_token[row, : prefix + tree_tokens] = torch.tensor(pages)[positions // page_size] * page_size + (
+            positions % page_size)
+    kv_buffer = torch.randn(num_pages * page_size, 1, MLA_LATENT + MLA_ROPE, generator=generator)
+    masks = [random_tree(rng, tree_tokens, 3, 5).ancestor_mask() for _ in range(batch)]
+    if mode == TreeMaskMode.QLEN_ONLY:
+        flat = torch.cat([mask.reshape(-1) for mask in masks])
+    else:
+        flat = torch.cat([with_prefix(mask, prefix).reshape(-1) for mask, prefix in zip(masks, prefixes)])
+    tokens = batch * tree_tokens
+    return dict(
+        prefixes=prefixes, rows=torch.tensor(rows), req_to_token=req_to_token, kv_buffer=kv_buffer, masks=masks,
+        flat_mask=flat,
+        tree_slots=torch.cat([req_to_token[row, p:p + tree_tokens] for row, p in zip(rows, prefixes)]),
+        q_latent=torch.randn(tokens, MLA_HEADS, MLA_LATENT, generator=generator),
+        q_rope=torch.randn(tokens, MLA_HEADS, MLA_ROPE, generator=generator),
+        scale=(MLA_LATENT + MLA_ROPE) ** -0.5,
+    )
+
+
+def paged_mla_reference(data, tree_tokens):
+    """Per request: one masked attention over its prefix rows then its tree rows (read through req_to_token)."""
+    rows = data["kv_buffer"][:, 0]
+    outs = []
+    for b, (row, prefix) in enumerate(zip(data["rows"].tolist(), data["prefixes"])):
+        queries = slice(b * tree_tokens, (b + 1) * tree_tokens)
+        prefix_rows = rows[data["req_to_token"][row, :prefix].long()]
+        tree_rows = rows[data["req_to_token"][row, prefix:prefix + tree_tokens].long()]
+        prefix_kv = prefix_rows[:, :MLA_LATENT], prefix_rows[:, MLA_LATENT:]
+        tree_kv = tree_rows[:, :MLA_LATENT], tree_rows[:, MLA_LATENT:]
+        outs.append(mla_tree_attention_reference(data["q_latent"][queries], data["q_rope"][queries], *prefix_kv,
+                                                 *tree_kv, data["masks"][b], data["scale"]).out)
+    return torch.cat(outs)

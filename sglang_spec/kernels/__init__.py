@@ -8,6 +8,8 @@ One module per op, each with its Triton kernel(s), launcher(s) and pure-torch re
 * ``step``           the three chained on static buffers (CUDA-graph capturable)
 * ``mla_tree_attention``  MLA tree verify's tree part: each tree query against its ancestors' latent rows,
                      base-2 lse for FlashInfer's ``merge_state`` (the prefix part is FlashInfer's MLA decode)
+* ``mla_tree_verify``  the cascade around it: prefix paging and FlashInfer's MLA plan, decode, tree kernel, merge
+                     (FlashInfer passed in as a namespace: the package on a GPU, the CPU twin on a CPU)
 
 Launchers take everything as arguments (``out=`` buffers included) and never read tensors on the host. On a CPU
 the kernels run under ``TRITON_INTERPRET=1``, which must be set before this package is imported.

@@ -11,6 +11,7 @@ model classes the plugin adds to SGLang; ``export`` writes draft-model folders f
 
 from __future__ import annotations
 
+import importlib
 import os
 from importlib import metadata
 
@@ -19,6 +20,10 @@ from sglang_spec.sglang_plugin.cpu import ENABLE_FLAG, claim_amx_platform, patch
 from sglang_spec.sglang_plugin.hooks import HOOKS, RESOLUTION_HOOKS
 
 SUPPORTED_SGLANG = ("0.5.23",)
+# --speculative-tree-mla-verify: the target's attention back-end wrapped once SGLang has built it
+MLA_TREE_VERIFY_HOOK = ("sglang.srt.model_executor.model_runner_components.attention_backend_setup."
+                        "_build_resolved_backend")
+MLA_TREE_BACKEND_MODULE = "sglang_spec.sglang_plugin.mla_tree_backend"
 
 _registered = False
 
@@ -48,6 +53,7 @@ def register() -> None:
 
     for target, name, kind in HOOKS:
         HookRegistry.register(target, getattr(hooks, name), getattr(HookType, kind))
+    HookRegistry.register(MLA_TREE_VERIFY_HOOK, mla_tree_verify_backend_after, HookType.AFTER)
     for step, name in RESOLUTION_HOOKS:
         register_resolution_hook(step)(getattr(hooks, name))
     from sglang.srt.entrypoints import engine
@@ -64,3 +70,10 @@ def register() -> None:
             for target, name, kind in profile.HOOKS:
                 HookRegistry.register(target, getattr(profile, name), getattr(HookType, kind))
     _registered = True
+
+
+def mla_tree_verify_backend_after(result, *args, **kwargs):
+    """The hook behind ``--speculative-tree-mla-verify`` (``mla_tree_backend.build_backend_after``), its module
+    imported on first use (as ``hooks.MODEL_CLASSES`` are): it subclasses SGLang's AttentionBackend, so it imports
+    sglang, which this package must not at import time (the CPU harness imports it first)."""
+    return importlib.import_module(MLA_TREE_BACKEND_MODULE).build_backend_after(result, *args, **kwargs)

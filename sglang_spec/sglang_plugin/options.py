@@ -11,6 +11,9 @@ arguments), attached to its ServerArgs, checked against the resolved configurati
     --speculative-acceptance-profile P   JSON profile for sequoia (``sglang-spec calibrate``)
     --speculative-tree-accept {sglang,fused}   who accepts the verified tree: SGLang's eagle_sample (default)
                                          or the project's fused verify + accept kernels and KV commit
+    --speculative-tree-mla-verify flashinfer   MLA models (DeepSeek): the target verifies trees with FlashInfer's
+                                         MLA decode over the prefix + the tree kernel, merged by lse
+                                         (``mla_tree_backend``); with --attention-backend flashinfer
 
 This module imports no sglang; the checks that need resolved values take a view of the ServerArgs.
 """
@@ -18,6 +21,7 @@ This module imports no sglang; the checks that need resolved values take a view 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -49,8 +53,14 @@ BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefill_atte
 # the Python-side names of the options (sgl.Engine keyword arguments == argparse dests)
 KEYWORDS = ("speculative_tree_policy", "speculative_tree_budget", "speculative_tree_depth", "speculative_tree_topk",
             "speculative_tree_width", "speculative_acceptance_profile", "speculative_tree_accept",
-            "speculative_tree_auto", "speculative_tree_mtp_levels")
+            "speculative_tree_auto", "speculative_tree_mtp_levels", "speculative_tree_mla_verify")
 ACCEPT_CHOICES = ("sglang", "fused")
+# --speculative-tree-mla-verify: the target's MLA tree verify as a cascade on FlashInfer (``mla_tree_backend``)
+MLA_VERIFY_CHOICES = ("flashinfer",)
+# the target backends it serves under: FlashInfer's MLA back-end on a GPU (prefill / decode stay SGLang's), the
+# CPU bed's intel_amx (prefill / decode the bed's stand-ins, the verify through the CPU twin of FlashInfer)
+MLA_VERIFY_TARGET_BACKENDS = {"cpu": ("intel_amx",), "gpu": ("flashinfer",)}
+TARGET_BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefill_attention_backend")
 
 
 @dataclass(frozen=True)
@@ -58,7 +68,8 @@ class TreeServerOptions:
     """policy, budget (draft nodes), depth (draft steps), topk (K, children per expanded node), width (W, SGLang's
     speculative_eagle_topk: nodes expanded per level), profile_path (sequoia), accept (who accepts: sglang or
     fused), auto (each step a tree or a plain step, by measured rates per batch size: ``batch_switch``), mtp_levels
-    (hybrid: head forwards below the root's children; None = the policy's default)."""
+    (hybrid: head forwards below the root's children; None = the policy's default), mla_verify (None: the
+    attention back-end's own verify; "flashinfer": the MLA cascade of ``mla_tree_backend``)."""
 
     policy: str
     budget: int
@@ -69,6 +80,7 @@ class TreeServerOptions:
     accept: str = "sglang"
     auto: bool = False
     mtp_levels: int | None = None
+    mla_verify: str | None = None
 
     @property
     def own_loop(self) -> bool:
@@ -137,6 +149,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "penalties, grammar, top-k / top-p sampling and the like)")
     group.add_argument("--speculative-tree-mtp-levels", type=int, default=None,
                        help="hybrid: most head forwards below the root's children a step (default 2)")
+    group.add_argument("--speculative-tree-mla-verify", choices=MLA_VERIFY_CHOICES, default=None,
+                       help="MLA models (DeepSeek): the target verifies trees as a cascade, FlashInfer's paged MLA "
+                            "decode over each request's prefix and a masked tree kernel over the tree, merged by "
+                            "log-sum-exp (FlashInfer's MLA kernels take no tree mask); with --attention-backend "
+                            "flashinfer and a tree-capable --speculative-draft-attention-backend (fa3 or triton)")
     group.add_argument("--speculative-tree-auto", action="store_true", default=None,
                        help="each decode step of the running batch drafts the tree or decodes plainly, whichever "
                             "the batch size's recent steps delivered more tokens a second with (turns speculation "
@@ -193,7 +210,11 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
                             "--speculative-tree-policy hybrid")
         if isinstance(mtp_levels, bool) or not isinstance(mtp_levels, int) or not 0 <= mtp_levels < depth:
             raise SpecError(f"--speculative-tree-mtp-levels takes 0..{depth - 1} (below the depth), got {mtp_levels!r}")
-    return TreeServerOptions(policy, budget, depth, topk, width, profile_path, accept, bool(auto), mtp_levels)
+    mla_verify = values.get("speculative_tree_mla_verify")
+    if mla_verify is not None and mla_verify not in MLA_VERIFY_CHOICES:
+        raise SpecError(f"--speculative-tree-mla-verify takes {' or '.join(MLA_VERIFY_CHOICES)}, got {mla_verify!r}")
+    return TreeServerOptions(policy, budget, depth, topk, width, profile_path, accept, bool(auto), mtp_levels,
+                             mla_verify)
 
 
 def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | None, given: int | None) -> int:
@@ -317,12 +338,16 @@ def validate_model(options: TreeServerOptions, is_dsa: bool) -> None:
 def validate_backends(options: TreeServerOptions, backends: Mapping[str, str | None], is_mla: bool, device: str) -> None:
     """After SGLang's capability adjustments: every attention backend the tree goes through (``backends``: field
     name -> resolved backend, None = falls back to attention_backend) must handle a tree."""
+    if options.mla_verify is not None:
+        validate_mla_verify(backends, is_mla, device)
     if options.width == 1:
         return  # a chain needs no tree mask
     allowed = MLA_TREE_BACKENDS if is_mla else MHA_TREE_BACKENDS
     if device == "cpu":
         allowed = CPU_TREE_BACKENDS
     for field, backend in backends.items():
+        if options.mla_verify is not None and field in TARGET_BACKEND_FIELDS:
+            continue  # checked by validate_mla_verify: the cascade verifies, the backend only prefills / decodes
         if backend is not None and backend not in allowed:
             what = "an MLA model (DeepSeek)" if is_mla else "this model"
             where = "on this CPU " if device == "cpu" else ""
@@ -330,3 +355,29 @@ def validate_backends(options: TreeServerOptions, backends: Mapping[str, str | N
                 f"{field.replace('_', '-')} {backend} cannot run tree speculation for {what} {where}(topk > 1); "
                 f"use {' or '.join(allowed)}, or --speculative-tree-policy chain"
             )
+
+
+def validate_mla_verify(backends: Mapping[str, str | None], is_mla: bool, device: str) -> None:
+    """``--speculative-tree-mla-verify flashinfer``: an MLA model, FlashInfer installed (on a GPU), the target on
+    a back-end the cascade sits on (``MLA_VERIFY_TARGET_BACKENDS``), and a draft back-end that takes trees itself
+    (the MTP draft decodes its tree on its own back-end: FlashInfer's MLA draft back-end refuses topk > 1)."""
+    if not is_mla:
+        raise SpecError("--speculative-tree-mla-verify serves MLA models (DeepSeek) only; this model's attention is "
+                        "not MLA, drop the option (its back-end verifies trees itself)")
+    where = "cpu" if device == "cpu" else "gpu"
+    targets = MLA_VERIFY_TARGET_BACKENDS[where]
+    if where == "gpu" and importlib.util.find_spec("flashinfer") is None:
+        raise SpecError("--speculative-tree-mla-verify flashinfer needs the flashinfer package (pip install "
+                        "flashinfer-python), which is not installed")
+    for field in TARGET_BACKEND_FIELDS:
+        backend = backends.get(field)
+        if backend is not None and backend not in targets:
+            raise SpecError(f"--speculative-tree-mla-verify flashinfer verifies on FlashInfer's MLA kernels, but "
+                            f"{field.replace('_', '-')} is {backend}; use --attention-backend {' or '.join(targets)}"
+                            f"{' (this CPU)' if where == 'cpu' else ''}, or drop the option")
+    draft = backends.get("speculative_draft_attention_backend") or backends.get("attention_backend")
+    drafts = CPU_TREE_BACKENDS if where == "cpu" else MLA_TREE_BACKENDS
+    if draft is not None and draft not in drafts:
+        raise SpecError(f"--speculative-tree-mla-verify verifies the tree, but the MTP draft decodes it on its own "
+                        f"back-end ({draft}), which takes no tree; add --speculative-draft-attention-backend "
+                        f"{' or '.join(drafts)}")

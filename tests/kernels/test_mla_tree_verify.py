@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import random_tree
-from sglang_spec.attention.cascade import mla_attention, mla_tree_attention_reference
-from sglang_spec.attention.mla_tree_verify import (
+from helpers import MLA_HEADS as HEADS
+from helpers import MLA_LATENT as LATENT
+from helpers import MLA_ROPE as ROPE
+from helpers import paged_mla_batch, paged_mla_reference
+from sglang_spec.attention.cascade import mla_attention
+from sglang_spec.kernels.mla_tree_verify import (
     MLAShape,
     causal_tree_mask,
     mla_tree_verify_attention,
@@ -19,43 +22,7 @@ from sglang_spec.attention.mla_tree_verify import (
 )
 from sglang_spec.kernels.mla_tree_attention import mla_tree_attention, mla_tree_attention_reference as tree_reference
 from sglang_spec.sglang_plugin.cpu import flashinfer_mla as twin
-from sglang_spec.tree.batch import with_prefix
 from sglang_spec.tree.encode_sglang import TreeMaskMode
-
-HEADS, LATENT, ROPE = 3, 32, 8
-
-
-def paged_batch(seed, batch, tree_tokens, page_size, mode):
-    """B requests in a paged pool (each request's pages drawn at random, SGLang's slot = page * size + offset),
-    their trees' rows written at positions prefix .. prefix + n, SGLang's flat tree mask in ``mode``."""
-    rng = np.random.default_rng(seed)
-    generator = torch.Generator().manual_seed(seed)
-    prefixes = [int(p) for p in rng.integers(1, 50, size=batch)]
-    num_pages = sum(-(-(prefix + tree_tokens) // page_size) for prefix in prefixes) + 8
-    context = 64 * page_size
-    req_to_token = torch.zeros(batch + 2, context, dtype=torch.int32)
-    rows = rng.permutation(batch + 2)[:batch]
-    free_pages = list(rng.permutation(np.arange(1, num_pages)))  # page 0 is SGLang's padding page
-    for row, prefix in zip(rows, prefixes):
-        pages = [free_pages.pop() for _ in range(-(-(prefix + tree_tokens) // page_size))]
-        positions = torch.arange(prefix + tree_tokens)
-        req_to_token[row, : prefix + tree_tokens] = torch.tensor(pages)[positions // page_size] * page_size + (
-            positions % page_size)
-    kv_buffer = torch.randn(num_pages * page_size, 1, LATENT + ROPE, generator=generator)
-    masks = [random_tree(rng, tree_tokens, 3, 5).ancestor_mask() for _ in range(batch)]
-    if mode == TreeMaskMode.QLEN_ONLY:
-        flat = torch.cat([mask.reshape(-1) for mask in masks])
-    else:
-        flat = torch.cat([with_prefix(mask, prefix).reshape(-1) for mask, prefix in zip(masks, prefixes)])
-    tokens = batch * tree_tokens
-    return dict(
-        prefixes=prefixes, rows=torch.tensor(rows), req_to_token=req_to_token, kv_buffer=kv_buffer, masks=masks,
-        flat_mask=flat,
-        tree_slots=torch.cat([req_to_token[row, p:p + tree_tokens] for row, p in zip(rows, prefixes)]),
-        q_latent=torch.randn(tokens, HEADS, LATENT, generator=generator),
-        q_rope=torch.randn(tokens, HEADS, ROPE, generator=generator),
-        scale=(LATENT + ROPE) ** -0.5,
-    )
 
 
 def shape(scale):
@@ -74,26 +41,12 @@ def run_cascade(data, tree_tokens, page_size, mode, tree_attention=mla_tree_atte
                                      tree_attention=tree_attention)
 
 
-def full_attention(data, tree_tokens):
-    """Per request: one masked attention over its prefix rows then its tree rows (read through req_to_token)."""
-    rows = data["kv_buffer"][:, 0]
-    outs = []
-    for b, (row, prefix) in enumerate(zip(data["rows"].tolist(), data["prefixes"])):
-        queries = slice(b * tree_tokens, (b + 1) * tree_tokens)
-        prefix_rows = rows[data["req_to_token"][row, :prefix].long()]
-        tree_rows = rows[data["req_to_token"][row, prefix:prefix + tree_tokens].long()]
-        outs.append(mla_tree_attention_reference(
-            data["q_latent"][queries], data["q_rope"][queries], prefix_rows[:, :LATENT], prefix_rows[:, LATENT:],
-            tree_rows[:, :LATENT], tree_rows[:, LATENT:], data["masks"][b], data["scale"]).out)
-    return torch.cat(outs)
-
-
 @pytest.mark.parametrize("mode", [TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("seed, batch, tree_tokens", [(0, 1, 1), (1, 3, 6), (2, 4, 9)])
 def test_cascade_through_the_twin_equals_full_masked_attention(mode, page_size, seed, batch, tree_tokens):
-    data = paged_batch(seed, batch, tree_tokens, page_size, mode)
-    expected = full_attention(data, tree_tokens)
+    data = paged_mla_batch(seed, batch, tree_tokens, page_size, mode)
+    expected = paged_mla_reference(data, tree_tokens)
     with_reference = run_cascade(data, tree_tokens, page_size, mode, tree_attention=tree_reference)
     assert torch.allclose(with_reference, expected, atol=1e-5, rtol=1e-4)
     if page_size == 4:  # the interpreted kernel once per layout and shape (the kernel's own tests cover more)
@@ -105,8 +58,8 @@ def test_a_wrong_ancestor_mask_or_page_is_noticed():
     """Negative controls: the comparison above fails for a mask without one ancestor edge and for a prefix read
     one page off."""
     mode, page_size, tree_tokens = TreeMaskMode.QLEN_ONLY, 4, 6
-    data = paged_batch(3, 2, tree_tokens, page_size, mode)
-    expected = full_attention(data, tree_tokens)
+    data = paged_mla_batch(3, 2, tree_tokens, page_size, mode)
+    expected = paged_mla_reference(data, tree_tokens)
     wrong_mask = data["flat_mask"].clone()
     deepest = int(data["masks"][0].sum(dim=1).argmax())
     wrong_mask[deepest * tree_tokens] = False  # the deepest node of request 0 stops seeing the root
@@ -135,7 +88,7 @@ def test_prefix_page_indices_equal_a_loop_over_requests():
 
 
 def test_plan_is_on_the_device_and_its_host_copy_agrees():
-    data = paged_batch(5, 3, 5, 4, TreeMaskMode.FULL_MASK)
+    data = paged_mla_batch(5, 3, 5, 4, TreeMaskMode.FULL_MASK)
     prefix_lens = torch.tensor(data["prefixes"], dtype=torch.int32)
     plan = plan_tree_verify(data["req_to_token"], data["rows"], prefix_lens, prefix_lens, 5, 4, TreeMaskMode.FULL_MASK)
     assert torch.equal(plan.qo_indptr, plan.qo_indptr_host) and plan.qo_indptr.tolist() == [0, 5, 10, 15]
@@ -180,7 +133,7 @@ def test_a_chain_without_a_mask_is_causal():
 
 def test_a_graph_wrapper_plans_into_its_buffers_and_replans():
     """A captured graph reads the buffers it was given: the twin copies each plan into them, as FlashInfer does."""
-    data = paged_batch(7, 2, 4, 1, TreeMaskMode.QLEN_ONLY)
+    data = paged_mla_batch(7, 2, 4, 1, TreeMaskMode.QLEN_ONLY)
     prefix_lens = torch.tensor(data["prefixes"], dtype=torch.int32)
     buffers = dict(qo_indptr=torch.zeros(3, dtype=torch.int32), kv_indptr=torch.zeros(3, dtype=torch.int32),
                    kv_indices=torch.zeros(200, dtype=torch.int32), kv_len_arr=torch.zeros(2, dtype=torch.int32))

@@ -1,0 +1,118 @@
+"""``--speculative-tree-mla-verify flashinfer`` through SGLang's real server on this CPU: the tiny DeepSeek-V3 (MLA
++ MoE + MTP) verifies its trees with the FlashInfer cascade (the CPU twin of FlashInfer's paged MLA decode over the
+prefix, the interpreted tree kernel over the tree, the base-2 merge), prefill and decode on the bed's intel_amx.
+
+Greedy output equals plain decoding token for token; the verify forwards' log-probabilities equal (float32
+tolerance) those of the bed's existing MLA tree verify (SGLang's intel_amx extend attention with the tree mask,
+the stand-in ``extend_attention_cpu``), step for step (same accept lengths), in SGLang's CPU mask layout
+(QLEN_ONLY) and in the GPU's (FULL_MASK, ``SGLANG_SPEC_CPU_TREE_MASK=full``) with pages of 4 tokens; the server
+logs that the cascade served its verifies; and a launch it cannot serve is refused in one line.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cpu_server_helpers import accept_lengths, running_server, tree_args
+from sglang_spec.sglang_plugin.cpu import server_environment
+from sglang_spec.sglang_plugin.cpu.server import cpu_launch_args, free_port
+from sglang_spec.sglang_plugin.cpu.tree_mask import TREE_MASK_ENV
+
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
+
+MAX_NEW_TOKENS = 24
+SHAPE = ("eagle", 6, 3, 2)  # a real tree: two children a node, three levels
+CASCADE = ["--speculative-tree-mla-verify", "flashinfer"]
+GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}
+FIRST_VERIFY = "MLA tree verify on FlashInfer: first verify forward"
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    from sglang_spec.models.tiny_deepseek import TINY_DEEPSEEK_CONFIG
+    from sglang_spec.models.toy_language import ToyLanguage
+
+    return ToyLanguage(TINY_DEEPSEEK_CONFIG["vocab_size"], seed=999).sample(3, 10).tolist()
+
+
+def answers(tiny_cpu, server_logs, prompts, name, extra=(), speculative=True, environment=None):
+    """Greedy answers with the log-probability of every output token (SGLang reads them from the target's
+    verify logits on a tree server), and the server's log."""
+    with pytest.MonkeyPatch.context() as patch:
+        for variable, value in (environment or {}).items():
+            patch.setenv(variable, value)
+        with running_server(tiny_cpu, server_logs, name, list(extra), speculative=speculative) as server:
+            answer = server.request("/generate", {"input_ids": prompts, "sampling_params": GREEDY,
+                                                  "return_logprob": True})
+            log = server.log_path.read_text(errors="replace")
+    return answer, log
+
+
+def token_logprobs(answer: list[dict]) -> list[list[float]]:
+    return [[entry[0] for entry in item["meta_info"]["output_token_logprobs"]] for item in answer]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_cpu, server_logs, prompts):
+    answer, _ = answers(tiny_cpu, server_logs, prompts, "mla-plain", speculative=False)
+    return answer
+
+
+@pytest.fixture(scope="module")
+def bed_tree(tiny_cpu, server_logs, prompts):
+    """The bed's existing MLA tree verify (intel_amx extend attention, tree mask) with the same tree."""
+    return answers(tiny_cpu, server_logs, prompts, "mla-bed-tree", tree_args(*SHAPE))
+
+
+@pytest.fixture(scope="module", params=["qlen-page1", "full-page4"])
+def cascade(request, tiny_cpu, server_logs, prompts):
+    extra = tree_args(*SHAPE) + CASCADE
+    environment = {}
+    if request.param == "full-page4":
+        extra += ["--page-size", "4"]
+        environment[TREE_MASK_ENV] = "full"
+    answer, log = answers(tiny_cpu, server_logs, prompts, f"mla-cascade-{request.param}", extra,
+                          environment=environment)
+    return request.param, answer, log
+
+
+def test_greedy_output_equals_plain_decoding(cascade, plain):
+    name, answer, _ = cascade
+    assert [item["output_ids"] for item in answer] == [item["output_ids"] for item in plain], name
+    assert max(accept_lengths(answer)) >= 2  # trees were accepted past the root
+
+
+def test_verify_logprobs_equal_the_beds_mla_tree_verify(cascade, bed_tree):
+    """Same tokens, same accept lengths (the same verify steps), and every output token's log-probability (read
+    from the verify logits) equal to float32 tolerance: the cascade computes the bed's masked attention."""
+    name, answer, _ = cascade
+    bed_answer, _ = bed_tree
+    assert [item["output_ids"] for item in answer] == [item["output_ids"] for item in bed_answer], name
+    assert accept_lengths(answer) == accept_lengths(bed_answer), name
+    ours, theirs = token_logprobs(answer), token_logprobs(bed_answer)
+    assert [len(row) for row in ours] == [len(row) for row in theirs]
+    worst = max(abs(a - b) for row_a, row_b in zip(ours, theirs) for a, b in zip(row_a, row_b))
+    print(f"\n{name}: largest log-probability difference to the bed's MLA tree verify {worst:.2e}")
+    assert worst < 1e-4, name
+    assert any(value < -1e-3 for row in ours for value in row)  # real distributions, not all-certain tokens
+
+
+def test_the_cascade_served_the_verifies(cascade, bed_tree):
+    name, _, log = cascade
+    assert "MLA tree verify on FlashInfer (CPU twin)" in log and FIRST_VERIFY in log, name
+    if name.startswith("full"):
+        assert "first FULL_MASK tree mask built" in log
+    assert FIRST_VERIFY not in bed_tree[1]
+
+
+def test_a_model_without_mla_is_refused_in_one_line(smollm2_cpu):
+    command = [sys.executable, "-m", "sglang.launch_server",
+               *cpu_launch_args(smollm2_cpu, free_port(), extra=tree_args("eagle", 8, 4, 4) + CASCADE)]
+    finished = subprocess.run(command, env=server_environment(), capture_output=True, text=True, timeout=240)
+    errors = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
+    assert finished.returncode != 0
+    assert len(errors) == 1 and "--speculative-tree-mla-verify serves MLA models" in errors[0], finished.stderr[-2000:]
+    assert "Traceback" not in finished.stderr + finished.stdout
