@@ -16,6 +16,7 @@ from sglang_spec.cli.parser import MAX_BATCH_SIZE, MAX_STEPS, integer, number, p
 from sglang_spec.errors import SpecError
 from sglang_spec.models.loading import load_head_for
 from sglang_spec.models.target_shell import load_target_shell
+from sglang_spec.mtp.head import FEEDBACK_MODES
 from sglang_spec.train.capture import read_manifest
 from sglang_spec.train.distributed import World, join_world, leave_world
 from sglang_spec.train.traffic import check_traffic_model, read_traffic_strict
@@ -70,6 +71,10 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
                             help=f"{help_text} (default {getattr(defaults, name)})")
     parser.add_argument("--bf16", action="store_true", default=None,
                         help="train with bfloat16 autocast (float32 master weights): faster on bf16-capable CPUs/GPUs")
+    parser.add_argument("--feedback", choices=list(FEEDBACK_MODES), default=None,
+                        help=f"the state a drafting step feeds back: the block's output (pre_norm, vLLM) or its "
+                        f"normed output (post_norm: SGLang's DeepSeek NextN; train with it to serve the head "
+                        f"there); default {defaults.feedback}")
     parser.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help=f"dtype of the written head (bfloat16 halves it; loading casts back; default "
                         f"{defaults.save_dtype})")
@@ -93,6 +98,8 @@ def _run(args: argparse.Namespace, world: World) -> int:
     given = {name: getattr(args, name) for name in _SETTINGS if getattr(args, name) is not None}
     if args.save_dtype is not None:
         given["save_dtype"] = args.save_dtype
+    if args.feedback is not None:
+        given["feedback"] = args.feedback
     if args.bf16:
         given["autocast_bf16"] = True
     if args.batch_size is not None and args.batch_size < world.size:
@@ -126,7 +133,10 @@ def _run(args: argparse.Namespace, world: World) -> int:
                     "init": args.init}
     init = None
     if args.init is not None:
-        init = load_head_for(loaded, args.init, allow_model_mismatch=args.allow_model_mismatch)
+        init = load_head_for(loaded, args.init, feedback=config.feedback,
+                             allow_model_mismatch=args.allow_model_mismatch)
+        if args.feedback is not None:  # how the head drafts, not a weight: --feedback replaces the head file's
+            init.feedback = args.feedback
     common = dict(init=init, resume=args.resume, force=args.force, progress=progress, metadata=metadata,
                   world=world)
     if args.capture is not None:

@@ -4,6 +4,13 @@
 the draft architecture and the head's feedback mode, the head's tensors under SGLang's names, the target's
 tokenizer files, and, for a head with a reduced draft vocabulary, the token map SGLang takes as
 ``--speculative-token-map``. Nothing is approximated: SGLang then drafts with the reference decoder's arithmetic.
+
+``export_deepseek_draft`` writes DeepSeek-V3/R1's own layout, what SGLang's ``DeepseekV3ForCausalLMNextN`` loads
+for NEXTN: the target's config and one safetensors file holding the MTP layer as ``model.layers.{L}.*``
+(L = num_hidden_layers; routed experts one by one, the embedding and output head copied from the target as in
+the released checkpoints), plus the token map for a reduced draft vocabulary. Only the target's embedding and
+output head are read (``models/target_shell.py``). SGLang's NextN feeds back the post-norm state, so only a head
+trained with ``--feedback post_norm`` drafts there as it was trained.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from safetensors.torch import save_file
 
 from sglang_spec.errors import SpecError
 from sglang_spec.files import atomic_path, write_text_atomic
-from sglang_spec.mtp.checkpoint import read_mtp_header
+from sglang_spec.models.target_shell import load_target_shell
+from sglang_spec.mtp.checkpoint import deepseek_mtp_state_dict, load_mtp_head, read_mtp_header
 
 ARCHITECTURE = "LlamaForCausalLMNextN"
 FEEDBACK_KEY = "sglang_spec_feedback"
@@ -89,4 +97,44 @@ def export_llama_draft(head_path: str | Path, target_dir: str | Path, out_dir: s
     elif (out_dir / TOKEN_MAP).exists():
         (out_dir / TOKEN_MAP).unlink()
     write_text_atomic(out_dir / "config.json", json.dumps(draft_config, indent=1) + "\n")
+    return DraftExport(out_dir, token_map)
+
+
+def _write_token_map(out_dir: Path, draft_vocab: torch.Tensor | None) -> Path | None:
+    """The reduced draft vocabulary as SGLang's token map (a list of target token ids), or none (a stale one from
+    an earlier export removed)."""
+    token_map = out_dir / TOKEN_MAP
+    if draft_vocab is None:
+        token_map.unlink(missing_ok=True)
+        return None
+    with atomic_path(token_map) as temporary:
+        torch.save(draft_vocab.to(torch.int64).tolist(), temporary)
+    return token_map
+
+
+def export_deepseek_draft(head_path: str | Path, target_dir: str | Path, out_dir: str | Path) -> DraftExport:
+    """Writes the NEXTN draft folder for the head file ``head_path`` trained for the DeepSeek-V3 target in
+    ``target_dir`` (serve with ``DraftExport.server_args()``). Re-exporting over an existing export replaces it."""
+    head_path, target_dir, out_dir = Path(head_path), Path(target_dir), Path(out_dir)
+    header = read_mtp_header(head_path)
+    config = json.loads((target_dir / "config.json").read_text())
+    if config.get("model_type") != "deepseek_v3" or header.get("target_model_type") != "deepseek_v3":
+        raise SpecError(f"export_deepseek_draft serves DeepSeek-V3 heads; {head_path.name} is for "
+                        f"{header.get('target_model_type')!r} and the target is {config.get('model_type')!r}")
+    if header["feedback"] != "post_norm":
+        raise SpecError(f"{head_path.name} was trained with --feedback {header['feedback']}, but SGLang's DeepSeek "
+                        f"NextN feeds back the post-norm state; train with --feedback post_norm")
+    shell = load_target_shell(target_dir.name, target_dir)
+    head = load_mtp_head(head_path, shell.model)
+    tensors = deepseek_mtp_state_dict(head, shell.model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out_dir / "model.safetensors") as temporary:
+        save_file({name: tensor.float().contiguous() for name, tensor in tensors.items()}, str(temporary))
+    (out_dir / "model.safetensors.index.json").unlink(missing_ok=True)  # one file: no index
+    for name in _TOKENIZER_FILES:
+        if (target_dir / name).exists():
+            with atomic_path(out_dir / name) as temporary:
+                shutil.copy(target_dir / name, temporary)
+    token_map = _write_token_map(out_dir, head.draft_vocab)
+    write_text_atomic(out_dir / "config.json", json.dumps({**config, "torch_dtype": "float32"}, indent=1) + "\n")
     return DraftExport(out_dir, token_map)
