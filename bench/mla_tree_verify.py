@@ -230,9 +230,12 @@ def graph_replays(flashinfer, setting: Setting, rng: np.random.Generator) -> dic
         return plan
 
     plan = replan()
-    run = lambda: mla_tree_verify_attention(flashinfer, wrapper, plan, static["q_latent"], static["q_rope"],  # noqa: E731
-                                            static["kv_buffer"], static["tree_slots"], static["flat_mask"],
-                                            static["scale"])
+
+    def run() -> torch.Tensor:
+        return mla_tree_verify_attention(flashinfer, wrapper, plan, static["q_latent"], static["q_rope"],
+                                         static["kv_buffer"], static["tree_slots"], static["flat_mask"],
+                                         static["scale"])
+
     run()  # compile the kernels before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
