@@ -236,12 +236,15 @@ class MLATreeVerifyBackend(AttentionBackend):
         plan = plan_tree_verify(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[:batch],
                                 prefix_lens, prefix_host, tree_tokens, self.page_size, mode,
                                 kv_indices_out=self.graph_kv_indices, max_pages=self.graph_max_pages)
-        # the tree's n x n blocks into the static QLEN_ONLY buffer (SGLang's FULL_MASK tensor changes each step)
+        # the tree's n x n blocks into the static QLEN_ONLY buffer (SGLang's FULL_MASK tensor changes each step);
+        # a replay padded past the live requests has no mask for the padding: its cells read the last one (their
+        # rows are never used), not past the tensor
         cells = torch.arange(tree_tokens, device=tree_mask.device)
         layout = plan.mask_layout
         index = (layout.start[:, None, None] + cells[None, :, None] * layout.row_stride[:, None, None]
                  + layout.column[:, None, None] + cells[None, None, :])
-        buffers.tree_mask.copy_(tree_mask.reshape(-1)[index.reshape(-1)].bool())
+        flat_mask = tree_mask.reshape(-1)
+        buffers.tree_mask.copy_(flat_mask[index.reshape(-1).clamp(max=flat_mask.numel() - 1)].bool())
         buffers.qo_indptr.copy_(plan.qo_indptr)
         buffers.kv_indptr.copy_(plan.kv_indptr)
         buffers.kv_lens.copy_(plan.kv_lens)

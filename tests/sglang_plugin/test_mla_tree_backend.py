@@ -146,6 +146,24 @@ def test_graph_capture_then_replays_reuse_the_static_buffers(backend_module, mon
     assert backend.base.calls == ["init_cuda_graph_state"]
 
 
+def test_a_replay_padded_past_the_live_requests(backend_module, monkeypatch):
+    """SGLang replays a graph captured for 3 requests with 2 live ones: the padding request has prefix length 1
+    (the fill value), row 0 of the tables and no tree mask; the live requests' outputs are still theirs."""
+    mode, tree_tokens = TreeMaskMode.FULL_MASK, 4
+    live = paged_mla_batch(50, 2, tree_tokens, 1, mode)
+    backend, _ = make_backend(backend_module, monkeypatch, live, 1, mode)
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
+    padded = dict(live, prefixes=live["prefixes"] + [1], rows=torch.cat([live["rows"], live["rows"][:1] * 0]),
+                  tree_slots=torch.cat([live["tree_slots"], torch.zeros(tree_tokens, dtype=torch.int32)]),
+                  q_latent=torch.cat([live["q_latent"], torch.zeros(tree_tokens, MLA_HEADS, MLA_LATENT)]),
+                  q_rope=torch.cat([live["q_rope"], torch.zeros(tree_tokens, MLA_HEADS, MLA_ROPE)]))
+    backend.init_forward_metadata_out_graph(verify_batch(padded, tree_tokens), in_capture=True)
+    backend.init_forward_metadata_out_graph(verify_batch(padded, tree_tokens))  # the mask covers 2 requests only
+    out = layer_forward(backend, padded, verify_batch(padded, tree_tokens))
+    expected = paged_mla_reference(live, tree_tokens)
+    assert torch.allclose(out[: 2 * tree_tokens], expected, atol=1e-5, rtol=1e-4)
+
+
 def test_a_wrong_mask_through_the_backend_is_noticed(backend_module, monkeypatch):
     mode = TreeMaskMode.QLEN_ONLY
     data = paged_mla_batch(30, 2, 6, 1, mode)
