@@ -5,14 +5,17 @@ prefix, the interpreted tree kernel over the tree, the base-2 merge), prefill an
 Greedy output equals plain decoding token for token; the verify forwards' log-probabilities equal (float32
 tolerance) those of the bed's existing MLA tree verify (SGLang's intel_amx extend attention with the tree mask,
 the stand-in ``extend_attention_cpu``), step for step (same accept lengths), in SGLang's CPU mask layout
-(QLEN_ONLY) and in the GPU's (FULL_MASK, ``SGLANG_SPEC_CPU_TREE_MASK=full``) with pages of 4 tokens; the server
-logs that the cascade served its verifies; and a launch it cannot serve is refused in one line.
+(QLEN_ONLY) and in the GPU's (FULL_MASK, ``SGLANG_SPEC_CPU_TREE_MASK=full``) with pages of 4 tokens, and with
+tensor parallelism 2 (two heads a rank, gloo); seeded temperature-0.7 requests give the bed's sampled tokens (one
+rank: the same coins on the same logits); the server logs that the cascade served its verifies; and a launch it
+cannot serve is refused in one line.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
@@ -26,7 +29,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 MAX_NEW_TOKENS = 24
 SHAPE = ("eagle", 6, 3, 2)  # a real tree: two children a node, three levels
 CASCADE = ["--speculative-tree-mla-verify", "flashinfer"]
+SEED = ["--random-seed", "7"]  # every tree server: the same coins for the same logits
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}
+SAMPLED = {"temperature": 0.7, "max_new_tokens": MAX_NEW_TOKENS}
 FIRST_VERIFY = "MLA tree verify on FlashInfer: first verify forward"
 
 
@@ -38,17 +43,26 @@ def prompts() -> list[list[int]]:
     return ToyLanguage(TINY_DEEPSEEK_CONFIG["vocab_size"], seed=999).sample(3, 10).tolist()
 
 
-def answers(tiny_cpu, server_logs, prompts, name, extra=(), speculative=True, environment=None):
-    """Greedy answers with the log-probability of every output token (SGLang reads them from the target's
-    verify logits on a tree server), and the server's log."""
+@dataclass(frozen=True)
+class Served:
+    """One server's greedy answers with the log-probability of every output token (SGLang reads them from the
+    target's verify logits on a tree server), its seeded sampled answers (tree servers), and its log."""
+
+    greedy: list[dict]
+    sampled: list[dict]
+    log: str
+
+
+def serve(tiny_cpu, server_logs, prompts, name, extra=(), speculative=True, environment=None) -> Served:
     with pytest.MonkeyPatch.context() as patch:
         for variable, value in (environment or {}).items():
             patch.setenv(variable, value)
         with running_server(tiny_cpu, server_logs, name, list(extra), speculative=speculative) as server:
-            answer = server.request("/generate", {"input_ids": prompts, "sampling_params": GREEDY,
+            greedy = server.request("/generate", {"input_ids": prompts, "sampling_params": GREEDY,
                                                   "return_logprob": True})
+            sampled = server.generate(prompts, SAMPLED) if speculative else []
             log = server.log_path.read_text(errors="replace")
-    return answer, log
+    return Served(greedy, sampled, log)
 
 
 def token_logprobs(answer: list[dict]) -> list[list[float]]:
@@ -57,30 +71,31 @@ def token_logprobs(answer: list[dict]) -> list[list[float]]:
 
 @pytest.fixture(scope="module")
 def plain(tiny_cpu, server_logs, prompts):
-    answer, _ = answers(tiny_cpu, server_logs, prompts, "mla-plain", speculative=False)
-    return answer
+    return serve(tiny_cpu, server_logs, prompts, "mla-plain", speculative=False).greedy
 
 
 @pytest.fixture(scope="module")
-def bed_tree(tiny_cpu, server_logs, prompts):
+def bed_tree(tiny_cpu, server_logs, prompts) -> Served:
     """The bed's existing MLA tree verify (intel_amx extend attention, tree mask) with the same tree."""
-    return answers(tiny_cpu, server_logs, prompts, "mla-bed-tree", tree_args(*SHAPE))
+    return serve(tiny_cpu, server_logs, prompts, "mla-bed-tree", tree_args(*SHAPE) + SEED)
 
 
-@pytest.fixture(scope="module", params=["qlen-page1", "full-page4"])
-def cascade(request, tiny_cpu, server_logs, prompts):
-    extra = tree_args(*SHAPE) + CASCADE
+@pytest.fixture(scope="module", params=["qlen-page1", "full-page4", "qlen-tp2"])
+def cascade(request, tiny_cpu, server_logs, prompts) -> tuple[str, Served]:
+    extra = tree_args(*SHAPE) + SEED + CASCADE
     environment = {}
     if request.param == "full-page4":
         extra += ["--page-size", "4"]
         environment[TREE_MASK_ENV] = "full"
-    answer, log = answers(tiny_cpu, server_logs, prompts, f"mla-cascade-{request.param}", extra,
-                          environment=environment)
-    return request.param, answer, log
+    if request.param == "qlen-tp2":
+        extra += ["--tp-size", "2"]
+    return request.param, serve(tiny_cpu, server_logs, prompts, f"mla-cascade-{request.param}", extra,
+                                environment=environment)
 
 
 def test_greedy_output_equals_plain_decoding(cascade, plain):
-    name, answer, _ = cascade
+    name, served = cascade
+    answer = served.greedy
     assert [item["output_ids"] for item in answer] == [item["output_ids"] for item in plain], name
     assert max(accept_lengths(answer)) >= 2  # trees were accepted past the root
 
@@ -88,8 +103,8 @@ def test_greedy_output_equals_plain_decoding(cascade, plain):
 def test_verify_logprobs_equal_the_beds_mla_tree_verify(cascade, bed_tree):
     """Same tokens, same accept lengths (the same verify steps), and every output token's log-probability (read
     from the verify logits) equal to float32 tolerance: the cascade computes the bed's masked attention."""
-    name, answer, _ = cascade
-    bed_answer, _ = bed_tree
+    name, served = cascade
+    answer, bed_answer = served.greedy, bed_tree.greedy
     assert [item["output_ids"] for item in answer] == [item["output_ids"] for item in bed_answer], name
     assert accept_lengths(answer) == accept_lengths(bed_answer), name
     ours, theirs = token_logprobs(answer), token_logprobs(bed_answer)
@@ -100,12 +115,24 @@ def test_verify_logprobs_equal_the_beds_mla_tree_verify(cascade, bed_tree):
     assert any(value < -1e-3 for row in ours for value in row)  # real distributions, not all-certain tokens
 
 
+def test_sampled_requests_through_the_cascade(cascade, bed_tree):
+    """Seeded temperature 0.7 through SGLang's sampling verify on the cascade's logits: full length, drafts
+    accepted, not the greedy tokens; on one rank exactly the bed's tokens (same seed, same coins, same logits)."""
+    name, served = cascade
+    tokens = [item["output_ids"] for item in served.sampled]
+    assert all(len(row) == MAX_NEW_TOKENS for row in tokens) and max(accept_lengths(served.sampled)) >= 2, name
+    assert tokens != [item["output_ids"] for item in served.greedy]
+    if not name.endswith("tp2"):
+        assert tokens == [item["output_ids"] for item in bed_tree.sampled], name
+
+
 def test_the_cascade_served_the_verifies(cascade, bed_tree):
-    name, _, log = cascade
-    assert "MLA tree verify on FlashInfer (CPU twin)" in log and FIRST_VERIFY in log, name
+    name, served = cascade
+    heads = "2 heads" if name.endswith("tp2") else "4 heads"
+    assert f"MLA tree verify on FlashInfer (CPU twin): {heads}" in served.log and FIRST_VERIFY in served.log, name
     if name.startswith("full"):
-        assert "first FULL_MASK tree mask built" in log
-    assert FIRST_VERIFY not in bed_tree[1]
+        assert "first FULL_MASK tree mask built" in served.log
+    assert FIRST_VERIFY not in bed_tree.log
 
 
 def test_a_model_without_mla_is_refused_in_one_line(smollm2_cpu):
