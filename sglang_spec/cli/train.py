@@ -18,7 +18,7 @@ from sglang_spec.models.loading import load_head_for
 from sglang_spec.models.target_shell import load_target_shell
 from sglang_spec.mtp.head import FEEDBACK_MODES
 from sglang_spec.train.capture import read_manifest
-from sglang_spec.train.distributed import World, join_world, leave_world
+from sglang_spec.train.distributed import World, join_world, leave_world, training_device
 from sglang_spec.train.traffic import check_traffic_model, read_traffic_strict
 from sglang_spec.train.trainer import (TrainConfig, check_train_paths, resume_config, state_path_for, train_head,
                                        train_head_from_capture)
@@ -177,7 +177,8 @@ def _from_capture(args: argparse.Namespace, progress: bool):
     if label != manifest.model and not args.allow_model_mismatch:
         raise SpecError(f"{args.capture} was captured from {manifest.model!r}, not {label!r}; pass "
                         f"--allow-model-mismatch to train on it anyway")
-    loaded = load_target_shell(label, folder)
+    # a GPU when there is one (untested here: this project's CI has none), else the CPU
+    loaded = load_target_shell(label, folder, device=training_device())
     metadata = {"model": label, "capture": str(args.capture), "captured_sequences": manifest.num_sequences,
                 "init": args.init}
     return loaded, None, metadata

@@ -56,8 +56,10 @@ def _read_tensor(path: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
         raise SpecError(f"cannot read {name} from {path} ({str(error).splitlines()[0]})") from None
 
 
-def load_target_shell(label: str, folder: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """The target in ``folder`` as a meta-device model with its real (frozen) embedding and output head."""
+def load_target_shell(label: str, folder: Path, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> LoadedModel:
+    """The target in ``folder`` as a meta-device model with its real (frozen) embedding and output head, on
+    ``device`` (where a head built for it trains)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -69,10 +71,11 @@ def load_target_shell(label: str, folder: Path, dtype: torch.dtype = torch.float
     files = _shard_of(folder, (EMBEDDING, OUTPUT_HEAD))
     if EMBEDDING not in files:
         raise SpecError(f"{folder}: the checkpoint has no {EMBEDDING}; the head needs the target's embedding")
-    embedding = nn.Parameter(_read_tensor(files[EMBEDDING], EMBEDDING, dtype), requires_grad=False)
+    embedding = nn.Parameter(_read_tensor(files[EMBEDDING], EMBEDDING, dtype).to(device), requires_grad=False)
     tied = getattr(config, "tie_word_embeddings", False) or OUTPUT_HEAD not in files
     if not tied:
-        output = nn.Parameter(_read_tensor(files[OUTPUT_HEAD], OUTPUT_HEAD, dtype), requires_grad=False)
+        output = nn.Parameter(_read_tensor(files[OUTPUT_HEAD], OUTPUT_HEAD, dtype).to(device),
+                              requires_grad=False)
     else:
         output = embedding
     expected = (config.vocab_size, config.hidden_size)

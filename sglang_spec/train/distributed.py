@@ -62,11 +62,18 @@ def join_world() -> World:
         return World()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":  # one GPU a rank (NCCL refuses two ranks on one device)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         try:
             dist.init_process_group(backend)
         except (RuntimeError, ValueError) as error:
             raise SpecError(f"cannot join the torchrun process group ({str(error).splitlines()[0][:150]})") from None
     return World(dist.get_rank(), dist.get_world_size(), sharded=True)
+
+
+def training_device() -> torch.device:
+    """This rank's GPU when there is one (``join_world`` chose it), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def leave_world(world: World) -> None:

@@ -154,7 +154,8 @@ def soft_targets(hidden: torch.Tensor, output_weight: torch.Tensor, draft_vocab:
     """The target's top-K next-token probabilities over the draft vocabulary from its final hidden states.
     hidden: [L, d]; output_weight: [V, d] the output head. Returns ids [L, K] int32 (draft-vocabulary indices,
     most likely first) and probs [L, K] float16."""
-    probs = torch.softmax(torch.nn.functional.linear(hidden.to(output_weight.dtype), output_weight).float(), dim=-1)
+    probs = torch.softmax(torch.nn.functional.linear(hidden.to(output_weight.device, output_weight.dtype),
+                                                     output_weight).float(), dim=-1)
     if draft_vocab is not None:
         probs = probs.index_select(-1, draft_vocab.to(probs.device))
     top_probs, top_ids = torch.topk(probs, top_k, dim=-1)
@@ -356,7 +357,8 @@ def _read_teacher_cache(path: Path, data: TrainingData) -> TeacherCache | None:
 @dataclass
 class FitState:
     """Step 3's state, everything a checkpoint saves: the head, its optimizer and schedule, the steps taken,
-    the training seconds and the evaluation history."""
+    the training seconds, the evaluation history, and the batch stream's generator state after the last step
+    taken (so a resumed run draws the batches the uninterrupted one would; None: start the stream)."""
 
     head: MTPHead
     optimizer: torch.optim.Optimizer
@@ -364,6 +366,7 @@ class FitState:
     step: int = 0
     elapsed: float = 0.0
     history: list[dict[str, Any]] = field(default_factory=list)
+    batch_stream: torch.Tensor | None = None
 
 
 def learning_rate_factor(step: int, config: TrainConfig) -> float:
@@ -413,6 +416,8 @@ def start_fit(
         for group in optimizer.param_groups:
             group["lr"] = config.lr * learning_rate_factor(saved["step"], config)
         state.step, state.elapsed, state.history = saved["step"], saved["elapsed"], saved["history"]
+        stream = saved.get("batch_stream")  # states written before it was saved restart the stream at seed + step
+        state.batch_stream = stream if isinstance(stream, torch.Tensor) else None
     return state
 
 
@@ -500,6 +505,7 @@ class Checkpoints:
                     "fingerprint": self.data.fingerprint, "head": head_state, "optimizer": optimizer_state,
                     "scheduler": state.scheduler.state_dict(), "rng": torch.get_rng_state(),
                     "config": asdict(self.config), "world_size": self.world.size,
+                    "batch_stream": state.batch_stream,
                 }, handle)
         self.world.barrier()
         state.head.train()
@@ -521,6 +527,9 @@ def fit(
     last one). Returns the last batch's top-1 per step. Every rank draws the same global batch and trains on its
     rows of it."""
     generator = torch.Generator().manual_seed(config.seed + state.step)
+    if state.batch_stream is not None:
+        generator.set_state(state.batch_stream)
+    state.batch_stream = generator.get_state()
     bar = tqdm(total=config.steps, initial=state.step, desc="training MTP head",
                disable=not (progress and world.is_main))
     train_top1: list[float] = []
@@ -547,6 +556,7 @@ def fit(
             state.optimizer.step()
             state.scheduler.step()
             state.step += 1
+            state.batch_stream = generator.get_state()  # only a finished step moves the saved stream on
             state.elapsed += time.perf_counter() - tick
             train_top1 = metrics.top1
             bar.update()

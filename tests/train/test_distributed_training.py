@@ -16,7 +16,8 @@ from safetensors import safe_open
 from captured import toy_sequences, write_capture
 from sglang_spec.cli import main
 from sglang_spec.mtp.checkpoint import read_mtp_header
-from sglang_spec.train.trainer import (TrainConfig, build_teacher_cache, captured_data, teacher_from_capture)
+from sglang_spec.train import trainer
+from sglang_spec.train.trainer import TrainConfig, build_teacher_cache, captured_data, teacher_from_capture
 
 TRAIN = ["train", "--steps", "6", "--batch-size", "4", "--checkpoint-every", "3", "--draft-vocab", "64",
          "--unroll", "2", "--eval-fraction", "0.25", "--lr", "0.005", "--json"]
@@ -43,13 +44,20 @@ def _weights(path) -> dict[str, torch.Tensor]:
         return {name: handle.get_tensor(name) for name in handle.keys()}
 
 
-def test_two_processes_reach_the_loss_and_weights_of_one(capture, tmp_path, capsys):
-    one, two, other_seed = tmp_path / "one.safetensors", tmp_path / "two.safetensors", tmp_path / "s1.safetensors"
-    assert main([*TRAIN, "--capture", str(capture), "--out", str(one)]) == 0
-    single = json.loads(capsys.readouterr().out)
+@pytest.fixture(scope="module")
+def one_process(capture, tmp_path_factory):
+    """The 6-step run in one plain process (no torchrun): its head file."""
+    out = tmp_path_factory.mktemp("one") / "one.safetensors"
+    assert main([*TRAIN, "--capture", str(capture), "--out", str(out)]) == 0
+    return out
+
+
+def test_two_processes_reach_the_loss_and_weights_of_one(capture, one_process, tmp_path, capsys):
+    capsys.readouterr()
+    two, other_seed = tmp_path / "two.safetensors", tmp_path / "s1.safetensors"
     double = _torchrun(2, [*TRAIN, "--capture", str(capture), "--out", str(two)])
-    assert single["world_size"] == 1 and double["world_size"] == 2 and double["steps"] == 6
-    history_one = read_mtp_header(one)["metadata"]["history"]
+    assert double["world_size"] == 2 and double["steps"] == 6
+    history_one = read_mtp_header(one_process)["metadata"]["history"]
     history_two = read_mtp_header(two)["metadata"]["history"]
     assert [h["step"] for h in history_two] == [3, 6]
     for a, b in zip(history_one, history_two):
@@ -59,7 +67,7 @@ def test_two_processes_reach_the_loss_and_weights_of_one(capture, tmp_path, caps
         assert b["train_top1"] == pytest.approx(a["train_top1"], abs=1e-9)
         assert b["eval_top1"] == pytest.approx(a["eval_top1"], abs=1e-9)
     assert history_one[1]["loss"] < history_one[0]["loss"]  # it trained
-    weights_one, weights_two = _weights(one), _weights(two)
+    weights_one, weights_two = _weights(one_process), _weights(two)
     assert weights_one.keys() == weights_two.keys()
     for name in weights_one:
         torch.testing.assert_close(weights_two[name], weights_one[name], atol=1e-6, rtol=1e-5, msg=name)
@@ -67,6 +75,29 @@ def test_two_processes_reach_the_loss_and_weights_of_one(capture, tmp_path, caps
     assert main([*TRAIN, "--capture", str(capture), "--out", str(other_seed), "--seed", "1"]) == 0
     capsys.readouterr()
     assert max((w - weights_one[n]).abs().max().item() for n, w in _weights(other_seed).items()) > 1e-3
+
+
+def test_a_run_interrupted_in_one_process_resumes_on_two(capture, one_process, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "head.safetensors"
+    calls = {"n": 0}
+    original = trainer.unrolled_loss
+
+    def interrupt(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:  # steps 1-3, the evaluation at step 3, then Ctrl-C in step 4
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "unrolled_loss", interrupt)
+    assert main([*TRAIN, "--capture", str(capture), "--out", str(out)]) == 2
+    assert "continue with --resume" in capsys.readouterr().err
+    assert torch.load(trainer.state_path_for(out), weights_only=True)["step"] == 3
+    resumed = _torchrun(2, [*TRAIN, "--capture", str(capture), "--out", str(out), "--resume"])
+    assert resumed["steps"] == 6 and not trainer.state_path_for(out).exists()
+    # the optimizer, schedule and batch stream continue where they stopped: the uninterrupted run's weights
+    weights_one = _weights(one_process)
+    for name, weight in _weights(out).items():
+        torch.testing.assert_close(weight, weights_one[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_soft_targets_from_captured_states_are_the_teacher_pass(tiny, capture):
