@@ -90,61 +90,67 @@ def _mla_tree_attention_kernel(
     LATENT: tl.constexpr,
     ROPE: tl.constexpr,
     ROPE_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # tree queries a program
+    BLOCK_H: tl.constexpr,  # heads a program; BLOCK_Q * BLOCK_H >= 16 (tl.dot's smallest M)
     BLOCK_N: tl.constexpr,  # >= the most tree tokens a request has
     BLOCK_L: tl.constexpr,  # latent columns per chunk; divides LATENT
 ):
-    # program (b, i, head block): query i of request b, heads [hb * BLOCK_H, (hb + 1) * BLOCK_H)
+    # program (b, query block, head block): queries [qb * BLOCK_Q, ...) of request b x heads [hb * BLOCK_H, ...),
+    # as BLOCK_Q * BLOCK_H rows (row r: query r // BLOCK_H, head r % BLOCK_H) that share one read of the tree's rows
     b = tl.program_id(0)
-    i = tl.program_id(1)
+    query_block = tl.program_id(1)
     head_block = tl.program_id(2)
     first = tl.load(qo_indptr_ptr + b)
     count = tl.load(qo_indptr_ptr + b + 1) - first
-    if i < count:
-        token = (first + i).to(tl.int64)
-        heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-        in_heads = heads < num_heads
-        rows = tl.arange(0, BLOCK_N)
-        in_tree = rows < count
-        tree_rows = first.to(tl.int64) + rows
-        mask_row = tl.load(mask_start_ptr + b) + i * tl.load(mask_row_stride_ptr + b) + tl.load(mask_column_ptr + b)
-        visible = tl.load(mask_ptr + mask_row + rows, mask=in_tree, other=0) != 0
-        visible = visible & in_tree
+    if query_block * BLOCK_Q < count:
+        row = tl.arange(0, BLOCK_Q * BLOCK_H)
+        query = query_block * BLOCK_Q + row // BLOCK_H
+        head = head_block * BLOCK_H + row % BLOCK_H
+        live = (query < count) & (head < num_heads)
+        token = first.to(tl.int64) + query
+        keys = tl.arange(0, BLOCK_N)
+        in_tree = keys < count
+        tree_rows = first.to(tl.int64) + keys
+        mask_rows = (tl.load(mask_start_ptr + b) + query * tl.load(mask_row_stride_ptr + b)
+                     + tl.load(mask_column_ptr + b))
+        visible = tl.load(mask_ptr + mask_rows[:, None] + keys[None, :], mask=live[:, None] & in_tree[None, :],
+                          other=0) != 0  # [rows, BLOCK_N]
 
-        # scores [BLOCK_H, BLOCK_N] = q_latent . c_kv + q_rope . k_rope, latent chunk by chunk
-        scores = tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32)
+        # scores [rows, BLOCK_N] = q_latent . c_kv + q_rope . k_rope, latent chunk by chunk
+        scores = tl.zeros((BLOCK_Q * BLOCK_H, BLOCK_N), dtype=tl.float32)
         columns = tl.arange(0, BLOCK_L)
+        q_rows = q_latent_ptr + token * q_latent_token + head * q_latent_head
         for chunk in range(0, LATENT, BLOCK_L):
-            q = tl.load(q_latent_ptr + token * q_latent_token + heads[:, None] * q_latent_head
-                        + (chunk + columns)[None, :], mask=in_heads[:, None], other=0.0)
+            q = tl.load(q_rows[:, None] + (chunk + columns)[None, :], mask=live[:, None], other=0.0)
             k = tl.load(c_kv_ptr + tree_rows[:, None] * c_kv_row + (chunk + columns)[None, :],
                         mask=in_tree[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k), scores)
         rope_columns = tl.arange(0, ROPE_PAD)
         in_rope = rope_columns < ROPE
-        q_rope = tl.load(q_rope_ptr + token * q_rope_token + heads[:, None] * q_rope_head + rope_columns[None, :],
-                         mask=in_heads[:, None] & in_rope[None, :], other=0.0)
+        q_rope = tl.load(q_rope_ptr + (token * q_rope_token + head * q_rope_head)[:, None] + rope_columns[None, :],
+                         mask=live[:, None] & in_rope[None, :], other=0.0)
         k_rope = tl.load(k_rope_ptr + tree_rows[:, None] * k_rope_row + rope_columns[None, :],
                          mask=in_tree[:, None] & in_rope[None, :], other=0.0)
         scores = tl.dot(q_rope, tl.trans(k_rope), scores)
 
         # softmax in base 2 over the visible rows; an all-masked row keeps max -inf: weights 0, lse -inf
-        scores = tl.where(visible[None, :], scores * scale_log2, float("-inf"))
+        scores = tl.where(visible, scores * scale_log2, float("-inf"))
         row_max = tl.max(scores, axis=1)
         safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
         weights = tl.exp2(scores - safe_max[:, None])
         total = tl.sum(weights, axis=1)
         lse = safe_max + tl.log2(total)
-        tl.store(lse_ptr + token * lse_token + heads, lse, mask=in_heads)
+        tl.store(lse_ptr + token * lse_token + head, lse, mask=live)
         weights = weights / tl.where(total == 0.0, 1.0, total)[:, None]
 
-        # out [BLOCK_H, L] = weights @ c_kv, chunk by chunk (the values are the latent rows themselves)
+        # out [rows, L] = weights @ c_kv, chunk by chunk (the values are the latent rows themselves)
+        out_rows = out_ptr + token * out_token + head * out_head
         for chunk in range(0, LATENT, BLOCK_L):
             values = tl.load(c_kv_ptr + tree_rows[:, None] * c_kv_row + (chunk + columns)[None, :],
                              mask=in_tree[:, None], other=0.0)
             attended = tl.dot(weights.to(values.dtype), values)
-            tl.store(out_ptr + token * out_token + heads[:, None] * out_head + (chunk + columns)[None, :],
-                     attended.to(out_ptr.dtype.element_ty), mask=in_heads[:, None])
+            tl.store(out_rows[:, None] + (chunk + columns)[None, :], attended.to(out_ptr.dtype.element_ty),
+                     mask=live[:, None])
 
 
 def _check(q_latent, q_rope, tree_c_kv, tree_k_rope, qo_indptr, layout, out, lse) -> None:
@@ -169,7 +175,7 @@ def _check(q_latent, q_rope, tree_c_kv, tree_k_rope, qo_indptr, layout, out, lse
 def mla_tree_attention(
     q_latent: torch.Tensor, q_rope: torch.Tensor, tree_c_kv: torch.Tensor, tree_k_rope: torch.Tensor,
     qo_indptr: torch.Tensor, mask: torch.Tensor, layout: TreeMaskLayout, max_tree_tokens: int, scale: float,
-    out: torch.Tensor, lse: torch.Tensor, block_heads: int = 16, block_latent: int = 64,
+    out: torch.Tensor, lse: torch.Tensor, block_heads: int = 16, block_latent: int = 64, block_rows: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher. q_latent [T, H, L], q_rope [T, H, R]; tree_c_kv [T, L], tree_k_rope [T, R] (row t: the latent row
     of tree token t); qo_indptr [B + 1] int32; mask: flat, read through ``layout``; max_tree_tokens: the most tree
@@ -182,8 +188,12 @@ def mla_tree_attention(
     block_latent = min(block_latent, triton.next_power_of_2(latent))
     if latent % block_latent:
         raise ValueError(f"the latent width {latent} must be a multiple of {block_latent}")
-    block_heads = max(16, min(block_heads, triton.next_power_of_2(heads)))  # tl.dot needs 16 rows
-    grid = (qo_indptr.shape[0] - 1, max_tree_tokens, triton.cdiv(heads, block_heads))
+    # rows of a program: BLOCK_Q queries x BLOCK_H heads, at least 16 (tl.dot) and about ``block_rows``; queries of
+    # one block share each read of their request's tree rows
+    block_heads = min(block_heads, triton.next_power_of_2(heads))
+    queries_wanted = min(triton.next_power_of_2(max_tree_tokens), max(1, block_rows // block_heads))
+    block_queries = max(16 // block_heads, queries_wanted)
+    grid = (qo_indptr.shape[0] - 1, triton.cdiv(max_tree_tokens, block_queries), triton.cdiv(heads, block_heads))
     _mla_tree_attention_kernel[grid](
         q_latent, q_rope, tree_c_kv, tree_k_rope, qo_indptr, mask, layout.start, layout.row_stride, layout.column,
         out, lse,
@@ -193,6 +203,7 @@ def mla_tree_attention(
         LATENT=latent,
         ROPE=q_rope.shape[-1],
         ROPE_PAD=max(16, triton.next_power_of_2(q_rope.shape[-1])),
+        BLOCK_Q=block_queries,
         BLOCK_H=block_heads,
         BLOCK_N=max(16, triton.next_power_of_2(max_tree_tokens)),
         BLOCK_L=block_latent,
@@ -203,7 +214,7 @@ def mla_tree_attention(
 def mla_tree_attention_reference(
     q_latent: torch.Tensor, q_rope: torch.Tensor, tree_c_kv: torch.Tensor, tree_k_rope: torch.Tensor,
     qo_indptr: torch.Tensor, mask: torch.Tensor, layout: TreeMaskLayout, max_tree_tokens: int, scale: float,
-    out: torch.Tensor, lse: torch.Tensor, block_heads: int = 16, block_latent: int = 64,
+    out: torch.Tensor, lse: torch.Tensor, block_heads: int = 16, block_latent: int = 64, block_rows: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The launcher's contract in plain torch, one request at a time (``cascade.mla_attention`` over the request's
     tree rows with its ancestor block), lse converted to base 2. Reads the host: a reference, not a graph path."""

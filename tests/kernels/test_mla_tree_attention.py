@@ -147,8 +147,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
     pointers = {"q_latent_ptr": "*bf16", "q_rope_ptr": "*bf16", "c_kv_ptr": "*bf16", "k_rope_ptr": "*bf16",
                 "qo_indptr_ptr": "*i32", "mask_ptr": "*u8", "mask_start_ptr": "*i64", "mask_row_stride_ptr": "*i64",
                 "mask_column_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32", "scale_log2": "fp32"}
-    for block_n in (16, 64):  # DeepSeek-V3's widths, 1..64 tree tokens
-        constants = dict(LATENT=512, ROPE=64, ROPE_PAD=64, BLOCK_H=16, BLOCK_N=block_n, BLOCK_L=64)
+    for block_q, block_n in ((1, 16), (4, 64)):  # DeepSeek-V3's widths, 1 and 64 tree tokens (the launcher's blocks)
+        constants = dict(LATENT=512, ROPE=64, ROPE_PAD=64, BLOCK_Q=block_q, BLOCK_H=16, BLOCK_N=block_n, BLOCK_L=64)
         names = kernel.arg_names
         signature = {name: pointers.get(name, "constexpr" if name in constants else "i64") for name in names}
         source = ASTSource(fn=kernel, signature=signature,
