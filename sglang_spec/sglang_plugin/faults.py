@@ -4,7 +4,9 @@ A fault in the plugin's draft or accept for one batch must not take SGLang's sch
 verifies a filler tree, the accept's batch is accepted by SGLang's own path (``hooks``, ``docs/sglang-plugin.md``
 "Faults"). The tests inject them through launch_server with two variables, read once at start-up:
 
-* ``SGLANG_SPEC_INJECT_DRAFT_FAULT=n``: every n-th draft raises (``hooks.draft_forward_around``).
+* ``SGLANG_SPEC_INJECT_DRAFT_FAULT=n``: every n-th draft raises (``hooks.draft_forward_around``; under tensor
+  parallelism once the draft ran);
+  ``SGLANG_SPEC_INJECT_FAULT_RANK=r``: on attention-TP rank r only (the others then fall back with it).
 * ``SGLANG_SPEC_INJECT_ACCEPT_FAULT=n``: every n-th verify step raises at one stage of the plugin's accept, the
   stages the server runs taken in turn (``AcceptFaults``).
 """

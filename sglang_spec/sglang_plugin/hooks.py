@@ -293,6 +293,7 @@ class DraftSetup:
     accept_faults: AcceptFaults | None = None  # tests: the target worker's injected accept faults (OBSERVE fires here)
     guard: HeadGuard | None = None  # the own loop: a non-finite head output verifies the filler (head_guard)
     poison: HeadPoison | None = None  # tests: head forwards whose probabilities turn NaN (head_guard.INJECT_ENV)
+    peers: DraftPeers | None = None  # tensor parallelism: the ranks whose drafts fall back together
 
 
 def draft_worker_init_after(result, worker, *args, **kwargs):
@@ -320,7 +321,8 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
         raise StartupError(error) from None
     setup = worker._sglang_spec = DraftSetup(loop, exact_ancestry=False, width=worker.topk,
                                              steps=worker.speculative_num_steps, context=context,
-                                             fault_every=_fault_every(), poison=poison)
+                                             fault_every=_fault_every() if _injects_here() else 0, poison=poison,
+                                             peers=DraftPeers.of_worker())
     if loop is not None:  # before any draft graph is captured: the guard's tensors live on the device
         setup.guard = HeadGuard.build(_filler_encoding(worker, setup), worker.device)
     claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
@@ -426,19 +428,60 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
     if setup is None or forward_batch.forward_mode.is_idle():
         return original(worker, forward_batch, *args, **kwargs)
     setup.drafts += 1
+    error: Exception | None = None
+    inject = bool(setup.fault_every) and setup.drafts % setup.fault_every == 0
     try:
-        if setup.fault_every and setup.drafts % setup.fault_every == 0:
+        # injected before the draft on one rank; with peers once it ran (a rank that skipped the head's forward
+        # would leave the others waiting in its all-reduce: see DraftPeers)
+        if inject and setup.peers is None:
             raise InjectedFault(f"draft {setup.drafts} ({FAULT_ENV}={setup.fault_every})")
-        return _draft_forward(original, worker, forward_batch, setup, *args, **kwargs)
-    except Exception as error:  # one batch's draft must not take the scheduler down: it verifies a filler tree
+        drafted = _draft_forward(original, worker, forward_batch, setup, *args, **kwargs)
+        if inject:
+            raise InjectedFault(f"draft {setup.drafts} ({FAULT_ENV}={setup.fault_every}, once drafted)")
+    except Exception as caught:  # one batch's draft must not take the scheduler down: it verifies a filler tree
         if _capturing():  # a failed graph capture must fail, not record a filler tree
             raise
-        if setup.context is not None:
-            setup.context.proposed = []  # nothing was proposed: the accept teaches the counts nothing
-        METRICS.record_draft_fault(type(error).__name__)
-        log(f"draft fault, batch of {forward_batch.batch_size} verified without speculation "
-            f"({type(error).__name__}: {error}; sglang_spec_draft_faults_total)")
-        return _filler_draft(worker, forward_batch, setup)
+        error = caught
+    if setup.peers is not None and not _capturing() and setup.peers.any_faulted(error is not None) \
+            and error is None:
+        error = FaultOnAnotherRank("another tensor-parallel rank's draft of this batch faulted")
+    if error is None:
+        return drafted
+    if setup.context is not None:
+        setup.context.proposed = []  # nothing was proposed: the accept teaches the counts nothing
+    METRICS.record_draft_fault(type(error).__name__)
+    log(f"draft fault, batch of {forward_batch.batch_size} verified without speculation "
+        f"({type(error).__name__}: {error}; sglang_spec_draft_faults_total)")
+    return _filler_draft(worker, forward_batch, setup)
+
+
+class FaultOnAnotherRank(RuntimeError):
+    """This rank drafted, another rank of its tensor-parallel group faulted: every rank verifies the filler tree."""
+
+
+@dataclass(frozen=True)
+class DraftPeers:
+    """The ranks that verify one batch together (SGLang's attention-TP group), more than one: their draft trees
+    must agree, because the verify forward's all-reduces add up every rank's part of the same tokens (a rank that
+    verified its filler tree beside the others' real trees would corrupt every rank's logits, silently).
+
+    Every rank calls ``any_faulted`` once for every draft outside a graph capture (SGLang's scheduler runs its
+    steps on one thread, so the calls pair up in order): one int summed over the group's gloo group, on the host,
+    no device sync. This covers faults after a draft's last collective (the trees' organisation and encoding,
+    the host's reads); a rank that raises in the middle of the head's forward leaves its peers waiting in that
+    forward's all-reduce, which no rank-local fallback can undo (SGLang's watchdog ends such a server)."""
+
+    cpu_group: Any
+
+    @classmethod
+    def of_worker(cls) -> DraftPeers | None:
+        group = _accept_tp_group()
+        return None if group is None else cls(group.cpu_group)
+
+    def any_faulted(self, faulted: bool) -> bool:
+        flag = torch.tensor([int(faulted)], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, group=self.cpu_group)
+        return bool(flag.item())
 
 
 FAULT_ENV = "SGLANG_SPEC_INJECT_DRAFT_FAULT"
@@ -451,6 +494,20 @@ def _fault_every(name: str = FAULT_ENV) -> int:
         what = "draft" if name == FAULT_ENV else "verify step's accept"
         raise StartupError(f"{name}={text!r}: give a whole number n (every n-th {what} raises) or 0")
     return int(text)
+
+
+FAULT_RANK_ENV = "SGLANG_SPEC_INJECT_FAULT_RANK"
+
+
+def _injects_here() -> bool:
+    """Tests: whether this rank injects the draft faults (``SGLANG_SPEC_INJECT_FAULT_RANK``: one attention-TP
+    rank; unset: every rank)."""
+    text = os.environ.get(FAULT_RANK_ENV, "").strip()
+    if not text:
+        return True
+    if not text.isdigit():
+        raise StartupError(f"{FAULT_RANK_ENV}={text!r}: give the tensor-parallel rank that injects faults, or unset it")
+    return int(text) == _attn_tp_rank()
 
 
 def _capturing() -> bool:

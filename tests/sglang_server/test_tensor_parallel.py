@@ -11,7 +11,8 @@ Per server: greedy output equal to a one-rank plain server's; seeded temperature
 ranks (full length, drafts accepted) and the server answers afterwards, so the ranks did not diverge (a sampled
 accept is rank 0's on every rank: SGLang's ``eagle_sample`` broadcasts it, the fused accept too); the two accepts
 give the same sampled tokens (same seed, rank 0's coins); the plugin's acceptance counters count each verify
-step once (rank 0 only), not once per rank.
+step once (rank 0 only), not once per rank. A draft that faults on one rank alone falls back on both (the
+ranks agree on the filler tree each step), and the output stays plain decoding's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import re
 
 import pytest
 
-from cpu_server_helpers import accept_lengths, running_server, tree_args
+from cpu_server_helpers import accept_lengths, counted_draft_faults, running_server, tree_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
@@ -118,3 +119,27 @@ def test_acceptance_counters_count_each_step_once(tp_run):
     for depth in range(1, SHAPE[2] + 1):
         name = f'sglang_spec_tree_accepted_drafts_total{{position="{depth}"}}'
         assert grew(name) == sum(1 for length in lengths if length - 1 >= depth), depth
+
+
+def test_a_draft_fault_on_one_rank_falls_back_on_every_rank(tiny_cpu, server_logs, prompts, plain_one_rank,
+                                                             monkeypatch):
+    """Rank 1 alone raises in every third draft: rank 0, which drafted, hears of it and verifies the filler tree
+    too. Without that agreement the verify forward adds rank 1's part of the filler tokens to rank 0's part of the
+    real tree on both ranks: greedy output then differs from plain decoding (seen on the code before it)."""
+    from sglang_spec.sglang_plugin.hooks import FAULT_ENV, FAULT_RANK_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "3")
+    monkeypatch.setenv(FAULT_RANK_ENV, "1")
+    extra = tree_args(*SHAPE) + SEED + ["--tp-size", "2", "--enable-metrics"]
+    with running_server(tiny_cpu, server_logs, "tiny-tp2-rank1-faults", extra) as server:
+        greedy = server.generate(prompts, GREEDY, timeout=TIMEOUT)
+        metrics = server.request("/metrics")
+        again = server.generate(prompts[:1], GREEDY, timeout=TIMEOUT)
+    log = server.log_path.read_text(errors="replace")
+    assert [answer["output_ids"] for answer in greedy] == plain_one_rank
+    assert again[0]["output_ids"] == plain_one_rank[0]
+    heard = counted_draft_faults(metrics, "FaultOnAnotherRank")  # counted on rank 0, which injected nothing
+    assert heard is not None and heard > 0, metrics[-2000:]
+    assert counted_draft_faults(metrics, "InjectedFault") is None
+    lines = [line for line in log.splitlines() if "draft fault" in line]
+    assert any("(InjectedFault" in line for line in lines) and any("(FaultOnAnotherRank" in line for line in lines)
