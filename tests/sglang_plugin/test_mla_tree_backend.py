@@ -37,6 +37,10 @@ class Pool:
         self.buffer[location.loc.long()] = k.reshape(-1, 1, self.buffer.shape[-1])
         self.writes += 1
 
+    def set_mla_kv_buffer(self, layer, location, k_nope, k_rope) -> None:  # FlashInfer's form: latent, rope apart
+        self.buffer[location.loc.long()] = torch.cat([k_nope, k_rope], dim=-1).reshape(-1, 1, self.buffer.shape[-1])
+        self.writes += 1
+
 
 class Base:
     """The wrapped back-end: records what reaches it."""
@@ -93,10 +97,10 @@ def verify_batch(data, tree_tokens, mask=None):
                            out_cache_loc_is_physical=False)
 
 
-def layer_forward(backend, data, forward_batch):
+def layer_forward(backend, data, forward_batch, layer_id=0):
     """One layer as DeepSeek's intel_amx form calls it: q [T, H * (L + R)], k [T, 1, L + R] (the tree's rows)."""
     layer = SimpleNamespace(tp_q_head_num=MLA_HEADS, v_head_dim=MLA_LATENT, head_dim=MLA_LATENT + MLA_ROPE,
-                            layer_id=0, scaling=data["scale"])
+                            layer_id=layer_id, scaling=data["scale"])
     q = torch.cat([data["q_latent"], data["q_rope"]], dim=-1).reshape(len(data["tree_slots"]), -1)
     k = data["kv_buffer"][data["tree_slots"].long()]
     out = backend.forward(q, k, k[..., :MLA_LATENT], layer, forward_batch)
@@ -117,6 +121,28 @@ def test_eager_verify_equals_full_masked_attention(backend_module, monkeypatch, 
     assert pool.writes == 1 and backend.base.calls == []
     assert torch.allclose(out, paged_mla_reference(data, 5), atol=1e-5, rtol=1e-4)
     assert backend.verify_forwards == 1
+    again = layer_forward(backend, data, forward_batch, layer_id=1)  # a second layer: the same plan, not a new one
+    assert torch.equal(again, out) and backend.wrapper.plans == 1 and backend.verify_forwards == 1
+
+
+def test_the_flashinfer_form_of_the_call(backend_module, monkeypatch):
+    """On a GPU DeepSeek calls FlashInfer's back-end with q_nope [T, H * L] and q_rope [T, H * R] apart, and the new
+    latent rows as k [T, 1, L] + k_rope [T, 1, R] (set_mla_kv_buffer): the same attention."""
+    mode = TreeMaskMode.FULL_MASK
+    data = paged_mla_batch(60, 2, 5, 4, mode)
+    tree_rows = data["kv_buffer"][data["tree_slots"].long()].clone()
+    data["kv_buffer"][data["tree_slots"].long()] = 0.0
+    backend, pool = make_backend(backend_module, monkeypatch, data, 4, mode)
+    forward_batch = verify_batch(data, 5)
+    backend.init_forward_metadata(forward_batch)
+    layer = SimpleNamespace(tp_q_head_num=MLA_HEADS, v_head_dim=MLA_LATENT, head_dim=MLA_LATENT + MLA_ROPE,
+                            layer_id=0, scaling=data["scale"])
+    out = backend.forward(data["q_latent"].reshape(len(tree_rows), -1), tree_rows[..., :MLA_LATENT],
+                          tree_rows[..., :MLA_LATENT], layer, forward_batch,
+                          q_rope=data["q_rope"].reshape(len(tree_rows), -1), k_rope=tree_rows[..., MLA_LATENT:])
+    data["kv_buffer"][data["tree_slots"].long()] = tree_rows
+    assert pool.writes == 1
+    assert torch.allclose(out.view(-1, MLA_HEADS, MLA_LATENT), paged_mla_reference(data, 5), atol=1e-5, rtol=1e-4)
 
 
 def test_graph_capture_then_replays_reuse_the_static_buffers(backend_module, monkeypatch):
