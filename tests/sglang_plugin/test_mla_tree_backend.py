@@ -93,8 +93,8 @@ def verify_batch(data, tree_tokens, mask=None):
     spec_info = SimpleNamespace(draft_token_num=tree_tokens, custom_mask=data["flat_mask"] if mask is None else mask,
                                 tree_topk=2, ragged_verify_layout=None)
     return SimpleNamespace(forward_mode=Mode(True), spec_info=spec_info, batch_size=batch, seq_lens=prefixes,
-                           seq_lens_cpu=prefixes.clone(), req_pool_indices=data["rows"], out_cache_loc=data["tree_slots"],
-                           out_cache_loc_is_physical=False)
+                           seq_lens_cpu=prefixes.clone(), req_pool_indices=data["rows"],
+                           out_cache_loc=data["tree_slots"], out_cache_loc_is_physical=False)
 
 
 def layer_forward(backend, data, forward_batch, layer_id=0):
