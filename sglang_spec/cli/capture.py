@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from types import SimpleNamespace
 
 from sglang_spec.catalog import resolve_model_path
@@ -92,5 +91,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"captured {summary.captured} sequences ({summary.tokens} tokens) into {args.out}"
               + (f"; {summary.skipped} prompts were already there" if summary.skipped else "")
-              + f"; the dataset holds {summary.sequences} sequences in {summary.shards} shards", file=sys.stdout)
+              + f"; the dataset holds {summary.sequences} sequences in {summary.shards} shards")
     return 0

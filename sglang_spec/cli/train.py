@@ -10,16 +10,17 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from sglang_spec.catalog import load_model, resolve_model_path
 from sglang_spec.cli.parser import MAX_BATCH_SIZE, MAX_STEPS, integer, number, path_arg, seed, text_arg
 from sglang_spec.errors import SpecError
-from sglang_spec.models.loading import load_head_for
+from sglang_spec.models.loading import LoadedModel, load_head_for
 from sglang_spec.models.target_shell import load_target_shell
 from sglang_spec.mtp.head import FEEDBACK_MODES
 from sglang_spec.train.capture import read_manifest
 from sglang_spec.train.distributed import World, join_world, leave_world, training_device
-from sglang_spec.train.traffic import check_traffic_model, read_traffic_strict
+from sglang_spec.train.traffic import TrafficRecord, check_traffic_model, read_traffic_strict
 from sglang_spec.train.trainer import (TrainConfig, check_train_paths, resume_config, state_path_for, train_head,
                                        train_head_from_capture)
 from sglang_spec.tree.token_tree import MAX_DEPTH
@@ -114,8 +115,9 @@ def _run(args: argparse.Namespace, world: World) -> int:
     else:
         config = TrainConfig(**given)
     progress = not args.json and world.is_main
+    records: list[TrafficRecord] = []
     if args.capture is not None:
-        loaded, records, metadata = _from_capture(args, progress)
+        loaded, metadata = _from_capture(args, progress)
     else:
         if args.model is None:
             raise SpecError("--model is required with --traffic")
@@ -164,8 +166,8 @@ def _check_init(args: argparse.Namespace) -> None:
         raise SpecError(f"--init {args.init} does not exist")
 
 
-def _from_capture(args: argparse.Namespace, progress: bool):
-    """(target shell, no traffic, metadata) for ``--capture``: the model the manifest names unless --model."""
+def _from_capture(args: argparse.Namespace, progress: bool) -> tuple[LoadedModel, dict[str, Any]]:
+    """(target shell, metadata) for ``--capture``: the model the manifest names unless --model."""
     if args.domain:
         raise SpecError("--domain filters traffic; a capture is trained on as a whole")
     manifest = read_manifest(args.capture)
@@ -181,4 +183,4 @@ def _from_capture(args: argparse.Namespace, progress: bool):
     loaded = load_target_shell(label, folder, device=training_device())
     metadata = {"model": label, "capture": str(args.capture), "captured_sequences": manifest.num_sequences,
                 "init": args.init}
-    return loaded, None, metadata
+    return loaded, metadata

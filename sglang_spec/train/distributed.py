@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import fully_shard
 
 from sglang_spec.errors import SpecError
+from sglang_spec.mtp.head import MTPHead
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,12 @@ def leave_world(world: World) -> None:
             dist.destroy_process_group()
 
 
-def shard_head(head: nn.Module, world: World) -> nn.Module:
-    """FSDP2 over the head: its decoder block is one unit (for DeepSeek, MLA + MoE: nearly all the weights), the
-    norms and ``eh_proj`` the root unit. A no-op in one plain process."""
-    if not world.sharded:
-        return head
-    fully_shard(head.block)
-    fully_shard(head)
+def shard_head(head: MTPHead, world: World) -> MTPHead:
+    """FSDP2 over the head, in place: its decoder block is one unit (for DeepSeek, MLA + MoE: nearly all the
+    weights), the norms and ``eh_proj`` the root unit. A no-op in one plain process."""
+    if world.sharded:
+        fully_shard(head.block)
+        fully_shard(head)
     return head
 
 

@@ -550,9 +550,9 @@ def fit(
             state.optimizer.zero_grad()
             # FSDP2 averages the ranks' gradients; the batch's gradient is their sum
             (loss * world.size if world.size > 1 else loss).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(state.head.parameters(), 1.0)
+            total_norm = torch.nn.utils.clip_grad_norm_(state.head.parameters(), 1.0)
             # under FSDP2 the norm is a replicated DTensor (computed over every rank's shards)
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            grad_norm = float(total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm)
             state.optimizer.step()
             state.scheduler.step()
             state.step += 1
