@@ -29,7 +29,8 @@ import torch
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-from sglang.srt.runtime_context import get_parallel
+from sglang.srt.environ import envs
+from sglang.srt.runtime_context import get_buffer, get_parallel
 
 from sglang_spec.errors import SpecError
 from sglang_spec.kernels.mla_tree_attention import TreeMaskLayout
@@ -47,7 +48,7 @@ from sglang_spec.sglang_plugin.hooks import log
 from sglang_spec.sglang_plugin.options import ATTRIBUTE
 from sglang_spec.tree.encode_sglang import TreeMaskMode
 
-WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's usual MLA workspace (its own guidance); 4 KiB for the CPU twin
+CPU_WORKSPACE_BYTES = 4096  # the CPU twin's wrappers keep their plan on the host: a token workspace
 
 
 def flashinfer_namespace(device: str) -> SimpleNamespace:
@@ -111,8 +112,11 @@ class MLATreeVerifyBackend(AttentionBackend):
 
         self.mask_mode = TreeMaskMode(int(eagle_utils.default_tree_mask_mode()))
         self.flashinfer = flashinfer_namespace(self.device)
-        workspace_bytes = 4096 if str(self.device) == "cpu" else WORKSPACE_BYTES
-        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        # on a GPU, SGLang's FlashInfer MLA workspace: its wrappers share it (one is planned and run at a time, and
+        # a verify forward plans only ours), so the cascade costs no second 128 MiB
+        self.workspace = (torch.empty(CPU_WORKSPACE_BYTES, dtype=torch.uint8) if str(self.device) == "cpu" else
+                          get_buffer("flashinfer_mla_workspace", lambda: torch.empty(
+                              envs.SGLANG_FLASHINFER_WORKSPACE_SIZE.get(), dtype=torch.uint8, device=self.device)))
         self.wrapper = self.flashinfer.BatchMLAPagedAttentionWrapper(self.workspace)
         self.graph_buffers: dict[int, GraphBuffers] = {}
         self.graph_kv_indices: torch.Tensor | None = None
