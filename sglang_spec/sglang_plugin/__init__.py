@@ -17,7 +17,9 @@ from importlib import metadata
 
 from sglang_spec.sglang_plugin import hooks
 from sglang_spec.sglang_plugin.cpu import ENABLE_FLAG, claim_amx_platform, patches, profile, tree_mask
+from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.hooks import HOOKS, RESOLUTION_HOOKS
+from sglang_spec.sglang_plugin.options import ATTRIBUTE, validate_mla_verify_cache
 
 SUPPORTED_SGLANG = ("0.5.23",)
 # --speculative-tree-mla-verify: the target's attention back-end wrapped once SGLang has built it
@@ -56,6 +58,7 @@ def register() -> None:
     HookRegistry.register(MLA_TREE_VERIFY_HOOK, mla_tree_verify_backend_after, HookType.AFTER)
     for step, name in RESOLUTION_HOOKS:
         register_resolution_hook(step)(getattr(hooks, name))
+    register_resolution_hook("handle_model_capability_adjustments")(mla_verify_cache_check)
     from sglang.srt.entrypoints import engine
 
     engine.Engine.server_args_class = hooks.EngineServerArgs  # see EngineServerArgs for why not a HookRegistry hook
@@ -77,3 +80,18 @@ def mla_tree_verify_backend_after(result, *args, **kwargs):
     imported on first use (as ``hooks.MODEL_CLASSES`` are): it subclasses SGLang's AttentionBackend, so it imports
     sglang, which this package must not at import time (the CPU harness imports it first)."""
     return importlib.import_module(MLA_TREE_BACKEND_MODULE).build_backend_after(result, *args, **kwargs)
+
+
+def mla_verify_cache_check(server_args, previous) -> None:
+    """After SGLang's capability adjustments: ``--speculative-tree-mla-verify`` refuses a quantized KV cache in one
+    line (``options.validate_mla_verify_cache``), before any worker starts."""
+    previous(server_args)
+    options = getattr(server_args, ATTRIBUTE, None)
+    if options is None or options.mla_verify is None:
+        return
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    try:
+        validate_mla_verify_cache(options, getattr(resolving_view(server_args), "kv_cache_dtype", None))
+    except SpecError as error:
+        raise hooks.StartupError(error) from None

@@ -381,3 +381,15 @@ def validate_mla_verify(backends: Mapping[str, str | None], is_mla: bool, device
         raise SpecError(f"--speculative-tree-mla-verify verifies the tree, but the MTP draft decodes it on its own "
                         f"back-end ({draft}), which takes no tree; add --speculative-draft-attention-backend "
                         f"{' or '.join(drafts)}")
+
+
+# KV cache dtypes the cascade reads as they are (the model's dtype); anything else is a quantized cache
+UNQUANTIZED_KV_CACHE = (None, "auto", "bf16", "bfloat16", "fp16", "float16", "float32")
+
+
+def validate_mla_verify_cache(options: TreeServerOptions, kv_cache_dtype: str | None) -> None:
+    """``--speculative-tree-mla-verify``: the tree kernel reads the tree's latent rows as the model's dtype, and
+    FlashInfer's cascade is planned without KV scales, so a quantized KV cache is refused at start-up."""
+    if options.mla_verify is not None and kv_cache_dtype not in UNQUANTIZED_KV_CACHE:
+        raise SpecError(f"--speculative-tree-mla-verify reads the KV cache unquantized, but --kv-cache-dtype is "
+                        f"{kv_cache_dtype}; drop --kv-cache-dtype or the option")

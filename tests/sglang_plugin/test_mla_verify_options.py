@@ -10,7 +10,13 @@ import argparse
 import pytest
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.options import TreeServerOptions, add_arguments, from_namespace, validate_backends
+from sglang_spec.sglang_plugin.options import (
+    TreeServerOptions,
+    add_arguments,
+    from_namespace,
+    validate_backends,
+    validate_mla_verify_cache,
+)
 
 CASCADE = TreeServerOptions("eagle", 10, 4, 4, 4, mla_verify="flashinfer")
 
@@ -54,3 +60,11 @@ def test_accepted_where_it_serves():
     with pytest.raises(SpecError, match="cannot run tree speculation for an MLA model"):
         validate_backends(TreeServerOptions("eagle", 10, 4, 4, 4),
                           dict(attention_backend="flashinfer", speculative_draft_attention_backend="fa3"), True, "cuda")
+
+
+def test_a_quantized_kv_cache_is_refused():
+    with pytest.raises(SpecError, match="--kv-cache-dtype is fp8_e4m3; drop --kv-cache-dtype or the option"):
+        validate_mla_verify_cache(CASCADE, "fp8_e4m3")
+    for unquantized in (None, "auto", "bfloat16"):
+        validate_mla_verify_cache(CASCADE, unquantized)
+    validate_mla_verify_cache(TreeServerOptions("eagle", 10, 4, 4, 4), "fp8_e4m3")  # not ours to refuse

@@ -8,7 +8,7 @@ the stand-in ``extend_attention_cpu``), step for step (same accept lengths), in 
 (QLEN_ONLY) and in the GPU's (FULL_MASK, ``SGLANG_SPEC_CPU_TREE_MASK=full``) with pages of 4 tokens, and with
 tensor parallelism 2 (two heads a rank, gloo); seeded temperature-0.7 requests give the bed's sampled tokens (one
 rank: the same coins on the same logits); the server logs that the cascade served its verifies; and a launch it
-cannot serve is refused in one line.
+cannot serve (a model without MLA, a quantized KV cache) is refused in one line.
 """
 
 from __future__ import annotations
@@ -135,11 +135,19 @@ def test_the_cascade_served_the_verifies(cascade, bed_tree):
     assert FIRST_VERIFY not in bed_tree.log
 
 
-def test_a_model_without_mla_is_refused_in_one_line(smollm2_cpu):
+@pytest.mark.parametrize(
+    "model, extra, message",
+    [
+        ("smollm2_cpu", tree_args("eagle", 8, 4, 4), "--speculative-tree-mla-verify serves MLA models"),
+        ("tiny_cpu", tree_args(*SHAPE) + ["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype is fp8_e4m3"),
+    ],
+    ids=["model-without-mla", "quantized-kv-cache"],
+)
+def test_refused_in_one_line(request, model, extra, message):
     command = [sys.executable, "-m", "sglang.launch_server",
-               *cpu_launch_args(smollm2_cpu, free_port(), extra=tree_args("eagle", 8, 4, 4) + CASCADE)]
+               *cpu_launch_args(request.getfixturevalue(model), free_port(), extra=extra + CASCADE)]
     finished = subprocess.run(command, env=server_environment(), capture_output=True, text=True, timeout=240)
     errors = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
     assert finished.returncode != 0
-    assert len(errors) == 1 and "--speculative-tree-mla-verify serves MLA models" in errors[0], finished.stderr[-2000:]
+    assert len(errors) == 1 and message in errors[0], finished.stderr[-2000:]
     assert "Traceback" not in finished.stderr + finished.stdout
