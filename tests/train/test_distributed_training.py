@@ -118,7 +118,20 @@ def test_soft_targets_from_captured_states_are_the_teacher_pass(tiny, capture):
                                    teacher.target_probs[row][:, 0].float(), atol=1e-2, rtol=0)
 
 
-def test_a_capture_from_another_model_is_refused(capture, tmp_path, capsys):
-    code = main([*TRAIN, "--capture", str(capture), "--model", "smollm2", "--out", str(tmp_path / "h.safetensors")])
+@pytest.mark.parametrize("extra, message", [
+    (["--model", "smollm2"], "captured from 'tiny-deepseek', not 'smollm2'"),
+    (["--domain", "toy"], "--domain filters traffic; a capture is trained on as a whole"),
+    (["--traffic", "t.jsonl"], "argument --traffic: not allowed with argument --capture"),
+    (["--batch-size", "1", "--init", "nowhere.safetensors"], "--init nowhere.safetensors does not exist"),
+])
+def test_bad_capture_training_fails_in_one_line(capture, tmp_path, capsys, extra, message):
+    code = main([*TRAIN, "--capture", str(capture), *extra, "--out", str(tmp_path / "h.safetensors")])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "captured from 'tiny-deepseek', not 'smollm2'" in err, err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "h.safetensors").exists()
+
+
+def test_a_folder_that_is_no_capture_is_refused(tmp_path, capsys):
+    code = main([*TRAIN, "--capture", str(tmp_path), "--out", str(tmp_path / "h.safetensors")])
+    err = capsys.readouterr().err
+    assert code == 2 and "is not a captured dataset (no manifest.json)" in err, err
