@@ -182,6 +182,11 @@ class CaptureWriter:
                 if getattr(existing, name) != getattr(manifest, name):
                     raise SpecError(f"{folder} holds a capture with {name} {getattr(existing, name)}, not "
                                     f"{getattr(manifest, name)}; use another --out or pass --force to start over")
+            # one dataset, one sampling: a resumed capture must answer as the first part did
+            stored, asked = existing.source.get("sampling"), manifest.source.get("sampling")
+            if stored is not None and asked is not None and stored != asked:
+                raise SpecError(f"{folder} was captured with sampling {json.dumps(stored)}, not {json.dumps(asked)}; "
+                                f"use the same settings, another --out, or --force to start over")
             manifest = CaptureManifest(**{**asdict(manifest), "shards": existing.shards})
         self.folder = folder
         self.manifest = manifest

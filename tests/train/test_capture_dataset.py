@@ -145,6 +145,9 @@ def test_capture_stores_prompt_answer_and_states_and_resumes(tmp_path, prompt_fi
         again = json.loads(capsys.readouterr().out)
         assert again["captured"] == 0 and again["skipped"] == 4 and again["sequences"] == 4
         assert len(server.requests) == 2
+        # resuming with other sampling would mix two datasets in one
+        assert main([*args, "--from-server", server.url, "--temperature", "0.7"]) == 2
+        assert "was captured with sampling" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("server_kind, message", [
