@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
     model = prepare_model(args.model, progress=not args.json)
     config = read_model_config(model.target_dir)
-    tokenizer, _, chat = load_tokenizer(model.target_dir, argparse.Namespace(eos_token_id=config.get("eos_token_id")))
+    eos = argparse.Namespace(eos_token_id=config.get("eos_token_id"))  # the config field load_tokenizer reads
+    tokenizer, _, chat = load_tokenizer(model.target_dir, eos)
     prompts = [encode_prompt(tokenizer, chat, spec) for name in args.prompts for spec in load_prompts(name)]
     with tempfile.TemporaryDirectory(prefix="head-accept-") as temporary:
         work = Path(temporary)

@@ -185,8 +185,9 @@ class CaptureWriter:
             # one dataset, one sampling: a resumed capture must answer as the first part did
             stored, asked = existing.source.get("sampling"), manifest.source.get("sampling")
             if stored is not None and asked is not None and stored != asked:
-                raise SpecError(f"{folder} was captured with sampling {json.dumps(stored)}, not {json.dumps(asked)}; "
-                                f"use the same settings, another --out, or --force to start over")
+                raise SpecError(f"{folder} was captured with sampling {json.dumps(stored)}, not "
+                                f"{json.dumps(asked)}; use the same settings, another --out, or --force to start "
+                                f"over")
             manifest = CaptureManifest(**{**asdict(manifest), "shards": existing.shards})
         self.folder = folder
         self.manifest = manifest

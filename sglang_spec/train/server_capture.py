@@ -146,7 +146,8 @@ def capture_from_server(
         raise SpecError(f"{url} serves a {served_type} model, but {manifest.model} is {manifest.model_type}; "
                         f"give the --model the server runs")
     sampling = {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature}
-    source = {**manifest.source, "server": url, "server_model_path": info.get("model_path") if isinstance(info, dict) else None,
+    served_path = info.get("model_path") if isinstance(info, dict) else None
+    source = {**manifest.source, "server": url, "server_model_path": served_path,
               "sampling": sampling, "seed": settings.seed}
     writer = CaptureWriter(out, CaptureManifest(**{**manifest.__dict__, "source": source}), settings.shard_size)
     pending = [index for index, spec in enumerate(prompts) if spec.id not in writer.done]

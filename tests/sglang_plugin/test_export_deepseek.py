@@ -1,6 +1,7 @@
 """``export_deepseek_draft``: a head in DeepSeek's own layout (``model.layers.{L}.*``), what SGLang's NEXTN loads.
 Exporting the tiny DeepSeek-V3's own MTP layer gives back its checkpoint tensor for tensor, and only a head trained
-with the post-norm feedback SGLang's NextN uses is exported. (Served: tests/sglang_server/test_served_custom_head.py.)"""
+with the post-norm feedback SGLang's NextN uses is exported. (Served:
+tests/sglang_server/test_served_custom_head.py.)"""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def test_a_reduced_vocabulary_becomes_a_token_map_and_pre_norm_is_refused(tiny, 
     head.refresh_draft_head()
     export = export_deepseek_draft(save_mtp_head(head, tmp_path / "small.safetensors"), loaded.path,
                                    tmp_path / "draft")
-    assert export.token_map == tmp_path / "draft" / TOKEN_MAP and torch.load(export.token_map) == list(range(100, 164))
+    assert export.token_map == tmp_path / "draft" / TOKEN_MAP
+    assert torch.load(export.token_map) == list(range(100, 164))
     head.draft_vocab = None
     head.refresh_draft_head()
     assert export_deepseek_draft(save_mtp_head(head, tmp_path / "full.safetensors"), loaded.path,
