@@ -148,7 +148,7 @@ def unrolled_loss(head: MTPHead, batch: TeacherBatch, unroll: int, step_decay: f
     # the leading steps with a supervised position anywhere (a single process stops at its first empty step)
     steps = next((index for index, count in enumerate(global_counts) if count == 0), unroll)
     total = torch.zeros((), device=device)
-    sums = torch.zeros(2, steps, dtype=torch.float64, device=device)  # [loss sum, top-1 agreements] per step
+    sums = torch.zeros(2, steps, device=device)  # [loss sum, top-1 agreements] per step, float32 as the loss
     for drafted in unrolled_steps(head, batch, steps, stop_when_empty=False):
         index = drafted.step - 1
         log_q = torch.log_softmax(drafted.logits.float(), dim=-1)
@@ -157,9 +157,9 @@ def unrolled_loss(head: MTPHead, batch: TeacherBatch, unroll: int, step_decay: f
         step_sum = (per_position * drafted.valid).sum()
         total = total + (step_decay ** index) * (step_sum / global_counts[index])
         agree = (log_q.argmax(-1) == teacher_ids[..., 0]) & drafted.valid
-        sums[0, index] = step_sum.detach().double()
-        sums[1, index] = agree.sum().double()
+        sums[0, index] = step_sum.detach()
+        sums[1, index] = agree.sum()
     sums = reduce(sums)
     counts = global_counts[:steps]
-    return total, StepMetrics([float(sums[0, s]) / counts[s] for s in range(steps)],
+    return total, StepMetrics([float(sums[0, s] / counts[s]) for s in range(steps)],
                               [float(sums[1, s]) / counts[s] for s in range(steps)], counts)
