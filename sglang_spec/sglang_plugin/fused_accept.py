@@ -215,12 +215,18 @@ class FusedAccept:
         """The fused accept after the forward. ``coins``: SGLang's (per-node, final) verify coins for a sampled
         batch, None for a greedy one. ``replayed``: the greedy accept this step's verify graph computed, if any."""
         if coins is None and replayed is not None:
-            accepted = replayed
-        else:
-            accepted = self._eager_accept(verify_input, batch, logits, coins)
-        if self.tp_group is not None and (coins is not None or self.broadcast_greedy):
-            broadcast_accept(accepted, self.tp_group)
-        return accepted
+            return replayed
+        return self._eager_accept(verify_input, batch, logits, coins)
+
+    def broadcasts(self, sampled: bool) -> bool:
+        """Whether this batch's accept is rank 0's on every rank (tensor parallelism; sampled batches, greedy ones
+        too on ROCm), as eagle_sample makes its own."""
+        return self.tp_group is not None and (sampled or self.broadcast_greedy)
+
+    def agree(self, accepted: SGLangAccept) -> None:
+        """Rank 0's accept on every rank, in place (where ``broadcasts``). Every rank of the group must take the
+        fused path for the batch (``hooks.Peers``): SGLang's path broadcasts its own accept in another layout."""
+        broadcast_accept(accepted, self.tp_group)
 
     def _eager_accept(self, verify_input: Any, batch: Any, logits: torch.Tensor,
                       coins: tuple[torch.Tensor, torch.Tensor] | None) -> SGLangAccept:

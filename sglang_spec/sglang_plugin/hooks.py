@@ -293,7 +293,7 @@ class DraftSetup:
     accept_faults: AcceptFaults | None = None  # tests: the target worker's injected accept faults (OBSERVE fires here)
     guard: HeadGuard | None = None  # the own loop: a non-finite head output verifies the filler (head_guard)
     poison: HeadPoison | None = None  # tests: head forwards whose probabilities turn NaN (head_guard.INJECT_ENV)
-    peers: DraftPeers | None = None  # tensor parallelism: the ranks whose drafts fall back together
+    peers: Peers | None = None  # tensor parallelism: the ranks whose drafts fall back together
 
 
 def draft_worker_init_after(result, worker, *args, **kwargs):
@@ -322,7 +322,7 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
     setup = worker._sglang_spec = DraftSetup(loop, exact_ancestry=False, width=worker.topk,
                                              steps=worker.speculative_num_steps, context=context,
                                              fault_every=_fault_every() if _injects_here() else 0, poison=poison,
-                                             peers=DraftPeers.of_worker())
+                                             peers=Peers.of_worker())
     if loop is not None:  # before any draft graph is captured: the guard's tensors live on the device
         setup.guard = HeadGuard.build(_filler_encoding(worker, setup), worker.device)
     claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
@@ -432,7 +432,7 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
     inject = bool(setup.fault_every) and setup.drafts % setup.fault_every == 0
     try:
         # injected before the draft on one rank; with peers once it ran (a rank that skipped the head's forward
-        # would leave the others waiting in its all-reduce: see DraftPeers)
+        # would leave the others waiting in its all-reduce: see Peers)
         if inject and setup.peers is None:
             raise InjectedFault(f"draft {setup.drafts} ({FAULT_ENV}={setup.fault_every})")
         drafted = _draft_forward(original, worker, forward_batch, setup, *args, **kwargs)
@@ -442,7 +442,7 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
         if _capturing():  # a failed graph capture must fail, not record a filler tree
             raise
         error = caught
-    if setup.peers is not None and not _capturing() and setup.peers.any_faulted(error is not None) \
+    if setup.peers is not None and not _capturing() and setup.peers.any_rank(error is not None) \
             and error is None:
         error = FaultOnAnotherRank("another tensor-parallel rank's draft of this batch faulted")
     if error is None:
@@ -456,32 +456,37 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
 
 
 class FaultOnAnotherRank(RuntimeError):
-    """This rank drafted, another rank of its tensor-parallel group faulted: every rank verifies the filler tree."""
+    """This rank's draft or fused accept went well, another rank's of its tensor-parallel group did not: every rank
+    takes the fallback (the filler tree; SGLang's accept)."""
 
 
 @dataclass(frozen=True)
-class DraftPeers:
-    """The ranks that verify one batch together (SGLang's attention-TP group), more than one: their draft trees
-    must agree, because the verify forward's all-reduces add up every rank's part of the same tokens (a rank that
-    verified its filler tree beside the others' real trees would corrupt every rank's logits, silently).
+class Peers:
+    """The ranks that verify one batch together (SGLang's attention-TP group), more than one. Their drafts must
+    agree, because the verify forward's all-reduces add up every rank's part of the same tokens (a rank that
+    verified its filler tree beside the others' real trees would corrupt every rank's logits); and on a sampled
+    batch their accepts must take one path, because the fused accept and SGLang's broadcast rank 0's accept in
+    different layouts.
 
-    Every rank calls ``any_faulted`` once for every draft outside a graph capture (SGLang's scheduler runs its
-    steps on one thread, so the calls pair up in order): one int summed over the group's gloo group, on the host,
-    no device sync. This covers faults after a draft's last collective (the trees' organisation and encoding,
-    the host's reads); a rank that raises in the middle of the head's forward leaves its peers waiting in that
-    forward's all-reduce, which no rank-local fallback can undo (SGLang's watchdog ends such a server)."""
+    ``any_rank`` is called by every rank at the same points of every step outside a graph capture (after each
+    draft; before a sampled batch's accept broadcast), and SGLang's scheduler runs its steps on one thread, so the
+    calls pair up in order: one int summed over the group's gloo group, on the host, no device sync. This covers
+    faults after a draft's last collective (the trees' organisation and encoding, the host's reads) and in the
+    accept; a rank that raises in the middle of the head's forward leaves its peers waiting in that forward's
+    all-reduce, which no rank-local fallback can undo (SGLang's watchdog ends such a server)."""
 
     cpu_group: Any
 
     @classmethod
-    def of_worker(cls) -> DraftPeers | None:
+    def of_worker(cls) -> Peers | None:
         group = _accept_tp_group()
         return None if group is None else cls(group.cpu_group)
 
-    def any_faulted(self, faulted: bool) -> bool:
-        flag = torch.tensor([int(faulted)], dtype=torch.int32)
-        torch.distributed.all_reduce(flag, group=self.cpu_group)
-        return bool(flag.item())
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the group."""
+        total = torch.tensor([int(flag)], dtype=torch.int32)
+        torch.distributed.all_reduce(total, group=self.cpu_group)
+        return bool(total.item())
 
 
 FAULT_ENV = "SGLANG_SPEC_INJECT_DRAFT_FAULT"
@@ -500,8 +505,8 @@ FAULT_RANK_ENV = "SGLANG_SPEC_INJECT_FAULT_RANK"
 
 
 def _injects_here() -> bool:
-    """Tests: whether this rank injects the draft faults (``SGLANG_SPEC_INJECT_FAULT_RANK``: one attention-TP
-    rank; unset: every rank)."""
+    """Tests: whether this rank injects draft and accept faults (``SGLANG_SPEC_INJECT_FAULT_RANK``: one
+    attention-TP rank; unset: every rank)."""
     text = os.environ.get(FAULT_RANK_ENV, "").strip()
     if not text:
         return True
@@ -740,6 +745,7 @@ def eagle_worker_init_after(result, worker, *args, **kwargs):
     fused = FusedAccept(worker.speculative_num_draft_tokens, worker.speculative_num_steps, worker.device, METRICS,
                         tp_group=_accept_tp_group(), broadcast_greedy=is_hip())
     worker._sglang_spec_fused = fused
+    worker._sglang_spec_peers = Peers.of_worker()
     if str(worker.device).startswith("cuda"):
         worker.target_worker.model_runner.capture_tail_hooks.append(fused.capture_tail)  # before graph capture
     return result
@@ -749,7 +755,7 @@ def _start_accept_faults(worker, options: TreeServerOptions) -> None:
     """The worker's injected accept faults (``ACCEPT_FAULT_ENV``, tests), over the stages its server runs; the draft
     worker fires the context drafter's (OBSERVE)."""
     every = _fault_every(ACCEPT_FAULT_ENV)
-    if not every:
+    if not every or not _injects_here():
         return
     stages = ((ACCEPT, COMMIT) if options.accept == "fused" else ()) + (RECORD,)
     stages += (OBSERVE,) if options.uses_context else ()
@@ -792,6 +798,7 @@ class VerifyStep:
     accepted: bool = False  # whether the fused path accepted the batch (its KV commit follows it)
     faults: AcceptFaults | None = None  # tests: the worker's injected accept faults, armed for this step
     fused_fault: bool = False  # a fault before the accept (the replay's links): SGLang's accept serves the batch
+    peers: Peers | None = None  # tensor parallelism with the fused accept: a sampled batch's accept path agreed
 
     def fire(self, stage: str) -> None:
         if self.faults is not None:
@@ -808,7 +815,7 @@ def verify_around(original, worker, *args, **kwargs):
     faults: AcceptFaults | None = getattr(worker, "_sglang_spec_accept_faults", None)
     if faults is not None:
         faults.arm()
-    token = _STEP.set(VerifyStep(fused, faults=faults))
+    token = _STEP.set(VerifyStep(fused, faults=faults, peers=getattr(worker, "_sglang_spec_peers", None)))
     try:
         return original(worker, *args, **kwargs)
     finally:
@@ -868,17 +875,27 @@ def _with_exact_penalties(original, verify_input, batch, logits_output, *args, *
 def _eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None, uno_target_max_top_k=None,
                   **kwargs):
     step = _STEP.get()
-    if step is None or step.fused is None or step.fused_fault or batch.forward_mode.is_idle():
+    if step is None or step.fused is None or batch.forward_mode.is_idle():
         return original(verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k, **kwargs)
-    try:
-        accepted = _fused_accept(step, verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k,
-                                 **kwargs)
-    except Exception as error:  # the fused accept wrote only its own buffers: SGLang's accept starts afresh
-        accept_fault(ACCEPT, error, len(batch.reqs), "accepted by SGLang's eagle_sample")
-        step.fused.count("fault")
+    fused = step.fused
+    accepted = None
+    if not step.fused_fault:
+        try:
+            accepted = _fused_accept(step, verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k,
+                                     **kwargs)
+        except Exception as error:  # the fused accept wrote only its own buffers: SGLang's accept starts afresh
+            accept_fault(ACCEPT, error, len(batch.reqs), "accepted by SGLang's eagle_sample")
+            fused.count("fault")
+    broadcasts = fused.broadcasts(sampled=not batch.sampling_info.is_all_greedy)
+    if broadcasts and step.peers is not None and step.peers.any_rank(accepted is None) and accepted is not None:
+        accept_fault(ACCEPT, FaultOnAnotherRank("another tensor-parallel rank's accept of this batch is SGLang's"),
+                     len(batch.reqs), "accepted by SGLang's eagle_sample on every rank")
         accepted = None
     if accepted is None:
         return original(verify_input, batch, logits_output, grammar_mask, uno_target_max_top_k, **kwargs)
+    if broadcasts:
+        fused.agree(accepted)
+    fused.count("fused")
     step.accepted = True
     return accepted.predict, accepted.accept_lens, accepted.accept_index
 
@@ -910,7 +927,6 @@ def _fused_accept(step: VerifyStep, verify_input, batch, logits_output, grammar_
                                           device=batch.device)
     accepted = fused.sample(verify_input, batch, logits, coins, step.replayed)
     step.fire(ACCEPT)  # tests: a fault with the fused outputs written
-    fused.count("fused")
     return accepted
 
 

@@ -66,6 +66,8 @@ def rank_accepts(rank: int, port: int, out_dir: str) -> None:
         for name, group in (("alone", None), ("broadcast", tp_group(WORLD))):
             fused = FusedAccept(NODES, DEPTH, "cpu", metrics, tp_group=group)
             accepted = fused.sample(*sampled_batch(rank))
+            if fused.broadcasts(sampled=True):
+                fused.agree(accepted)
             results[name] = [accepted.predict.clone(), accepted.accept_lens.clone(), accepted.accept_index.clone()]
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:

@@ -121,25 +121,33 @@ def test_acceptance_counters_count_each_step_once(tp_run):
         assert grew(name) == sum(1 for length in lengths if length - 1 >= depth), depth
 
 
-def test_a_draft_fault_on_one_rank_falls_back_on_every_rank(tiny_cpu, server_logs, prompts, plain_one_rank,
-                                                             monkeypatch):
-    """Rank 1 alone raises in every third draft: rank 0, which drafted, hears of it and verifies the filler tree
-    too. Without that agreement the verify forward adds rank 1's part of the filler tokens to rank 0's part of the
-    real tree on both ranks: greedy output then differs from plain decoding (seen on the code before it)."""
-    from sglang_spec.sglang_plugin.hooks import FAULT_ENV, FAULT_RANK_ENV
+def test_faults_on_one_rank_fall_back_on_every_rank(tiny_cpu, server_logs, prompts, plain_one_rank, monkeypatch):
+    """Rank 1 alone raises in every third draft and in every second verify step's fused accept (its stages in
+    turn). Draft: rank 0, which drafted, hears of it and verifies the filler tree too; without that agreement the
+    verify forward adds rank 1's part of the filler tokens to rank 0's part of the real tree (on the code before it
+    the server aborted at the first fault). Accept: on a sampled batch every rank takes SGLang's accept with rank 1
+    (the two accepts broadcast rank 0's in different layouts: before the agreement a sampled batch's fault on rank
+    1 crashed its scheduler with an IndexError); greedy batches broadcast nothing and may mix the two."""
+    from sglang_spec.sglang_plugin.hooks import ACCEPT_FAULT_ENV, FAULT_ENV, FAULT_RANK_ENV
 
     monkeypatch.setenv(FAULT_ENV, "3")
+    monkeypatch.setenv(ACCEPT_FAULT_ENV, "2")
     monkeypatch.setenv(FAULT_RANK_ENV, "1")
-    extra = tree_args(*SHAPE) + SEED + ["--tp-size", "2", "--enable-metrics"]
+    extra = tree_args(*SHAPE) + SEED + ["--tp-size", "2", "--enable-metrics", "--speculative-tree-accept", "fused"]
     with running_server(tiny_cpu, server_logs, "tiny-tp2-rank1-faults", extra) as server:
         greedy = server.generate(prompts, GREEDY, timeout=TIMEOUT)
         metrics = server.request("/metrics")
+        sampled = server.generate(prompts, SAMPLED, timeout=TIMEOUT)
         again = server.generate(prompts[:1], GREEDY, timeout=TIMEOUT)
     log = server.log_path.read_text(errors="replace")
     assert [answer["output_ids"] for answer in greedy] == plain_one_rank
+    assert all(len(answer["output_ids"]) == MAX_NEW_TOKENS for answer in sampled)
     assert again[0]["output_ids"] == plain_one_rank[0]
     heard = counted_draft_faults(metrics, "FaultOnAnotherRank")  # counted on rank 0, which injected nothing
     assert heard is not None and heard > 0, metrics[-2000:]
     assert counted_draft_faults(metrics, "InjectedFault") is None
     lines = [line for line in log.splitlines() if "draft fault" in line]
     assert any("(InjectedFault" in line for line in lines) and any("(FaultOnAnotherRank" in line for line in lines)
+    accepts = [line for line in log.splitlines() if "accept fault in accept" in line]
+    assert any("(InjectedFault" in line for line in accepts)  # rank 1
+    assert any("on every rank (FaultOnAnotherRank" in line for line in accepts)  # rank 0, on a sampled batch
