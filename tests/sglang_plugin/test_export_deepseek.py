@@ -1,7 +1,7 @@
 """``export_deepseek_draft``: a head in DeepSeek's own layout (``model.layers.{L}.*``), what SGLang's NEXTN loads.
 Exporting the tiny DeepSeek-V3's own MTP layer gives back its checkpoint tensor for tensor, and only a head trained
 with the post-norm feedback SGLang's NextN uses is exported. (Served:
-tests/sglang_server/test_served_custom_head.py.)"""
+tests/sglang_server/test_capture_from_server.py.)"""
 
 from __future__ import annotations
 
