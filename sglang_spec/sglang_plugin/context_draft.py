@@ -95,6 +95,17 @@ class ContextDrafter:
         self._outcome = (self.proposed, accept_index, verify_tokens)
         self.proposed = []
 
+    def learnt(self) -> dict[str, tuple[float, ...]]:
+        """What the counts hold now (and what of it was exported), for ``restore``: a few dozen cells."""
+        cells = {name: tuple(cell) for name, cell in self.drafter.counts.named_cells().items()}
+        return {**cells, **{f"exported:{name}": cell for name, cell in self._exported.items()}}
+
+    def restore(self, learnt: dict[str, tuple[float, ...]]) -> None:
+        """The counts (and export marks) as ``learnt`` had them; the outcome they were to observe stays unobserved."""
+        for name, cell in self.drafter.counts.named_cells().items():
+            cell[:] = learnt[name]
+        self._exported = {name: learnt[f"exported:{name}"] for name in self._exported}
+
     def observe_outcome(self) -> None:
         """Teaches the counts what the last verified trees accepted (filler nodes are nobody's candidates)."""
         if self._outcome is None:

@@ -523,12 +523,22 @@ def _observe_accepted(setup: DraftSetup, batch_size: int) -> None:
     """The context drafter learns what the last verified trees accepted; a fault there is an accept fault: the
     drafter's counts keep what they learnt before it (they shape trees, never the output) and this batch drafts."""
     assert setup.context is not None
+    # with tensor parallelism every rank builds the same trees from the same counts: a fault on one rank alone
+    # would leave its counts behind the others' (and a fault half-way, part-taught), so all keep what they had
+    before = setup.context.learnt() if setup.peers is not None else None
+    failed = False
     try:
         if setup.accept_faults is not None:
             setup.accept_faults.fire(OBSERVE)
         setup.context.observe_outcome()
     except Exception as error:
+        failed = True
         accept_fault(OBSERVE, error, batch_size, "its drafter did not learn from the last accepted paths")
+    if before is not None and setup.peers is not None and setup.peers.any_rank(failed):
+        setup.context.restore(before)
+        if not failed:
+            accept_fault(OBSERVE, FaultOnAnotherRank("another tensor-parallel rank's drafter did not learn"),
+                         batch_size, "its drafter did not learn from the last accepted paths, as on that rank")
 
 
 def _report_head_faults(guard: HeadGuard) -> None:

@@ -114,3 +114,41 @@ def test_tree_auto_is_refused_where_decode_graphs_are_captured_or_ranks_could_di
         with pytest.raises(SpecError, match="run it with --tp-size 1 --pp-size 1 and without --enable-dp-attention"):
             validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=graphs, **ranks, **resolved))
     validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=graphs, dp_size=2, **resolved))
+
+
+class PeerFaulted:
+    """hooks.Peers of a tensor-parallel group whose other rank reports a fault at every agreement."""
+
+    def __init__(self):
+        self.calls = []
+
+    def any_rank(self, flag):
+        self.calls.append(flag)
+        return True
+
+
+def test_with_tensor_parallelism_a_peers_learning_fault_keeps_every_ranks_counts():
+    """A rank whose drafter learnt from the accepted paths while another rank's faulted goes back to the counts it
+    had, so both build the same trees next step (the fault-free case learns as alone); one rank alone has no
+    agreement and keeps what it learnt."""
+    from types import SimpleNamespace
+
+    from sglang_spec.sglang_plugin.hooks import _observe_accepted
+
+    policy = TreePolicy("lookup", budget=6, depth=3, width=3)
+
+    def drafted() -> ContextDrafter:
+        drafter = ContextDrafter(policy, steps=3, budget=6)
+        tree = drafter.drafter.propose(5, DraftSources(context=NgramIndex([4, 5, 6, 4, 5, 6, 4, 5], max_ngram=4)))
+        drafter.proposed = [tree]
+        drafter.record_outcome(torch.tensor([[0, 1, 2, -1]]), 7)
+        return drafter
+
+    prior = ContextDrafter(policy, steps=3, budget=6).drafter.counts.named_cells()
+    alone, agreed = drafted(), drafted()
+    _observe_accepted(SimpleNamespace(context=alone, peers=None, accept_faults=None), 1)
+    assert alone.drafter.counts.named_cells() != prior  # learnt
+    peers = PeerFaulted()
+    _observe_accepted(SimpleNamespace(context=agreed, peers=peers, accept_faults=None), 1)
+    assert peers.calls == [False]  # this rank learnt without a fault
+    assert agreed.drafter.counts.named_cells() == prior  # and went back with the peer
