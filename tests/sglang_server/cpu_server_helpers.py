@@ -10,7 +10,7 @@ from typing import Iterator, Mapping, Sequence
 
 import pytest
 
-from sglang_spec.sglang_plugin.cpu.server import CpuModel, SGLangServer, cpu_launch_args, free_port
+from sglang_spec.sglang_plugin.cpu.server import CpuModel, PortTaken, SGLangServer, cpu_launch_args, free_port
 
 START_TIMEOUT = float(os.environ.get("SGLANG_SPEC_SERVER_TIMEOUT", "240"))
 SMOLLM2_NEW_TOKENS = 40  # greedy tokens per held-out prompt in the SmolLM2 end-to-end tests
@@ -41,11 +41,18 @@ def tree_args(policy: str, budget: int, depth: int, topk: int, profile: Path | N
 @contextlib.contextmanager
 def running_server(model: CpuModel, logs: Path, name: str, extra: Sequence[str] = (),
                    speculative: bool = True) -> Iterator[SGLangServer]:
-    """A launch_server on this CPU for the duration of the block; asserts its log shows no traceback."""
-    port = free_port()
-    server = SGLangServer(cpu_launch_args(model, port, speculative=speculative, extra=extra), port,
-                         logs / f"{name}.log")
-    server.start(timeout=START_TIMEOUT)
+    """A launch_server on this CPU for the duration of the block; asserts its log shows no traceback. A port
+    taken between ``free_port`` and the server's bind (a race with other processes) gets one more try."""
+    for attempt in range(2):
+        port = free_port()
+        server = SGLangServer(cpu_launch_args(model, port, speculative=speculative, extra=extra), port,
+                             logs / f"{name}.log")
+        try:
+            server.start(timeout=START_TIMEOUT)
+            break
+        except PortTaken:
+            if attempt:
+                raise
     try:
         yield server
     finally:

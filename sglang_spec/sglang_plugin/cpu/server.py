@@ -156,6 +156,14 @@ def _stop(process: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.1)
 
 
+PORT_TAKEN = "address already in use"  # uvicorn's bind failure, in the server's log
+
+
+class PortTaken(SpecError):
+    """The port ``free_port`` gave was taken before the server bound it (another process won the race): start
+    again on a new port."""
+
+
 _RUNNING: dict[int, subprocess.Popen] = {}  # launchers started by this process and not yet stopped
 
 
@@ -206,6 +214,10 @@ class SGLangServer:
                 self.stop()
                 raise SpecError(f"the SGLang server exited with status {self.process.returncode} during start-up "
                                 f"({self.last_error()}); its log: {self.log_path}")
+            if PORT_TAKEN in self.log_path.read_text(errors="replace"):  # uvicorn logs it and lingers
+                self.stop()
+                raise PortTaken(f"port {self.port} was taken between free_port() and the server's bind; its log: "
+                                f"{self.log_path}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
