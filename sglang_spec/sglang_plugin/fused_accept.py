@@ -34,16 +34,54 @@ from typing import Any, Callable
 
 import torch
 
-from sglang_spec.kernels.kv_commit import commit_kv
-from sglang_spec.kernels.tree_metadata import parents_from_links
+from sglang_spec.errors import SpecError
+from sglang_spec.kernels.kv_commit import commit_kv, commit_kv_reference
+from sglang_spec.kernels.tree_metadata import parents_from_links, parents_from_links_reference
 from sglang_spec.kernels.verify_accept import (
     AcceptOutputs,
     CandidateSampleMode,
     MatchMode,
     accept_walk,
+    accept_walk_reference,
     node_normalizers,
+    node_normalizers_reference,
     target_tokens,
+    target_tokens_reference,
 )
+
+ACCEPT_KERNELS_ENV = "SGLANG_SPEC_ACCEPT_KERNELS"  # triton (default) or reference (CPU only); read at worker start
+
+
+@dataclass(frozen=True)
+class AcceptKernels:
+    """The kernels the fused accept launches: the Triton ones, or their pure-torch references (same signatures and
+    semantics, compared exactly in tests/kernels). The references read values on the host, so they run on CPU
+    only; the CPU bed picks them for its servers because the Triton interpreter takes 1.3 s (greedy) to 60 s
+    (sampled) for one verify of 16 nodes over SmolLM2's 49k vocabulary."""
+
+    name: str
+    parents_from_links: Callable[..., torch.Tensor]
+    target_tokens: Callable[..., torch.Tensor]
+    node_normalizers: Callable[..., torch.Tensor]
+    accept_walk: Callable[..., AcceptOutputs]
+    commit_kv: Callable[..., torch.Tensor]
+
+
+TRITON_KERNELS = AcceptKernels("triton", parents_from_links, target_tokens, node_normalizers, accept_walk, commit_kv)
+REFERENCE_KERNELS = AcceptKernels("reference", parents_from_links_reference, target_tokens_reference,
+                                  node_normalizers_reference, accept_walk_reference, commit_kv_reference)
+
+
+def accept_kernels(name: str, device: torch.device | str) -> AcceptKernels:
+    """The kernels ``ACCEPT_KERNELS_ENV`` names (empty: Triton) for a worker on ``device``; one line if wrong."""
+    name = name.strip() or "triton"
+    kernels = {k.name: k for k in (TRITON_KERNELS, REFERENCE_KERNELS)}.get(name)
+    if kernels is None:
+        raise SpecError(f"{ACCEPT_KERNELS_ENV}={name!r} names no fused-accept kernels; use triton or reference")
+    if kernels is REFERENCE_KERNELS and torch.device(device).type != "cpu":
+        raise SpecError(f"{ACCEPT_KERNELS_ENV}=reference runs on CPU only (it reads the tree on the host, which a "
+                        f"CUDA graph cannot capture); unset it on {device}")
+    return kernels
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,21 +147,22 @@ class AcceptBuffers:
 
 
 def run_accept(buffers: AcceptBuffers, candidates: torch.Tensor, logits: torch.Tensor, depth: int,
-               sample: CandidateSampleMode | None = None) -> None:
+               sample: CandidateSampleMode | None = None, kernels: AcceptKernels = TRITON_KERNELS) -> None:
     """Verify + accept into ``buffers`` (links already in place): candidates [B, N] int64 (node tokens, root
-    first); logits [B * N, V]. Greedy unless ``sample`` is given. Device ops only: capturable."""
+    first); logits [B * N, V]. Greedy unless ``sample`` is given. Device ops only with the Triton kernels:
+    capturable."""
     batch, nodes = candidates.shape
-    parents_from_links(buffers.first_child, buffers.next_sibling, out=buffers.parents)
+    kernels.parents_from_links(buffers.first_child, buffers.next_sibling, out=buffers.parents)
     if sample is None:
         zeros = torch.zeros(batch, device=logits.device)
-        target_tokens(logits, nodes, zeros, zeros.long(), zeros + 1, zeros.repeat_interleave(nodes), False,
-                      out=buffers.target)
+        kernels.target_tokens(logits, nodes, zeros, zeros.long(), zeros + 1, zeros.repeat_interleave(nodes), False,
+                              out=buffers.target)
         mode: MatchMode | CandidateSampleMode = MatchMode(buffers.target)
     else:
         mode = sample
     buffers.output_lens.zero_()
-    accept_walk(candidates, buffers.parents, buffers.num_nodes, depth, buffers.output_ids, buffers.output_lens,
-                mode, out=buffers.accept)
+    kernels.accept_walk(candidates, buffers.parents, buffers.num_nodes, depth, buffers.output_ids,
+                        buffers.output_lens, mode, out=buffers.accept)
     _to_sglang(buffers, batch, nodes)
 
 
@@ -172,8 +211,9 @@ class FusedAccept:
     accepts are broadcast over it, greedy ones too when ``broadcast_greedy`` (SGLang does so on ROCm)."""
 
     def __init__(self, nodes: int, depth: int, device: torch.device | str, metrics: Any, tp_group: Any = None,
-                 broadcast_greedy: bool = False) -> None:
+                 broadcast_greedy: bool = False, kernels: AcceptKernels = TRITON_KERNELS) -> None:
         self.nodes = nodes
+        self.kernels = kernels
         self.depth = depth
         self.device = device
         self.metrics = metrics
@@ -240,10 +280,10 @@ class FusedAccept:
         mode = None
         if coins is not None:
             inverse_temperature = 1.0 / batch.sampling_info.temperatures.view(-1).float()
-            normalizers = node_normalizers(logits, self.nodes, inverse_temperature)
+            normalizers = self.kernels.node_normalizers(logits, self.nodes, inverse_temperature)
             mode = CandidateSampleMode(logits, inverse_temperature, normalizers, coins[0].reshape(-1).float(),
                                        coins[1].float())
-        run_accept(buffers, candidates, logits, self.depth, mode)
+        run_accept(buffers, candidates, logits, self.depth, mode, self.kernels)
         return buffers.outputs(bs)
 
     # ------------------------------------------------------------------------------------------ CUDA graphs
@@ -266,7 +306,7 @@ class FusedAccept:
             buffers = self._graph[key] = _with_links(AcceptBuffers.allocate(bs, self.nodes, self.depth, device),
                                                      self._links, bs)
         run_accept(buffers, forward_batch.input_ids.view(bs, self.nodes), logits_output.next_token_logits,
-                   self.depth)
+                   self.depth, kernels=self.kernels)
 
     def before_replay(self, forward_batch: Any) -> None:
         """Fills the static links for a verify replay. Every row past the batch gets no children (so nothing
@@ -309,6 +349,7 @@ class KVCommit:
       path:       [bs, D + 1] int64 accepted local node ids, root first, -1 padded.
       lengths:    [bs] int64 accepted nodes (drafts + 1).
       num_nodes, freed: the kernel's [bs] node counts and [bs, n] freed-slot output (unread here).
+      kernels:    whose ``commit_kv`` moves the buffers.
       done:       buffers moved so far.
     """
 
@@ -318,11 +359,12 @@ class KVCommit:
     lengths: torch.Tensor
     num_nodes: torch.Tensor
     freed: torch.Tensor
+    kernels: AcceptKernels = TRITON_KERNELS
     done: int = 0
 
     @classmethod
     def of(cls, pool: Any, out_cache_loc: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor,
-           nodes: int) -> KVCommit:
+           nodes: int, kernels: AcceptKernels = TRITON_KERNELS) -> KVCommit:
         """Reads the step's outputs and allocates; moves nothing."""
         bs = accept_lens.shape[0]
         path = torch.where(accept_index >= 0, accept_index - (torch.arange(bs, device=accept_index.device)
@@ -331,13 +373,14 @@ class KVCommit:
         buffers = [buffer for name in ("k_buffer", "v_buffer", "kv_buffer") for buffer in getattr(pool, name, None) or ()]
         num_nodes = torch.full((bs,), nodes, dtype=torch.int64, device=accept_lens.device)
         freed = torch.empty(bs, nodes, dtype=torch.int64, device=accept_lens.device)
-        return cls(buffers, tree_slots, path, accept_lens.long(), num_nodes, freed)
+        return cls(buffers, tree_slots, path, accept_lens.long(), num_nodes, freed, kernels)
 
     def run(self, between: Callable[[], None] | None = None) -> None:
         """The kernel over the buffers not yet moved; ``between`` runs after each buffer but the last (tests
         inject a fault there: a commit stopped half way)."""
         while self.done < len(self.buffers):
-            commit_kv([self.buffers[self.done]], self.tree_slots, self.path, self.lengths, self.num_nodes, self.freed)
+            self.kernels.commit_kv([self.buffers[self.done]], self.tree_slots, self.path, self.lengths,
+                                   self.num_nodes, self.freed)
             self.done += 1
             if between is not None and self.done < len(self.buffers):
                 between()

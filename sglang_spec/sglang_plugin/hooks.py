@@ -47,7 +47,8 @@ from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS, draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.faults import ACCEPT, AUTO, COMMIT, COUNTS, OBSERVE, RECORD
 from sglang_spec.sglang_plugin.faults import AcceptFaults, InjectedFault
-from sglang_spec.sglang_plugin.fused_accept import FusedAccept, KVCommit, SGLangAccept
+from sglang_spec.sglang_plugin.fused_accept import (ACCEPT_KERNELS_ENV, TRITON_KERNELS, FusedAccept, KVCommit,
+                                                    SGLangAccept, accept_kernels)
 from sglang_spec.sglang_plugin.head_guard import ERROR as HEAD_FAULT
 from sglang_spec.sglang_plugin.head_guard import HeadGuard, HeadPoison
 from sglang_spec.sglang_plugin.metrics import METRICS, RANKS, SOURCES
@@ -752,8 +753,11 @@ def eagle_worker_init_after(result, worker, *args, **kwargs):
     from sglang.srt.utils import is_hip
 
     claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
+    kernels = accept_kernels(os.environ.get(ACCEPT_KERNELS_ENV, ""), worker.device)
     fused = FusedAccept(worker.speculative_num_draft_tokens, worker.speculative_num_steps, worker.device, METRICS,
-                        tp_group=_accept_tp_group(), broadcast_greedy=is_hip())
+                        tp_group=_accept_tp_group(), broadcast_greedy=is_hip(), kernels=kernels)
+    if kernels is not TRITON_KERNELS:
+        log(f"fused accept: the kernels' pure-torch references ({ACCEPT_KERNELS_ENV}={kernels.name})")
     worker._sglang_spec_fused = fused
     worker._sglang_spec_peers = Peers.of_worker()
     if str(worker.device).startswith("cuda"):
@@ -949,7 +953,8 @@ def move_accept_tokens_around(original, batch, accept_index, num_correct_drafts,
     assert step.fused is not None  # only the fused path accepts
     bs = len(batch.seq_lens)
     try:
-        commit = KVCommit.of(pool, batch.out_cache_loc, accept_index, num_correct_drafts + 1, nodes)
+        commit = KVCommit.of(pool, batch.out_cache_loc, accept_index, num_correct_drafts + 1, nodes,
+                             step.fused.kernels)
     except Exception as error:  # nothing moved yet
         accept_fault(COMMIT, error, bs, "its KV moved by SGLang's move_accept_tokens_to_target_kvcache")
         return original(batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator)

@@ -18,13 +18,18 @@ import pytest
 import torch
 
 from helpers import random_tree, targets_following_drafts
-from sglang_spec.kernels.verify_accept import CandidateSampleMode, node_normalizers
-from sglang_spec.sglang_plugin.fused_accept import AcceptBuffers, FusedAccept, KVCommit, run_accept
+from sglang_spec.errors import SpecError
+from sglang_spec.kernels.verify_accept import CandidateSampleMode
+from sglang_spec.sglang_plugin.fused_accept import (REFERENCE_KERNELS, TRITON_KERNELS, AcceptBuffers, AcceptKernels,
+                                                    FusedAccept, KVCommit, accept_kernels, run_accept)
 from sglang_spec.tree import encode_sglang_verify
 
 pytestmark = pytest.mark.sglang
 
 VOCAB = 30
+# the Triton kernels (interpreted here) and their pure-torch references (the CPU bed's servers run these): each
+# must give SGLang's accept
+KERNELS = pytest.mark.parametrize("kernels", [TRITON_KERNELS, REFERENCE_KERNELS], ids=lambda k: k.name)
 
 
 def sglang_trees(seed: int, batch: int, nodes: int, depth: int, fanout: int):
@@ -48,8 +53,10 @@ def assert_same_accept(buffers: AcceptBuffers, batch: int, predicts, accept_inde
     assert torch.equal(ours.predict[written], predicts[written].to(torch.int32))
 
 
+@KERNELS
 @pytest.mark.parametrize("seed, batch, nodes, depth, fanout", [(0, 3, 9, 4, 3), (1, 2, 16, 5, 4), (2, 4, 6, 5, 1)])
-def test_greedy_accept_equals_sglangs_verify_tree_greedy(sglang_kernels, seed, batch, nodes, depth, fanout):
+def test_greedy_accept_equals_sglangs_verify_tree_greedy(sglang_kernels, seed, batch, nodes, depth, fanout,
+                                                         kernels: AcceptKernels):
     rng, trees, meta = sglang_trees(seed, batch, nodes, depth, fanout)
     target = targets_following_drafts(rng, trees, nodes, accept_rate=0.85, vocab_size=VOCAB)
     logits = torch.nn.functional.one_hot(target.reshape(-1), VOCAB).float() * 5 + torch.rand(batch * nodes, VOCAB)
@@ -57,13 +64,14 @@ def test_greedy_accept_equals_sglangs_verify_tree_greedy(sglang_kernels, seed, b
         meta.draft_tokens.view(batch, nodes), meta.retrieve_index, meta.retrieve_next_token,
         meta.retrieve_next_sibling, logits.argmax(-1).view(batch, nodes), depth + 1)
     buffers = buffers_for(meta, batch, nodes, depth)
-    run_accept(buffers, meta.draft_tokens.view(batch, nodes).long(), logits, depth)
+    run_accept(buffers, meta.draft_tokens.view(batch, nodes).long(), logits, depth, kernels=kernels)
     assert_same_accept(buffers, batch, predicts, accept_index, accepted_drafts)
     assert int(accepted_drafts.sum()) > 0  # the targets follow the drafts often enough to walk
 
 
+@KERNELS
 @pytest.mark.parametrize("seed", range(6))
-def test_sampled_accept_equals_sglangs_sampling_rule_for_the_same_coins(seed):
+def test_sampled_accept_equals_sglangs_sampling_rule_for_the_same_coins(seed, kernels: AcceptKernels):
     from sglang_spec.sglang_plugin.cpu.sampling import tree_speculative_sampling_target_only
 
     batch, nodes, depth = 3, 10, 4
@@ -87,10 +95,11 @@ def test_sampled_accept_equals_sglangs_sampling_rule_for_the_same_coins(seed):
         torch.zeros_like(target_probs))
 
     inverse_temperature = 1.0 / temperatures
-    mode = CandidateSampleMode(logits, inverse_temperature, node_normalizers(logits, nodes, inverse_temperature),
-                               coins.reshape(-1), final_coins)
+    mode = CandidateSampleMode(logits, inverse_temperature,
+                               kernels.node_normalizers(logits, nodes, inverse_temperature), coins.reshape(-1),
+                               final_coins)
     buffers = buffers_for(meta, batch, nodes, depth)
-    run_accept(buffers, meta.draft_tokens.view(batch, nodes).long(), logits, depth, mode)
+    run_accept(buffers, meta.draft_tokens.view(batch, nodes).long(), logits, depth, mode, kernels)
     assert_same_accept(buffers, batch, predicts, accept_index, accepted_drafts)
 
 
@@ -109,8 +118,9 @@ class MovingPool:
         return [buffer.clone() for buffer in self.k_buffer + self.v_buffer]
 
 
+@KERNELS
 @pytest.mark.parametrize("interrupted_after", [None, 0, 1, 3])
-def test_kv_commit_equals_sglangs_move_accept_tokens(sglang_with_plugin, interrupted_after):
+def test_kv_commit_equals_sglangs_move_accept_tokens(sglang_with_plugin, interrupted_after, kernels: AcceptKernels):
     """Whole, or stopped by a fault after ``interrupted_after`` of the 4 layer buffers and finished by torch: the
     pool SGLang's move leaves (moving a buffer twice would not be: its second move reads moved rows)."""
     from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
@@ -132,10 +142,12 @@ def test_kv_commit_equals_sglangs_move_accept_tokens(sglang_with_plugin, interru
     allocator = SimpleNamespace(get_kvcache=lambda: sglang_pool)
     move_accept_tokens_to_target_kvcache(schedule_batch, accepted.accept_index.long(),
                                          accepted.accept_lens.long() - 1, allocator)
-    if interrupted_after is None:
+    if interrupted_after is None and kernels is TRITON_KERNELS:
         FusedAccept.commit_kv(our_pool, out_cache_loc, accepted.accept_index, accepted.accept_lens, nodes)
+    elif interrupted_after is None:
+        KVCommit.of(our_pool, out_cache_loc, accepted.accept_index, accepted.accept_lens, nodes, kernels).run()
     else:
-        commit = KVCommit.of(our_pool, out_cache_loc, accepted.accept_index, accepted.accept_lens, nodes)
+        commit = KVCommit.of(our_pool, out_cache_loc, accepted.accept_index, accepted.accept_lens, nodes, kernels)
 
         def fault():
             if commit.done == interrupted_after:
@@ -155,3 +167,12 @@ def test_kv_commit_equals_sglangs_move_accept_tokens(sglang_with_plugin, interru
         again = KVCommit.of(our_pool, out_cache_loc, accepted.accept_index, accepted.accept_lens, nodes)
         again.finish()
         assert any(not torch.equal(ours, theirs) for ours, theirs in zip(our_pool.rows(), sglang_pool.rows()))
+
+
+def test_accept_kernels_by_name_and_the_one_line_refusals():
+    assert accept_kernels("", "cpu") is TRITON_KERNELS and accept_kernels("triton", "cuda:0") is TRITON_KERNELS
+    assert accept_kernels(" reference ", "cpu") is REFERENCE_KERNELS
+    with pytest.raises(SpecError, match="SGLANG_SPEC_ACCEPT_KERNELS='torch' names no fused-accept kernels"):
+        accept_kernels("torch", "cpu")
+    with pytest.raises(SpecError, match="runs on CPU only"):
+        accept_kernels("reference", "cuda:0")

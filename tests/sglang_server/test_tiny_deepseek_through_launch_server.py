@@ -21,6 +21,7 @@ import pytest
 
 from cpu_server_helpers import accept_lengths, mean, running_server, tree_args
 from sglang_spec.sglang_plugin.cpu import server_environment
+from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
@@ -52,13 +53,14 @@ def plain(tiny_cpu, server_logs, prompts):
 @dataclass(frozen=True)
 class Served:
     """One server's answers to the same requests in the same order: greedy, temperature 0.7, and a greedy batch
-    with a frequency penalty (SGLang's accept must serve it); its /metrics text when metrics were on."""
+    with a frequency penalty (SGLang's accept must serve it); its /metrics text when metrics were on; its log."""
 
     shape: tuple
     greedy: list[dict]
     sampled: list[dict]
     penalized: list[dict]
     metrics: str
+    log: str
 
 
 def serve(tiny_cpu, server_logs, prompts, shape, extra, name) -> Served:
@@ -67,7 +69,7 @@ def serve(tiny_cpu, server_logs, prompts, shape, extra, name) -> Served:
         sampled = server.generate(prompts, SAMPLED)
         penalized = server.generate(prompts[:2], PENALIZED)
         metrics = server.request("/metrics") if "--enable-metrics" in extra else ""
-    return Served(shape, greedy, sampled, penalized, metrics)
+    return Served(shape, greedy, sampled, penalized, metrics, server.log_path.read_text(errors="replace"))
 
 
 @pytest.fixture(scope="module", params=SHAPES, ids=lambda shape: "{}-{}-{}-{}".format(*shape))
@@ -139,10 +141,14 @@ def test_tree_options_as_engine_keywords(tiny_cpu, prompts, plain):
 
 @pytest.fixture(scope="module")
 def fused_answers(tree_answers, tiny_cpu, server_logs, prompts, smollm2_cpu) -> Served:
-    """The same shape served with --speculative-tree-accept fused (metrics on), the same requests in the same order."""
+    """The same shape served with --speculative-tree-accept fused (metrics on), the same requests in the same order.
+    These servers run the Triton kernels themselves, interpreted (the tiny vocabulary keeps that cheap); the bed's
+    other fused servers run their pure-torch references (``SGLANG_SPEC_ACCEPT_KERNELS``)."""
     shape = tree_answers.shape
     extra = tree_args(*shape, smollm2_cpu.profile) + SEED + ["--speculative-tree-accept", "fused", "--enable-metrics"]
-    return serve(tiny_cpu, server_logs, prompts, shape, extra, "tiny-fused-{}-{}-{}-{}".format(*shape))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ACCEPT_KERNELS_ENV, "triton")
+        return serve(tiny_cpu, server_logs, prompts, shape, extra, "tiny-fused-{}-{}-{}-{}".format(*shape))
 
 
 def _counter(metrics: str, outcome: str) -> float:
@@ -158,6 +164,7 @@ def test_fused_accept_equals_sglangs_accept(tree_answers, fused_answers):
         assert accept_lengths(ours) == accept_lengths(theirs)
     assert [a["output_ids"] for a in tree_answers.sampled] != [a["output_ids"] for a in tree_answers.greedy]
     assert _counter(fused_answers.metrics, "fused") > 0
+    assert "fused accept: the kernels' pure-torch references" not in fused_answers.log  # the Triton kernels ran
 
 
 def test_fused_accept_falls_back_per_batch_with_a_counter(tree_answers, fused_answers):

@@ -20,6 +20,9 @@ host's g++) run here unchanged, our plugin included:
   DeepSeek-V3's MoE needs no stand-in: SGLang's own CPU fallback serves it.
 * ``boot/``: put on ``PYTHONPATH`` of every SGLang process (``server_environment``); its ``sitecustomize`` calls
   ``activate`` before anything imports sglang, and it holds the torchvision stand-in.
+* fused accept: ``server_environment`` has ``--speculative-tree-accept fused`` run its kernels' pure-torch
+  references (``SGLANG_SPEC_ACCEPT_KERNELS=reference``; ``triton`` interprets the Triton kernels, as the tiny
+  DeepSeek-V3 servers do).
 * ``server``: start and stop ``python -m sglang.launch_server`` on this CPU by process group, with hard timeouts.
 * ``served_models``: the architectures the bed serves, which SGLang's registry imports instead of all its models
   (``SGLANG_EXTERNAL_MODEL_PACKAGE``; about 3 s of each launch's 25 s here); any other model still loads.
@@ -39,6 +42,7 @@ from pathlib import Path
 
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.cpu import kernels, linear, tree_mask
+from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 
 SUPPORTED_SGLANG = "0.5.23"
 ENABLE_FLAG = "SGLANG_SPEC_CPU"  # set to 1 in a process's environment: boot/sitecustomize activates the stand-ins
@@ -99,6 +103,9 @@ def server_environment(base: dict[str, str] | None = None, ranks: int = 1) -> di
     )
     # the registry imports the bed's few architectures instead of every model SGLang ships (``served_models``)
     env.setdefault("SGLANG_EXTERNAL_MODEL_PACKAGE", SERVED_MODELS)
+    # --speculative-tree-accept fused runs its kernels' pure-torch references: interpreted, the Triton kernels take
+    # seconds a verify at SmolLM2's vocabulary (``fused_accept.AcceptKernels``); ``triton`` interprets them
+    env.setdefault(ACCEPT_KERNELS_ENV, "reference")
     return env
 
 
