@@ -112,3 +112,21 @@ def accept_lengths(answers: list[dict]) -> list[int]:
 
 def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
+
+
+def assert_full_masks_only(name: str, log: str, built: bool, read: bool) -> None:
+    """A server run with ``SGLANG_SPEC_CPU_TREE_MASK=full`` (the GPU's FULL_MASK layout) logged a FULL_MASK tree mask
+    built by SGLang's build-tree path (``built``) and read by the verify's extend attention (``read``), with the
+    prefix's columns in it, and no QLEN_ONLY mask: a switch that did nothing fails. A chain (topk 1) is built but
+    not read (SGLang's ``intel_amx`` backend passes no mask for ``tree_topk == 1``); NGRAM builds its mask itself."""
+    built_line = re.search(r"\[sglang_spec\] CPU bed: first FULL_MASK tree mask built \((\d+) requests x (\d+) "
+                           r"tokens\)", log)
+    read_line = re.search(r"\[sglang_spec\] CPU bed: first FULL_MASK tree mask read \(extend attention: (\d+) "
+                          r"requests x (\d+) tokens, (\d+) cells\)", log)
+    qlen = re.findall(r"first QLEN_ONLY tree mask .*", log)
+    assert not qlen, f"{name}: a QLEN_ONLY mask was built or read: {qlen}"
+    assert (built_line is not None) == built, f"{name}: {built_line}"
+    assert (read_line is not None) == read, f"{name}: {read_line}"
+    if read_line is not None:
+        requests, tokens, cells = map(int, read_line.groups())
+        assert cells > requests * tokens * tokens  # the prefix's columns are in the mask

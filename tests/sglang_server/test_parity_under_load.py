@@ -5,8 +5,10 @@ The oracle is the session's plain server (conftest.py ``smollm2_plain_runs``, no
 ``--context-length``), each request alone (``parity_requests.py``): greedy decoding, a stop string, max_new_tokens
 1 and 2, logprobs with top logprobs, a frequency penalty, a JSON schema, a regex, n = 2, ignore_eos (past an EOS),
 and a prompt within a tree's length of the context limit (7 free positions; every tree here verifies 8-16 tokens).
-Then one server per policy (chain, eagle, sequoia, specexec, hybrid, lookup, and sequoia with the fused accept)
-answers:
+Then one server per policy (chain, eagle, sequoia, specexec, hybrid, lookup, and sequoia with the fused accept), in
+the GPU's FULL_MASK tree-mask layout (``SGLANG_SPEC_CPU_TREE_MASK=full``; the log must show FULL_MASK masks built
+and read and no QLEN_ONLY one, as test_full_mask.py checks NGRAM's; the bed's other servers run the CPU's
+QLEN_ONLY), answers:
 
 * 32 concurrent requests cycling through those kinds (a thread pool; 8 run at a time, the rest queue);
 * a streaming request closed after 3 chunks, then a client that disconnects a second after sending its request: the
@@ -29,10 +31,10 @@ scheduler, is plain decoding's (the penalty over every earlier output token, che
 is what a tree server must give, alone or batched.
 
 Time (default run, this 2-core machine): a server of 49-59 s a policy when the machine is quiet (a start of 23-33 s,
-the 32 requests 17-25 s, the aborts 4 s), 133 s with the fused accept (its kernels run under Triton's interpreter
-here: 85 s for the 32 requests); 7.7 minutes for the seven, 10.7 under a load of 4-8. The oracle adds about 12 s
-of requests to the session's plain server. SGLANG_SPEC_PARITY_FULL=1 adds 8-10 s a server (77 s fused) and a
-plain server.
+the 32 requests 17-25 s, the aborts 4 s), the fused accept's too (the bed runs its kernels' pure-torch references;
+interpreted, the Triton ones took 85 s for the 32 requests); about 6.5 minutes for the seven. The oracle adds
+about 12 s of requests to the session's plain server. SGLANG_SPEC_PARITY_FULL=1 adds 8-10 s a server and a plain
+server.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from typing import Any
 
 import pytest
 
-from cpu_server_helpers import accept_lengths, running_server
+from cpu_server_helpers import accept_lengths, assert_full_masks_only, running_server
 from parity_requests import (
     ANSWER_REGEX,
     CONCURRENT,
@@ -71,6 +73,7 @@ from parity_requests import (
     stream_and_close,
     wait_idle,
 )
+from sglang_spec.sglang_plugin.cpu.tree_mask import TREE_MASK_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
@@ -88,6 +91,7 @@ class Run:
     refusals: dict[str, tuple[int, Any]] = field(default_factory=dict)
     errors: dict[str, BaseException] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    log: str = ""
 
     def phase(self, name: str) -> None:
         if name in self.errors:
@@ -169,11 +173,13 @@ def tree_run(request, smollm2_cpu, server_logs, requests, oracle) -> Run:
     with pytest.MonkeyPatch.context() as monkeypatch:
         # SGLang looks for a gone client of a non-streaming request every this many seconds (default 4)
         monkeypatch.setenv("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", "1")
+        monkeypatch.setenv(TREE_MASK_ENV, "full")  # the GPU's layout
         with running_server(smollm2_cpu, server_logs, f"parity-{request.param}",
                             policy_args(request.param, smollm2_cpu.profile)) as server:
             run.seconds["start"] = time.monotonic() - start
             serve(run, server.port, requests["cases"], requests["bodies"], requests["long"], single=FULL)
     run.seconds["total"] = time.monotonic() - start
+    run.log = server.log_path.read_text(errors="replace")
     print(f"\n{run.name}: " + ", ".join(f"{key} {value:.1f} s" for key, value in run.seconds.items()))
     return run
 
@@ -223,6 +229,11 @@ def test_32_concurrent_mixed_requests_answer_as_plain_decoding(tree_run, oracle)
     lengths = accept_lengths([answer for _, answer in tree_run.concurrent
                               if isinstance(answer, dict) and "meta_info" in answer])
     assert lengths and max(lengths) >= 2, f"{tree_run.name}: no draft was accepted ({lengths})"
+
+
+def test_the_server_built_and_read_full_masks_only(tree_run):
+    topk = POLICIES[tree_run.name][3]
+    assert_full_masks_only(tree_run.name, tree_run.log, built=True, read=topk != 1)
 
 
 def test_each_request_alone_answers_as_plain_decoding(tree_run, oracle):
