@@ -1,7 +1,7 @@
 """The filler tree a faulty draft's batch verifies (``hooks._filler_draft``): SGLang's draft outputs for the
 configured shape that SGLang's own tree decoding reads back as a tree of ``budget`` nodes, no deeper than the step
 count, no wider than topk, with tokens distinct among siblings (deterministic proposals: verification stays exact).
-The server path, with faults injected through launch_server, is ``tests/sglang_server/test_draft_faults.py``."""
+The server path, with faults injected through launch_server, is ``tests/sglang_server/test_fault_injection.py``."""
 
 from types import SimpleNamespace
 
