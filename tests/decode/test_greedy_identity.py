@@ -18,8 +18,9 @@ def tiny_prompts(count=20, seed=0):
     return [rng.integers(2, 512, size=int(rng.integers(2, 14))).tolist() for _ in range(count)]
 
 
-def check_identity(model, head, prompts, policy, config, batch_size, report):
-    plain = generate_plain(model, prompts, config)
+def check_identity(model, head, prompts, policy, config, batch_size, report, plain=None):
+    """``plain``: plain decoding's output for ``prompts`` and ``config`` when the caller has it (else decoded here)."""
+    plain = plain if plain is not None else generate_plain(model, prompts, config)
     decoder = SpeculativeDecoder(model, head, policy)
     outputs = []
     for start in range(0, len(prompts), batch_size):

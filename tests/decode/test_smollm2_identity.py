@@ -3,7 +3,7 @@ greedy decoding on 20 prompts (10 held-out HumanEval tasks, 10 chat prompts), ev
 
 import pytest
 
-from sglang_spec.decode.decoder import GenerationConfig
+from sglang_spec.decode.decoder import GenerationConfig, generate_plain
 from sglang_spec.train.generate_traffic import prompt_tokens
 from sglang_spec.train.prompts import humaneval_prompts
 from sglang_spec.tree import TreePolicy
@@ -26,14 +26,24 @@ def prompts(smollm2):
     return code + chat
 
 
+@pytest.fixture(scope="module")
+def config(smollm2) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=16, eos_token_ids=smollm2[0].eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2, prompts, config):
+    """Plain greedy decoding of the prompts, once for every policy."""
+    return generate_plain(smollm2[0].model, prompts, config)
+
+
 @pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("policy_name", ["chain", "eagle", "sequoia", "specexec"])
-def test_smollm2_greedy_identity(smollm2, prompts, policy_name, near_tie_report):
+def test_smollm2_greedy_identity(smollm2, prompts, config, plain, policy_name, near_tie_report):
     loaded, head = smollm2
-    config = GenerationConfig(max_new_tokens=16, eos_token_ids=loaded.eos_token_ids)
     policy = TreePolicy(policy_name, budget=8, depth=4, topk=4, profile=PROFILE)
-    outputs = check_identity(loaded.model, head, prompts, policy, config, batch_size=1, report=near_tie_report)
-    check_identity(loaded.model, head, prompts, policy, config, batch_size=4, report=near_tie_report)
+    outputs = check_identity(loaded.model, head, prompts, policy, config, 1, near_tie_report, plain)
+    check_identity(loaded.model, head, prompts, policy, config, 4, near_tie_report, plain)
     lengths = [length for request in outputs for length in request.accept_lengths]
     assert sum(lengths) / len(lengths) > 1.5  # the shipped head really gets drafts accepted

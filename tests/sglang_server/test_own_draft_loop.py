@@ -1,7 +1,7 @@
 """The plugin's own draft loop inside SGLang's real worker (sequoia and specexec): trees wider than topk on a
 level, each node's top-4 candidates as children, exact per-branch ancestry, through launch_server on this CPU.
 
-Greedy output must equal plain decoding at budgets 16, 32 and 64, and the mean accept length through SGLang must
+Greedy output must equal plain decoding at budgets 16 and 64, and the mean accept length through SGLang must
 be within 5% of the reference decoder's for the same policy, budget, head and prompts (both are printed).
 """
 
@@ -14,7 +14,7 @@ from cpu_server_helpers import SMOLLM2_NEW_TOKENS, accept_lengths, mean, running
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
 TOPK = 4
-SHAPES = [(policy, budget, depth) for budget, depth in ((16, 5), (32, 6), (64, 6)) for policy in ("sequoia", "specexec")]
+SHAPES = [(policy, budget, depth) for budget, depth in ((16, 5), (64, 6)) for policy in ("sequoia", "specexec")]
 
 
 @pytest.fixture(scope="module", params=SHAPES, ids=lambda shape: "{}-{}-{}".format(*shape))
