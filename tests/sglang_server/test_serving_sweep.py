@@ -1,5 +1,5 @@
 """bench/serving_sweep.py through SGLang's benchmark client against the CPU server: plain decoding and a Sequoia
-tree at concurrency 1, 2 and 4 on held-out prompts, written as CSV, JSON and a plot with p50 / p99 inter-token
+tree at concurrency 1 and 4 on held-out prompts, written as CSV, JSON and a plot with p50 / p99 inter-token
 latency per policy."""
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ def test_sweep_against_the_cpu_server(smollm2_cpu, tmp_path):
     spec.loader.exec_module(sweep)
     out = tmp_path / "sweep.csv"
     assert sweep.main(["--cpu-model", "smollm2", "--policies", "plain,sequoia", "--budgets", "15", "--concurrency",
-                       "1,2,4", "--num-prompts", "4", "--random-output-len", "16", "--port", str(free_port()),
+                       "1,4", "--num-prompts", "4", "--random-output-len", "16", "--port", str(free_port()),
                        "--out", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
     assert [(row["policy"], row["concurrency"]) for row in rows] == [
-        ("plain", "1"), ("plain", "2"), ("plain", "4"), ("sequoia", "1"), ("sequoia", "2"), ("sequoia", "4")]
+        ("plain", "1"), ("plain", "4"), ("sequoia", "1"), ("sequoia", "4")]
     for row in rows:
         assert float(row["output_throughput"]) > 0
         assert float(row["p99_itl_ms"]) >= float(row["median_itl_ms"]) > 0
