@@ -195,6 +195,8 @@ def capability_adjustments_wrapper(server_args, previous) -> None:
     try:
         validate_model(options, _is_dsa(server_args))
         validate_backends(options, backends, _is_mla(server_args), str(config.device))
+        if options.accept == "fused":  # the kernels it will launch, checked before any worker starts
+            accept_kernels(os.environ.get(ACCEPT_KERNELS_ENV, ""), "cpu" if str(config.device) == "cpu" else "cuda")
     except SpecError as error:
         raise StartupError(error) from None
 

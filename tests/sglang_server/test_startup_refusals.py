@@ -50,6 +50,19 @@ def test_refused_with_one_line(smollm2_cpu, extra, message):
     assert "Traceback" not in finished.stderr + finished.stdout
 
 
+def test_a_bad_fused_accept_kernels_name_is_one_line(smollm2_cpu, monkeypatch):
+    from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
+
+    monkeypatch.setenv(ACCEPT_KERNELS_ENV, "cuda")
+    finished = launch(smollm2_cpu, ["--speculative-tree-policy", "eagle", "--speculative-tree-budget", "8",
+                                    "--speculative-tree-accept", "fused"])
+    errors = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
+    assert finished.returncode != 0
+    assert len(errors) == 1 and f"{ACCEPT_KERNELS_ENV}='cuda' names no fused-accept kernels" in errors[0], \
+        finished.stderr[-2000:]
+    assert "Traceback" not in finished.stderr + finished.stdout
+
+
 def test_a_bad_gemm_backend_for_the_cpu_bed_is_one_line(smollm2_cpu, monkeypatch):
     from sglang_spec.sglang_plugin.cpu.linear import GEMM_ENV
 
