@@ -306,7 +306,7 @@ class FusedAccept:
             buffers = self._graph[key] = _with_links(AcceptBuffers.allocate(bs, self.nodes, self.depth, device),
                                                      self._links, bs)
         run_accept(buffers, forward_batch.input_ids.view(bs, self.nodes), logits_output.next_token_logits,
-                   self.depth, kernels=self.kernels)
+                   self.depth, None, self.kernels)
 
     def before_replay(self, forward_batch: Any) -> None:
         """Fills the static links for a verify replay. Every row past the batch gets no children (so nothing
