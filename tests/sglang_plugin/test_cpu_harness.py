@@ -189,6 +189,35 @@ def test_causal_extend_and_decode_attention_with_window_and_cap_match_the_explic
     assert torch.allclose(decoded, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("prefix, sliding_window, logit_cap, fused", [
+    (0, 0, 0.0, True), (9, 0, 0.0, True), (0, 40, 0.0, True), (9, 40, 0.0, True), (0, 0, 5.0, False)])
+def test_a_prefill_runs_torchs_fused_attention_and_matches_the_explicit_softmax(monkeypatch, prefix, sliding_window,
+                                                                                logit_cap, fused):
+    """An extend of FUSED_MIN_QUERIES queries (a prefill: causal, after a cached prefix or not, windowed or not) runs
+    torch's fused attention, and a capped one the two products; both against the explicit softmax, with grouped
+    KV heads and a value width other than the key's (MLA's absorbed shapes)."""
+    torch.manual_seed(2)
+    new = attention.FUSED_MIN_QUERIES + 3
+    slots, heads, kv_heads, dim, value_dim = 2 * (prefix + new) + 8, 6, 2, 8, 4
+    k_buffer, v_buffer = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, value_dim)
+    req_to_token = torch.randperm(slots)[: 2 * (prefix + new)].view(2, -1).to(torch.int32)
+    q = torch.randn(new, heads, dim)
+    out = torch.empty(new, heads, value_dim)
+    ran, fused_attention = [], attention._attend_fused
+    monkeypatch.setattr(attention, "_attend_fused", lambda *args: ran.append("fused") or fused_attention(*args))
+    attention.extend_attention_cpu(q, None, None, out, k_buffer, v_buffer, 1.0, 1.0, req_to_token, torch.tensor([1]),
+                                   torch.tensor([prefix + new]), torch.tensor([new]), torch.tensor([0]), new, 0.3,
+                                   logit_cap, False, sliding_window, None, None, None, True)
+    assert ran == (["fused"] if fused else [])
+    positions = torch.arange(prefix + new)
+    allowed = positions[None, :] <= (prefix + torch.arange(new))[:, None]
+    if sliding_window:
+        allowed &= positions[None, :] > (prefix + torch.arange(new))[:, None] - sliding_window
+    keys = req_to_token[1, : prefix + new].long()
+    want = sdpa(q, k_buffer[keys], v_buffer[keys], allowed, 0.3, logit_cap)
+    assert torch.allclose(out, want, atol=1e-5)
+
+
 def run_sampling_verify(target_probs: torch.Tensor, candidates: torch.Tensor, trials: int, rule) -> np.ndarray:
     """Emitted-token counts of the first position for one 2-level tree (root -> 2 children -> 1 grandchild each),
     SGLang's retrieve layout, fresh coins per trial."""
