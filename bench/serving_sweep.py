@@ -73,8 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--hybrid-depth", type=int, default=None,
-                        help="hybrid / lookup / auto: their tree depth (default --depth); copies run deeper than the "
-                             "head's branches")
+                        help="hybrid / lookup / auto: their tree depth (default the budget, as the server's: copies "
+                             "run deeper than the head's branches)")
     parser.add_argument("--mtp-levels", type=int, default=None, help="hybrid / auto: head levels below the root's "
                         "children (default 2)")
     parser.add_argument("--concurrency", default="1,4,16,64")
@@ -148,7 +148,10 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
     if policy == AUTO:
         return tree_arguments(args, "hybrid", budget, profile) + ["--speculative-tree-auto"]
     # a tree of `budget` draft tokens is at most that deep (the server refuses deeper): a budget sweep caps it
-    depth = min(args.hybrid_depth if policy in ("lookup", "hybrid") and args.hybrid_depth else args.depth, budget)
+    if policy in ("lookup", "hybrid"):
+        depth = min(args.hybrid_depth or budget, budget)
+    else:
+        depth = min(args.depth, budget)
     arguments = ["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", policy,
                  "--speculative-tree-budget", str(budget), "--speculative-tree-depth", str(depth)]
     if policy == "hybrid" and args.mtp_levels is not None:

@@ -1,9 +1,9 @@
 """Tree-speculation server options: parsed by SGLang's own argparse parser (or taken as ``sgl.Engine`` keyword
 arguments), attached to its ServerArgs, checked against the resolved configuration at start-up.
 
-    --speculative-tree-policy {eagle,chain,sequoia,specexec}   default: unset, SGLang's behaviour unchanged
+    --speculative-tree-policy {chain,eagle,sequoia,specexec,lookup,hybrid}   default: unset, SGLang's behaviour
     --speculative-tree-budget N          draft nodes per request (SGLang's num_draft_tokens = N + 1)
-    --speculative-tree-depth D           draft steps (SGLang's speculative_num_steps)
+    --speculative-tree-depth D           draft steps (SGLang's speculative_num_steps; lookup / hybrid: the budget)
     --speculative-tree-topk K            children per expanded node (the node's top-K draft candidates)
     --speculative-tree-width W           most nodes expanded on one level (SGLang's speculative_eagle_topk):
                                          eagle W = K; sequoia: its tree's widest level; specexec: a static
@@ -134,7 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-tree-budget", type=int, default=None,
                        help=f"draft nodes per request, root excluded (default {DEFAULTS['budget']})")
     group.add_argument("--speculative-tree-depth", type=int, default=None,
-                       help=f"most draft tokens on one path (default {DEFAULTS['depth']})")
+                       help=f"most draft tokens on one path (default {DEFAULTS['depth']}; lookup / hybrid: the "
+                            "budget, as deep as copies run)")
     group.add_argument("--speculative-tree-topk", type=int, default=None,
                        help=f"children per expanded node (default {DEFAULTS['topk']}; chain uses 1)")
     group.add_argument("--speculative-tree-width", type=int, default=None,
@@ -177,7 +178,9 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise SpecError(f"--{name.replace('_', '-')} takes a whole number, got {value!r}")
     budget = _given(values, "speculative_tree_budget", DEFAULTS["budget"])
-    depth = _given(values, "speculative_tree_depth", DEFAULTS["depth"])
+    # context copies run as deep as the budget lets them (SmolLM2 at budget 15, bench/workloads' code and
+    # extraction prompts, reference decoder: accept length 5.33 / 4.17 at depth 8, 6.35 / 4.75 at depth 15)
+    depth = _given(values, "speculative_tree_depth", budget if policy in CONTEXT_POLICY_NAMES else DEFAULTS["depth"])
     given_topk = values.get("speculative_tree_topk")
     if policy == "chain" and given_topk not in (None, 1):
         raise SpecError("the chain policy drafts one candidate per depth; drop --speculative-tree-topk or set it to 1")

@@ -82,7 +82,7 @@ def test_sglangs_parser_accepts_the_tree_options(sglang_with_plugin, tmp_path):
          "is below topk 4"),
         (["--speculative-tree-auto"], "--speculative-tree-auto needs --speculative-tree-policy"),
         (["--speculative-tree-policy", "eagle", "--speculative-tree-mtp-levels", "2"], "sets hybrid's head levels"),
-        (["--speculative-tree-policy", "hybrid", "--speculative-tree-mtp-levels", "4"], "takes 0..3 (below the depth)"),
+        (["--speculative-tree-policy", "hybrid", "--speculative-tree-mtp-levels", "8"], "takes 0..7 (below the depth)"),
         (["--speculative-tree-policy", "hybrid", "--speculative-tree-depth", "1"],
          "hybrid trees need --speculative-tree-depth >= 2"),
         (["--speculative-tree-policy", "hybrid", "--speculative-tree-width", "3"], "is below topk 4"),
@@ -132,6 +132,13 @@ def test_width_is_the_trees_widest_level_or_the_specexec_beams_that_can_grow(sgl
     levels = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid",
                     "--speculative-tree-depth", "8", "--speculative-tree-mtp-levels", "3"])
     assert levels._sglang_spec_tree.tree_policy().mtp_levels == 3 and hybrid._sglang_spec_tree.tree_policy().mtp_levels == 2
+    # unset, a context tree's depth is its budget (copies run deep), a head tree's stays DEFAULTS' 4
+    deep = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid",
+                  "--speculative-tree-budget", "15"])
+    assert (deep._sglang_spec_tree.depth, deep.speculative_num_steps) == (15, 15)
+    assert parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "lookup"]).speculative_num_steps == 8
+    assert parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "specexec",
+                  "--speculative-tree-budget", "15"]).speculative_num_steps == 4
 
 
 def test_unknown_policy_is_argparses_own_error(sglang_with_plugin, capsys):

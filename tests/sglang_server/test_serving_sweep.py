@@ -62,6 +62,13 @@ def test_speedups_are_over_the_faster_plain_decoding_and_plain_sync_turns_overla
     spec.loader.exec_module(sweep)
     args = sweep.parse_args(["--cpu-model", "smollm2", "--policies", "plain,plain-sync,hybrid"])
     assert sweep.tree_arguments(args, "plain-sync", 15, None) == ["--disable-overlap-schedule"]
+    # context trees run as deep as their budget unless --hybrid-depth says otherwise; head trees take --depth
+    depth = lambda arguments: arguments[arguments.index("--speculative-tree-depth") + 1]  # noqa: E731
+    assert depth(sweep.tree_arguments(args, "hybrid", 15, None)) == "15"
+    assert depth(sweep.tree_arguments(args, "auto", 7, None)) == "7"
+    assert depth(sweep.tree_arguments(args, "specexec", 15, None)) == "4"
+    shallow = sweep.parse_args(["--cpu-model", "smollm2", "--hybrid-depth", "8"])
+    assert depth(sweep.tree_arguments(shallow, "lookup", 15, None)) == "8"
 
     def row(policy, workload, throughput):
         return {**sweep.row_from_result(policy, 15, 1, {"output_throughput": throughput}, workload)}
