@@ -346,8 +346,15 @@ def write_csv_and_plot(rows: list[dict], out: Path) -> None:
         for row_axes, workload in zip(axes, workloads):
             _lines(row_axes, panels, [row for row in rows if row.get("workload", "") == workload], workload)
     figure.tight_layout()
-    figure.savefig(out.with_suffix(".png"), dpi=110)
+    figure.savefig(out.with_suffix(".png"), dpi=110, bbox_inches="tight")  # the legend stands right of the panels
     plt.close(figure)
+
+
+def _colour(index: int, count: int):
+    """Method ``index`` of ``count``'s colour: matplotlib's cycle, which repeats after ten, or tab20 beyond."""
+    import matplotlib
+
+    return f"C{index}" if count <= 10 else matplotlib.colormaps["tab20"](index % 20)
 
 
 def _lines(axes, panels, rows: list[dict], workload: str) -> None:
@@ -360,13 +367,13 @@ def _lines(axes, panels, rows: list[dict], workload: str) -> None:
         label = policy if policy in PLAIN_METHODS else f"{policy} {budget}"
         for axis, (field, _) in zip(axes, panels):
             values = [row[field] or (1.0 if field == "accept_length" else 0.0) for _, row in points]
-            axis.plot([c for c, _ in points], values, marker="o", label=label, color=f"C{index % 10}")
+            axis.plot([c for c, _ in points], values, marker="o", label=label, color=_colour(index, len(methods)))
     for axis, (_, label) in zip(axes, panels):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("concurrency")
         axis.set_ylabel(label)
         axis.set_title(workload or "prompts", fontsize=9)
-    axes[0].legend(fontsize=8)
+    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
 
 
 def _bars(axes, panels, rows: list[dict]) -> None:
@@ -381,14 +388,17 @@ def _bars(axes, panels, rows: list[dict]) -> None:
             positions = [w + (index - (len(methods) - 1) / 2) * width for w in range(len(workloads))]
             values = [(found[name][field] if name in found else None) or (1.0 if field == "accept_length" else 0.0)
                       for name in workloads]
-            bars = axis.bar(positions, values, width, label=policy if policy in PLAIN_METHODS else f"{policy} {budget}")
+            bars = axis.bar(positions, values, width, label=policy if policy in PLAIN_METHODS else f"{policy} {budget}",
+                            color=_colour(index, len(methods)))
             if field == "output_throughput":
                 ratios = [found[name].get("speedup_over_plain") if name in found else None for name in workloads]
-                axis.bar_label(bars, labels=[f"{r:.2f}x" if r else "" for r in ratios], fontsize=7)
+                axis.bar_label(bars, labels=[f"{r:.2f}x" if r else "" for r in ratios], fontsize=6,
+                               rotation=90 if len(methods) > 4 else 0, padding=2)
         axis.set_xticks(range(len(workloads)), workloads)
         axis.set_xlabel(f"workload (concurrency {rows[0]['concurrency']})")
         axis.set_ylabel(label)
-    axes[0].legend(fontsize=8)
+    axes[0].margins(y=0.15)  # room for the ratio labels
+    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
 
 
 def print_table(rows: list[dict]) -> None:
