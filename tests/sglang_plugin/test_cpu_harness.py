@@ -160,17 +160,10 @@ def test_extend_attention_with_a_tree_mask_and_decode_attention_match_sdpa():
         assert torch.allclose(decoded[row], want[0], atol=1e-5)
 
 
-@pytest.mark.parametrize("sliding_window, logit_cap", [(0, 0.0), (6, 0.0), (0, 5.0), (6, 5.0)])
-def test_causal_extend_and_decode_attention_with_window_and_cap_match_the_explicit_softmax(sliding_window, logit_cap):
-    """A prefill after a cached prefix (causal) and a decode step, with a sliding window and a soft cap: the fused
-    path, the capped path and the window's mask all against the explicit softmax."""
-    torch.manual_seed(1)
-    slots, heads, kv_heads, dim = 64, 6, 2, 8
-    k_buffer, v_buffer = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
-    req_to_token = torch.randperm(slots).view(2, 32).to(torch.int32)
-    prefix, new = 7, 5
-    q = torch.randn(new, heads, dim)
-    out = torch.empty(new, heads, dim)
+def extend_row_one_causally(q, out, k_buffer, v_buffer, req_to_token, prefix: int, new: int, sliding_window: int,
+                            logit_cap: float):
+    """The extend stand-in over request row 1 (``new`` causal queries after ``prefix`` cached tokens, scaling 0.3)
+    into ``out``; returns the keys' cache slots and the mask [new, prefix + new] the explicit softmax applies."""
     attention.extend_attention_cpu(q, None, None, out, k_buffer, v_buffer, 1.0, 1.0, req_to_token, torch.tensor([1]),
                                    torch.tensor([prefix + new]), torch.tensor([new]), torch.tensor([0]), new, 0.3,
                                    logit_cap, False, sliding_window, None, None, None, True)
@@ -179,6 +172,22 @@ def test_causal_extend_and_decode_attention_with_window_and_cap_match_the_explic
     if sliding_window:
         allowed &= positions[None, :] > (prefix + torch.arange(new))[:, None] - sliding_window
     keys = req_to_token[1, : prefix + new].long()
+    return keys, allowed
+
+
+@pytest.mark.parametrize("sliding_window, logit_cap", [(0, 0.0), (6, 0.0), (0, 5.0), (6, 5.0)])
+def test_causal_extend_and_decode_attention_with_window_and_cap_match_the_explicit_softmax(sliding_window, logit_cap):
+    """A short extend after a cached prefix (causal, under FUSED_MIN_QUERIES: the two products) and a decode step,
+    with a sliding window and a soft cap: the capped path and the window's mask against the explicit softmax."""
+    torch.manual_seed(1)
+    slots, heads, kv_heads, dim = 64, 6, 2, 8
+    k_buffer, v_buffer = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    req_to_token = torch.randperm(slots).view(2, 32).to(torch.int32)
+    prefix, new = 7, 5
+    q = torch.randn(new, heads, dim)
+    out = torch.empty(new, heads, dim)
+    keys, allowed = extend_row_one_causally(q, out, k_buffer, v_buffer, req_to_token, prefix, new, sliding_window,
+                                            logit_cap)
     want = sdpa(q, k_buffer[keys], v_buffer[keys], allowed, 0.3, logit_cap)
     assert torch.allclose(out, want, atol=1e-5)
     decoded = torch.empty(1, heads, dim)
@@ -205,15 +214,9 @@ def test_a_prefill_runs_torchs_fused_attention_and_matches_the_explicit_softmax(
     out = torch.empty(new, heads, value_dim)
     ran, fused_attention = [], attention._attend_fused
     monkeypatch.setattr(attention, "_attend_fused", lambda *args: ran.append("fused") or fused_attention(*args))
-    attention.extend_attention_cpu(q, None, None, out, k_buffer, v_buffer, 1.0, 1.0, req_to_token, torch.tensor([1]),
-                                   torch.tensor([prefix + new]), torch.tensor([new]), torch.tensor([0]), new, 0.3,
-                                   logit_cap, False, sliding_window, None, None, None, True)
+    keys, allowed = extend_row_one_causally(q, out, k_buffer, v_buffer, req_to_token, prefix, new, sliding_window,
+                                            logit_cap)
     assert ran == (["fused"] if fused else [])
-    positions = torch.arange(prefix + new)
-    allowed = positions[None, :] <= (prefix + torch.arange(new))[:, None]
-    if sliding_window:
-        allowed &= positions[None, :] > (prefix + torch.arange(new))[:, None] - sliding_window
-    keys = req_to_token[1, : prefix + new].long()
     want = sdpa(q, k_buffer[keys], v_buffer[keys], allowed, 0.3, logit_cap)
     assert torch.allclose(out, want, atol=1e-5)
 
