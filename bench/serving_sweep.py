@@ -359,7 +359,7 @@ def _colour(index: int, count: int):
 
 def _lines(axes, panels, rows: list[dict], workload: str) -> None:
     """Several concurrencies, one workload (a row of panels): one line per method over concurrency, each method in
-    the same colour in every row; the legend on the first panel only."""
+    the same colour in every row; one legend, right of the last panel."""
     methods = sorted({(row["policy"], row["budget"]) for row in rows})
     for index, (policy, budget) in enumerate(methods):
         points = sorted(((row["concurrency"], row) for row in rows

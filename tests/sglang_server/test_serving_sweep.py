@@ -63,7 +63,9 @@ def test_speedups_are_over_the_faster_plain_decoding_and_plain_sync_turns_overla
     args = sweep.parse_args(["--cpu-model", "smollm2", "--policies", "plain,plain-sync,hybrid"])
     assert sweep.tree_arguments(args, "plain-sync", 15, None) == ["--disable-overlap-schedule"]
     # context trees run as deep as their budget unless --hybrid-depth says otherwise; head trees take --depth
-    depth = lambda arguments: arguments[arguments.index("--speculative-tree-depth") + 1]  # noqa: E731
+    def depth(arguments: list[str]) -> str:
+        return arguments[arguments.index("--speculative-tree-depth") + 1]
+
     assert depth(sweep.tree_arguments(args, "hybrid", 15, None)) == "15"
     assert depth(sweep.tree_arguments(args, "auto", 7, None)) == "7"
     assert depth(sweep.tree_arguments(args, "specexec", 15, None)) == "4"
