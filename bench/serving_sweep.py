@@ -44,6 +44,7 @@ from pathlib import Path
 
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
+from sglang_spec.sglang_plugin.options import default_depth
 from sglang_spec.train.prompts import PromptSpec, humaneval_prompts, load_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,7 +150,7 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
         return tree_arguments(args, "hybrid", budget, profile) + ["--speculative-tree-auto"]
     # a tree of `budget` draft tokens is at most that deep (the server refuses deeper): a budget sweep caps it
     if policy in ("lookup", "hybrid"):
-        depth = min(args.hybrid_depth or budget, budget)
+        depth = min(args.hybrid_depth or default_depth(policy, budget), budget)
     else:
         depth = min(args.depth, budget)
     arguments = ["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", policy,

@@ -178,9 +178,7 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise SpecError(f"--{name.replace('_', '-')} takes a whole number, got {value!r}")
     budget = _given(values, "speculative_tree_budget", DEFAULTS["budget"])
-    # context copies run as deep as the budget lets them (SmolLM2 at budget 15, bench/workloads' code and
-    # extraction prompts, reference decoder: accept length 5.33 / 4.17 at depth 8, 6.35 / 4.75 at depth 15)
-    depth = _given(values, "speculative_tree_depth", budget if policy in CONTEXT_POLICY_NAMES else DEFAULTS["depth"])
+    depth = _given(values, "speculative_tree_depth", default_depth(policy, budget))
     given_topk = values.get("speculative_tree_topk")
     if policy == "chain" and given_topk not in (None, 1):
         raise SpecError("the chain policy drafts one candidate per depth; drop --speculative-tree-topk or set it to 1")
@@ -256,6 +254,13 @@ def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | 
         raise SpecError(f"--speculative-tree-width {width} is below topk {topk}: the root's {topk} children are "
                         f"all expanded at the first step")
     return width
+
+
+def default_depth(policy: str, budget: int) -> int:
+    """``--speculative-tree-depth`` when unset: the budget for context trees (copies run as deep as the budget lets
+    them: SmolLM2 at budget 15, the reference bench's code / extraction prompts, accept length 5.33 / 4.17 at depth
+    8 against 6.35 / 4.75 at 15, ``bench/hybrid_shapes.py``), ``DEFAULTS['depth']`` for head trees."""
+    return budget if policy in CONTEXT_POLICY_NAMES else DEFAULTS["depth"]
 
 
 def _given(values: Mapping[str, Any], name: str, default: int) -> int:

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("script", ["acceptance", "head_quality", "kernels", "serving_sweep", "sglang_trees",
                                     "verify_cost", "greedy_identity", "gpu_check", "hybrid", "limits",
-                                    "cpu_step_profile"])
+                                    "cpu_step_profile", "hybrid_shapes"])
 def test_unwritable_out_is_one_line_and_status_2(script, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")
@@ -27,6 +27,7 @@ def test_unwritable_out_is_one_line_and_status_2(script, tmp_path):
     ("acceptance", "--budgets", "4,abc"), ("acceptance", "--temperatures", "0,nan"), ("acceptance", "--depths", "0"),
     ("sglang_trees", "--budgets", "16,,32"), ("sglang_trees", "--num-prompts", "99"),
     ("cpu_step_profile", "--concurrency", "1,17"), ("cpu_step_profile", "--configs", "plain,eagle"),
+    ("hybrid_shapes", "--shapes", "15:x:3"), ("hybrid_shapes", "--max-new-tokens", "0"),
 ])
 def test_bad_list_or_number_option_is_one_line_and_status_2(script, option, value):
     result = subprocess.run([sys.executable, str(REPO / "bench" / f"{script}.py"), option, value],
