@@ -44,6 +44,7 @@ from pathlib import Path
 
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
+from sglang_spec.sglang_plugin.cpu.threads import PREFILL_THREADS_ENV
 from sglang_spec.sglang_plugin.options import default_depth
 from sglang_spec.train.prompts import PromptSpec, humaneval_prompts, load_prompts
 
@@ -95,6 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--random-output-len", type=int, default=1024, help="output tokens per request")
     parser.add_argument("--acceptance-profile", default=None,
                         help="sequoia's profile (default on the CPU: the one shipped with the head)")
+    parser.add_argument("--prefill-threads", type=int, default=None,
+                        help="CPU bed: run each server's prefills on this many threads (decode steps keep one; "
+                             "every server alike); for a machine running nothing else, where a prompt's prefill on "
+                             "one core otherwise takes tens of decode steps' time (a GPU's takes one or two)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--start-timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "serving_sweep.csv")
@@ -119,6 +124,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"{', '.join(SERVING_WORKLOADS)}")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
+    if args.prefill_threads is not None and (args.prefill_threads < 1 or args.cpu_model is None):
+        parser.error(f"--prefill-threads {args.prefill_threads}: give 1 or more, with --cpu-model (the CPU bed's "
+                     f"setting)")
     concurrencies = args.concurrency.split(",")
     counts = args.num_prompts.split(",")
     if not all(count.strip().isdigit() and int(count) > 0 for count in counts) or \
@@ -130,6 +138,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.cpu_model is None and args.model_path is None:
         args.model_path = "deepseek-ai/DeepSeek-R1"
     return args
+
+
+def cpu_environment(args) -> dict[str, str]:
+    """The environment the CPU bed's servers start from: this process's, plus ``--prefill-threads``."""
+    return dict(os.environ, **dict(part.split("=", 1) for part in prefill_threads_prefix(args)))
+
+
+def prefill_threads_prefix(args) -> list[str]:
+    """The dry run's ``VAR=N`` before a CPU server's command, for ``--prefill-threads``."""
+    return [] if args.prefill_threads is None else [f"{PREFILL_THREADS_ENV}={args.prefill_threads}"]
 
 
 def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[str]:
@@ -423,7 +441,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         for policy, budget in shapes:
             launch = launch_command(args, policy, budget) if args.cpu_model is None else \
-                [sys.executable, "-m", "sglang_spec.sglang_plugin.cpu", "--model", args.cpu_model,
+                [*prefill_threads_prefix(args), sys.executable, "-m", "sglang_spec.sglang_plugin.cpu", "--model",
+                 args.cpu_model,
                  *(["--no-speculation"] if policy in PLAIN_METHODS else []),
                  *tree_arguments(args, policy, budget, args.acceptance_profile or "<shipped profile>")]
             print(" ".join(shlex.quote(part) for part in launch))
@@ -456,7 +475,7 @@ def main(argv=None) -> int:
         if model is not None:
             launch = cpu_launch_args(model, args.port, speculative=policy not in PLAIN_METHODS,
                                      extra=tree_arguments(args, policy, budget, profile) + extra_server_args(args))
-            server = SGLangServer(launch, args.port, scratch / f"{name}.log")
+            server = SGLangServer(launch, args.port, scratch / f"{name}.log", env=cpu_environment(args))
         else:
             launch = launch_command(args, policy, budget, profile)[3:]
             server = SGLangServer(launch, args.port, scratch / f"{name}.log", env=dict(os.environ), cpu=False)

@@ -16,7 +16,7 @@ import os
 from importlib import metadata
 
 from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.cpu import ENABLE_FLAG, claim_amx_platform, patches, profile, tree_mask
+from sglang_spec.sglang_plugin.cpu import ENABLE_FLAG, claim_amx_platform, patches, profile, threads, tree_mask
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.hooks import HOOKS, RESOLUTION_HOOKS
 from sglang_spec.sglang_plugin.options import ATTRIBUTE, validate_mla_verify_cache
@@ -66,6 +66,8 @@ def register() -> None:
         for target, name, kind in patches.HOOKS:
             HookRegistry.register(target, getattr(patches, name), getattr(HookType, kind))
         for target, hook, kind in tree_mask.hooks(tree_mask.mode_from_environment()):
+            HookRegistry.register(target, hook, getattr(HookType, kind))
+        for target, hook, kind in threads.hooks(threads.prefill_threads_from_environment()):
             HookRegistry.register(target, hook, getattr(HookType, kind))
         patches.install_attributes()
         claim_amx_platform()

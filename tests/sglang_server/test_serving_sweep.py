@@ -1,6 +1,6 @@
 """bench/serving_sweep.py through SGLang's benchmark client against the CPU server: plain decoding and a Sequoia
-tree at concurrency 1 and 4 on held-out prompts, written as CSV, JSON and a plot with p50 / p99 inter-token
-latency per policy."""
+tree at concurrency 1 and 4 on held-out prompts (prefills on two threads), written as CSV, JSON and a plot with p50
+/ p99 inter-token latency per policy."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_sweep_against_the_cpu_server(smollm2_cpu, tmp_path):
     out = tmp_path / "sweep.csv"
     assert sweep.main(["--cpu-model", "smollm2", "--policies", "plain,sequoia", "--budgets", "15", "--concurrency",
                        "1,4", "--num-prompts", "4", "--random-output-len", "16", "--port", str(free_port()),
-                       "--out", str(out)]) == 0
+                       "--prefill-threads", "2", "--out", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
     assert [(row["policy"], row["concurrency"]) for row in rows] == [
         ("plain", "1"), ("plain", "4"), ("sequoia", "1"), ("sequoia", "4")]
@@ -34,6 +34,10 @@ def test_sweep_against_the_cpu_server(smollm2_cpu, tmp_path):
         assert float(row["p99_itl_ms"]) >= float(row["median_itl_ms"]) > 0
     assert all(float(row["accept_length"]) > 1.0 for row in rows if row["policy"] == "sequoia")
     assert out.with_suffix(".png").stat().st_size > 10_000 and out.with_suffix(".json").exists()
+    # --prefill-threads reached each server: its prompts' prefills ran on two threads, its decode steps on one
+    for name in ("plain", "sequoia-15"):
+        log = (REPO / "runs" / "serving_sweep" / f"{name}.log").read_text(errors="replace")
+        assert "CPU bed: the target model's prefills of 128+ tokens run on 2 threads (decode steps on 1;" in log, name
 
 
 

@@ -28,6 +28,8 @@ host's g++) run here unchanged, our plugin included:
   (``SGLANG_EXTERNAL_MODEL_PACKAGE``; about 3 s of each launch's 25 s here); any other model still loads.
 * ``profile``: with ``SGLANG_SPEC_CPU_PROFILE=<folder>``, the scheduler's per-batch timings (target and draft
   forwards, loop period) and optionally cProfile statistics of its decode steps (``bench/cpu_step_profile.py``).
+* ``threads``: with ``SGLANG_SPEC_CPU_PREFILL_THREADS=N``, prefills run on N threads (decode steps keep one); for a
+  machine of its own (the serving sweep's ``--prefill-threads``).
 
 Everything here is numerics-faithful but slow; it exists to run SGLang's control flow and our plugin end to end,
 not to serve traffic. CUDA graphs and the FlashInfer / FA3 / Triton attention backends stay GPU-only; page size > 1
@@ -41,7 +43,7 @@ from importlib import metadata
 from pathlib import Path
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.cpu import kernels, linear, tree_mask
+from sglang_spec.sglang_plugin.cpu import kernels, linear, threads, tree_mask
 from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 
 SUPPORTED_SGLANG = "0.5.23"
@@ -118,6 +120,7 @@ def activate() -> None:
     if os.environ.get(linear.GEMM_ENV):
         linear.backend_from_environment()
     tree_mask.mode_from_environment()
+    threads.prefill_threads_from_environment()
     kernels.install()
     _activated = True
 
