@@ -85,6 +85,11 @@ class ContextDrafter:
         self.proposed: list[DraftTree] = []
         self._outcome: tuple[list[DraftTree], torch.Tensor, int] | None = None
 
+    @property
+    def uses_head(self) -> bool:
+        """False for ``lookup``: its trees never ask the head (the server then skips the head's forwards)."""
+        return self.drafter.policy.uses_head
+
     @staticmethod
     def committed_tokens(req: Any) -> list[int]:
         return list(req.origin_input_ids_unpadded) + list(req.output_ids)

@@ -11,6 +11,7 @@
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | the draft KV pool can give every branch its own ancestry |
 | ``EagleDraftWorker.draft`` | AROUND | lookup / hybrid: the batch's requests for the context; the draft runs eagerly; sequoia / specexec: requests drafted from a non-finite head output counted (``head_guard``) |
 | ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); lookup / hybrid: host-built trees (``context_draft``); eagle: SGLang's; a draft that raises: a filler tree for that batch (counted, one log line) |
+| ``EagleDraftWorker._draft_extend_for_prefill`` / ``_for_decode`` | AROUND | lookup: skipped (its trees never ask the head), SGLang's own stub of the next draft input in their place |
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
 | ``LogitsMetadata.from_forward_batch`` | AFTER | sequoia / specexec: the draft head's logits for the beams that can grow only |
 | ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | ``--speculative-tree-auto``: start-up costs (``step_costs``) before the first decode step; then a tree step, a plain step (SGLang's own 0-step path) or a cold one (the target's DECODE forward, SGLang's draft-extend stub), timed |
@@ -86,6 +87,8 @@ HOOKS = (
     (f"{_WORKER}.alloc_memory_pool", "alloc_memory_pool_after", "AFTER"),
     (f"{_WORKER}.draft", "draft_around", "AROUND"),
     (f"{_WORKER}.draft_forward", "draft_forward_around", "AROUND"),
+    (f"{_WORKER}._draft_extend_for_prefill", "draft_extend_for_prefill_around", "AROUND"),
+    (f"{_WORKER}._draft_extend_for_decode", "draft_extend_for_decode_around", "AROUND"),
     ("sglang.srt.speculative.spec_utils.select_top_k_tokens", "select_top_k_tokens_around", "AROUND"),
     ("sglang.srt.layers.logits_processor.LogitsMetadata.from_forward_batch", "logits_metadata_after", "AFTER"),
     ("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", "correct_drafts_after", "AFTER"),
@@ -424,6 +427,44 @@ def draft_around(original, worker, batch, *args, **kwargs):
     finally:
         worker.cuda_graph_runner = graph_runner
         _REQS.reset(token)
+
+
+def _head_free(worker) -> bool:
+    """A ``lookup`` server: its trees never ask the head, so the head's forwards (the draft extend over a prompt and
+    over each step's accepted tokens, which fill its KV and give the next root's candidates) are skipped."""
+    setup = getattr(worker, "_sglang_spec", None)
+    return setup is not None and setup.context is not None and not setup.context.uses_head
+
+
+def _stub_draft_input(worker, batch_size: int) -> dict:
+    """The next draft input's head fields where the head did not run: zeros of the shapes SGLang's own stub for a
+    skipped draft extend gives (``EAGLEWorkerV2._stub_skipped_draft_extend``); a lookup tree reads none of them."""
+    from sglang.srt.speculative.eagle_utils import get_draft_recurrent_hidden_state_spec
+
+    fields = {"topk_p": torch.zeros((batch_size, worker.topk), dtype=torch.float32, device=worker.device),
+              "topk_index": torch.zeros((batch_size, worker.topk), dtype=torch.int64, device=worker.device)}
+    hidden_size, hidden_dtype = get_draft_recurrent_hidden_state_spec(worker.draft_runner)
+    if hidden_size is not None:
+        fields["hidden_states"] = torch.zeros((batch_size, hidden_size), dtype=hidden_dtype, device=worker.device)
+    return fields
+
+
+def draft_extend_for_prefill_around(original, worker, batch, target_hidden_states, next_token_ids, *args, **kwargs):
+    if not _head_free(worker):
+        return original(worker, batch, target_hidden_states, next_token_ids, *args, **kwargs)
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    return EagleDraftInput(bonus_tokens=next_token_ids, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1,
+                           **_stub_draft_input(worker, batch.seq_lens.shape[0]))
+
+
+def draft_extend_for_decode_around(original, worker, batch, batch_output, *args, **kwargs):
+    if not _head_free(worker):
+        return original(worker, batch, batch_output, *args, **kwargs)
+    # verify already set the bonus tokens, the one field a lookup draft reads
+    for name, value in _stub_draft_input(worker, batch.seq_lens.shape[0]).items():
+        setattr(batch_output.next_draft_input, name, value)
+    return None
 
 
 def draft_forward_around(original, worker, forward_batch, *args, **kwargs):

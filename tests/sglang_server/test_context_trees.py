@@ -42,19 +42,23 @@ def repeat_prompts(smollm2_cpu) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module", params=["hybrid", "lookup"])
-def run(request, smollm2_cpu, server_logs, smollm2_prompts, repeat_prompts):
+def run(request, smollm2_cpu, server_logs, smollm2_prompts, repeat_prompts, tmp_path_factory):
     policy = request.param
-    with running_server(smollm2_cpu, server_logs, f"smollm2-context-{policy}",
-                        context_args(policy, smollm2_cpu.profile)) as server:
-        heldout = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
-        repeat = server.generate(repeat_prompts, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
-        sampled = server.generate(repeat_prompts, SAMPLED)
-        info = server.request("/server_info")
-        metrics = server.request("/metrics")
-        profile = server_logs / f"context-{policy}-from-server.json"
-        calibrated = cli_main(["calibrate", "--from-server", server.url, "--out", str(profile), "--force"])
+    steps_folder = tmp_path_factory.mktemp(f"steps-{policy}")
+    with pytest.MonkeyPatch.context() as patch:  # the CPU bed's per-batch timings (cpu/profile.py)
+        patch.setenv("SGLANG_SPEC_CPU_PROFILE", str(steps_folder))
+        with running_server(smollm2_cpu, server_logs, f"smollm2-context-{policy}",
+                            context_args(policy, smollm2_cpu.profile)) as server:
+            heldout = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
+            repeat = server.generate(repeat_prompts, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
+            sampled = server.generate(repeat_prompts, SAMPLED)
+            info = server.request("/server_info")
+            metrics = server.request("/metrics")
+            profile = server_logs / f"context-{policy}-from-server.json"
+            calibrated = cli_main(["calibrate", "--from-server", server.url, "--out", str(profile), "--force"])
+    steps = [json.loads(line) for line in (steps_folder / "steps.jsonl").read_text().splitlines()]
     return {"policy": policy, "heldout": heldout, "repeat": repeat, "sampled": sampled, "info": info,
-            "metrics": metrics, "calibrated": (calibrated, profile)}
+            "metrics": metrics, "calibrated": (calibrated, profile), "steps": steps}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,18 @@ def test_accept_length_within_5_percent_of_the_reference_decoder(run, smollm2_cp
         print(f"\n{run['policy']} {BUDGET}/{DEPTH} width {options.width} on {name}: mean accept length through "
               f"SGLang {through_sglang:.3f}, reference decoder {reference.accept_length_mean:.3f}")
         assert through_sglang == pytest.approx(reference.accept_length_mean, rel=0.05), name
+
+
+def test_a_lookup_server_never_runs_the_head_and_a_hybrid_one_does(run):
+    """lookup trees never ask the head, so its forwards (the draft extend over each prompt and over each step's
+    accepted tokens) are skipped: the bed's per-batch timings see no draft forward in any prefill or decode step.
+    A hybrid server's show them in every one (the recorder would catch a skip that reached hybrid too)."""
+    batches = [step for step in run["steps"] if step["mode"] in ("EXTEND", "DECODE")]
+    assert {step["mode"] for step in batches} == {"EXTEND", "DECODE"}
+    if run["policy"] == "lookup":
+        assert all(step["draft_s"] == 0 for step in batches), [step for step in batches if step["draft_s"]][:3]
+    else:
+        assert all(step["draft_s"] > 0 for step in batches)
 
 
 def test_sampled_requests_go_through_the_tree(run, plain_repeat):
