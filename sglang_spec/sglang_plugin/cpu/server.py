@@ -157,6 +157,7 @@ def _stop(process: subprocess.Popen, timeout: float) -> None:
 
 
 PORT_TAKEN = "address already in use"  # uvicorn's bind failure, in the server's log
+START_POLL_S = 0.25  # start-up: how often the process, the log and /health are checked (a launch takes ~25 s here)
 
 
 class PortTaken(SpecError):
@@ -209,12 +210,19 @@ class SGLangServer:
         log.close()
         _RUNNING[self.process.pid] = self.process
         deadline = time.monotonic() + timeout
+        read, tail = 0, ""  # bytes of the log already searched; the end of them (a match across two reads)
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.stop()
                 raise SpecError(f"the SGLang server exited with status {self.process.returncode} during start-up "
                                 f"({self.last_error()}); its log: {self.log_path}")
-            if PORT_TAKEN in self.log_path.read_text(errors="replace"):  # uvicorn logs it and lingers
+            with self.log_path.open("rb") as log_file:  # only what was written since the last poll
+                log_file.seek(read)
+                new = log_file.read()
+            read += len(new)
+            text = tail + new.decode(errors="replace")
+            tail = text[-len(PORT_TAKEN):]
+            if PORT_TAKEN in text:  # uvicorn logs it and lingers
                 self.stop()
                 raise PortTaken(f"port {self.port} was taken between free_port() and the server's bind; its log: "
                                 f"{self.log_path}")
@@ -224,7 +232,7 @@ class SGLangServer:
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
-            time.sleep(1.0)
+            time.sleep(START_POLL_S)
         self.stop()
         raise SpecError(f"the SGLang server did not answer /health within {timeout:.0f} s "
                         f"({self.last_error()}); its log: {self.log_path}")

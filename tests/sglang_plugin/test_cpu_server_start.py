@@ -1,0 +1,38 @@
+"""``SGLangServer.start`` (``cpu/server.py``) against stand-in launchers: it reads only what the log gained since
+its last poll, so a bind failure written in two pieces across polls must still be seen, and a launcher that dies
+is reported with its last error line."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from sglang_spec.errors import SpecError
+from sglang_spec.sglang_plugin.cpu import server
+
+
+def launcher(tmp_path, body: str):
+    """A stand-in for ``python``: ``start`` runs ``<it> -m sglang.launch_server ...``, and it runs ``body``."""
+    path = tmp_path / "fake_python.sh"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_bind_failure_written_across_two_polls_is_seen(tmp_path, monkeypatch):
+    # the message's two halves land in different polls; the process lingers as uvicorn's does
+    halves = ("ERROR: [Errno 98] error while attempting to bind: addr", "ess already in use")
+    body = f"printf '%s' '{halves[0]}'\nsleep {4 * server.START_POLL_S}\nprintf '%s\\n' '{halves[1]}'\nsleep 60\n"
+    monkeypatch.setattr(sys, "executable", launcher(tmp_path, body))
+    started = time.monotonic()
+    with pytest.raises(server.PortTaken, match="^port 1 was taken between free_port"):
+        server.SGLangServer(["--port", "1"], 1, tmp_path / "server.log", env={}, cpu=False).start(timeout=30)
+    assert time.monotonic() - started < 10
+
+
+def test_a_launcher_that_dies_is_reported_with_its_last_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", launcher(tmp_path, "echo 'ValueError: no such model'\nexit 3\n"))
+    with pytest.raises(SpecError, match=r"exited with status 3 during start-up \(ValueError: no such model\)"):
+        server.SGLangServer([], 1, tmp_path / "server.log", env={}, cpu=False).start(timeout=30)
