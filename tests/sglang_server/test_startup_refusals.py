@@ -72,3 +72,15 @@ def test_a_bad_gemm_backend_for_the_cpu_bed_is_one_line(smollm2_cpu, monkeypatch
     assert finished.returncode != 0
     assert len(errors) == 1 and f"{GEMM_ENV}='blas' is not a GEMM backend" in errors[0], finished.stderr[-2000:]
     assert "Traceback" not in finished.stderr + finished.stdout
+
+
+def test_a_bad_prefill_thread_count_for_the_cpu_bed_is_one_line(smollm2_cpu, monkeypatch):
+    from sglang_spec.sglang_plugin.cpu.threads import PREFILL_THREADS_ENV
+
+    monkeypatch.setenv(PREFILL_THREADS_ENV, "0")
+    finished = launch(smollm2_cpu, [])
+    errors = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
+    assert finished.returncode != 0
+    assert len(errors) == 1 and f"{PREFILL_THREADS_ENV}='0' is not a thread count" in errors[0], \
+        finished.stderr[-2000:]
+    assert "Traceback" not in finished.stderr + finished.stdout
