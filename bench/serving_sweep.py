@@ -23,6 +23,8 @@ user's own file, ``--prompts FILE.jsonl`` (``{"prompt": ...}`` or ``{"messages":
     # this CPU, through the project's harness (SmolLM2-135M + shipped head, or the tiny DeepSeek-V3):
     python bench/serving_sweep.py --cpu-model smollm2 --policies plain,chain,sequoia --budgets 15 \\
         --concurrency 1,2,4 --num-prompts 8 --random-input-len 64 --random-output-len 32
+    # the same on a machine running nothing else: every server's prompt prefills on two threads
+    python bench/serving_sweep.py --cpu-model smollm2 --prefill-threads 2 ...
     # a GPU host:
     python bench/serving_sweep.py --model-path deepseek-ai/DeepSeek-R1 --server-args "--tp 8 --attention-backend fa3" \\
         --policies plain,chain,sequoia,specexec --budgets 4,8,16 --concurrency 1,4,16,64 \\
