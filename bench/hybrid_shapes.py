@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             shape = f"{budget}:{depth}:{levels}"
             accept_lengths.setdefault(shape, {})[workload] = output.accept_length_mean
             print(f"{workload} {shape}: accept length {output.accept_length_mean:.3f}", flush=True)
-    print("\n".join(markdown_table(["budget:depth:head levels", *WORKLOADS],
-                                   [[shape, *(f"{row[w]:.2f}" for w in WORKLOADS)] for shape, row in accept_lengths.items()])))
+    rows = [[shape, *(f"{row[workload]:.2f}" for workload in WORKLOADS)] for shape, row in accept_lengths.items()]
+    print("\n".join(markdown_table(["budget:depth:head levels", *WORKLOADS], rows)))
     command = " ".join(["python", "bench/hybrid_shapes.py", *(argv if argv is not None else sys.argv[1:])])
     write_text_atomic(args.out, json.dumps({"command": command, "max_new_tokens": args.max_new_tokens,
                                             "accept_length": accept_lengths}, indent=1) + "\n")

@@ -142,14 +142,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def cpu_environment(args) -> dict[str, str]:
-    """The environment the CPU bed's servers start from: this process's, plus ``--prefill-threads``."""
-    return dict(os.environ, **dict(part.split("=", 1) for part in prefill_threads_prefix(args)))
-
-
-def prefill_threads_prefix(args) -> list[str]:
-    """The dry run's ``VAR=N`` before a CPU server's command, for ``--prefill-threads``."""
-    return [] if args.prefill_threads is None else [f"{PREFILL_THREADS_ENV}={args.prefill_threads}"]
+def bed_environment(args) -> dict[str, str]:
+    """What a CPU bed's server gets in its environment beyond this process's: ``--prefill-threads``."""
+    return {} if args.prefill_threads is None else {PREFILL_THREADS_ENV: str(args.prefill_threads)}
 
 
 def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[str]:
@@ -443,8 +438,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         for policy, budget in shapes:
             launch = launch_command(args, policy, budget) if args.cpu_model is None else \
-                [*prefill_threads_prefix(args), sys.executable, "-m", "sglang_spec.sglang_plugin.cpu", "--model",
-                 args.cpu_model,
+                [*(f"{name}={value}" for name, value in bed_environment(args).items()), sys.executable, "-m",
+                 "sglang_spec.sglang_plugin.cpu", "--model", args.cpu_model,
                  *(["--no-speculation"] if policy in PLAIN_METHODS else []),
                  *tree_arguments(args, policy, budget, args.acceptance_profile or "<shipped profile>")]
             print(" ".join(shlex.quote(part) for part in launch))
@@ -477,7 +472,8 @@ def main(argv=None) -> int:
         if model is not None:
             launch = cpu_launch_args(model, args.port, speculative=policy not in PLAIN_METHODS,
                                      extra=tree_arguments(args, policy, budget, profile) + extra_server_args(args))
-            server = SGLangServer(launch, args.port, scratch / f"{name}.log", env=cpu_environment(args))
+            server = SGLangServer(launch, args.port, scratch / f"{name}.log",
+                                  env=dict(os.environ, **bed_environment(args)))
         else:
             launch = launch_command(args, policy, budget, profile)[3:]
             server = SGLangServer(launch, args.port, scratch / f"{name}.log", env=dict(os.environ), cpu=False)
