@@ -150,3 +150,16 @@ def test_every_server_logs_each_decode_step_so_its_accept_length_counts_every_st
     assert sweep.extra_server_args(args) == ["--max-running-requests", "16", "--decode-log-interval", "1"]
     args = sweep.parse_args(["--cpu-model", "smollm2", "--server-args=--decode-log-interval=40"])
     assert sweep.extra_server_args(args) == ["--decode-log-interval=40"]
+
+
+def test_prefill_threads_reach_each_cpu_server_and_a_bad_count_is_refused(capsys):
+    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    args = sweep.parse_args(["--cpu-model", "smollm2", "--prefill-threads", "2"])
+    assert sweep.bed_environment(args) == {"SGLANG_SPEC_CPU_PREFILL_THREADS": "2"}
+    assert sweep.bed_environment(sweep.parse_args(["--cpu-model", "smollm2"])) == {}
+    for bad in (["--cpu-model", "smollm2", "--prefill-threads", "0"], ["--prefill-threads", "2"]):
+        with pytest.raises(SystemExit):
+            sweep.parse_args(bad)
+        assert "error: --prefill-threads" in capsys.readouterr().err
