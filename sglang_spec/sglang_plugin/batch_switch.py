@@ -20,6 +20,8 @@ the traffic (copy-heavy prompts accept more). Two layers decide:
   return for those requests, the head drafts without its KV for the cold positions (it accepts less there;
   verification keeps the output exact). So the accept length is learnt from requests with a warm head only: a
   request that took a cold step would report the stale head, not the traffic (and, learnt, keep itself cold).
+  A prompt admitted while the batch it joins is cold (``admit``) skips the head's pass over it as well (its
+  prefill's draft extend, 4% of the prefill on the CPU bed): the request is cold from its first token.
   Between ``COLD_BELOW`` and even, once the accept length is learnt (``WINDOW`` tree steps), a batch of two or
   more that is predicted to lose takes warm plain steps (the head's draft extend runs, so trees return at no cost
   in acceptance), with a tree step at most ``BAND_PROBE_SHARE`` of the time: on the CPU bed the prediction at
@@ -126,6 +128,7 @@ class BatchSwitches:
     tree_steps: int = 0
     since_tree: dict[int, int] = field(default_factory=dict)  # per bucket, plain steps by prediction since a tree
     logged: dict[int, bool] = field(default_factory=dict)  # per bucket, whether the last log line said plain
+    cold_admissions: int = 0  # requests whose prompt the head skipped (``admit``)
 
     def switch(self, batch_size: int) -> SpeculationSwitch:
         bucket = _bucket(batch_size)
@@ -182,6 +185,16 @@ class BatchSwitches:
         share = PROBE_SHARE if regime == COLD else BAND_PROBE_SHARE
         probe = self.since_tree.get(_bucket(batch_size), 0) >= self.probe_interval(batch_size, share)
         return TREE if probe else regime
+
+    def admit(self, requests: int, batch_size: int) -> bool:
+        """``requests`` prompts are about to be prefilled into a decode batch of ``batch_size``: True where that
+        batch is cold by prediction (``regime``), so the head's pass over their prompts would fill KV that no tree
+        reads while the batch stays that large; they are then cold from their first token (counted in
+        ``cold_admissions``)."""
+        if self.costs is None or self.regime(batch_size) != COLD:
+            return False
+        self.cold_admissions += requests
+        return True
 
     def _forget_left_traffic(self, batch_size: int, rids: Sequence[str] | None) -> None:
         """A batch with none of the requests of its bucket's last step is new traffic: the measured switch's verdict

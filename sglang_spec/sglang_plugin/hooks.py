@@ -96,6 +96,7 @@ HOOKS = (
     ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation", "forward_batch_generation_around",
      "AROUND"),
     ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify", "verify_around", "AROUND"),
+    ("sglang.srt.managers.scheduler.Scheduler.run_batch", "scheduler_run_batch_before", "BEFORE"),
     ("sglang.srt.speculative.eagle_utils.eagle_sample", "eagle_sample_around", "AROUND"),
     ("sglang.srt.speculative.spec_utils.move_accept_tokens_to_target_kvcache", "move_accept_tokens_around", "AROUND"),
     ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
@@ -450,7 +451,7 @@ def _stub_draft_input(worker, batch_size: int) -> dict:
 
 
 def draft_extend_for_prefill_around(original, worker, batch, target_hidden_states, next_token_ids, *args, **kwargs):
-    if not _head_free(worker):
+    if not _head_free(worker) and not _COLD_PREFILL.get():
         return original(worker, batch, target_hidden_states, next_token_ids, *args, **kwargs)
     from sglang.srt.speculative.eagle_info import EagleDraftInput
 
@@ -672,16 +673,36 @@ def permute_kv(pool, target, source) -> None:
 
 # ---------------------------------------------------------------------------------------------- tree auto
 COLD_MARK = "_sglang_spec_cold"  # set on a Req that took a cold step (its head skipped that position)
+# the decode batch the prefill being run will join (its requests, the running ones and those waiting, up to the
+# running cap), set by the scheduler before each batch (None for a decode batch): tree auto's cold admission
+_JOINS: contextvars.ContextVar[int | None] = contextvars.ContextVar("sglang_spec_joins", default=None)
+# set while a prefill runs cold: the head's draft extend over its prompts is skipped
+_COLD_PREFILL: contextvars.ContextVar[bool] = contextvars.ContextVar("sglang_spec_cold_prefill", default=False)
+
+
+def scheduler_run_batch_before(scheduler, batch, *args, **kwargs):
+    """Tree auto: before a prompt prefill, the size of the decode batch its requests will join (``_JOINS``)."""
+    options: TreeServerOptions | None = getattr(scheduler.server_args, ATTRIBUTE, None)
+    if options is None or not options.auto:
+        return None
+    joins = None
+    if batch.forward_mode.name == "EXTEND":  # a prompt prefill (not mixed with decode rows, not split)
+        joins = scheduler.running_batch.batch_size() + batch.batch_size() + len(scheduler.waiting_queue)
+        joins = min(joins, scheduler.max_running_requests or joins)
+    _JOINS.set(joins)
+    return None
 
 
 def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
     """--speculative-tree-auto: a decode batch the switch calls plain goes through SGLang's own 0-step path (the
     root alone verified: a plain decode, the draft KV kept warm by the draft extend), or cold (``_zero_steps``);
-    every decode step is timed with the tokens it emitted."""
+    every decode step is timed with the tokens it emitted. A prefill whose requests join a batch that is cold by
+    prediction skips the head's pass over their prompts (``_admit``)."""
     options: TreeServerOptions | None = getattr(worker.server_args, ATTRIBUTE, None)
-    if (options is None or not options.auto or batch.forward_mode.is_extend() or batch.is_extend_in_batch
-            or batch.forward_mode.is_idle()):
+    if options is None or not options.auto or batch.forward_mode.is_idle():
         return original(worker, batch, *args, **kwargs)
+    if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+        return _admit(original, worker, batch, *args, **kwargs)
     switches = getattr(worker, "_sglang_spec_switches", None)
     if switches is None:
         switches = worker._sglang_spec_switches = _start_switches(worker)
@@ -702,6 +723,35 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
         _observe_step(switches, batch, kind, output, start)
     except Exception as error:  # the step's output stands; the switch learns nothing from it
         accept_fault(AUTO, error, size, "decoded; tree auto did not learn from its time")
+    return output
+
+
+def _admit(original, worker, batch, *args, **kwargs):
+    """A prefill under tree auto: where the decode batch its requests join (``_JOINS``) is cold by prediction
+    (``BatchSwitches.admit``), it runs without the head's draft extend (SGLang's stub of the next draft input, as
+    for a ``lookup`` server) and its requests are cold from the start. Only a prompt prefill (EXTEND: no decode
+    rows mixed in, see ``scheduler_run_batch_before``) goes cold; a later chunk of a cold prompt may run the head
+    again, the request stays cold."""
+    switches: BatchSwitches | None = getattr(worker, "_sglang_spec_switches", None)
+    joins = _JOINS.get()
+    cold = False
+    if switches is not None and joins is not None:
+        try:
+            cold = switches.admit(len(batch.reqs), joins)
+        except Exception as error:  # the head's pass runs: warm, as without tree auto
+            accept_fault(AUTO, error, len(batch.reqs), "prefilled with the head's pass")
+    if not cold:
+        return original(worker, batch, *args, **kwargs)
+    token = _COLD_PREFILL.set(True)
+    try:
+        output = original(worker, batch, *args, **kwargs)
+    finally:
+        _COLD_PREFILL.reset(token)
+    for request in batch.reqs:  # no head KV for the prompt: its tree steps teach the accept length nothing
+        setattr(request, COLD_MARK, True)
+    if switches.cold_admissions == len(batch.reqs):
+        log(f"tree auto: prompts joining a batch of {joins} skip the head's pass (cold: trees predicted at "
+            f"{switches.predicted_speedup(joins, floor=True):.2f}x there)")
     return output
 
 

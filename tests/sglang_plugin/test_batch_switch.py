@@ -44,6 +44,19 @@ def test_under_load_the_prediction_turns_trees_off_from_the_first_step_and_cold(
     assert switches.predicted_speedup(16) < 1.0 < switches.predicted_speedup(1)
 
 
+def test_prompts_joining_a_cold_batch_skip_the_heads_pass_and_others_keep_it():
+    switches = BatchSwitches(costs=COSTS)
+    # sixteen is cold at the prior accept length (predicted 2.0 * 0.2 / 1.0 = 0.4x); one and four are not
+    assert switches.admit(3, 16) is True and switches.cold_admissions == 3
+    assert switches.admit(1, 1) is False and switches.admit(4, 4) is False
+    assert switches.admit(2, 16) is True and switches.cold_admissions == 5
+    # a copy-heavy traffic (accept length 9: 1.8x predicted at sixteen) keeps every prompt's head pass
+    run(switches, 1, 30, tree_seconds=0.075, tokens=9, plain_seconds=0.05)
+    assert switches.admit(3, 16) is False and switches.cold_admissions == 5
+    # without a start-up table nothing is predicted: every prompt is warm
+    assert BatchSwitches().admit(16, 16) is False
+
+
 def test_a_cold_batch_size_tries_a_tree_at_most_one_percent_of_its_time_and_follows_the_traffic():
     switches = BatchSwitches(costs=COSTS, accept_length=2.0)
     interval = switches.probe_interval(16)

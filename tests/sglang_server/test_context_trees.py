@@ -119,7 +119,8 @@ def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cp
     """--speculative-tree-auto: SGLang's dummy verify forward is timed for every batch size up to the running cap
     before the first decode step; the steps that follow (trees, plain steps, cold plain steps where the prediction
     says trees lose, and trees again as the batch drains) keep plain decoding's output. A plain step's target
-    forward, warm or cold, is SGLang's DECODE forward (the CPU step profile records each target forward's mode)."""
+    forward, warm or cold, is SGLang's DECODE forward (the CPU step profile records each target forward's mode).
+    Prompts prefilled into a batch that is cold by prediction skip the head's pass over them."""
     monkeypatch.setenv("SGLANG_SPEC_CPU_PROFILE", str(tmp_path))
     args = context_args("hybrid", smollm2_cpu.profile) + ["--speculative-tree-auto"]
     with running_server(smollm2_cpu, server_logs, "smollm2-context-auto", args) as server:
@@ -132,6 +133,12 @@ def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cp
     modes = {tuple(step["target_modes"]) for step in steps if step["mode"] == "DECODE"}
     # trees verify; plain steps decode; the start-up table's dummy verifies are not batches
     assert ("TARGET_VERIFY",) in modes and ("DECODE",) in modes, modes
+    # the prompts joined a batch of 8, cold by prediction (a 13-token verify costs ~9x a plain step there): the
+    # head skipped them, while the warm-up request's prompt (batch 1) took the head's pass
+    assert any("prompts joining a batch of 8 skip the head's pass" in line for line in log.splitlines())
+    prefills = [step for step in steps if step["mode"] == "EXTEND"]
+    assert any(step["draft_s"] == 0 and step["batch"] > 1 for step in prefills), prefills
+    assert prefills[0]["batch"] == 1 and prefills[0]["draft_s"] > 0, prefills
     print("\n".join(line for line in log.splitlines() if "tree auto" in line))
 
 
