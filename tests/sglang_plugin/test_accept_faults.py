@@ -248,3 +248,38 @@ def test_a_tree_auto_fault_decodes_the_batch(metrics, capsys, broken):
     assert metrics.accept_faults == {(AUTO, "KeyError"): 1}
     lines = fault_lines(capsys)
     assert len(lines) == 1 and ("plain step" in lines[0] if broken == "decide" else "did not learn" in lines[0])
+
+
+@pytest.mark.parametrize("admit", ["cold", "warm", "broken"])
+def test_a_prompt_prefill_joining_a_cold_batch_skips_the_heads_pass(metrics, capsys, admit):
+    """Tree auto's cold admission: where the switch admits the prompts cold, the prefill runs with the head's draft
+    extend stubbed (``_COLD_PREFILL`` while it runs) and its requests are marked cold; warm, or where the switch
+    raises (a fault, counted), the head's pass runs and nothing is marked."""
+
+    class Switches:
+        cold_admissions = 0
+
+        def admit(self, requests, batch_size):
+            if admit == "broken":
+                raise KeyError("bucket")
+            self.cold_admissions += requests if admit == "cold" else 0
+            return admit == "cold"
+
+        def predicted_speedup(self, batch_size, floor=False):
+            return 0.25
+
+    seen = []
+    worker = AutoWorker(Switches())
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True, is_idle=lambda: False),
+                            is_extend_in_batch=False, reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b")])
+    token = hooks._JOINS.set(16)
+    try:
+        hooks.forward_batch_generation_around(lambda worker, batch: seen.append(hooks._COLD_PREFILL.get()), worker,
+                                              batch)
+    finally:
+        hooks._JOINS.reset(token)
+    assert seen == [admit == "cold"] and not hooks._COLD_PREFILL.get()
+    assert [getattr(request, hooks.COLD_MARK, False) for request in batch.reqs] == [admit == "cold"] * 2
+    assert metrics.accept_faults == ({(AUTO, "KeyError"): 1} if admit == "broken" else {})
+    lines = fault_lines(capsys)
+    assert len(lines) == (admit == "broken") and all("prefilled with the head's pass" in line for line in lines)
