@@ -162,6 +162,27 @@ def test_a_kv_commit_fault_half_way_is_finished_exactly(metrics, capsys):
     assert len(lines) == 1 and "by the kernel in 1 of 6 layer buffers, by torch in the rest" in lines[0]
 
 
+def test_a_plain_steps_accepted_kv_is_left_where_it_is():
+    """One verified slot a request (a plain step): the accepted token is each window's root, so the commit would
+    copy every row onto itself (checked with the plugin's own commit); neither it nor SGLang's move runs. Two slots a
+    request: the move runs."""
+    out_cache_loc = torch.tensor([20, 3, 11])
+    accept_index = torch.tensor([[0], [1], [2]], dtype=torch.int32)
+    accept_lens = torch.ones(3, dtype=torch.int32)
+    pool, moved = MovingPool(24), MovingPool(24)
+    FusedAccept.commit_kv(moved, out_cache_loc, accept_index, accept_lens, 1)
+    assert all(torch.equal(a, b) for a, b in zip(pool.rows(), moved.rows()))
+    calls = []
+    allocator = SimpleNamespace(get_kvcache=lambda: pool)
+    plain = SimpleNamespace(seq_lens=torch.tensor([5, 8, 2]), out_cache_loc=out_cache_loc)
+    hooks.move_accept_tokens_around(lambda *args: calls.append(args), plain, accept_index, accept_lens - 1, allocator)
+    assert calls == []
+    tree = SimpleNamespace(seq_lens=torch.tensor([5, 8, 2]), out_cache_loc=torch.arange(6))
+    hooks.move_accept_tokens_around(lambda *args: calls.append(args), tree, accept_index * 2, accept_lens - 1,
+                                    allocator)
+    assert len(calls) == 1
+
+
 def test_a_fault_in_the_bookkeeping_after_the_accept_leaves_the_result(monkeypatch, metrics, capsys):
     """The rank counts raise after SGLang's accept: the accept's outputs are returned as they were."""
     verify_input, batch, logits_output = greedy_batch()
