@@ -11,7 +11,7 @@
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | the draft KV pool can give every branch its own ancestry |
 | ``EagleDraftWorker.draft`` | AROUND | lookup / hybrid: the batch's requests for the context; the draft runs eagerly; sequoia / specexec: requests drafted from a non-finite head output counted (``head_guard``) |
 | ``EagleDraftWorker.draft_forward`` | AROUND | sequoia / specexec: the plugin's own loop (``draft_forward``); lookup / hybrid: host-built trees (``context_draft``); eagle: SGLang's; a draft that raises: a filler tree for that batch (counted, one log line) |
-| ``EagleDraftWorker._draft_extend_for_prefill`` / ``_for_decode`` | AROUND | lookup: skipped (its trees never ask the head), SGLang's own stub of the next draft input in their place |
+| ``EagleDraftWorker._draft_extend_for_prefill`` / ``_for_decode`` | AROUND | lookup (its trees never ask the head) and tree auto's cold steps and cold prefills: skipped, the stub of the next draft input SGLang's 0-step path uses in their place |
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
 | ``LogitsMetadata.from_forward_batch`` | AFTER | sequoia / specexec: the draft head's logits for the beams that can grow only |
 | ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | ``--speculative-tree-auto``: start-up costs (``step_costs``) before the first decode step; then a tree step, a plain step (SGLang's own 0-step path) or a cold one (the target's DECODE forward, SGLang's draft-extend stub), timed |
@@ -430,16 +430,24 @@ def draft_around(original, worker, batch, *args, **kwargs):
         _REQS.reset(token)
 
 
+# set while a batch runs without the head's draft extend: tree auto's cold steps and cold prefills
+_HEAD_SKIPPED: contextvars.ContextVar[bool] = contextvars.ContextVar("sglang_spec_head_skipped", default=False)
+
+
 def _head_free(worker) -> bool:
-    """A ``lookup`` server: its trees never ask the head, so the head's forwards (the draft extend over a prompt and
-    over each step's accepted tokens, which fill its KV and give the next root's candidates) are skipped."""
+    """The head's forwards (the draft extend over a prompt and over each step's accepted tokens, which fill its KV
+    and give the next root's candidates) are skipped: always on a ``lookup`` server, whose trees never ask the head;
+    under tree auto for a cold batch (``_HEAD_SKIPPED``)."""
+    if _HEAD_SKIPPED.get():
+        return True
     setup = getattr(worker, "_sglang_spec", None)
     return setup is not None and setup.context is not None and not setup.context.uses_head
 
 
 def _stub_draft_input(worker, batch_size: int) -> dict:
     """The next draft input's head fields where the head did not run: zeros of the shapes SGLang's own stub for a
-    skipped draft extend gives (``EAGLEWorkerV2._stub_skipped_draft_extend``); a lookup tree reads none of them."""
+    skipped draft extend gives (``EAGLEWorkerV2._stub_skipped_draft_extend``); neither a lookup tree nor a plain
+    step reads them."""
     from sglang.srt.speculative.eagle_utils import get_draft_recurrent_hidden_state_spec
 
     fields = {"topk_p": torch.zeros((batch_size, worker.topk), dtype=torch.float32, device=worker.device),
@@ -451,7 +459,7 @@ def _stub_draft_input(worker, batch_size: int) -> dict:
 
 
 def draft_extend_for_prefill_around(original, worker, batch, target_hidden_states, next_token_ids, *args, **kwargs):
-    if not _head_free(worker) and not _COLD_PREFILL.get():
+    if not _head_free(worker):
         return original(worker, batch, target_hidden_states, next_token_ids, *args, **kwargs)
     from sglang.srt.speculative.eagle_info import EagleDraftInput
 
@@ -462,7 +470,7 @@ def draft_extend_for_prefill_around(original, worker, batch, target_hidden_state
 def draft_extend_for_decode_around(original, worker, batch, batch_output, *args, **kwargs):
     if not _head_free(worker):
         return original(worker, batch, batch_output, *args, **kwargs)
-    # verify already set the bonus tokens, the one field a lookup draft reads
+    # verify already set the bonus tokens, the one field a lookup draft or a plain step reads
     for name, value in _stub_draft_input(worker, batch.seq_lens.shape[0]).items():
         setattr(batch_output.next_draft_input, name, value)
     return None
@@ -676,8 +684,6 @@ COLD_MARK = "_sglang_spec_cold"  # set on a Req that took a cold step (its head 
 # the decode batch the prefill being run will join (its requests, the running ones and those waiting, up to the
 # running cap), set by the scheduler before each batch (None for a decode batch): tree auto's cold admission
 _JOINS: contextvars.ContextVar[int | None] = contextvars.ContextVar("sglang_spec_joins", default=None)
-# set while a prefill runs cold: the head's draft extend over its prompts is skipped
-_COLD_PREFILL: contextvars.ContextVar[bool] = contextvars.ContextVar("sglang_spec_cold_prefill", default=False)
 
 
 def scheduler_run_batch_before(scheduler, batch, *args, **kwargs):
@@ -742,11 +748,11 @@ def _admit(original, worker, batch, *args, **kwargs):
             accept_fault(AUTO, error, len(batch.reqs), "prefilled with the head's pass")
     if not cold:
         return original(worker, batch, *args, **kwargs)
-    token = _COLD_PREFILL.set(True)
+    token = _HEAD_SKIPPED.set(True)
     try:
         output = original(worker, batch, *args, **kwargs)
     finally:
-        _COLD_PREFILL.reset(token)
+        _HEAD_SKIPPED.reset(token)
     for request in batch.reqs:  # no head KV for the prompt: its tree steps teach the accept length nothing
         setattr(request, COLD_MARK, True)
     if switches.cold_admissions == len(batch.reqs):
@@ -789,8 +795,8 @@ def _zero_steps(worker, cold: bool = False):
     """SGLang's drafting-disabled state for one step: 0 draft steps, 1 verified token (its trivial verify input),
     on the worker and its draft worker, restored after; the target's forward runs in DECODE mode (``_as_decode``:
     a one-token TARGET_VERIFY costs 10-15% more than a decode step on the CPU bed). Warm, its hidden states feed
-    the draft extend as a verify's would; ``cold``: the draft extend is skipped, with SGLang's own stub of the next
-    draft input (what its SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND does for every 0-step)."""
+    the draft extend as a verify's would; ``cold``: the draft extend is skipped (``_HEAD_SKIPPED``: the stub of the
+    next draft input that SGLang's SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND gives every 0-step)."""
     draft = worker.draft_worker
     saved = (worker.speculative_num_steps, worker.speculative_num_draft_tokens, draft.speculative_num_steps,
              draft.speculative_num_draft_tokens)
@@ -800,16 +806,14 @@ def _zero_steps(worker, cold: bool = False):
     # instance attributes over the methods for this step; deleting them shows the methods again
     forward = target.forward_batch_generation
     target.forward_batch_generation = lambda **kwargs: forward(**_as_decode(keep_hidden=not cold, **kwargs))
-    if cold:
-        draft._draft_extend_for_decode = lambda batch, output, **_: worker._stub_skipped_draft_extend(batch, output)
+    skipped = _HEAD_SKIPPED.set(cold)
     try:
         yield
     finally:
         (worker.speculative_num_steps, worker.speculative_num_draft_tokens, draft.speculative_num_steps,
          draft.speculative_num_draft_tokens) = saved
         del target.forward_batch_generation
-        if cold:
-            del draft._draft_extend_for_decode
+        _HEAD_SKIPPED.reset(skipped)
 
 
 def _as_decode(forward_batch, is_verify: bool = False, keep_hidden: bool = True, **kwargs) -> dict:

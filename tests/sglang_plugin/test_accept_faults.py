@@ -274,7 +274,7 @@ def test_a_tree_auto_fault_decodes_the_batch(metrics, capsys, broken):
 @pytest.mark.parametrize("admit", ["cold", "warm", "broken"])
 def test_a_prompt_prefill_joining_a_cold_batch_skips_the_heads_pass(metrics, capsys, admit):
     """Tree auto's cold admission: where the switch admits the prompts cold, the prefill runs with the head's draft
-    extend stubbed (``_COLD_PREFILL`` while it runs) and its requests are marked cold; warm, or where the switch
+    extend stubbed (``_HEAD_SKIPPED`` while it runs) and its requests are marked cold; warm, or where the switch
     raises (a fault, counted), the head's pass runs and nothing is marked."""
 
     class Switches:
@@ -295,11 +295,11 @@ def test_a_prompt_prefill_joining_a_cold_batch_skips_the_heads_pass(metrics, cap
                             is_extend_in_batch=False, reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b")])
     token = hooks._JOINS.set(16)
     try:
-        hooks.forward_batch_generation_around(lambda worker, batch: seen.append(hooks._COLD_PREFILL.get()), worker,
+        hooks.forward_batch_generation_around(lambda worker, batch: seen.append(hooks._HEAD_SKIPPED.get()), worker,
                                               batch)
     finally:
         hooks._JOINS.reset(token)
-    assert seen == [admit == "cold"] and not hooks._COLD_PREFILL.get()
+    assert seen == [admit == "cold"] and not hooks._HEAD_SKIPPED.get()
     assert [getattr(request, hooks.COLD_MARK, False) for request in batch.reqs] == [admit == "cold"] * 2
     assert metrics.accept_faults == ({(AUTO, "KeyError"): 1} if admit == "broken" else {})
     lines = fault_lines(capsys)

@@ -141,6 +141,9 @@ def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cp
     prefills = [step for step in steps if step["mode"] == "EXTEND"]
     assert any(step["draft_s"] == 0 and step["batch"] > 1 for step in prefills), prefills
     assert prefills[0]["batch"] == 1 and prefills[0]["draft_s"] > 0, prefills
+    # and their cold decode steps ran no draft forward either (a warm plain step runs the head's draft extend)
+    assert any(step["mode"] == "DECODE" and step["target_modes"] == ["DECODE"] and step["batch"] > 1
+               and step["draft_s"] == 0 for step in steps), steps
     print("\n".join(line for line in log.splitlines() if "tree auto" in line))
 
 
