@@ -63,7 +63,7 @@ def register() -> None:
 
     engine.Engine.server_args_class = hooks.EngineServerArgs  # see EngineServerArgs for why not a HookRegistry hook
     if os.environ.get(ENABLE_FLAG) == "1":
-        for target, name, kind in patches.HOOKS:
+        for target, name, kind in patches.hooks(patches.overlap_from_environment()):
             HookRegistry.register(target, getattr(patches, name), getattr(HookType, kind))
         for target, hook, kind in tree_mask.hooks(tree_mask.mode_from_environment()):
             HookRegistry.register(target, hook, getattr(HookType, kind))

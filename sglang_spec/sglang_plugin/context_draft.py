@@ -13,7 +13,8 @@ to the budget (SGLang verifies a fixed number of tokens per request) and handed 
 The host reads the roots, the root candidates and each round's candidates, so this path syncs once per head
 round and cannot run inside a CUDA graph: the plugin runs it eagerly (see ``options.validate_speculative``).
 Each request's context is ``RequestContexts``: an n-gram index per request, extended by the tokens SGLang has
-committed for it since the last step.
+committed for it since the last step (with the overlap scheduler, its output ids completed from the last verify:
+``committed``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from sglang_spec.sglang_plugin.committed import CommittedOutputs
 from sglang_spec.sglang_plugin.draft_forward import forward_beams
 from sglang_spec.sglang_plugin.draft_loop import ancestry_permutation
 from sglang_spec.sglang_plugin.head_guard import NonFiniteHeadOutput
@@ -84,15 +86,19 @@ class ContextDrafter:
         self.budget = budget
         self.proposed: list[DraftTree] = []
         self._outcome: tuple[list[DraftTree], torch.Tensor, int] | None = None
+        self.outputs: CommittedOutputs | None = None  # set with the overlap scheduler (its output ids lag a step)
 
     @property
     def uses_head(self) -> bool:
         """False for ``lookup``: its trees never ask the head (the server then skips the head's forwards)."""
         return self.drafter.policy.uses_head
 
-    @staticmethod
-    def committed_tokens(req: Any) -> list[int]:
-        return list(req.origin_input_ids_unpadded) + list(req.output_ids)
+    def committed_tokens(self, req: Any, kv_length: int, root: int) -> list[int]:
+        """The request's prompt and committed output at a decode step whose KV holds ``kv_length`` of its tokens
+        and which verifies from ``root``: its output ids, completed from the last verify where they lag
+        (``committed``; not known whole: as they are, and ``RequestContexts.index`` appends the root)."""
+        output = None if self.outputs is None else self.outputs.output(req, kv_length, root)
+        return list(req.origin_input_ids_unpadded) + (list(req.output_ids) if output is None else output)
 
     def record_outcome(self, accept_index: torch.Tensor, verify_tokens: int) -> None:
         """accept_index: SGLang's accepted paths for the trees last proposed, [bs, steps + 1] global node
@@ -171,6 +177,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     batch = forward_batch.batch_size
     device = spec_info.topk_p.device
     roots = spec_info.bonus_tokens.tolist()
+    kv_lengths = forward_batch.seq_lens.tolist()
     root_index = spec_info.topk_index[:, :topk]
     if worker.hot_token_id is not None:
         root_index = worker.hot_token_id[root_index]
@@ -181,7 +188,8 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     pending: dict[int, list[int]] = {}  # request row -> the nodes its builder asks the head to expand
     trees: list[DraftTree | None] = [None] * batch
     for row, req in enumerate(reqs):
-        index = drafter.contexts.index(req.rid, drafter.committed_tokens(req), roots[row])
+        index = drafter.contexts.index(req.rid, drafter.committed_tokens(req, kv_lengths[row], roots[row]),
+                                       roots[row])
         builder = drafter.drafter.propose_rounds(roots[row], index)
         builders.append(builder)
         rounds.append(builder.rounds())

@@ -15,8 +15,8 @@
 | ``spec_utils.select_top_k_tokens`` | AROUND | eagle in SGLang's loop: exact ancestry by KV column copy |
 | ``LogitsMetadata.from_forward_batch`` | AFTER | sequoia / specexec: the draft head's logits for the beams that can grow only |
 | ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | ``--speculative-tree-auto``: start-up costs (``step_costs``) before the first decode step; then a tree step, a plain step (SGLang's own 0-step path) or a cold one (the target's DECODE forward, SGLang's draft-extend stub), timed |
-| ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept; the verify step's state on every tree server |
-| ``eagle_utils.eagle_sample`` | AROUND | every tree server: penalties per node, as plain decoding applies them (``penalties``); fused: our verify + accept kernels, or SGLang's path (counted; also after a fault in ours); per-rank counts |
+| ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | ``--speculative-tree-accept fused``: the worker's FusedAccept; with the overlap scheduler, its ``CommittedOutputs`` (``committed``); the verify step's state on every tree server |
+| ``eagle_utils.eagle_sample`` | AROUND | every tree server: penalties per node, as plain decoding applies them (``penalties``; output ids completed where they lag); fused: our verify + accept kernels, or SGLang's path (counted; also after a fault in ours); per-rank counts; with the overlap scheduler, the tokens each request committed |
 | ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | fused: the accepted path's KV moved by our kernel, layer buffer by buffer (a fault: the rest by torch) |
 | ``DecodeCudaGraphRunner.execute`` | AROUND | fused under CUDA graphs: static tree links in, greedy accept out |
 | ``Req.update_spec_correct_drafts_histogram`` | AFTER | per-position acceptance metrics |
@@ -43,6 +43,7 @@ import torch
 
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.batch_switch import COLD, PLAIN, TREE, BatchSwitches
+from sglang_spec.sglang_plugin.committed import CommittedOutputs
 from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draft_forward, pad_to_budget
 from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS, draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
@@ -636,7 +637,10 @@ def _draft_forward(original, worker, forward_batch, setup: DraftSetup, *args, **
         if reqs is None:  # a draft graph capture: SGLang's loop fills the graph, which context trees never replay
             return original(worker, forward_batch, *args, **kwargs)
         _observe_accepted(setup, forward_batch.batch_size)
-        return context_draft_forward(worker, forward_batch, reqs, setup.context, permute_kv)
+        try:
+            return context_draft_forward(worker, forward_batch, reqs, setup.context, permute_kv)
+        finally:
+            _report_unknown(setup.context.outputs)
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
 
     step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, forward_batch.batch_size, setup.width,
@@ -845,6 +849,7 @@ def eagle_worker_init_after(result, worker, *args, **kwargs):
     if options is None:
         return result
     _start_accept_faults(worker, options)
+    _start_committed_outputs(worker)
     if options.accept != "fused":
         return result
     from sglang.srt.utils import is_hip
@@ -860,6 +865,21 @@ def eagle_worker_init_after(result, worker, *args, **kwargs):
     if str(worker.device).startswith("cuda"):
         worker.target_worker.model_runner.capture_tail_hooks.append(fused.capture_tail)  # before graph capture
     return result
+
+
+def _start_committed_outputs(worker) -> None:
+    """With the overlap scheduler (a step's result processed after the next step is launched) the requests' output
+    ids lag a step: every verify's committed tokens are kept (``committed``) for the next step's exact penalties and
+    context trees."""
+    if getattr(worker.server_args, "disable_overlap_schedule", True):
+        return
+    committed = worker._sglang_spec_committed = CommittedOutputs()
+    setup: DraftSetup | None = getattr(getattr(worker, "draft_worker", None), "_sglang_spec", None)
+    if setup is not None and setup.context is not None:
+        setup.context.outputs = committed
+    log("overlap scheduler: each verify's committed tokens complete the next step's penalties"
+        + (" and context trees" if setup is not None and setup.context is not None else "")
+        + " (SGLang's output ids lag a step)")
 
 
 def _start_accept_faults(worker, options: TreeServerOptions) -> None:
@@ -910,6 +930,7 @@ class VerifyStep:
     faults: AcceptFaults | None = None  # tests: the worker's injected accept faults, armed for this step
     fused_fault: bool = False  # a fault before the accept (the replay's links): SGLang's accept serves the batch
     peers: Peers | None = None  # tensor parallelism with the fused accept: a sampled batch's accept path agreed
+    committed: CommittedOutputs | None = None  # the overlap scheduler: what each verify committed (``committed``)
 
     def fire(self, stage: str) -> None:
         if self.faults is not None:
@@ -926,7 +947,8 @@ def verify_around(original, worker, *args, **kwargs):
     faults: AcceptFaults | None = getattr(worker, "_sglang_spec_accept_faults", None)
     if faults is not None:
         faults.arm()
-    token = _STEP.set(VerifyStep(fused, faults=faults, peers=getattr(worker, "_sglang_spec_peers", None)))
+    token = _STEP.set(VerifyStep(fused, faults=faults, peers=getattr(worker, "_sglang_spec_peers", None),
+                                 committed=getattr(worker, "_sglang_spec_committed", None)))
     try:
         return original(worker, *args, **kwargs)
     finally:
@@ -947,6 +969,8 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
         if context is not None:
             context.record_outcome(result[2], verify_input.draft_token_num)
         step = _STEP.get()
+        if step is not None and step.committed is not None:
+            step.committed.record([req.rid for req in batch.reqs], batch.seq_lens, result[0], result[2], result[1])
         if step is not None:
             step.fire(RECORD)
         if RANKS.enabled and len(result[2]):
@@ -969,10 +993,13 @@ def _with_exact_penalties(original, verify_input, batch, logits_output, *args, *
     additive = info.acc_additive_penalties
     stop_tokens = (torch.isneginf(additive) if additive is not None
                    else torch.zeros(bs, logits.shape[-1], dtype=torch.bool, device=logits.device))
-    exact = tree_penalties([RequestPenalties.of(req) for req in batch.reqs], verify_input.draft_token.view(bs, nodes),
+    tokens = verify_input.draft_token.view(bs, nodes)
+    step = _STEP.get()
+    outputs = _committed_outputs(batch, step.committed if step is not None else None, tokens[:, 0])
+    exact = tree_penalties([RequestPenalties.of(req, output) for req, output in zip(batch.reqs, outputs)], tokens,
                            verify_input.retrieve_next_token, verify_input.retrieve_next_sibling, stop_tokens,
                            logits.shape[-1])
-    if exact is None:  # output ids lag the tree (overlap scheduler): SGLang's relaxed penalties
+    if exact is None:  # a request's output not known whole (``committed``): SGLang's relaxed penalties
         return original(verify_input, batch, logits_output, *args, **kwargs)
     exact.apply(logits)
     saved = info.acc_additive_penalties, info.acc_scaling_penalties
@@ -981,6 +1008,25 @@ def _with_exact_penalties(original, verify_input, batch, logits_output, *args, *
         return original(verify_input, batch, logits_output, *args, **kwargs)
     finally:
         info.acc_additive_penalties, info.acc_scaling_penalties = saved
+
+
+def _committed_outputs(batch, committed: CommittedOutputs | None, roots: torch.Tensor) -> list[list[int] | None]:
+    """Each request's committed output for this verify (None: its ``output_ids`` as they are, complete without the
+    overlap scheduler); a first output not known whole is logged once (SGLang's relaxed penalties serve it)."""
+    if committed is None:
+        return [None] * len(batch.reqs)
+    outputs = [committed.output(req, kv_length, root)
+               for req, kv_length, root in zip(batch.reqs, batch.seq_lens.tolist(), roots.tolist())]
+    _report_unknown(committed)
+    return outputs
+
+
+def _report_unknown(committed: CommittedOutputs | None) -> None:
+    """The first output ``committed`` could not complete, in one log line (the tests assert there is none)."""
+    if committed is not None and committed.unknown and not committed.reported:
+        committed.reported = True
+        log("overlap scheduler: a request's committed output could not be completed from its last verify; its "
+            "tree falls back to the output ids SGLang has processed (penalties: SGLang's relaxed ones)")
 
 
 def _eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None, uno_target_max_top_k=None,

@@ -275,10 +275,6 @@ def from_namespace(args: argparse.Namespace) -> TreeServerOptions | None:
 def apply_to_server_args(options: TreeServerOptions, server_args) -> None:
     """Before resolution: the tree shape becomes SGLang's own draft shape (steps, topk, verify tokens)."""
     setattr(server_args, ATTRIBUTE, options)
-    if options.uses_context:
-        # the context is read from each request's output ids on the host, complete only when the scheduler
-        # processes a step's results before it drafts the next (SGLang's NGRAM splices them in instead)
-        server_args.disable_overlap_schedule = True
     for name, value in (("speculative_num_steps", options.depth), ("speculative_eagle_topk", options.width),
                         ("speculative_num_draft_tokens", options.budget + 1)):
         current = getattr(server_args, name)

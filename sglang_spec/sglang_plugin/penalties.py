@@ -18,9 +18,10 @@ k + d_i + 1, so, with c_i(v) the count of v in output + path(i),
 * repetition: logits[i, v] scaled by the penalty (SGLang's ``apply_scaling_penalties``) where c_i(v) > 0,
 
 additive first, then the scaling, in SGLang's order. The committed output is each request's ``output_ids`` on the
-host: complete when the scheduler processed the last step before this verify (overlap scheduling off: every CPU
-server, every context-tree server). With the overlap scheduler on, the output ids lag a step behind the tree's root;
-``tree_penalties`` then returns None and SGLang's relaxed penalties stay (said in docs/sglang-plugin.md).
+host, complete when the scheduler processed the last step before this verify (overlap scheduling off: every CPU
+server); with the overlap scheduler on, the output ids lag a step behind the tree's root and the hook completes
+them from the last verify (``committed``). An output that does not end with the tree's root makes
+``tree_penalties`` return None, and SGLang's relaxed penalties stay (said in docs/sglang-plugin.md).
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ class RequestPenalties:
     output_ids: Sequence[int]
 
     @classmethod
-    def of(cls, req) -> RequestPenalties:
-        """From an SGLang ``Req``."""
+    def of(cls, req, output_ids: Sequence[int] | None = None) -> RequestPenalties:
+        """From an SGLang ``Req``, with its committed output (``committed``; None: its ``output_ids``)."""
         params = req.sampling_params
         return cls(float(params.frequency_penalty), float(params.presence_penalty), float(params.repetition_penalty),
-                   int(params.min_new_tokens or 0), list(req.output_ids))
+                   int(params.min_new_tokens or 0), list(req.output_ids if output_ids is None else output_ids))
 
 
 @dataclass(frozen=True)

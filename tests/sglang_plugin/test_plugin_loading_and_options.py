@@ -119,11 +119,12 @@ def test_width_is_the_trees_widest_level_or_the_specexec_beams_that_can_grow(sgl
     eagle = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "eagle", "--speculative-tree-topk", "3"])
     assert eagle.speculative_eagle_topk == 3
     # lookup / hybrid: a node's children (the head's topk, hybrid, and the context's 2 continuations), at least
-    # budget / (depth - 1) for SGLang's tree encoding; the context is read on the host, so no overlap scheduler
+    # budget / (depth - 1) for SGLang's tree encoding; the overlap scheduler stays as the user set it (the context is
+    # completed from the last verify where the output ids lag: committed.py)
     hybrid = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid",
                     "--speculative-tree-budget", "12", "--speculative-tree-depth", "5"])
     assert (hybrid.speculative_eagle_topk, hybrid.speculative_num_draft_tokens) == (6, 13)
-    assert hybrid.disable_overlap_schedule and hybrid._sglang_spec_tree.tree_policy().width == 6
+    assert not hybrid.disable_overlap_schedule and hybrid._sglang_spec_tree.tree_policy().width == 6
     lookup = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "lookup",
                     "--speculative-tree-budget", "16", "--speculative-tree-depth", "3"])
     assert lookup.speculative_eagle_topk == 8

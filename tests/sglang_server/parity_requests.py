@@ -45,6 +45,8 @@ POLICIES = {
     "hybrid": ("hybrid", 12, 5, 0, ()),
     "lookup": ("lookup", 12, 5, 0, ()),
     "sequoia-fused": ("sequoia", 15, 4, 4, ("--speculative-tree-accept", "fused")),
+    # SGLang's overlap scheduler kept (the bed's OVERLAP_ENV): output ids lag a step, the plugin completes them
+    "hybrid-overlap": ("hybrid", 12, 5, 0, ()),
 }
 
 

@@ -72,8 +72,9 @@ def plain_repeat(smollm2_plain_runs) -> list[list[int]]:
 def test_greedy_output_equals_plain_decoding(run, smollm2_plain, plain_repeat):
     assert [answer["output_ids"] for answer in run["heldout"]] == smollm2_plain
     assert [answer["output_ids"] for answer in run["repeat"]] == plain_repeat
-    # the overlap scheduler is off (the context is read from the requests' output ids) and the width is the
-    # policy's: the head's topk plus the context's continuations (hybrid), the budget's spread (lookup)
+    # the overlap scheduler is off (SGLang's rule for speculative servers on a CPU; test_parity_under_load.py runs
+    # a hybrid server with it) and the width is the policy's: the head's topk plus the context's continuations
+    # (hybrid), the budget's spread (lookup)
     assert run["info"]["disable_overlap_schedule"] is True
     assert run["info"]["speculative_eagle_topk"] == {"hybrid": 6, "lookup": 3}[run["policy"]]
 

@@ -5,7 +5,9 @@ The oracle is the session's plain server (conftest.py ``smollm2_plain_runs``, no
 ``--context-length``), each request alone (``parity_requests.py``): greedy decoding, a stop string, max_new_tokens
 1 and 2, logprobs with top logprobs, a frequency penalty, a JSON schema, a regex, n = 2, ignore_eos (past an EOS),
 and a prompt within a tree's length of the context limit (7 free positions; every tree here verifies 8-16 tokens).
-Then one server per policy (chain, eagle, sequoia, specexec, hybrid, lookup, and sequoia with the fused accept), in
+Then one server per policy (chain, eagle, sequoia, specexec, hybrid, lookup, sequoia with the fused accept, and
+hybrid with SGLang's overlap scheduler, the GPU's default loop, which SGLang turns off for speculative servers on a
+CPU: ``OVERLAP_ENV`` keeps it, and the requests' output ids then lag a step behind each tree), in
 the GPU's FULL_MASK tree-mask layout (``SGLANG_SPEC_CPU_TREE_MASK=full``; the log must show FULL_MASK masks built
 and read and no QLEN_ONLY one, as test_full_mask.py checks NGRAM's; the bed's other servers run the CPU's
 QLEN_ONLY), answers:
@@ -73,6 +75,7 @@ from parity_requests import (
     stream_and_close,
     wait_idle,
 )
+from sglang_spec.sglang_plugin.cpu.patches import OVERLAP_ENV
 from sglang_spec.sglang_plugin.cpu.tree_mask import TREE_MASK_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
@@ -174,6 +177,8 @@ def tree_run(request, smollm2_cpu, server_logs, requests, oracle) -> Run:
         # SGLang looks for a gone client of a non-streaming request every this many seconds (default 4)
         monkeypatch.setenv("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", "1")
         monkeypatch.setenv(TREE_MASK_ENV, "full")  # the GPU's layout
+        if request.param.endswith("-overlap"):  # the GPU's default scheduler loop too
+            monkeypatch.setenv(OVERLAP_ENV, "1")
         with running_server(smollm2_cpu, server_logs, f"parity-{request.param}",
                             policy_args(request.param, smollm2_cpu.profile)) as server:
             run.seconds["start"] = time.monotonic() - start
@@ -234,6 +239,18 @@ def test_32_concurrent_mixed_requests_answer_as_plain_decoding(tree_run, oracle)
 def test_the_server_built_and_read_full_masks_only(tree_run):
     topk = POLICIES[tree_run.name][3]
     assert_full_masks_only(tree_run.name, tree_run.log, built=True, read=topk != 1)
+
+
+def test_the_overlap_server_completed_every_output_that_lagged(tree_run):
+    """The ``-overlap`` server ran SGLang's overlap loop (the output ids lag a step) and every verify's tokens
+    completed the next step's penalties and context trees: no output was left unknown (``committed``; an unknown
+    one falls back to SGLang's relaxed penalties, which the penalised request's answer would show). The others
+    ran the synchronous loop, SGLang's rule for speculative servers on a CPU."""
+    overlap = tree_run.name.endswith("-overlap")
+    assert ("'disable_overlap_schedule': False" in tree_run.log) is overlap
+    completes = "overlap scheduler: each verify's committed tokens complete the next step's penalties"
+    assert (completes in tree_run.log) is overlap
+    assert "could not be completed from its last verify" not in tree_run.log
 
 
 def test_each_request_alone_answers_as_plain_decoding(tree_run, oracle):

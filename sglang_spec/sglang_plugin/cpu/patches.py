@@ -22,6 +22,11 @@
   backend binds it to the page size (``amx_draft_backend_init_after``), so the refusal, the last statement of
   ``_handle_eagle_family``, is let through for ``intel_amx`` only (``handle_eagle_family_cpu``).
 
+* With ``SGLANG_SPEC_CPU_OVERLAP=1`` (tests), a speculative server keeps SGLang's overlap scheduler, which SGLang
+  turns off for every speculative server on a CPU (``speculative_hook._disable_overlap_schedule_for_cpu``; its EAGLE
+  v2 worker runs the loop here unchanged, greedy output identical): the loop a GPU server runs by default, where a
+  step's result is processed after the next step is launched (``committed`` completes what the plugin reads).
+
 The tree-mask layout's hooks (the backend's binding; with ``SGLANG_SPEC_CPU_TREE_MASK``, SGLang's choice of
 layout) are in ``tree_mask`` and registered beside these.
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 
 from sglang_spec.sglang_plugin.cpu import sampling
 from sglang_spec.sglang_plugin.cpu.linear import linear_apply_around, load_model_after  # noqa: F401 (HOOKS)
@@ -47,6 +53,10 @@ HOOKS = (
     ("sglang.srt.layers.attention.intel_amx_backend.IntelAMXMultiStepDraftBackend.__init__",
      "amx_draft_backend_init_after", "AFTER"),
 )
+# SGLANG_SPEC_CPU_OVERLAP=1: speculative servers keep SGLang's overlap scheduler (hooks(overlap=True))
+OVERLAP_ENV = "SGLANG_SPEC_CPU_OVERLAP"
+OVERLAP_HOOK = ("sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu", "keep_overlap_schedule_cpu",
+                "REPLACE")
 # SGLang's refusal of trees at page size > 1 off its GPU backends (speculative_hook._handle_eagle_family)
 PAGED_TREE_REFUSAL = "speculative_eagle_topk > 1 with page_size > 1 is only supported on"
 # module attribute -> stand-in (module ``sglang_spec.sglang_plugin.cpu.sampling``)
@@ -54,6 +64,23 @@ ATTRIBUTES = {
     "sglang.srt.speculative.eagle_utils": ("tree_speculative_sampling_target_only", "top_k_renorm_prob",
                                            "top_p_renorm_prob"),
 }
+
+
+def hooks(overlap: bool) -> tuple[tuple[str, str, str], ...]:
+    """The bed's hooks; ``overlap`` (``OVERLAP_ENV``): also the one that keeps the overlap scheduler on."""
+    return HOOKS + ((OVERLAP_HOOK,) if overlap else ())
+
+
+def overlap_from_environment() -> bool:
+    return os.environ.get(OVERLAP_ENV) == "1"
+
+
+def keep_overlap_schedule_cpu(server_args) -> None:
+    """In place of SGLang's ``_disable_overlap_schedule_for_cpu``: the overlap scheduler stays as the user set it."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    if not resolving_view(server_args).disable_overlap_schedule:
+        log(f"CPU bed: the speculative server keeps SGLang's overlap scheduler ({OVERLAP_ENV}=1)")
 
 
 def install_attributes() -> None:

@@ -1,0 +1,73 @@
+"""A request's committed output while a step runs, under either of SGLang's scheduler loops.
+
+SGLang appends a step's accepted tokens to ``req.output_ids`` when it processes the step's result. Without the
+overlap scheduler that happens before the next step runs. With it (SGLang's default on a GPU) a step's result is
+processed after the next step has been launched, so while a step drafts and verifies, ``output_ids`` lacks the
+previous step's tokens (on a request's first decode step, the prefill's token). Two things the plugin reads on
+the host need the output complete: a context tree's history (``context_draft``) and exact penalties in a tree's
+verify (``penalties``). They get ``output_ids`` plus the missing tail, which this module keeps: the tokens each
+verify committed (its accepted drafts and the bonus token), recorded where the verify samples them (SGLang's
+NGRAM worker splices its previous round's tokens the same way).
+
+How many tokens are missing comes from SGLang's own state, not from the loop's mode: at a decode step a request's
+KV holds its prompt and every committed token but the last (the root the step verifies), so
+``missing = seq_len + 1 - len(prompt) - len(output_ids)``: 0 with the synchronous loop, one step's tokens with the
+overlap loop. The last committed token is the root, so one missing token is the root alone; more must be the
+tail of the verify recorded at that KV length, or the output is unknown (``None``: the caller keeps what it did
+without, a weaker context tree or SGLang's relaxed penalties; never a wrong token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+# forget the records of finished requests once this many more are held than the batch has
+_SPARE_RECORDS = 256
+
+
+@dataclass
+class CommittedOutputs:
+    """Per worker with the overlap scheduler on: rid -> (the request's KV length after its last verify, the tokens
+    that verify committed, bonus last). ``spliced`` / ``unknown``: outputs completed from a record / not
+    completable, counted for the log and the tests."""
+
+    records: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    spliced: int = 0
+    unknown: int = 0
+    reported: bool = False  # the first unknown output logged (``hooks._report_unknown``)
+
+    def record(self, rids: Sequence[str], seq_lens: torch.Tensor, predict: torch.Tensor, accept_index: torch.Tensor,
+               accept_lens: torch.Tensor) -> None:
+        """After a verify (SGLang's ``eagle_sample`` outputs): seq_lens [bs], the KV lengths it verified after;
+        predict [bs * N], the target's token after each node; accept_index [bs, steps + 1], each request's accepted
+        nodes (global indices, -1 padded); accept_lens [bs], the tokens each committed (accepted drafts + bonus)."""
+        lengths = accept_lens.tolist()
+        kv_after = (seq_lens.to(accept_lens.device) + accept_lens).tolist()
+        tokens = predict[accept_index.clamp(min=0).long()].tolist()
+        for row, rid in enumerate(rids):
+            self.records[rid] = (int(kv_after[row]), [int(token) for token in tokens[row][:lengths[row]]])
+        if len(self.records) > len(rids) + _SPARE_RECORDS:
+            alive = set(rids)
+            for rid in [rid for rid in self.records if rid not in alive]:
+                del self.records[rid]
+
+    def output(self, req: Any, kv_length: int, root: int) -> list[int] | None:
+        """``req``'s committed output at a decode step whose KV holds ``kv_length`` of its tokens and which
+        verifies from ``root`` (the output's last token); None when it cannot be known."""
+        output = list(req.output_ids)
+        missing = kv_length + 1 - len(req.origin_input_ids_unpadded) - len(output)
+        if missing == 0:
+            return output if output and output[-1] == root else None
+        if missing == 1:  # the root alone: a request's first decode step after its prefill, or a plain step's
+            self.spliced += 1
+            return output + [root]
+        recorded = self.records.get(req.rid)
+        if missing < 0 or recorded is None or recorded[0] != kv_length or len(recorded[1]) < missing \
+                or recorded[1][-1] != root:
+            self.unknown += 1
+            return None
+        self.spliced += 1
+        return output + recorded[1][len(recorded[1]) - missing:]
