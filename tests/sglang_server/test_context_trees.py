@@ -20,6 +20,7 @@ import pytest
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS, accept_lengths, mean,
                                 running_server)
 from sglang_spec.cli import main as cli_main
+from sglang_spec.sglang_plugin.cpu.patches import OVERLAP_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
@@ -116,16 +117,21 @@ def test_sampled_requests_go_through_the_tree(run, plain_repeat):
     assert mean(accept_lengths(run["sampled"])) > 1.0
 
 
+@pytest.mark.parametrize("loop", ["sync", "overlap"])
 def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cpu, server_logs, repeat_prompts,
-                                                                       plain_repeat, tmp_path, monkeypatch):
+                                                                       plain_repeat, tmp_path, monkeypatch, loop):
     """--speculative-tree-auto: SGLang's dummy verify forward is timed for every batch size up to the running cap
     before the first decode step; the steps that follow (trees, plain steps, cold plain steps where the prediction
     says trees lose, and trees again as the batch drains) keep plain decoding's output. A plain step's target
     forward, warm or cold, is SGLang's DECODE forward (the CPU step profile records each target forward's mode).
-    Prompts prefilled into a batch that is cold by prediction skip the head's pass over them."""
+    Prompts prefilled into a batch that is cold by prediction skip the head's pass over them. ``overlap``: the
+    same under SGLang's overlap scheduler (the GPU's default loop; ``OVERLAP_ENV`` keeps it on the CPU bed), where
+    every step's output ids lag and the last verify completes them (``committed``): no output left unknown."""
     monkeypatch.setenv("SGLANG_SPEC_CPU_PROFILE", str(tmp_path))
+    if loop == "overlap":
+        monkeypatch.setenv(OVERLAP_ENV, "1")
     args = context_args("hybrid", smollm2_cpu.profile) + ["--speculative-tree-auto"]
-    with running_server(smollm2_cpu, server_logs, "smollm2-context-auto", args) as server:
+    with running_server(smollm2_cpu, server_logs, f"smollm2-context-auto-{loop}", args) as server:
         answers = server.generate(repeat_prompts * 3, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
         log = server.log_path.read_text(errors="replace")
     assert [answer["output_ids"] for answer in answers] == plain_repeat * 3
@@ -145,6 +151,8 @@ def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cp
     # and their cold decode steps ran no draft forward either (a warm plain step runs the head's draft extend)
     assert any(step["mode"] == "DECODE" and step["target_modes"] == ["DECODE"] and step["batch"] > 1
                and step["draft_s"] == 0 for step in steps), steps
+    assert ("'disable_overlap_schedule': False" in log) is (loop == "overlap")
+    assert "could not be completed from its last verify" not in log
     print("\n".join(line for line in log.splitlines() if "tree auto" in line))
 
 
