@@ -117,24 +117,57 @@ def test_sampled_requests_go_through_the_tree(run, plain_repeat):
     assert mean(accept_lengths(run["sampled"])) > 1.0
 
 
+# prompts whose greedy continuation a frequency penalty changes (PENALTY over every earlier output token)
+PENALISED_PROMPTS = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):",
+                     "Order list: apple, banana, apple, cherry, banana, apple,")
+PENALTY, PENALISED_TOKENS = 0.8, 24
+
+
+def penalised_greedy(model, prompt: list[int], new_tokens: int, frequency: float) -> list[int]:
+    """Plain decoding with a frequency penalty, by definition (transformers): each token's logits less
+    ``frequency`` times its count among the output tokens before it."""
+    import torch
+
+    output: list[int] = []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(torch.tensor([prompt + output])).logits[0, -1].float()
+            if output:
+                logits -= frequency * torch.bincount(torch.tensor(output), minlength=logits.shape[0]).float()
+            output.append(int(logits.argmax()))
+    return output
+
+
 @pytest.mark.parametrize("loop", ["sync", "overlap"])
 def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cpu, server_logs, repeat_prompts,
-                                                                       plain_repeat, tmp_path, monkeypatch, loop):
+                                                                       plain_repeat, tmp_path, monkeypatch, loop,
+                                                                       smollm2):
     """--speculative-tree-auto: SGLang's dummy verify forward is timed for every batch size up to the running cap
     before the first decode step; the steps that follow (trees, plain steps, cold plain steps where the prediction
     says trees lose, and trees again as the batch drains) keep plain decoding's output. A plain step's target
     forward, warm or cold, is SGLang's DECODE forward (the CPU step profile records each target forward's mode).
     Prompts prefilled into a batch that is cold by prediction skip the head's pass over them. ``overlap``: the
     same under SGLang's overlap scheduler (the GPU's default loop; ``OVERLAP_ENV`` keeps it on the CPU bed), where
-    every step's output ids lag and the last verify completes them (``committed``): no output left unknown."""
+    every step's output ids lag and the last verify completes them (``committed``): no output left unknown, and
+    requests with a frequency penalty get plain decoding's penalised output (transformers, by definition; SGLang's
+    relaxed penalties, which an output not completed falls back to, give another)."""
     monkeypatch.setenv("SGLANG_SPEC_CPU_PROFILE", str(tmp_path))
     if loop == "overlap":
         monkeypatch.setenv(OVERLAP_ENV, "1")
     args = context_args("hybrid", smollm2_cpu.profile) + ["--speculative-tree-auto"]
     with running_server(smollm2_cpu, server_logs, f"smollm2-context-auto-{loop}", args) as server:
         answers = server.generate(repeat_prompts * 3, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
+        penalised = [server.generate([prompt], {"temperature": 0, "max_new_tokens": PENALISED_TOKENS,
+                                                "frequency_penalty": PENALTY})[0] for prompt in PENALISED_PROMPTS]
         log = server.log_path.read_text(errors="replace")
     assert [answer["output_ids"] for answer in answers] == plain_repeat * 3
+    loaded, _ = smollm2
+    for prompt, answer in zip(PENALISED_PROMPTS, penalised):
+        ids = loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        expected = penalised_greedy(loaded.model, ids, PENALISED_TOKENS, PENALTY)
+        assert expected != penalised_greedy(loaded.model, ids, PENALISED_TOKENS, 0.0)  # the penalty matters here
+        assert answer["output_ids"] == expected, prompt
+        assert answer["meta_info"]["spec_accept_length"] > 1.0  # trees, not plain steps only
     table = [line for line in log.splitlines() if "tree auto: verify forward of" in line]
     assert len(table) == 1 and all(f" {size}: " in table[0] for size in (1, 2, 4, 8)), table
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
