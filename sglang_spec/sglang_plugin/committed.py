@@ -32,8 +32,13 @@ _SPARE_RECORDS = 256
 class CommittedOutputs:
     """Per worker with the overlap scheduler on: rid -> (the request's KV length after its last verify, the tokens
     that verify committed, bonus last). ``spliced`` / ``unknown``: outputs completed from a record / not
-    completable, counted for the log and the tests."""
+    completable, counted for the log and the tests.
 
+    A record costs a read of the accepted tokens on the host (a sync on a GPU): a server without context trees
+    records only batches with penalties (a request has them from its first step or never, and its first step
+    needs no record: one token missing is the root)."""
+
+    every_step: bool = False  # record every verify (a context drafter reads each step's); else penalised batches'
     records: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     spliced: int = 0
     unknown: int = 0

@@ -871,15 +871,17 @@ def _start_committed_outputs(worker) -> None:
     """With the overlap scheduler (a step's result processed after the next step is launched) the requests' output
     ids lag a step: every verify's committed tokens are kept (``committed``) for the next step's exact penalties and
     context trees."""
-    if getattr(worker.server_args, "disable_overlap_schedule", True):
+    from sglang.srt.runtime_context import get_schedule
+
+    if get_schedule().disable_overlap_schedule:  # the resolved loop (SGLang turns it off on a CPU, for one)
         return
-    committed = worker._sglang_spec_committed = CommittedOutputs()
     setup: DraftSetup | None = getattr(getattr(worker, "draft_worker", None), "_sglang_spec", None)
-    if setup is not None and setup.context is not None:
+    context = setup is not None and setup.context is not None
+    committed = worker._sglang_spec_committed = CommittedOutputs(every_step=context)
+    if context:
         setup.context.outputs = committed
     log("overlap scheduler: each verify's committed tokens complete the next step's penalties"
-        + (" and context trees" if setup is not None and setup.context is not None else "")
-        + " (SGLang's output ids lag a step)")
+        + (" and context trees" if context else "") + " (SGLang's output ids lag a step)")
 
 
 def _start_accept_faults(worker, options: TreeServerOptions) -> None:
@@ -969,7 +971,7 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
         if context is not None:
             context.record_outcome(result[2], verify_input.draft_token_num)
         step = _STEP.get()
-        if step is not None and step.committed is not None:
+        if step is not None and step.committed is not None and (step.committed.every_step or _penalised(batch)):
             step.committed.record([req.rid for req in batch.reqs], batch.seq_lens, result[0], result[2], result[1])
         if step is not None:
             step.fire(RECORD)
@@ -980,13 +982,19 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
     return result
 
 
+def _penalised(batch) -> bool:
+    """Whether the batch's requests carry penalties (SGLang's accumulated penalties are set only then)."""
+    info = batch.sampling_info
+    return info.acc_additive_penalties is not None or info.acc_scaling_penalties is not None
+
+
 def _with_exact_penalties(original, verify_input, batch, logits_output, *args, **kwargs):
     """SGLang's eagle_sample, with a penalised batch's penalties applied per node first (``penalties``) and SGLang's
     relaxed ones (the root's, for every node) held back for the call. The fused accept never gets here with
     penalties: it leaves such batches to SGLang's path."""
-    info = batch.sampling_info
-    if info.acc_additive_penalties is None and info.acc_scaling_penalties is None:
+    if not _penalised(batch):
         return original(verify_input, batch, logits_output, *args, **kwargs)
+    info = batch.sampling_info
     logits = logits_output.next_token_logits
     bs = len(batch.reqs)
     nodes = verify_input.draft_token_num

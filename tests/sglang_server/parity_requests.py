@@ -46,7 +46,9 @@ POLICIES = {
     "lookup": ("lookup", 12, 5, 0, ()),
     "sequoia-fused": ("sequoia", 15, 4, 4, ("--speculative-tree-accept", "fused")),
     # SGLang's overlap scheduler kept (the bed's OVERLAP_ENV): output ids lag a step, the plugin completes them
+    # (every step for a context tree; the penalised batches' steps for the head's trees)
     "hybrid-overlap": ("hybrid", 12, 5, 0, ()),
+    "sequoia-overlap": ("sequoia", 15, 4, 4, ()),
 }
 
 

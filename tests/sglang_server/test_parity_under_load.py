@@ -6,8 +6,8 @@ The oracle is the session's plain server (conftest.py ``smollm2_plain_runs``, no
 1 and 2, logprobs with top logprobs, a frequency penalty, a JSON schema, a regex, n = 2, ignore_eos (past an EOS),
 and a prompt within a tree's length of the context limit (7 free positions; every tree here verifies 8-16 tokens).
 Then one server per policy (chain, eagle, sequoia, specexec, hybrid, lookup, sequoia with the fused accept, and
-hybrid with SGLang's overlap scheduler, the GPU's default loop, which SGLang turns off for speculative servers on a
-CPU: ``OVERLAP_ENV`` keeps it, and the requests' output ids then lag a step behind each tree), in
+hybrid and sequoia with SGLang's overlap scheduler, the GPU's default loop, which SGLang turns off for speculative
+servers on a CPU: ``OVERLAP_ENV`` keeps it, and the requests' output ids then lag a step behind each tree), in
 the GPU's FULL_MASK tree-mask layout (``SGLANG_SPEC_CPU_TREE_MASK=full``; the log must show FULL_MASK masks built
 and read and no QLEN_ONLY one, as test_full_mask.py checks NGRAM's; the bed's other servers run the CPU's
 QLEN_ONLY), answers:
