@@ -7,9 +7,9 @@ variable is set. Every batch the scheduler runs adds one line to ``<folder>/step
 ``run_batch``) and the time spent in ``ModelRunner.forward`` during it, split into the target's (``target_s``) and
 the draft's (``draft_s``: draft decode steps and draft extend), and the forward modes of the target's forwards
 (``target_modes``: ``TARGET_VERIFY`` for a speculative server's tree or plain step, ``DECODE`` for plain decoding
-and for tree auto's cold step). With SGLang's overlap loop (on unless a context policy or
-``--disable-overlap-schedule`` turns it off) a batch's result is processed after the next batch is launched, so a
-step's full cost is the loop's period: the next line's ``start`` minus this one's. With ``SGLANG_SPEC_CPU_PROFILE_CPROFILE=1`` those periods of decode steps run
+and for tree auto's cold step). With SGLang's overlap loop (plain servers; speculative servers on a CPU run
+without it, by SGLang's rule, unless ``patches.OVERLAP_ENV`` keeps it) a batch's result is processed after the
+next batch is launched, so a step's full cost is the loop's period: the next line's ``start`` minus this one's. With ``SGLANG_SPEC_CPU_PROFILE_CPROFILE=1`` those periods of decode steps run
 under ``cProfile`` (which slows them: time them without it) and ``<folder>/decode.pstats`` holds the cumulative
 statistics. Both are written when the scheduler goes idle (the lines also every ``FLUSH_EVERY`` batches), so
 nothing is lost when the server is killed after its last request.
