@@ -63,7 +63,7 @@ class CommittedOutputs:
         """``req``'s committed output at a decode step whose KV holds ``kv_length`` of its tokens and which
         verifies from ``root`` (the output's last token); None when it cannot be known."""
         output = list(req.output_ids)
-        missing = kv_length + 1 - len(req.origin_input_ids_unpadded) - len(output)
+        missing = kv_length + 1 - len(req.origin_input_ids) - len(output)  # the KV's prompt: image padding included
         if missing == 0:
             return output if output and output[-1] == root else None
         if missing == 1:  # the root alone: a request's first decode step after its prefill, or a plain step's

@@ -19,7 +19,7 @@ PROMPT = [1, 2, 3, 4, 5]
 
 
 def request(output: list[int], rid: str = "a") -> SimpleNamespace:
-    return SimpleNamespace(rid=rid, origin_input_ids_unpadded=PROMPT, output_ids=output)
+    return SimpleNamespace(rid=rid, origin_input_ids=PROMPT, origin_input_ids_unpadded=PROMPT, output_ids=output)
 
 
 def first_verify(outputs: CommittedOutputs, kv_length: int = 5) -> None:
