@@ -395,8 +395,8 @@ def metric(text: str, name: str, **labels: str) -> float:
 @dataclass
 class Finding:
     """One answer against plain decoding's. verdict: same | near_tie (parted where plain decoding's top two were
-    within TIE_GAP) | documented (a difference the docs state: SGLang's relaxed penalties under the overlap
-    scheduler) | differs (fails the check)."""
+    within TIE_GAP) | differs (fails the check). A penalised request is held to plain decoding's answer under the
+    overlap scheduler too: the plugin completes the lagging output ids there (``sglang_plugin/committed.py``)."""
 
     request: str
     verdict: str
@@ -427,8 +427,7 @@ def plain_gap(diagnostic: dict[str, Any] | None, expected_ids: list[int], positi
     return best - mine[0] if mine else math.inf
 
 
-def compare_answer(request: str, got: Any, expected: Any, diagnostic: Any, dtype: str,
-                   relaxed_penalties: bool = False) -> list[Finding]:
+def compare_answer(request: str, got: Any, expected: Any, diagnostic: Any, dtype: str) -> list[Finding]:
     """``got`` (a tree server's answer) against ``expected`` (plain decoding's), output by output (n > 1 gives
     lists); ``diagnostic``: plain decoding's answer to the same request with its top logprobs."""
     from parity_requests import comparable, logprob_values
@@ -438,15 +437,10 @@ def compare_answer(request: str, got: Any, expected: Any, diagnostic: Any, dtype
             return [Finding(request, "differs", note="a different number of outputs")]
         diagnostics = diagnostic if isinstance(diagnostic, list) else [None] * len(expected)
         return [finding for index, (one, other, diag) in enumerate(zip(got, expected, diagnostics))
-                for finding in compare_answer(f"{request}[{index}]", one, other, diag, dtype, relaxed_penalties)]
+                for finding in compare_answer(f"{request}[{index}]", one, other, diag, dtype)]
     if "status" in got or "status" in expected:
         return [Finding(request, "same" if got == expected else "differs", note="a refusal")]
-    finding = _compare_one(request, got, expected, diagnostic, dtype, comparable, logprob_values)
-    if relaxed_penalties and finding.verdict != "same" and request.startswith("frequency_penalty"):
-        finding.verdict = "documented"
-        finding.note = ("SGLang's relaxed penalties: with the overlap scheduler the output ids lag the tree's root "
-                        "(docs/sglang-plugin.md, Parity under load)")
-    return [finding]
+    return [_compare_one(request, got, expected, diagnostic, dtype, comparable, logprob_values)]
 
 
 def _compare_one(request, got, expected, diagnostic, dtype, comparable, logprob_values) -> Finding:
@@ -470,25 +464,17 @@ def _compare_one(request, got, expected, diagnostic, dtype, comparable, logprob_
 
 def summarize(findings: list[Finding]) -> dict[str, Any]:
     counts = {verdict: sum(finding.verdict == verdict for finding in findings)
-              for verdict in ("same", "near_tie", "documented", "differs")}
+              for verdict in ("same", "near_tie", "differs")}
     return {"counts": counts, "not_same": [asdict(finding) for finding in findings if finding.verdict != "same"]}
 
 
 def describe(counts: dict[str, int]) -> str:
     total = sum(counts.values())
     text = f"{counts['same']} of {total} answers identical to plain decoding"
-    for verdict, words in (("near_tie", "parted at a near-tie"), ("documented", "differ as documented"),
-                           ("differs", "DIFFER")):
+    for verdict, words in (("near_tie", "parted at a near-tie"), ("differs", "DIFFER")):
         if counts[verdict]:
             text += f", {counts[verdict]} {words}"
     return text
-
-
-def overlap_scheduler(check: ServerCheck, cpu_bed: bool) -> bool:
-    """Whether a tree server runs SGLang's overlap scheduler (a GPU's default): the plugin turns it off for the
-    context trees, and SGLang for every speculative server on a CPU."""
-    policy = (check.policy or "").split("-")[0]
-    return not cpu_bed and policy not in ("hybrid", "lookup")
 
 
 def accept_summary(answers: list[Any]) -> dict[str, Any]:
@@ -574,7 +560,6 @@ def tree_answers(server: Any, requests: Requests) -> dict[str, Any]:
 
 def compare_with_oracle(run: Run, answers: dict[str, Any], oracle: dict[str, Any]) -> list[Finding]:
     check = run.check
-    relaxed = overlap_scheduler(check, run.cpu_bed)
     diagnostic = oracle["diagnostic"]
     findings = []
     for part in ("heldout", "repeat"):
@@ -582,7 +567,7 @@ def compare_with_oracle(run: Run, answers: dict[str, Any], oracle: dict[str, Any
             findings += compare_answer(f"{part}[{index}]", got, expected, diagnostic[part][index], check.dtype)
     for name, got in answers.get("concurrent", []):
         findings += compare_answer(name, got, oracle["parity"]["single"][name], diagnostic["single"].get(name),
-                                   check.dtype, relaxed)
+                                   check.dtype)
     return findings
 
 
