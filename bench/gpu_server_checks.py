@@ -396,7 +396,10 @@ def metric(text: str, name: str, **labels: str) -> float:
 class Finding:
     """One answer against plain decoding's. verdict: same | near_tie (parted where plain decoding's top two were
     within TIE_GAP) | differs (fails the check). A penalised request is held to plain decoding's answer under the
-    overlap scheduler too: the plugin completes the lagging output ids there (``sglang_plugin/committed.py``)."""
+    overlap scheduler too: the plugin completes the lagging output ids there (``sglang_plugin/committed.py``). The
+    oracle's own penalised answer is SGLang's plain decoding under its overlap loop, which on the CPU bed gave
+    other answers than transformers on some prompts (docs/sglang-plugin.md, Parity under load): read a penalised
+    difference against that first."""
 
     request: str
     verdict: str
