@@ -131,7 +131,7 @@ class BatchSwitches:
     cold_admissions: int = 0  # requests whose prompt the head skipped (``admit``)
 
     def switch(self, batch_size: int) -> SpeculationSwitch:
-        bucket = _bucket(batch_size)
+        bucket = batch_bucket(batch_size)
         if bucket not in self.switches:
             prior = _NO_PRIOR if self.costs is None else self.plain_scale * self.costs.plain_at(bucket) / bucket
             self.switches[bucket] = SpeculationSwitch(plain_seconds=prior, window=WINDOW, probe_steps=PROBE_STEPS)
@@ -183,7 +183,7 @@ class BatchSwitches:
         if regime == TREE:
             return TREE
         share = PROBE_SHARE if regime == COLD else BAND_PROBE_SHARE
-        probe = self.since_tree.get(_bucket(batch_size), 0) >= self.probe_interval(batch_size, share)
+        probe = self.since_tree.get(batch_bucket(batch_size), 0) >= self.probe_interval(batch_size, share)
         return TREE if probe else regime
 
     def admit(self, requests: int, batch_size: int) -> bool:
@@ -202,7 +202,7 @@ class BatchSwitches:
         request is judged on its own trees, as the reference decoder's per-request switch judges it)."""
         if not rids:
             return
-        bucket = _bucket(batch_size)
+        bucket = batch_bucket(batch_size)
         last = self.judged.get(bucket)
         if last is not None and last.isdisjoint(rids) and bucket in self.switches:
             self.switches[bucket].forget_verdict()
@@ -238,14 +238,14 @@ class BatchSwitches:
         if plain:
             self.plain_steps += 1
             if not switch.lean:  # a plain step by prediction
-                self.since_tree[_bucket(batch_size)] = self.since_tree.get(_bucket(batch_size), 0) + 1
+                self.since_tree[batch_bucket(batch_size)] = self.since_tree.get(batch_bucket(batch_size), 0) + 1
             switch.observe_plain(seconds / max(batch_size, 1))
             if self.costs is not None:
                 self.plain_scale = _average(self.plain_scale, seconds / self.costs.plain_at(batch_size))
         else:
             clear = self.clear_win(batch_size, rids)  # before this step moves the prediction: what decided it
             self.tree_steps += 1
-            self.since_tree[_bucket(batch_size)] = 0
+            self.since_tree[batch_bucket(batch_size)] = 0
             if not clear:
                 switch.observe_speculative(seconds, tokens)
             if warm_requests is None:
@@ -259,13 +259,13 @@ class BatchSwitches:
                 self.tree_scale = _average(self.tree_scale, seconds / self.costs.tree_at(batch_size))
         # probes aside: they change no state
         now_plain = not self.clear_win(batch_size, rids) and (switch.lean or self.regime(batch_size, rids) != TREE)
-        if now_plain == self.logged.get(_bucket(batch_size), False):
+        if now_plain == self.logged.get(batch_bucket(batch_size), False):
             return None
-        self.logged[_bucket(batch_size)] = now_plain
+        self.logged[batch_bucket(batch_size)] = now_plain
         predicted = self.predicted_speedup(batch_size, rids=rids)
         why = "" if predicted is None else f"predicted {predicted:.2f}x, "
         state = "plain" if now_plain else "trees"
-        return (f"tree auto, batches up to {_bucket(batch_size)}: {state} ({why}accept length "
+        return (f"tree auto, batches up to {batch_bucket(batch_size)}: {state} ({why}accept length "
                 f"{self.batch_accept_length(rids):.2f}, plain decoding {switch.plain_rate():.4f} s/token; "
                 f"{self.tree_steps} tree / {self.plain_steps} plain steps so far)")
 
@@ -289,6 +289,6 @@ def _average(old: float, new: float) -> float:
     return (1 - SMOOTHING) * old + SMOOTHING * new
 
 
-def _bucket(batch_size: int) -> int:
+def batch_bucket(batch_size: int) -> int:
     """The next power of two at or above the batch size."""
     return 1 << max(batch_size - 1, 0).bit_length()

@@ -19,6 +19,7 @@ committed for it since the last step (with the overlap scheduler, its output ids
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -28,6 +29,7 @@ from sglang_spec.sglang_plugin.committed import CommittedOutputs
 from sglang_spec.sglang_plugin.draft_forward import forward_beams
 from sglang_spec.sglang_plugin.draft_loop import ancestry_permutation
 from sglang_spec.sglang_plugin.head_guard import NonFiniteHeadOutput
+from sglang_spec.sglang_plugin.level_costs import LevelCosts
 from sglang_spec.sglang_plugin.metrics import SourceMetrics
 from sglang_spec.tree.candidates import Candidates
 from sglang_spec.tree.draft import DraftTree
@@ -75,7 +77,12 @@ class ContextDrafter:
 
     Live calibration: the trees of a draft step are kept (``proposed``) until SGLang's accept gives their
     accepted paths (``record_outcome``, device tensors, no sync), and are observed at the next draft step,
-    which reads the host anyway; what they taught goes to ``metrics`` (``SourceMetrics``) when it is enabled."""
+    which reads the host anyway; what they taught goes to ``metrics`` (``SourceMetrics``) when it is enabled.
+
+Priced levels (tree auto: ``level_costs``): each draft prices a head level at the batch's measured costs, and a
+request's builder runs one only where its predicted gain pays (``tree/hybrid``); the draft records how many rounds
+it ran and their seconds (``rounds``, ``rounds_seconds``: each round ends with the host reading its candidates,
+so its time is the device's too) for the step's observer."""
 
     def __init__(self, policy: TreePolicy, steps: int, budget: int, metrics: SourceMetrics | None = None) -> None:
         self.drafter = TreeDrafter(policy)
@@ -87,6 +94,10 @@ class ContextDrafter:
         self.proposed: list[DraftTree] = []
         self._outcome: tuple[list[DraftTree], torch.Tensor, int] | None = None
         self.outputs: CommittedOutputs | None = None  # set with the overlap scheduler (its output ids lag a step)
+        self.level_costs: LevelCosts | None = None  # set under tree auto: head levels priced per batch size
+        self.rounds = 0  # head rounds the last draft ran
+        self.rounds_seconds = 0.0  # and their seconds
+        self.priced_out = 0  # requests whose trees left a head level out because it did not pay (all drafts)
 
     @property
     def uses_head(self) -> bool:
@@ -170,6 +181,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     drafter observe the last accepted paths (``ContextDrafter.observe_outcome``)."""
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
 
+    drafter.rounds, drafter.rounds_seconds = 0, 0.0
     policy = drafter.drafter.policy
     width = worker.topk
     topk = policy.effective_topk
@@ -183,6 +195,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
         root_index = worker.hot_token_id[root_index]
     root_candidates = Candidates(tokens=root_index.cpu(), probs=_finite(spec_info.topk_p[:, :topk].float().cpu()))
 
+    costs = None if drafter.level_costs is None else drafter.level_costs.curve(batch)
     builders: list[BestFirstBuilder] = []
     rounds: list[BestFirstRounds] = []
     pending: dict[int, list[int]] = {}  # request row -> the nodes its builder asks the head to expand
@@ -190,7 +203,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     for row, req in enumerate(reqs):
         index = drafter.contexts.index(req.rid, drafter.committed_tokens(req, kv_lengths[row], roots[row]),
                                        roots[row])
-        builder = drafter.drafter.propose_rounds(roots[row], index)
+        builder = drafter.drafter.propose_rounds(roots[row], index, costs)
         builders.append(builder)
         rounds.append(builder.rounds())
         _advance(rounds, trees, pending, row, None)
@@ -208,6 +221,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     for step in range(1, drafter.steps):
         if not pending:
             break
+        start = time.perf_counter()
         tokens = torch.zeros(batch, width, dtype=torch.int64)
         parent_beam = torch.arange(width, dtype=torch.int64).repeat(batch, 1)
         for row, nodes in pending.items():
@@ -225,6 +239,8 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
         state = output.hidden_states
         topk_p, topk_index = _finite(topk_p.float().cpu()).view(batch, width, topk), topk_index.cpu().view(batch, width,
                                                                                                           topk)
+        drafter.rounds += 1
+        drafter.rounds_seconds += time.perf_counter() - start
         for row, nodes in list(pending.items()):
             beam_of[row] = {node: beam for beam, node in enumerate(nodes)}
             count = len(nodes)
@@ -232,6 +248,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     assert not pending, "a tree asked for a head round deeper than SGLang drafts (its depth is the step count)"
 
     assert all(tree is not None for tree in trees)
+    drafter.priced_out += sum(builder.priced_out for builder in builders)
     drafter.proposed = [tree for tree in trees if tree is not None]
     padded = [pad_to_budget(tree.tree, drafter.budget, width, drafter.steps) for tree in drafter.proposed]
     encoding = encode_sglang_draft(padded, width, drafter.steps)

@@ -45,6 +45,7 @@ from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.batch_switch import COLD, PLAIN, TREE, BatchSwitches
 from sglang_spec.sglang_plugin.committed import CommittedOutputs
 from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draft_forward, pad_to_budget
+from sglang_spec.sglang_plugin.level_costs import LevelCosts
 from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS, draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.faults import ACCEPT, AUTO, COMMIT, COUNTS, OBSERVE, RECORD
@@ -322,6 +323,8 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
     if options.uses_context:
         context = ContextDrafter(options.tree_policy(), worker.speculative_num_steps,
                                  worker.speculative_num_draft_tokens - 1, SOURCES)
+        if options.auto:  # head levels priced per batch size from the served steps (``level_costs``)
+            context.level_costs = LevelCosts()
     # the draft KV pool is allocated later (Scheduler.init_memory_pools): ancestry is decided in alloc_memory_pool
     try:
         poison = HeadPoison.from_environment()
@@ -730,7 +733,7 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
     else:
         output = original(worker, batch, *args, **kwargs)
     try:
-        _observe_step(switches, batch, kind, output, start)
+        _observe_step(switches, batch, kind, output, start, _context_drafter(worker))
     except Exception as error:  # the step's output stands; the switch learns nothing from it
         accept_fault(AUTO, error, size, "decoded; tree auto did not learn from its time")
     return output
@@ -765,11 +768,20 @@ def _admit(original, worker, batch, *args, **kwargs):
     return output
 
 
-def _observe_step(switches: BatchSwitches, batch, kind: str, output, start: float) -> None:
-    """Tree auto's bookkeeping of a decoded step: its time per emitted token, the cold marks."""
+def _context_drafter(worker) -> ContextDrafter | None:
+    setup: DraftSetup | None = getattr(worker.draft_worker, "_sglang_spec", None)
+    return None if setup is None else setup.context
+
+
+def _observe_step(switches: BatchSwitches, batch, kind: str, output, start: float,
+                  context: ContextDrafter | None = None) -> None:
+    """Tree auto's bookkeeping of a decoded step: its time per emitted token, the cold marks, and (a tree step
+    of a context server) the prices of its head levels."""
     size = len(batch.reqs)
     accept_lens = output.accept_lens.tolist()  # reads the step's result: the time below is the step's own
     seconds = time.perf_counter() - start
+    if kind == TREE and context is not None and context.level_costs is not None:
+        _price_levels(context, context.level_costs, size, seconds)
     rids = [request.rid for request in batch.reqs]
     warm = {rid: accept_lens[index] for index, (rid, request) in enumerate(zip(rids, batch.reqs))
             if not getattr(request, COLD_MARK, False)}
@@ -779,6 +791,17 @@ def _observe_step(switches: BatchSwitches, batch, kind: str, output, start: floa
             setattr(request, COLD_MARK, True)
     if message is not None:
         log(message)
+
+
+def _price_levels(context: ContextDrafter, costs: LevelCosts, size: int, seconds: float) -> None:
+    """Tree auto: a tree step's time and its head rounds' into the level prices (logged once, when trees first
+    leave a level out)."""
+    priced_out = context.priced_out
+    costs.observe(size, seconds, context.rounds, context.rounds_seconds)
+    if priced_out and not costs.logged:
+        costs.logged = True
+        log(f"tree auto: head levels priced at batch {size} ({costs.describe(size)}): trees leave a level out "
+            f"where its predicted gain does not pay ({priced_out} so far)")
 
 
 def _start_switches(worker) -> BatchSwitches:

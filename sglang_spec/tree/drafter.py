@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from sglang_spec.errors import SpecError
+from sglang_spec.tree.cost_model import CostCurve
 from sglang_spec.tree.draft import DraftSources, DraftTree
 from sglang_spec.tree.hybrid import BestFirstBuilder
 from sglang_spec.tree.ngram import NgramIndex
@@ -34,12 +35,13 @@ class TreeDrafter:
         """This step's tree below ``root_token`` (the last verified token)."""
         return self.policy.build(root_token, sources, self.counts)
 
-    def propose_rounds(self, root_token: int, context: NgramIndex) -> BestFirstBuilder:
+    def propose_rounds(self, root_token: int, context: NgramIndex, costs: CostCurve | None = None) -> BestFirstBuilder:
         """The same tree as ``propose`` for lookup / hybrid, as a builder its caller drives round by round
-        (``builder.rounds()``), for callers that batch the head's forwards across requests (the SGLang plugin)."""
+        (``builder.rounds()``), for callers that batch the head's forwards across requests (the SGLang plugin).
+        ``costs``: this step's prices, in place of the policy's curve (a head level runs only where it pays)."""
         if not self.policy.uses_context:
             raise SpecError(f"{self.policy.name} trees are not grown round by round from a context")
-        return BestFirstBuilder(self.policy, root_token, context, self.counts)
+        return BestFirstBuilder(self.policy, root_token, context, self.counts, costs)
 
     def observe(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
         """Counts the outcome of every child offered at a node of the accepted path (``accepted_nodes``: the

@@ -35,7 +35,9 @@ the head once selected with its parent expanded, and since candidates only ever 
 competition, a node left out of one round's selection is never selected later. With a cost curve
 (what ``--auto`` gives these shapes) the budget is chosen per step by ``tree/cost_model.step_seconds``: the tree
 prefix (the b best nodes, b = 0 meaning a plain step) with the least predicted time per token, and an MTP level
-is run only when its predicted gain pays for its forward.
+is run only when its predicted gain pays for its forward (a gain the context's copies leave room for: on a
+copy-heavy step the head's deeper levels add little). A server passes each step's prices to the builder
+(``costs``): there a head round's price depends on the batch it runs for.
 """
 
 from __future__ import annotations
@@ -78,8 +80,11 @@ class BestFirstBuilder:
     exact-ancestry drafting reads its parents, depths and tokens); per-node side lists hold what the sources
     said."""
 
-    def __init__(self, policy: TreePolicy, root_token: int, context: NgramIndex, calibration: SourceCounts) -> None:
+    def __init__(self, policy: TreePolicy, root_token: int, context: NgramIndex, calibration: SourceCounts,
+                 costs: CostCurve | None = None) -> None:
         self.policy = policy
+        # this step's prices (a server's depend on the batch it drafts for); None: the policy's own curve, if any
+        self.costs = policy.costs if costs is None else costs
         self.context = context
         self.uses_head = policy.uses_head
         self.calibration = calibration
@@ -95,6 +100,7 @@ class BestFirstBuilder:
         self.lookup_done: set[int] = set()
         self.mtp_done: set[int] = set()
         self.mtp_forwards = 0
+        self.priced_out = False  # a head level was left out because its predicted gain did not pay (``costs``)
 
     # candidates ---------------------------------------------------------------------------------------------
     def _child(self, parent: int, token: int) -> int:
@@ -187,7 +193,7 @@ class BestFirstBuilder:
         """The growth (module doc): yields [0] (the root's head candidates, which come with the previous commit),
         then each head level's nodes (at most ``width``, best reach first); returns the tree."""
         policy = self.policy
-        costs = policy.costs
+        costs = self.costs
         if self.uses_head:
             self._mtp_expand([0], (yield [0]))
         selected = self._grow_lookup(policy.budget)
@@ -198,7 +204,10 @@ class BestFirstBuilder:
                     and levels + 1 < policy.depth and self.tree.parents[node] in self.mtp_done]
             if policy.width is not None:
                 todo = todo[: policy.width]  # ``selected`` is best first
-            if not todo or (costs is not None and not self._level_pays(selected, todo, costs)):
+            if not todo:
+                break
+            if costs is not None and not self._level_pays(selected, todo, costs):
+                self.priced_out = True
                 break
             self._mtp_expand(todo, (yield todo))
             levels += 1
@@ -227,16 +236,21 @@ class BestFirstBuilder:
         return best_count
 
     def _level_pays(self, selected: list[int], todo: list[int], costs: CostCurve) -> bool:
-        """Whether one more head level is predicted to lower the time per token: its new children are guessed
-        at each expanded node's reach times the calibrated depth acceptance of a top-1 head candidate."""
+        """Whether one more head level is predicted to lower the time per token. What it adds below an expanded
+        node is guessed at the node's reach times the calibrated depth acceptance of a top-1 head candidate, but
+        no more than the acceptance its context children leave (a node's children are exclusive outcomes: where
+        a long copy already holds 0.9 of it, the head can add 0.1 at most)."""
         reach = self._reach()
         accept = 1.0 + sum(reach[node] for node in selected)
         forwards = self._head_forwards()
         nodes = len(selected) + 1
         now = step_seconds(costs, nodes, forwards) / accept
         calibration = self.calibration
-        gain = sum(reach[node] * calibration.estimate(calibration.mtp_top1_cell(self.tree.depths[node] + 1))
-                   for node in todo)
+        gain = 0.0
+        for node in todo:
+            top1 = calibration.estimate(calibration.mtp_top1_cell(self.tree.depths[node] + 1))
+            covered = sum(self.estimate[child] for child in self.children[node].values())
+            gain += reach[node] * min(top1, max(0.0, 1.0 - covered))
         after = step_seconds(costs, nodes + len(todo), forwards + 1) / (accept + gain)
         return after < now
 

@@ -146,7 +146,8 @@ def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cp
     before the first decode step; the steps that follow (trees, plain steps, cold plain steps where the prediction
     says trees lose, and trees again as the batch drains) keep plain decoding's output. A plain step's target
     forward, warm or cold, is SGLang's DECODE forward (the CPU step profile records each target forward's mode).
-    Prompts prefilled into a batch that is cold by prediction skip the head's pass over them. ``overlap``: the
+    Prompts prefilled into a batch that is cold by prediction skip the head's pass over them. Head levels are
+    priced from the served tree steps (``level_costs``), and trees leave out a level that does not pay. ``overlap``: the
     same under SGLang's overlap scheduler (the GPU's default loop; ``OVERLAP_ENV`` keeps it on the CPU bed), where
     every step's output ids lag and the last verify completes them (``committed``): no output left unknown, and
     requests with a frequency penalty get plain decoding's penalised output (transformers, by definition; SGLang's
@@ -184,6 +185,9 @@ def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cp
     # and their cold decode steps ran no draft forward either (a warm plain step runs the head's draft extend)
     assert any(step["mode"] == "DECODE" and step["target_modes"] == ["DECODE"] and step["batch"] > 1
                and step["draft_s"] == 0 for step in steps), steps
+    # head levels are priced from the served tree steps, and the repeats' copies leave some level no room to pay
+    priced = re.findall(r"head levels priced at batch \d+ \(a head round ([\d.]+) ms against ([\d.]+) ms", log)
+    assert len(priced) == 1 and 0 < float(priced[0][0]) < float(priced[0][1]), priced
     assert ("'disable_overlap_schedule': False" in log) is (loop == "overlap")
     assert "could not be completed from its last verify" not in log
     print("\n".join(line for line in log.splitlines() if "tree auto" in line))

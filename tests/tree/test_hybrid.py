@@ -215,3 +215,42 @@ def test_a_width_bounds_children_and_head_rounds(width):
         16, DraftSources(mtp=RecordingSource(sharpness=1.0), context=copy_context()))
     assert max(len(kids) for kids in unbounded.tree.children()) > width
 
+
+
+def flat_costs(round_seconds, rest=0.05):
+    """A server's prices (``sglang_plugin/level_costs``): every node count verifies in the same time (SGLang pads
+    each tree to its budget); only a head round costs more."""
+    return CostCurve({1: rest, 1 << 20: rest}, draft_level=round_seconds, step_overhead=0.0, prefix=0,
+                     device="served")
+
+
+def grown(drafter, root, context, costs):
+    builder = drafter.propose_rounds(root, context, costs)
+    rounds, source = builder.rounds(), RecordingSource()
+    try:
+        nodes = next(rounds)
+        while True:
+            nodes = rounds.send(source.expand(builder.tree, nodes, drafter.policy.effective_topk))
+    except StopIteration as done:
+        return builder, done.value
+
+
+def test_a_head_level_runs_only_where_the_context_leaves_it_room():
+    """Priced levels (a server's ``costs``): a head round at a tenth of the step's rest. Below a long copy, whose
+    context children hold nearly all of the acceptance, no head level pays; without a copy every level does.
+    (Without the room the copies leave, the copy's first level was predicted to pay: caught here.)"""
+    policy = TreePolicy("hybrid", budget=12, depth=6, mtp_levels=3, width=4)
+    drafter = TreeDrafter(policy)
+    for match in range(1, 9):  # long copies are accepted: their children leave the head little to add
+        for _ in range(200):
+            drafter.counts.observe(drafter.counts.lookup_cell(match, 0), True)
+    builder, tree = grown(drafter, 11, copy_context(), flat_costs(0.005))
+    assert builder.mtp_forwards == 0 and builder.priced_out
+    assert tree.expected_accept_length > 5  # the copy's chain
+    fresh = NgramIndex(list(range(100, 119)), max_ngram=8)  # tokens the head never proposes: no copies
+    builder, _ = grown(drafter, 119, fresh, flat_costs(0.005))
+    assert builder.mtp_forwards == policy.mtp_levels and not builder.priced_out
+    builder, _ = grown(drafter, 119, fresh, flat_costs(0.05))  # a round as dear as the rest of the step
+    assert builder.mtp_forwards < policy.mtp_levels and builder.priced_out
+    builder, _ = grown(drafter, 119, fresh, None)  # unpriced: the policy's levels
+    assert builder.mtp_forwards == policy.mtp_levels and not builder.priced_out
