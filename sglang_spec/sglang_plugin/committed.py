@@ -24,8 +24,17 @@ from typing import Any, Sequence
 
 import torch
 
-# forget the records of finished requests once this many more are held than the batch has
-_SPARE_RECORDS = 256
+# forget what is held for finished requests once this many more are held than the batch has
+SPARE_REQUESTS = 256
+
+
+def forget_finished(by_rid: dict[str, Any], rids: Sequence[str]) -> None:
+    """Drops the entries of requests not in ``rids`` (the batch) once ``SPARE_REQUESTS`` more than it are held:
+    SGLang tells a worker of no finished request, so what it keeps by rid is bounded this way."""
+    if len(by_rid) > len(rids) + SPARE_REQUESTS:
+        alive = set(rids)
+        for rid in [rid for rid in by_rid if rid not in alive]:
+            del by_rid[rid]
 
 
 @dataclass
@@ -54,10 +63,7 @@ class CommittedOutputs:
         tokens = predict[accept_index.clamp(min=0).long()].tolist()
         for row, rid in enumerate(rids):
             self.records[rid] = (int(kv_after[row]), [int(token) for token in tokens[row][:lengths[row]]])
-        if len(self.records) > len(rids) + _SPARE_RECORDS:
-            alive = set(rids)
-            for rid in [rid for rid in self.records if rid not in alive]:
-                del self.records[rid]
+        forget_finished(self.records, rids)
 
     def output(self, req: Any, kv_length: int, root: int) -> list[int] | None:
         """``req``'s committed output at a decode step whose KV holds ``kv_length`` of its tokens and which

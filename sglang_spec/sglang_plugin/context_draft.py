@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from sglang_spec.sglang_plugin.committed import CommittedOutputs
+from sglang_spec.sglang_plugin.committed import CommittedOutputs, forget_finished
 from sglang_spec.sglang_plugin.draft_forward import forward_beams
 from sglang_spec.sglang_plugin.draft_loop import ancestry_permutation
 from sglang_spec.sglang_plugin.head_guard import NonFiniteHeadOutput
@@ -39,10 +39,6 @@ from sglang_spec.tree.hybrid import BestFirstBuilder, BestFirstRounds
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.token_tree import TokenTree
-
-# forget a finished request's index once this many more are held than the batch has
-_SPARE_CONTEXTS = 256
-
 
 @dataclass
 class RequestContexts:
@@ -64,10 +60,7 @@ class RequestContexts:
         return index
 
     def keep_only(self, rids: Sequence[str]) -> None:
-        if len(self.indexes) > len(rids) + _SPARE_CONTEXTS:
-            alive = set(rids)
-            for rid in [rid for rid in self.indexes if rid not in alive]:
-                del self.indexes[rid]
+        forget_finished(self.indexes, rids)
 
 
 class ContextDrafter:
