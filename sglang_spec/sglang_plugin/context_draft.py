@@ -72,10 +72,10 @@ class ContextDrafter:
     accepted paths (``record_outcome``, device tensors, no sync), and are observed at the next draft step,
     which reads the host anyway; what they taught goes to ``metrics`` (``SourceMetrics``) when it is enabled.
 
-Priced levels (tree auto: ``level_costs``): each draft prices a head level at the batch's measured costs, and a
-request's builder runs one only where its predicted gain pays (``tree/hybrid``); the draft records how many rounds
-it ran and their seconds (``rounds``, ``rounds_seconds``: each round ends with the host reading its candidates,
-so its time is the device's too) for the step's observer."""
+    Priced levels (tree auto: ``level_costs``): each draft prices a head level at the batch's measured costs, and a
+    request's builder runs one only where its predicted gain pays (``tree/hybrid``); the draft records how many
+    rounds it ran and their seconds (``rounds``, ``rounds_seconds``: each round ends with the host reading its
+    candidates, so its time is the device's too) for the step's observer."""
 
     def __init__(self, policy: TreePolicy, steps: int, budget: int, metrics: SourceMetrics | None = None) -> None:
         self.drafter = TreeDrafter(policy)

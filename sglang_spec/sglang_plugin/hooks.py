@@ -45,7 +45,6 @@ from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.batch_switch import COLD, PLAIN, TREE, BatchSwitches
 from sglang_spec.sglang_plugin.committed import CommittedOutputs
 from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draft_forward, pad_to_budget
-from sglang_spec.sglang_plugin.level_costs import LevelCosts
 from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS, draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.faults import ACCEPT, AUTO, COMMIT, COUNTS, OBSERVE, RECORD
@@ -54,6 +53,7 @@ from sglang_spec.sglang_plugin.fused_accept import (ACCEPT_KERNELS_ENV, TRITON_K
                                                     SGLangAccept, accept_kernels)
 from sglang_spec.sglang_plugin.head_guard import ERROR as HEAD_FAULT
 from sglang_spec.sglang_plugin.head_guard import HeadGuard, HeadPoison
+from sglang_spec.sglang_plugin.level_costs import LevelCosts
 from sglang_spec.sglang_plugin.metrics import METRICS, RANKS, SOURCES
 from sglang_spec.sglang_plugin.options import (
     ATTRIBUTE,

@@ -6,9 +6,10 @@ SGLang verifies a fixed number of tokens a request whatever the tree (``context_
 step's cost does not depend on its nodes, only on its head forwards: one per level the builders asked for, and the
 draft extend that drafts the next root's children (the commit forward the builder charges as one more). A served
 tree step of batch b that ran r rounds, t seconds in all, and took s seconds gives a round's price t / r and the
-rest of the step s - t: the curve is flat in the node count (padded) at (rest - round) with ``draft_level`` the round, so
-``step_seconds`` of the step's own forwards is s again. Moving averages per batch-size bucket; a bucket without a
-round and a rest measured has no curve (the policy's ``mtp_levels`` run, as without tree auto).
+rest of the step s - t: the curve is flat in the node count (trees are padded) at (rest - round), with
+``draft_level`` the round, so ``step_seconds`` of the step's own forwards is s again. Moving averages per
+batch-size bucket; a bucket without a round and a rest measured has no curve (the policy's ``mtp_levels`` run, as
+without tree auto).
 
 On the CPU bed, extraction at one request (#19's concurrency 1): the trees' accept length was 2.41 with one head
 level and with three, a step 60.6 against 70.4 ms (``docs/results/serving_sweep.md``, fifteenth session).
