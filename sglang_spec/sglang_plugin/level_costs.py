@@ -11,8 +11,9 @@ rest of the step s - t: the curve is flat in the node count (trees are padded) a
 batch-size bucket; a bucket without a round and a rest measured has no curve (the policy's ``mtp_levels`` run, as
 without tree auto).
 
-On the CPU bed, extraction at one request (#19's concurrency 1): the trees' accept length was 2.41 with one head
-level and with three, a step 60.6 against 70.4 ms (``docs/results/serving_sweep.md``, fifteenth session).
+On the CPU bed, extraction at one request (#19's concurrency 1): the fixed hybrid trees accepted 2.41 tokens a step
+over six prompts with one head level and with three, and one prompt's step took 60.6 against 70.4 ms
+(``docs/results/serving_sweep.md``, fifteenth session).
 """
 
 from __future__ import annotations
