@@ -241,7 +241,7 @@ class BatchSwitches:
                 self.since_tree[batch_bucket(batch_size)] = self.since_tree.get(batch_bucket(batch_size), 0) + 1
             switch.observe_plain(seconds / max(batch_size, 1))
             if self.costs is not None:
-                self.plain_scale = _average(self.plain_scale, seconds / self.costs.plain_at(batch_size))
+                self.plain_scale = moving_average(self.plain_scale, seconds / self.costs.plain_at(batch_size))
         else:
             clear = self.clear_win(batch_size, rids)  # before this step moves the prediction: what decided it
             self.tree_steps += 1
@@ -256,7 +256,7 @@ class BatchSwitches:
                 kept = (1 - ACCEPT_SMOOTHING) ** warm_requests
                 self.accept_length = kept * self.accept_length + (1 - kept) * warm_tokens / warm_requests
             if self.costs is not None:
-                self.tree_scale = _average(self.tree_scale, seconds / self.costs.tree_at(batch_size))
+                self.tree_scale = moving_average(self.tree_scale, seconds / self.costs.tree_at(batch_size))
         # probes aside: they change no state
         now_plain = not self.clear_win(batch_size, rids) and (switch.lean or self.regime(batch_size, rids) != TREE)
         if now_plain == self.logged.get(batch_bucket(batch_size), False):
@@ -285,7 +285,8 @@ class BatchSwitches:
             self.request_steps = {rid: steps for rid, steps in self.request_steps.items() if rid in alive}
 
 
-def _average(old: float, new: float) -> float:
+def moving_average(old: float, new: float) -> float:
+    """``old`` moved towards ``new`` by ``SMOOTHING`` (the weight of the newest step)."""
     return (1 - SMOOTHING) * old + SMOOTHING * new
 
 

@@ -781,7 +781,7 @@ def _observe_step(switches: BatchSwitches, batch, kind: str, output, start: floa
     accept_lens = output.accept_lens.tolist()  # reads the step's result: the time below is the step's own
     seconds = time.perf_counter() - start
     if kind == TREE and context is not None and context.level_costs is not None:
-        _price_levels(context, context.level_costs, size, seconds)
+        _price_levels(context, size, seconds)
     rids = [request.rid for request in batch.reqs]
     warm = {rid: accept_lens[index] for index, (rid, request) in enumerate(zip(rids, batch.reqs))
             if not getattr(request, COLD_MARK, False)}
@@ -793,9 +793,11 @@ def _observe_step(switches: BatchSwitches, batch, kind: str, output, start: floa
         log(message)
 
 
-def _price_levels(context: ContextDrafter, costs: LevelCosts, size: int, seconds: float) -> None:
-    """Tree auto: a tree step's time and its head rounds' into the level prices (logged once, when trees first
-    leave a level out)."""
+def _price_levels(context: ContextDrafter, size: int, seconds: float) -> None:
+    """Tree auto: a tree step's time and its head rounds' into the drafter's level prices (logged once, when trees
+    first leave a level out)."""
+    costs = context.level_costs
+    assert costs is not None, "priced only on a tree auto context server"
     priced_out = context.priced_out
     costs.observe(size, seconds, context.rounds, context.rounds_seconds)
     if priced_out and not costs.logged:

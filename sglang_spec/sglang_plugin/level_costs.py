@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sglang_spec.sglang_plugin.batch_switch import SMOOTHING, batch_bucket
+from sglang_spec.sglang_plugin.batch_switch import batch_bucket, moving_average
 from sglang_spec.tree.cost_model import CostCurve
 
 # the curve's verify time is the same for any node count up to this (past its largest size a curve grows)
@@ -62,4 +62,4 @@ class LevelCosts:
 
 def _average(averages: dict[int, float], bucket: int, seconds: float) -> None:
     previous = averages.get(bucket)
-    averages[bucket] = seconds if previous is None else (1 - SMOOTHING) * previous + SMOOTHING * seconds
+    averages[bucket] = seconds if previous is None else moving_average(previous, seconds)

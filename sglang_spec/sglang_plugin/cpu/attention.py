@@ -67,10 +67,15 @@ def _attend_fused(queries, keys, values, scaling: float, allowed, causal: bool) 
     return attended[0].transpose(0, 1)
 
 
+def _has_window(sliding_window) -> bool:
+    """Whether SGLang's ``sliding_window`` argument names a window (None or <= 0: none)."""
+    return sliding_window is not None and sliding_window > 0
+
+
 def _window(allowed, query_positions: torch.Tensor, total: int, sliding_window: int):
     """Restricts ``allowed`` [Q, total] (None: all visible) to keys within ``sliding_window`` of each query
-    position (<= 0: no window, ``allowed`` returned as given)."""
-    if sliding_window is None or sliding_window <= 0:
+    position (no window: ``allowed`` returned as given)."""
+    if not _has_window(sliding_window):
         return allowed
     key_positions = torch.arange(total, device=query_positions.device)
     in_window = key_positions[None, :] > query_positions[:, None] - sliding_window
@@ -113,7 +118,7 @@ def decode_attention_cpu(q, k_buffer, v_buffer, k_scale, v_scale, o, k_new, v_ne
         if v_buffer.data_ptr() != k_buffer.data_ptr():  # MLA: the value view aliases the key row
             v_buffer[slots] = v_new.reshape(-1, *v_buffer.shape[1:]).to(v_buffer.dtype)
     rows = req_pool_indices.tolist()
-    windowed = sliding_window is not None and sliding_window > 0
+    windowed = _has_window(sliding_window)
     for index, (row, length) in enumerate(zip(rows, seq_lens.tolist())):
         slots = req_to_token[row, :length].long()
         allowed = _window(None, torch.tensor([length - 1]), length, sliding_window) if windowed else None
@@ -189,13 +194,13 @@ def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_t
         if tree_mask is not None:
             mask_offset += cells[index]
         windowed = allowed
-        if tail is not None and (new >= FUSED_MIN_QUERIES or (sliding_window is not None and sliding_window > 0)):
+        if tail is not None and (new >= FUSED_MIN_QUERIES or _has_window(sliding_window)):
             windowed = torch.ones((new, total), dtype=torch.bool)  # the dense mask these paths read
             windowed[:, prefix:] = tail
             tail = None
         windowed = _window(windowed, prefix + torch.arange(new), total, sliding_window)
         if new >= FUSED_MIN_QUERIES and tree_mask is None and not (logit_cap and logit_cap > 0):
-            causal = is_causal and prefix == 0 and not (sliding_window is not None and sliding_window > 0)
+            causal = is_causal and prefix == 0 and not _has_window(sliding_window)
             attended = _attend_fused(q[start:start + new], keys, values, scaling, None if causal else windowed, causal)
         else:
             attended = _attend(q[start:start + new], keys, values, scaling, logit_cap, windowed, tail)
