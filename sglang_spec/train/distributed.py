@@ -53,7 +53,7 @@ class World:
 
     def barrier(self) -> None:
         if self.sharded:
-                dist.barrier()
+            dist.barrier()
 
 
 def join_world() -> World:
