@@ -10,6 +10,8 @@ def test_malloc_thresholds_are_fixed_and_a_callers_own_win():
     env = server_environment({})
     assert {name: env[name] for name in MALLOC_ENV} == MALLOC_ENV
     assert int(env["MALLOC_MMAP_THRESHOLD_"]) <= 32 << 20  # glibc ignores a larger mmap threshold
-    assert int(env["MALLOC_TRIM_THRESHOLD_"]) > int(env["MALLOC_MMAP_THRESHOLD_"])  # no trim of a step's temporaries
+    # no trim of a step's temporaries
+    assert int(env["MALLOC_TRIM_THRESHOLD_"]) > int(env["MALLOC_MMAP_THRESHOLD_"])
     mine = server_environment({"MALLOC_TRIM_THRESHOLD_": "0"})
-    assert mine["MALLOC_TRIM_THRESHOLD_"] == "0" and mine["MALLOC_MMAP_THRESHOLD_"] == MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]
+    assert mine["MALLOC_TRIM_THRESHOLD_"] == "0"
+    assert mine["MALLOC_MMAP_THRESHOLD_"] == MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]
