@@ -106,9 +106,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--start-timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "serving_sweep.csv")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="run every server this many times, round by round (each server fresh); the table, "
-                             "CSV and plot give each figure's median over the rounds, the JSON every round's "
-                             "tokens/s too (a 2-core CPU drifts 5%% between runs of one server)")
+                        help="run every server this many times, round by round (each server fresh; round r runs "
+                             "them in the order rotated by r, so each takes every place in turn); the table, CSV "
+                             "and plot give each figure's median over the rounds, the JSON every round's tokens/s "
+                             "and place too (a 2-core CPU drifts 5%% between runs of one server)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     for policy in args.policies.split(","):
@@ -307,6 +308,20 @@ def row_from_result(policy: str, budget: int, concurrency: int, result: dict, wo
             **{name: result.get(name) for name in FIELDS[3:11]}, "workload": workload, "speedup_over_plain": None}
 
 
+def server_name(policy: str, budget: int) -> str:
+    """A server's name in logs and progress lines: the policy, with its budget where it has one."""
+    return policy if policy in PLAIN_METHODS else f"{policy}-{budget}"
+
+
+def round_order(shapes: list, round_index: int) -> list:
+    """The servers of round ``round_index`` (0-based): ``shapes`` rotated by it, so over as many rounds as servers
+    each runs once in every position. On this machine a server's speed drifts with its place in the run (the
+    one started later was the slower in both orders tried, sixteenth session): a fixed order puts that drift on
+    the last server's figures in every round."""
+    shift = round_index % len(shapes) if shapes else 0
+    return shapes[shift:] + shapes[:shift]
+
+
 def median_over_rounds(rows: list[dict]) -> list[dict]:
     """One row per method, workload and concurrency: every measured figure's median over the rounds (each row a
     round's, in order; ``output_throughput_rounds`` keeps every round's tokens/s)."""
@@ -320,6 +335,7 @@ def median_over_rounds(rows: list[dict]) -> list[dict]:
             values = [member[name] for member in group if member[name] is not None]
             row[name] = statistics.median(values) if values else None
         row["output_throughput_rounds"] = [member["output_throughput"] for member in group]
+        row["position_rounds"] = [member.get("position") for member in group]  # its place in each round's order
         merged.append(row)
     return merged
 
@@ -465,10 +481,12 @@ def main(argv=None) -> int:
     datasets: dict[str, Path | None] = dict(workload_datasets(args, scratch)) if args.dataset == "heldout" else \
         {args.dataset: None}
     rows = []
-    for round_index, (policy, budget) in ((r, shape) for r in range(args.rounds) for shape in shapes):
-        if args.rounds > 1 and (policy, budget) == shapes[0]:
-            print(f"round {round_index + 1} of {args.rounds}", flush=True)
-        name = policy if policy in PLAIN_METHODS else f"{policy}-{budget}"
+    for round_index, position, (policy, budget) in ((r, position, shape) for r in range(args.rounds)
+                                                    for position, shape in enumerate(round_order(shapes, r))):
+        if args.rounds > 1 and position == 0:
+            order = ", ".join(server_name(*shape) for shape in round_order(shapes, round_index))
+            print(f"round {round_index + 1} of {args.rounds}: {order}", flush=True)
+        name = server_name(policy, budget)
         if model is not None:
             launch = cpu_launch_args(model, args.port, speculative=policy not in PLAIN_METHODS,
                                      extra=tree_arguments(args, policy, budget, profile) + extra_server_args(args))
@@ -496,7 +514,8 @@ def main(argv=None) -> int:
                               f"see {client_log.name}", file=sys.stderr)
                         return 1
                     result = json.loads(output.read_text().strip().splitlines()[-1])
-                    rows.append(row_from_result(policy, budget, concurrency, result, workload))
+                    rows.append(dict(row_from_result(policy, budget, concurrency, result, workload),
+                                     position=position))
                     print(f"{name} {workload} concurrency {concurrency}: {rows[-1]['output_throughput']:.2f} tok/s",
                           flush=True)
         finally:

@@ -86,6 +86,19 @@ def test_speedups_are_over_the_faster_plain_decoding_and_plain_sync_turns_overla
     assert rows[1]["budget"] == 0
 
 
+def test_rounds_rotate_the_servers_so_each_takes_every_place():
+    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    shapes = [("plain", 7), ("plain-sync", 7), ("auto", 7)]
+    orders = [sweep.round_order(shapes, index) for index in range(4)]
+    assert orders[0] == shapes and orders[3] == shapes
+    assert [order[0][0] for order in orders[:3]] == ["plain", "plain-sync", "auto"]
+    for shape in shapes:  # over three rounds each server ran first, second and third once
+        assert sorted(order.index(shape) for order in orders[:3]) == [0, 1, 2]
+    assert sweep.round_order([], 2) == []
+
+
 def test_rounds_report_each_figure_as_its_median_and_keep_every_round(tmp_path):
     spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
@@ -94,13 +107,16 @@ def test_rounds_report_each_figure_as_its_median_and_keep_every_round(tmp_path):
     def row(policy, throughput, p99):
         return sweep.row_from_result(policy, 15, 16, {"output_throughput": throughput, "p99_itl_ms": p99}, "chat")
 
-    rounds = [row("plain", 60.0, 250.0), row("auto", 58.0, 260.0), row("plain", 66.0, 240.0),
-              row("auto", 64.0, 255.0), row("plain", 63.0, 245.0), row("auto", 65.0, 300.0)]
+    rounds = [row("plain", 60.0, 250.0), row("auto", 58.0, 260.0), row("auto", 64.0, 255.0),
+              row("plain", 66.0, 240.0), row("plain", 63.0, 245.0), row("auto", 65.0, 300.0)]
+    for index, member in enumerate(rounds):
+        member["position"] = index % 2
     merged = sweep.median_over_rounds(rounds)
     sweep.add_speedups(merged)
     assert [(r["policy"], r["output_throughput"], r["p99_itl_ms"]) for r in merged] == \
         [("plain", 63.0, 245.0), ("auto", 64.0, 260.0)]
     assert merged[1]["output_throughput_rounds"] == [58.0, 64.0, 65.0]
+    assert merged[0]["position_rounds"] == [0, 1, 0] and merged[1]["position_rounds"] == [1, 0, 1]
     assert merged[1]["speedup_over_plain"] == pytest.approx(64.0 / 63.0) and merged[1]["accept_length"] is None
     with pytest.raises(SystemExit):
         sweep.parse_args(["--cpu-model", "smollm2", "--rounds", "0"])
