@@ -109,14 +109,16 @@ def test_verify_tree_greedy_stand_in_follows_arbitrary_links_like_sglangs_triton
 def test_copy_all_layer_kv_cache_moves_rows_in_place_like_a_gather_then_scatter():
     layers = [torch.randn(20, 2, 3), torch.randn(20, 5)]
     expected = [layer.clone() for layer in layers]
-    target, source = torch.tensor([4, 5, 6, 1]), torch.tensor([5, 6, 4, 9])  # overlapping: a permutation of 4, 5, 6
-    for layer in expected:
-        layer[target] = layer[source].clone()
     pointers = torch.tensor([layer.data_ptr() for layer in layers])
     strides = torch.tensor([layer[0].numel() * layer.element_size() for layer in layers])
-    ops.copy_all_layer_kv_cache_cpu(pointers, strides, target, source)
-    for layer, want in zip(layers, expected):
-        assert torch.equal(layer, want)
+    # overlapping (a permutation of 4, 5, 6) with a row in place (7); then rows further down the same buffers
+    for target, source in ((torch.tensor([4, 5, 6, 1, 7]), torch.tensor([5, 6, 4, 9, 7])),
+                           (torch.tensor([18, 2]), torch.tensor([3, 19])), (torch.tensor([8]), torch.tensor([8]))):
+        for layer in expected:
+            layer[target] = layer[source].clone()
+        ops.copy_all_layer_kv_cache_cpu(pointers, strides, target, source)
+        for layer, want in zip(layers, expected):
+            assert torch.equal(layer, want)
 
 
 def sdpa(q, k, v, allowed, scaling, logit_cap=0.0):

@@ -2,9 +2,9 @@
 
 Each function has the signature of the op SGLang 0.5.23 calls (``sglang/kernels/ops/speculative/*.py``,
 ``mem_cache/allocation.py``, ``kernels/ops/kvcache/cache_move.py``, ``intel_amx_backend.py``), mutates the same
-outputs, and follows the semantics of SGLang's Triton twin of the same op. Greedy tree verification is vectorised
-torch, checked equal to SGLang's Triton twin (``spec_tree.verify_tree_greedy_triton``, the XPU path), which costs
-tens of milliseconds a step under the Triton interpreter at 8 requests. Tree building runs its Triton twin
+outputs, and follows the semantics of SGLang's Triton twin of the same op. Greedy tree verification walks each
+request's tree on host lists, checked equal to SGLang's Triton twin (``spec_tree.verify_tree_greedy_triton``, the
+XPU path), which costs tens of milliseconds a step under the Triton interpreter at 8 requests. Tree building runs its Triton twin
 (``sgl_build_tree_kernel_triton``) when
 ``SGLANG_SPEC_CPU_TRITON_TREE=1``; by default it decodes the draft outputs with sglang_spec's SGLang-ABI codec
 (``tree.encode_sglang``, checked equal to that Triton twin by the tests), because the interpreted kernel costs
@@ -72,18 +72,36 @@ def fill_accept_out_cache_loc_cpu(accept_index, out_cache_loc, accept_out_cache_
     accept_out_cache_loc[: nodes.numel()] = out_cache_loc[nodes].to(accept_out_cache_loc.dtype)
 
 
+# (base address, row bytes) -> a numpy view of that many rows or more: building a view through ctypes costs ~4 us,
+# and a tree step moves KV in every layer's K and V buffer (60 of them for SmolLM2)
+_ROW_VIEWS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _rows_view(base: int, stride: int, rows: int) -> np.ndarray:
+    """A uint8 view of at least ``rows`` rows of ``stride`` bytes from address ``base``. Only rows the caller names
+    are ever read or written through it, so a view longer than a buffer that was since replaced is never touched
+    past that buffer's rows."""
+    view = _ROW_VIEWS.get((base, stride))
+    if view is None or view.shape[0] < rows:
+        pointer = ctypes.cast(base, ctypes.POINTER(ctypes.c_uint8))
+        view = _ROW_VIEWS[(base, stride)] = np.ctypeslib.as_array(pointer, shape=(rows, stride))
+    return view
+
+
 def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
     """For every layer buffer (base address ``data_ptrs[i]``, ``strides[i]`` bytes a row): row tgt = row src.
     All source rows are read before any is written (numpy fancy indexing copies), so overlapping moves are safe,
-    like SGLang's tiled kernel. SGLang hands raw addresses here, so the buffers are viewed through numpy."""
+    like SGLang's tiled kernel; rows already in place are left out. SGLang hands raw addresses here, so the buffers
+    are viewed through numpy."""
     targets = tgt_loc.long().numpy()
     sources = src_loc.long().numpy()
-    if targets.size == 0:
+    moved = targets != sources
+    if not moved.any():
         return
+    targets, sources = targets[moved], sources[moved]
     rows = int(max(targets.max(), sources.max())) + 1
     for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
-        pointer = ctypes.cast(int(base), ctypes.POINTER(ctypes.c_uint8))
-        view = np.ctypeslib.as_array(pointer, shape=(rows, int(stride)))
+        view = _rows_view(int(base), int(stride), rows)
         view[targets] = view[sources]
 
 
@@ -149,67 +167,56 @@ def build_tree_kernel_efficient_cpu(parent_list, top_scores_index, seq_lens, tre
     retrieve_next_sibling.copy_(built.retrieve_next_sibling)
 
 
-def _follow(links: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-    """links [bs, n] (a node id per node, -1 for none); nodes [bs, ...] node ids, -1 allowed -> links[b, node],
-    -1 where node is -1."""
-    batch = links.shape[0]
-    padded = torch.cat([links, links.new_full((batch, 1), -1)], dim=1)  # column n answers for node -1
-    index = torch.where(nodes < 0, links.shape[1], nodes)
-    return padded.gather(1, index.reshape(batch, -1)).reshape(nodes.shape)
-
-
-def _sibling_chains(next_sibling: torch.Tensor) -> torch.Tensor:
-    """next_sibling [bs, n] -> [bs, n, n]: entry (b, i, k) is the k-th node of the sibling chain from node i (k = 0:
-    i itself), -1 from the chain's end on. Built by doubling: entries [2^m, 2^(m+1)) are the first 2^m followed
-    2^m links further, so ceil(log2 n) steps."""
-    batch, n = next_sibling.shape
-    chains = torch.arange(n, dtype=next_sibling.dtype, device=next_sibling.device).expand(batch, n)[:, :, None]
-    jump = next_sibling  # 2^m links further, per node
-    while chains.shape[2] < n:
-        chains = torch.cat([chains, _follow(jump, chains)], dim=2)
-        jump = _follow(jump, jump)
-    return chains[:, :, :n]
-
-
 def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
                            retrive_next_sibling, target_predict):
-    """SGLang's greedy tree verify (``spec_tree.verify_tree_greedy_triton``), vectorised over requests.
+    """SGLang's greedy tree verify (``spec_tree.verify_tree_greedy_triton``): the Triton twin's walk, per request on
+    host lists (a tree step walks at most depth levels of a few siblings; the former vectorised form ran ~15 torch
+    ops a level, ~0.5 ms at one request and 8 nodes, against tens of microseconds here).
 
     candidates, retrive_* [bs, n] (node ids local to the request, -1 for none; retrive_index global ids);
     target_predict [bs, n], read at global ids. Outputs, in place: predicts [bs * n] int32 (the accepted path's
     entries only), accept_index [bs, S] int32 (column 0 the root, then one accepted node per level; the rest
     untouched), accept_token_num [bs] int32. Per request, for up to S - 1 levels: the current node's children
-    are scanned in sibling order (at most n of them) and the first whose token equals the target's token at the
-    current node is accepted; the walk stops at the first level without one. The bonus is the target's token at
-    the last accepted node.
+    are scanned in sibling order (at most n of them, as the twin's bounded loop: links that cycle end the walk)
+    and the first whose token equals the target's token at the current node is accepted; the walk stops at the
+    first level without one. The bonus is the target's token at the last accepted node.
     """
     batch, n = candidates.shape
+    if batch == 0:
+        return
     levels = accept_index.shape[1]
-    rows = torch.arange(batch, device=candidates.device)
-    target = target_predict.reshape(-1)
-    last = retrive_index[:, 0].clone()  # global id of the last accepted node
-    current = torch.zeros_like(last)  # its local id
-    accepted = torch.zeros_like(last)
-    walking = torch.ones(batch, dtype=torch.bool, device=candidates.device)
-    accept_index[:, 0] = last.to(accept_index.dtype)
-    chains = _sibling_chains(retrive_next_sibling)
-    for level in range(1, levels):
-        first_child = _follow(retrive_next_token, current[:, None])[:, 0]
-        children = torch.where(first_child[:, None] >= 0, chains[rows, first_child.clamp(min=0)], -1)  # [bs, n]
-        target_token = target[last]
-        match = (children >= 0) & (_follow(candidates, children) == target_token[:, None])
-        hit = walking & match.any(dim=1)
-        child = children[rows, match.int().argmax(dim=1)]
-        hit_rows = rows[hit]
-        predicts[last[hit]] = target_token[hit].to(predicts.dtype)
-        node = retrive_index[hit_rows, child[hit]]
-        accept_index[hit_rows, level] = node.to(accept_index.dtype)
-        last[hit] = node
-        current[hit] = child[hit]
-        accepted += hit
-        walking = hit
-    accept_token_num.copy_(accepted)
-    predicts[last] = target[last].to(predicts.dtype)
+    tokens, nodes = candidates.tolist(), retrive_index.tolist()
+    first_child, next_sibling = retrive_next_token.tolist(), retrive_next_sibling.tolist()
+    target = target_predict.reshape(-1).tolist()
+    written: list[int] = []  # global ids whose predicts entry becomes the target's token there
+    accepted: list[tuple[int, int, int]] = []  # (request, accept_index column, global node id)
+    counts: list[int] = []
+    for row in range(batch):
+        last = nodes[row][0]
+        accepted.append((row, 0, last))
+        current = count = 0
+        for level in range(1, levels):
+            token = target[last]
+            child = first_child[row][current]
+            for _ in range(n):
+                if child < 0 or tokens[row][child] == token:
+                    break
+                child = next_sibling[row][child]
+            else:
+                child = -1  # n siblings scanned without a match
+            if child < 0:
+                break
+            written.append(last)
+            last = nodes[row][child]
+            accepted.append((row, level, last))
+            current, count = child, count + 1
+        written.append(last)
+        counts.append(count)
+    written_index = torch.tensor(written, dtype=torch.long, device=predicts.device)
+    predicts[written_index] = target_predict.reshape(-1)[written_index].to(predicts.dtype)
+    request, column, node = torch.tensor(accepted, dtype=torch.long, device=accept_index.device).unbind(1)
+    accept_index[request, column] = node.to(accept_index.dtype)
+    accept_token_num.copy_(torch.tensor(counts, dtype=accept_token_num.dtype))
 
 
 def reconstruct_indices_from_tree_mask(tree_mask: torch.Tensor, verified_seq_len: torch.Tensor,
