@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ import torch.nn.functional as F
 from torch.utils import cpp_extension
 
 PANEL_COLUMNS = 32  # output columns per packed panel (the kernel's kPanel)
+# torch's build lock is held for the ~25 s of a build; one this old was left by a build that was killed, and torch
+# waits on it without end (a server then hangs after loading its weights)
+STALE_LOCK_SECONDS = 120
 _SOURCE = Path(__file__).with_name("small_gemm.cpp")
 _NAME = "sglang_spec_small_gemm"
 
@@ -37,9 +41,14 @@ def _build() -> Any:
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         raise SmallGemmUnavailable(f"the CPU's vector capability is {torch.backends.cpu.get_cpu_capability()}, not AVX512")
     try:
-        built = Path(cpp_extension._get_build_directory(_NAME, verbose=False)) / f"{_NAME}.so"
-    except Exception:  # a private helper: only decides whether to announce the build
-        built = None
+        directory: Path | None = Path(cpp_extension._get_build_directory(_NAME, verbose=False))
+    except Exception:  # a private helper: only decides whether to announce the build and checks its lock
+        directory = None
+    lock = None if directory is None else directory / "lock"
+    if lock is not None and lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+        raise SmallGemmUnavailable(f"{lock} is older than {STALE_LOCK_SECONDS} s (left by a build that was "
+                                   f"interrupted?) and torch would wait on it forever; delete it if no build is running")
+    built = None if directory is None else directory / f"{_NAME}.so"
     if built is None or not built.exists():
         print("sglang_spec: compiling the AVX-512 small-GEMM kernel (once, ~25 s) ...", file=sys.stderr, flush=True)
     try:

@@ -101,3 +101,25 @@ def test_unavailable_is_an_error_with_a_reason(monkeypatch: pytest.MonkeyPatch) 
         assert not small_gemm_available()
     finally:
         module._build.cache_clear()
+
+
+@needs_kernel
+def test_a_stale_build_lock_is_one_line_not_a_wait_without_end(tmp_path, monkeypatch) -> None:
+    """torch waits on its build lock for ever; one older than any build is named in one line and callers fall back."""
+    from sglang_spec.gemm import small_gemm as module
+
+    lock = tmp_path / "sglang_spec_small_gemm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    module._build.cache_clear()
+    try:
+        stale = lock.stat().st_mtime - module.STALE_LOCK_SECONDS - 1
+        os.utime(lock, (stale, stale))
+        with pytest.raises(SmallGemmUnavailable, match="lock is older than .* delete it"):
+            module.load_small_gemm()
+        assert not module.small_gemm_available()
+    finally:
+        monkeypatch.undo()
+        module._build.cache_clear()
+    assert module.small_gemm_available()  # the real build directory again
