@@ -47,7 +47,8 @@ def _build() -> Any:
     lock = None if directory is None else directory / "lock"
     if lock is not None and lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
         raise SmallGemmUnavailable(f"{lock} is older than {STALE_LOCK_SECONDS} s (left by a build that was "
-                                   f"interrupted?) and torch would wait on it forever; delete it if no build is running")
+                                   f"interrupted?) and torch would wait on it forever; delete it if no build is "
+                                   f"running")
     built = None if directory is None else directory / f"{_NAME}.so"
     if built is None or not built.exists():
         print("sglang_spec: compiling the AVX-512 small-GEMM kernel (once, ~25 s) ...", file=sys.stderr, flush=True)
