@@ -5,11 +5,11 @@ Each function has the signature of the op SGLang 0.5.23 calls (``sglang/kernels/
 outputs, and follows the semantics of SGLang's Triton twin of the same op. Greedy tree verification walks each
 request's tree on host lists, checked equal to SGLang's Triton twin (``spec_tree.verify_tree_greedy_triton``, the
 XPU path), which costs tens of milliseconds a step under the Triton interpreter at 8 requests. Tree building runs
-its Triton twin (``sgl_build_tree_kernel_triton``) when ``SGLANG_SPEC_CPU_TRITON_TREE=1``; by default it decodes the draft outputs with sglang_spec's SGLang-ABI codec
-(``tree.encode_sglang``, checked equal to that Triton twin by the tests), because the interpreted kernel costs
-seconds per step at the 32-64-node trees the plugin's own draft loop builds. NGRAM's
-``reconstruct_indices_from_tree_mask`` (links and positions of the corpus's tree, from its ancestor mask) is plain
-torch, checked equal to SGLang's Triton twin (``reconstruct_tree.py``, the XPU path).
+its Triton twin (``sgl_build_tree_kernel_triton``) when ``SGLANG_SPEC_CPU_TRITON_TREE=1``; by default it decodes the
+draft outputs with sglang_spec's SGLang-ABI codec (``tree.encode_sglang``, checked equal to that Triton twin by the
+tests), because the interpreted kernel costs seconds per step at the 32-64-node trees the plugin's own draft loop
+builds. NGRAM's ``reconstruct_indices_from_tree_mask`` (links and positions of the corpus's tree, from its ancestor
+mask) is plain torch, checked equal to SGLang's Triton twin (``reconstruct_tree.py``, the XPU path).
 """
 
 from __future__ import annotations
