@@ -6,8 +6,9 @@ processed after the next step has been launched, so while a step drafts and veri
 previous step's tokens (on a request's first decode step, the prefill's token). Two things the plugin reads on
 the host need the output complete: a context tree's history (``context_draft``) and exact penalties in a tree's
 verify (``penalties``). They get ``output_ids`` plus the missing tail, which this module keeps: the tokens each
-verify committed (its accepted drafts and the bonus token), recorded where the verify samples them (SGLang's
-NGRAM worker splices its previous round's tokens the same way).
+verify committed (its accepted drafts and the bonus token), recorded on the device where the verify samples them
+and read on the host when the next step asks (SGLang's NGRAM worker splices its previous round's tokens the same
+way).
 
 How many tokens are missing comes from SGLang's own state, not from the loop's mode: at a decode step a request's
 KV holds its prompt and every committed token but the last (the root the step verifies), so
@@ -26,6 +27,8 @@ import torch
 
 # forget what is held for finished requests once this many more are held than the batch has
 SPARE_REQUESTS = 256
+# recorded verifies kept unread at most (an output is asked for the step after each record, unless its requests ended)
+MAX_PENDING = 4
 
 
 def forget_finished(by_rid: dict[str, Any], rids: Sequence[str]) -> None:
@@ -43,27 +46,46 @@ class CommittedOutputs:
     that verify committed, bonus last). ``spliced`` / ``unknown``: outputs completed from a record / not
     completable, counted for the log and the tests.
 
-    A record costs a read of the accepted tokens on the host (a sync on a GPU): a server without context trees
-    records only batches with penalties (a request has them from its first step or never, and its first step
-    needs no record: one token missing is the root)."""
+    A record reads nothing on the host: it gathers the committed tokens into fresh device tensors (``pending``),
+    which are read when an output is next asked for. The asker is the next step's context draft or penalised
+    verify, which has read that verify's roots by then (a sync it makes anyway), so the verify itself never
+    waits for the device. A server without context trees records only batches with penalties (a request has
+    them from its first step or never, and its first step needs no record: one token missing is the root)."""
 
     every_step: bool = False  # record every verify (a context drafter reads each step's); else penalised batches'
-    records: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     spliced: int = 0
     unknown: int = 0
     reported: bool = False  # the first unknown output logged (``hooks._report_unknown``)
+    _records: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    # recorded verifies not yet read, oldest first: (rids, KV lengths after [bs], tokens [bs, steps + 1], counts [bs])
+    pending: list[tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def record(self, rids: Sequence[str], seq_lens: torch.Tensor, predict: torch.Tensor, accept_index: torch.Tensor,
                accept_lens: torch.Tensor) -> None:
         """After a verify (SGLang's ``eagle_sample`` outputs): seq_lens [bs], the KV lengths it verified after;
         predict [bs * N], the target's token after each node; accept_index [bs, steps + 1], each request's accepted
         nodes (global indices, -1 padded); accept_lens [bs], the tokens each committed (accepted drafts + bonus)."""
-        lengths = accept_lens.tolist()
-        kv_after = (seq_lens.to(accept_lens.device) + accept_lens).tolist()
-        tokens = predict[accept_index.clamp(min=0).long()].tolist()
-        for row, rid in enumerate(rids):
-            self.records[rid] = (int(kv_after[row]), [int(token) for token in tokens[row][:lengths[row]]])
-        forget_finished(self.records, rids)
+        # fresh tensors: SGLang's (or the fused accept's) buffers may be rewritten before they are read
+        self.pending.append((list(rids), seq_lens.to(accept_lens.device) + accept_lens,
+                             predict[accept_index.clamp(min=0).long()], accept_lens.clone()))
+        if len(self.pending) > MAX_PENDING:  # verifies nobody asked about (finished requests): long done, read them
+            self._read(len(self.pending) - MAX_PENDING)
+
+    @property
+    def records(self) -> dict[str, tuple[int, list[int]]]:
+        """rid -> (KV length after its last recorded verify, the tokens it committed), every pending verify read."""
+        self._read(len(self.pending))
+        return self._records
+
+    def _read(self, count: int) -> None:
+        """Reads the oldest ``count`` pending verifies into the records (host reads, in recording order)."""
+        for rids, kv_after, tokens, lengths in self.pending[:count]:
+            kv_after_list, lengths_list, token_rows = kv_after.tolist(), lengths.tolist(), tokens.tolist()
+            for row, rid in enumerate(rids):
+                self._records[rid] = (int(kv_after_list[row]),
+                                      [int(token) for token in token_rows[row][:lengths_list[row]]])
+            forget_finished(self._records, rids)
+        del self.pending[:count]
 
     def output(self, req: Any, kv_length: int, root: int) -> list[int] | None:
         """``req``'s committed output at a decode step whose KV holds ``kv_length`` of its tokens and which

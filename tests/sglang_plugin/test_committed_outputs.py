@@ -85,3 +85,36 @@ def test_exact_penalties_see_the_same_output_under_either_loop(lagging):
                                           min_new_tokens=0)
     penalties = RequestPenalties.of(req, outputs.output(req, kv_length=8, root=10))
     assert list(penalties.output_ids) == [7, 8, 9, 10]
+
+
+def test_a_record_reads_nothing_on_the_host():
+    """The verify's record only gathers on the device (a host read would make a GPU's verify wait): with tensors
+    that have no data (meta), recording works and any read would raise."""
+    outputs = CommittedOutputs()
+    meta = {"device": "meta"}
+    outputs.record(["a", "b"], torch.empty(2, dtype=torch.int64, **meta), torch.empty(10, dtype=torch.int32, **meta),
+                   torch.empty(2, 5, dtype=torch.int32, **meta), torch.empty(2, dtype=torch.int32, **meta))
+    assert len(outputs.pending) == 1
+    with pytest.raises(NotImplementedError):
+        outputs.records  # the read happens here, when an output is asked for
+
+
+def test_a_record_keeps_its_tokens_when_the_verify_buffers_are_reused():
+    """SGLang's and the fused accept's buffers may hold the next step's values before the record is read."""
+    outputs = CommittedOutputs()
+    predict = torch.tensor([8, 9, 10, 42], dtype=torch.int32)
+    accept_index = torch.tensor([[0, 1, 2, -1, -1]], dtype=torch.int32)
+    accept_lens, seq_lens = torch.tensor([3], dtype=torch.int32), torch.tensor([5])
+    outputs.record(["a"], seq_lens, predict, accept_index, accept_lens)
+    for buffer in (predict, accept_index, accept_lens, seq_lens):
+        buffer.fill_(0)
+    assert outputs.output(request([7]), kv_length=8, root=10) == [7, 8, 9, 10]
+    assert not outputs.pending
+
+
+def test_verifies_nobody_asks_about_are_read_past_a_bound():
+    outputs = CommittedOutputs()
+    predict, accept_index = torch.tensor([8], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32)
+    for index in range(10):
+        outputs.record([f"r{index}"], torch.tensor([5]), predict, accept_index, torch.tensor([1], dtype=torch.int32))
+    assert len(outputs.pending) == 4 and set(outputs._records) == {f"r{index}" for index in range(6)}
