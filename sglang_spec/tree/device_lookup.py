@@ -1,0 +1,176 @@
+"""``lookup`` trees for a batch of requests grown on the device, from a device token history (the contexts) and
+the lookup estimates of ``SourceCounts``: the trees ``tree/hybrid.BestFirstBuilder`` grows for the ``lookup``
+policy, node for node and in its node order, with no host read (fixed shapes and a fixed number of rounds, so a
+server's draft step can run it inside a CUDA graph).
+
+Why a fixed number of rounds reproduces the host builder. The builder repeats: select the ``budget`` non-root
+nodes of highest reach (ties to the lower node id), expand with the lookup every selected node (and the root)
+not yet expanded, above the depth limit, in selection order. Adding nodes never moves an existing node up the
+order, so a node left out of one selection is left out of all later ones: every node is expanded in the round
+after it was made or never. Round k therefore expands nodes of depth k - 1 only (at most ``budget``), the
+builder's node ids are (round, place in the selection, candidate rank) in order, and ``depth`` rounds are all
+there is. Each round here is: one selection (a stable sort of -reach over the nodes so far), one batched lookup
+(``kernels/ngram_match``: each expanded node's query is its request's history plus the node's path), and the new
+children appended in that order. Reaches are float64 products along the path, as the host computes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from sglang_spec.kernels.ngram_match import NgramMatches, ngram_match_reference
+from sglang_spec.tree.profile import SourceCounts
+
+NgramMatch = Callable[..., NgramMatches]  # kernels.ngram_match.ngram_match or its reference
+
+
+@dataclass(frozen=True)
+class LookupTrees:
+    """One tree a request, its nodes in the host builder's order (root first, parents before children), padded to
+    ``budget + 1`` columns.
+
+    tokens:        [R, budget + 1] int64, node tokens (column 0 the root); -1 past ``num_nodes``.
+    parents:       [R, budget + 1] int64, parent column; -1 for the root and past ``num_nodes``.
+    match_lengths: [R, budget + 1] int64, the lookup match length the node was proposed at (0: root, padding).
+    ranks:         [R, budget + 1] int64, its rank among its parent's candidates (-1: root, padding).
+    reach:         [R, budget + 1] float64, product of the estimates along its path (1 at the root, 0 padding).
+    num_nodes:     [R] int64, 1 + the draft nodes kept (at most ``budget + 1``).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    match_lengths: torch.Tensor
+    ranks: torch.Tensor
+    reach: torch.Tensor
+    num_nodes: torch.Tensor
+
+
+def lookup_estimates(counts: SourceCounts, device: torch.device | str) -> torch.Tensor:
+    """[max_ngram, LOOKUP_RANKS] float64: estimate of a lookup candidate by match length (row n - 1) and rank."""
+    return torch.tensor([[counts.estimate(cell) for cell in row] for row in counts.lookup], dtype=torch.float64,
+                        device=device)
+
+
+def node_capacity(budget: int, depth: int, lookup_width: int) -> int:
+    """Nodes the growth can make: the root's candidates, then at most ``budget`` nodes expanded a round."""
+    return 1 + lookup_width + max(depth - 1, 0) * budget * lookup_width
+
+
+def build_lookup_trees(history: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, estimates: torch.Tensor,
+                       budget: int, depth: int, lookup_width: int, match: NgramMatch = ngram_match_reference
+                       ) -> LookupTrees:
+    """The ``lookup`` tree below each request's last history token (its root).
+
+    history [H, L] int64 and lengths [H] (``kernels/ngram_match``'s layout; a row ends with the request's root);
+    rows [R] int64, each request's history row; estimates from ``lookup_estimates``. ``budget``, ``depth`` and
+    ``lookup_width`` are the policy's (``TreePolicy``); a width bound the builder applies is never reached here as
+    long as it is at least ``lookup_width``, which the caller checks. ``match``: the kernel on a GPU, its
+    reference on a CPU."""
+    device = history.device
+    requests = rows.shape[0]
+    capacity = node_capacity(budget, depth, lookup_width)
+    max_ngram = estimates.shape[0]
+    ranks_calibrated = estimates.shape[1]
+    batch = torch.arange(requests, device=device)
+    tokens = torch.full((requests, capacity), -1, dtype=torch.int64, device=device)
+    parents = torch.full_like(tokens, -1)
+    match_lengths = torch.zeros_like(tokens)
+    ranks = torch.full_like(tokens, -1)
+    depths = torch.zeros_like(tokens)
+    reach = torch.zeros(requests, capacity, dtype=torch.float64, device=device)
+    paths = torch.full((requests, capacity, max(depth, 1)), -1, dtype=torch.int64, device=device)
+    tokens[:, 0] = history[rows, (lengths[rows] - 1).clamp(min=0)]
+    reach[:, 0] = 1.0
+    count = torch.ones(requests, dtype=torch.int64, device=device)
+    node_ids = torch.arange(capacity, device=device)
+
+    for level in range(depth):
+        # the selection, and its nodes of this round's depth (the root in the first round): what gets expanded
+        if level == 0:
+            expand = torch.zeros(requests, 1, dtype=torch.int64, device=device)
+            expanding = torch.ones(requests, 1, dtype=torch.bool, device=device)
+        else:
+            expand = _best(reach, node_ids, count, budget)
+            expanding = (expand >= 0) & (torch.gather(depths, 1, expand.clamp(min=0)) == level)
+        slots = expand.shape[1]
+        query_nodes = expand.clamp(min=0)
+        query_rows = rows[:, None].expand(requests, slots).reshape(-1)
+        tails = paths[batch[:, None], query_nodes].reshape(requests * slots, -1)
+        tail_lengths = torch.where(expanding, torch.gather(depths, 1, query_nodes), 0).reshape(-1)
+        found = match(history, lengths, query_rows, tails, tail_lengths, max_ngram=max_ngram, width=lookup_width)
+        # new children in (selection place, rank) order, numbered after the nodes so far
+        child_tokens = found.tokens.view(requests, slots, lookup_width)
+        made = expanding[:, :, None] & (child_tokens >= 0)
+        flat_made = made.reshape(requests, -1)
+        child_ids = count[:, None] + flat_made.long().cumsum(1) - 1
+        target = torch.where(flat_made, child_ids, torch.full_like(child_ids, capacity))  # unmade -> spare column
+        child_parents = query_nodes[:, :, None].expand(requests, slots, lookup_width).reshape(requests, -1)
+        child_matches = found.match_lengths.view(requests, slots, 1).expand(requests, slots, lookup_width)
+        child_ranks = torch.arange(lookup_width, device=device).expand(requests, slots, lookup_width)
+        child_estimates = estimates[(child_matches.clamp(1, max_ngram) - 1),
+                                    child_ranks.clamp(max=ranks_calibrated - 1)].reshape(requests, -1)
+        child_reach = torch.gather(reach, 1, child_parents) * child_estimates
+        child_depths = torch.gather(depths, 1, child_parents) + 1
+        _scatter(tokens, target, child_tokens.reshape(requests, -1))
+        _scatter(parents, target, child_parents)
+        _scatter(match_lengths, target, child_matches.reshape(requests, -1))
+        _scatter(ranks, target, child_ranks.reshape(requests, -1))
+        _scatter(depths, target, child_depths)
+        _scatter(reach, target, child_reach)
+        if depth > 1:
+            # a child's path: its parent's, then its own token at its depth
+            parent_paths = paths[batch[:, None], child_parents]  # [R, slots * width, depth]
+            position = (child_depths - 1).clamp(max=depth - 1)
+            own = torch.arange(depth, device=device)[None, None, :] == position[:, :, None]
+            child_paths = torch.where(own, child_tokens.reshape(requests, -1, 1), parent_paths)
+            spare = torch.zeros(requests, 1, depth, dtype=torch.int64, device=device)
+            padded = torch.cat([paths, spare], dim=1)
+            padded.scatter_(1, target[:, :, None].expand(-1, -1, depth), child_paths)
+            paths = padded[:, :capacity]
+        count = count + flat_made.long().sum(1)
+
+    chosen = _best(reach, node_ids, count, budget)
+    keep = torch.zeros(requests, capacity + 1, dtype=torch.bool, device=device)
+    keep.scatter_(1, torch.where(chosen >= 0, chosen, capacity), True)
+    keep = keep[:, :capacity]
+    keep[:, 0] = True
+    return _compact(keep, tokens, parents, match_lengths, ranks, reach, budget)
+
+
+def _best(reach: torch.Tensor, node_ids: torch.Tensor, count: torch.Tensor, budget: int) -> torch.Tensor:
+    """[R, budget] the non-root nodes of highest reach, ties to the lower id (a stable sort), -1 where fewer."""
+    exists = (node_ids[None, :] < count[:, None]) & (node_ids[None, :] > 0)
+    key = torch.where(exists, -reach, torch.full_like(reach, float("inf")))
+    order = torch.sort(key, dim=1, stable=True).indices[:, :budget]
+    return torch.where(torch.gather(exists, 1, order), order, torch.full_like(order, -1))
+
+
+def _scatter(values: torch.Tensor, target: torch.Tensor, source: torch.Tensor) -> None:
+    """values[r, target[r, i]] = source[r, i], where a target equal to values' width is dropped."""
+    spare = torch.zeros(values.shape[0], 1, dtype=values.dtype, device=values.device)
+    padded = torch.cat([values, spare], dim=1)
+    padded.scatter_(1, target, source.to(values.dtype))
+    values.copy_(padded[:, :-1])
+
+
+def _compact(keep: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, match_lengths: torch.Tensor,
+             ranks: torch.Tensor, reach: torch.Tensor, budget: int) -> LookupTrees:
+    """The kept nodes (a parent-closed set) in id order, parents renumbered, padded to budget + 1 columns."""
+    requests, capacity = keep.shape
+    columns = budget + 1
+    new_index = keep.long().cumsum(1) - 1  # [R, C] column of each kept node
+    target = torch.where(keep, new_index, torch.full_like(new_index, columns))
+    renumbered = torch.where(parents >= 0, torch.gather(new_index, 1, parents.clamp(min=0)),
+                             torch.full_like(parents, -1))
+
+    def gathered(values: torch.Tensor, fill: float | int) -> torch.Tensor:
+        out = torch.full((requests, columns + 1), fill, dtype=values.dtype, device=values.device)
+        out.scatter_(1, target, values)
+        return out[:, :columns]
+
+    return LookupTrees(tokens=gathered(tokens, -1), parents=gathered(renumbered, -1),
+                       match_lengths=gathered(match_lengths, 0), ranks=gathered(ranks, -1),
+                       reach=gathered(reach, 0.0), num_nodes=keep.long().sum(1))

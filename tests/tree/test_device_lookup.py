@@ -1,0 +1,103 @@
+"""``tree/device_lookup``: the device growth of ``lookup`` trees gives, for every request of a batch, the tree the
+host builder (``tree/hybrid.BestFirstBuilder``, what the reference decoder and the plugin grow) gives: same
+nodes, same order, same reaches. Estimates are drawn from a few values, so reach ties (broken by node id) are
+common, and histories copy spans, so trees branch and run deep."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_spec.kernels.ngram_match import ngram_match, ngram_match_reference
+from sglang_spec.tree.device_lookup import build_lookup_trees, lookup_estimates
+from sglang_spec.tree.draft import DraftSources
+from sglang_spec.tree.hybrid import build_best_first
+from sglang_spec.tree.ngram import NgramIndex
+from sglang_spec.tree.policies import TreePolicy
+from sglang_spec.tree.profile import SourceCounts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from test_ngram_match import random_history  # noqa: E402
+
+
+def tied_counts(rng: np.random.Generator, max_ngram: int) -> SourceCounts:
+    """A counts table whose lookup estimates take a few values (ties everywhere), zero included."""
+    counts = SourceCounts.generic(max_ngram)
+    for row in counts.lookup:
+        for cell in row:
+            cell[1] = float(rng.choice([3, 4, 7]))
+            cell[0] = float(rng.integers(0, int(cell[1]) + 1))
+    return counts
+
+
+def batch_inputs(histories: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    span = max(len(history) for history in histories)
+    history = torch.full((len(histories), span + 2), -5, dtype=torch.int64)
+    for row, tokens in enumerate(histories):
+        history[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+    return history, torch.tensor([len(tokens) for tokens in histories], dtype=torch.int64)
+
+
+def host_tree(policy: TreePolicy, history: list[int], counts: SourceCounts):
+    draft = build_best_first(policy, history[-1], DraftSources(context=NgramIndex(history, policy.max_ngram)), counts)
+    return draft
+
+
+CASES = [
+    # requests, history length, vocabulary, budget, depth, lookup width, max_ngram
+    (1, 30, 3, 4, 2, 2, 4),
+    (3, 60, 4, 7, 4, 2, 8),
+    (4, 120, 3, 15, 5, 4, 8),
+    (2, 80, 2, 12, 6, 3, 3),
+    (3, 40, 20, 6, 1, 2, 2),
+    (2, 3, 2, 5, 3, 2, 8),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c[0]}l{c[1]}v{c[2]}b{c[3]}d{c[4]}w{c[5]}n{c[6]}")
+def test_device_trees_are_the_host_builders_trees(case):
+    requests, longest, vocab, budget, depth, width, max_ngram = case
+    rng = np.random.default_rng(sum(case))
+    policy = TreePolicy("lookup", budget, depth, lookup_width=width, max_ngram=max_ngram)
+    for _ in range(4):
+        counts = tied_counts(rng, max_ngram)
+        histories = [random_history(rng, int(rng.integers(1, longest + 1)), vocab) for _ in range(requests)]
+        history, lengths = batch_inputs(histories)
+        order = torch.from_numpy(rng.permutation(requests)).long()  # requests need not be in history-row order
+        trees = build_lookup_trees(history, lengths, order, lookup_estimates(counts, "cpu"), budget, depth, width)
+        for column, row in enumerate(order.tolist()):
+            expected = host_tree(policy, histories[row], counts)
+            count = int(trees.num_nodes[column])
+            assert count == expected.tree.num_nodes
+            assert trees.tokens[column, :count].tolist() == expected.tree.tokens.tolist()
+            assert trees.parents[column, :count].tolist() == expected.tree.parents.tolist()
+            reach = [1.0] * count
+            for node, parent in enumerate(expected.tree.parents.tolist()[1:], start=1):
+                reach[node] = reach[parent] * expected.estimates[node]
+            assert trees.reach[column, :count].tolist() == reach  # exactly: the same float64 products
+            assert (trees.tokens[column, count:] == -1).all() and (trees.parents[column, count:] == -1).all()
+
+
+def test_the_kernel_grows_the_reference_trees(kernel_device):
+    rng = np.random.default_rng(7)
+    counts = tied_counts(rng, 8)
+    histories = [random_history(rng, 50, 3) for _ in range(3)]
+    history, lengths = batch_inputs(histories)
+    rows = torch.tensor([2, 0, 1])
+    estimates = lookup_estimates(counts, "cpu")
+    expected = build_lookup_trees(history, lengths, rows, estimates, 7, 4, 2)
+    actual = build_lookup_trees(history.to(kernel_device), lengths.to(kernel_device), rows.to(kernel_device),
+                                estimates.to(kernel_device), 7, 4, 2, match=ngram_match)
+    for name in ("tokens", "parents", "match_lengths", "ranks", "reach", "num_nodes"):
+        assert torch.equal(getattr(actual, name).cpu(), getattr(expected, name)), name
+
+
+def test_a_context_without_repeats_gives_the_root_alone():
+    history, lengths = batch_inputs([[1, 2, 3, 4, 5]])
+    trees = build_lookup_trees(history, lengths, torch.tensor([0]), lookup_estimates(SourceCounts.generic(8), "cpu"),
+                               4, 3, 2, match=ngram_match_reference)
+    assert trees.num_nodes.tolist() == [1] and trees.tokens[0].tolist() == [5, -1, -1, -1, -1]
