@@ -167,6 +167,43 @@ def pad_to_budget(tree: TokenTree, budget: int, width: int, steps: int) -> Token
     return TokenTree.from_parents(parents, tokens=tokens)
 
 
+def pad_to_budget_device(parents: torch.Tensor, tokens: torch.Tensor, num_nodes: torch.Tensor, budget: int,
+                         width: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pad_to_budget`` for a batch of trees held as device tensors, with no host read: parents / tokens
+    [bs, >= budget + 1] int64 (node 0 the root, parents first, -1 past ``num_nodes`` [bs]) -> the padded
+    (parents, tokens) [bs, budget + 1], the same fillers in the same places. Node by node, as the host form
+    walks them: a node above ``steps`` keeps fewer than ``width`` children gets the smallest tokens its children
+    do not hold, while the tree is short."""
+    batch_size = parents.shape[0]
+    columns = budget + 1
+    device = parents.device
+    rows = torch.arange(batch_size, device=device)
+    spare = torch.full((batch_size, 1), -1, dtype=torch.int64, device=device)
+    parents = torch.cat([parents[:, :columns], spare], 1)  # a spare column takes the writes that do not happen
+    tokens = torch.cat([tokens[:, :columns], spare], 1)
+    nodes = torch.arange(columns + 1, device=device)
+    depths = torch.zeros_like(parents)
+    for node in range(1, columns):
+        depths[:, node] = depths[rows, parents[:, node].clamp(min=0)] + 1
+    count = num_nodes.clone()
+    candidates = torch.arange(2 * width + 1, device=device)
+    for node in range(columns):
+        children = (parents == node) & (nodes[None, :] < count[:, None])
+        held = children.long().sum(1)
+        room = torch.where((node < count) & (depths[:, node] < steps), (width - held).clamp(min=0), 0)
+        added = torch.minimum(room, columns - count)
+        # the smallest tokens its children do not hold, in order
+        used = ((tokens[:, None, :] == candidates[None, :, None]) & children[:, None, :]).any(2)
+        free_rank = (~used).long().cumsum(1) - 1  # [bs, candidates]
+        take = ~used & (free_rank < added[:, None])
+        target = torch.where(take, count[:, None] + free_rank, columns)
+        parents.scatter_(1, target, torch.full_like(target, node))
+        tokens.scatter_(1, target, candidates[None, :].expand(batch_size, -1))
+        depths.scatter_(1, target, (depths[:, node] + 1)[:, None].expand_as(target))
+        count = count + added
+    return parents[:, :columns], tokens[:, :columns]
+
+
 def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], drafter: ContextDrafter,
                           permute_kv: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
     """``draft_forward`` for ``worker`` (an EagleDraftWorker) over ``reqs`` (the ScheduleBatch's requests, in

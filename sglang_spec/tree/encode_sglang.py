@@ -219,3 +219,22 @@ def decode_sglang_draft(
             )
         )
     return trees
+
+
+def encode_sglang_draft_device(parents: torch.Tensor, tokens: torch.Tensor, topk: int,
+                               spec_steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``encode_sglang_draft``'s (parent_list, top_scores_index, draft_tokens) for a batch of trees held as device
+    tensors, with no host read: parents / tokens [bs, n] int64, node 0 the root (parent -1), parents before
+    children. The trees must meet ``encode_sglang_draft``'s needs (at most ``topk`` children a node, depth <=
+    ``spec_steps``, parents below the parent_list width); this form does not check them."""
+    batch_size, num_nodes = parents.shape
+    width = parent_list_width(topk, spec_steps)
+    nodes = torch.arange(num_nodes, device=parents.device)
+    # sibling position of node i: the nodes before it with its parent
+    earlier = (parents[:, None, :] == parents[:, :, None]) & (nodes[None, None, :] < nodes[None, :, None])
+    sibling = earlier.long().sum(2)
+    top_scores_index = (parents * topk + sibling)[:, 1:]
+    parent_list = torch.full((batch_size, width), -1, dtype=torch.int64, device=parents.device)
+    usable = min(num_nodes - 1, width)
+    parent_list[:, 1:usable] = top_scores_index[:, : usable - 1]
+    return parent_list, top_scores_index.contiguous(), tokens[:, 1:].contiguous()

@@ -1,6 +1,7 @@
 """The host side of lookup / hybrid trees in SGLang (``sglang_plugin/context_draft.py``): the requests' contexts,
 the padding to SGLang's fixed verify size, and the live calibration from SGLang's accepted paths."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,3 +153,33 @@ def test_with_tensor_parallelism_a_peers_learning_fault_keeps_every_ranks_counts
     _observe_accepted(SimpleNamespace(context=agreed, peers=peers, accept_faults=None), 1)
     assert peers.calls == [False]  # this rank learnt without a fault
     assert agreed.drafter.counts.named_cells() == prior  # and went back with the peer
+
+
+@pytest.mark.parametrize("budget,width,steps", [(7, 2, 4), (15, 4, 5), (5, 3, 2), (12, 6, 3), (3, 1, 3)])
+def test_the_device_padding_and_encoding_equal_the_host_ones(budget, width, steps):
+    """``pad_to_budget_device`` + ``encode_sglang_draft_device`` give, for a batch of trees as tensors, what
+    ``pad_to_budget`` + ``encode_sglang_draft`` give tree by tree: the same fillers, the same SGLang encoding.
+    Trees of every size from the root alone to the budget, with small tokens (fillers must skip them)."""
+    from helpers import random_tree
+    from sglang_spec.sglang_plugin.context_draft import pad_to_budget_device
+    from sglang_spec.tree.encode_sglang import encode_sglang_draft_device
+
+    rng = np.random.default_rng(budget * 100 + width * 10 + steps)
+    trees = [random_tree(rng, int(rng.integers(1, budget + 2)), width, steps, vocab_size=width + 3)
+             for _ in range(12)]
+    parents = torch.full((len(trees), budget + 3), -1, dtype=torch.int64)  # wider than the budget: cut
+    tokens = torch.full_like(parents, -1)
+    for row, tree in enumerate(trees):
+        parents[row, :tree.num_nodes] = tree.parents
+        tokens[row, :tree.num_nodes] = tree.tokens
+    counts = torch.tensor([tree.num_nodes for tree in trees])
+    padded_parents, padded_tokens = pad_to_budget_device(parents, tokens, counts, budget, width, steps)
+    expected = [pad_to_budget(tree, budget, width, steps) for tree in trees]
+    for row, tree in enumerate(expected):
+        assert padded_parents[row].tolist() == tree.parents.tolist()
+        assert padded_tokens[row].tolist() == tree.tokens.tolist()
+    host = encode_sglang_draft(expected, width, steps)
+    device = encode_sglang_draft_device(padded_parents, padded_tokens, width, steps)
+    assert torch.equal(device[0], host.parent_list)
+    assert torch.equal(device[1], host.top_scores_index)
+    assert torch.equal(device[2], host.draft_tokens)
