@@ -20,12 +20,15 @@ committed for it since the last step (with the overlap scheduler, its output ids
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
+from sglang_spec.kernels.ngram_match import ngram_match, ngram_match_reference
 from sglang_spec.sglang_plugin.committed import CommittedOutputs, forget_finished
+from sglang_spec.sglang_plugin.device_history import DeviceHistory
 from sglang_spec.sglang_plugin.draft_forward import forward_beams
 from sglang_spec.sglang_plugin.draft_loop import ancestry_permutation
 from sglang_spec.sglang_plugin.head_guard import NonFiniteHeadOutput
@@ -34,7 +37,8 @@ from sglang_spec.sglang_plugin.metrics import SourceMetrics
 from sglang_spec.tree.candidates import Candidates
 from sglang_spec.tree.draft import DraftTree
 from sglang_spec.tree.drafter import TreeDrafter
-from sglang_spec.tree.encode_sglang import encode_sglang_draft
+from sglang_spec.tree.device_lookup import LookupTrees, build_lookup_trees, lookup_draft_trees, lookup_estimates
+from sglang_spec.tree.encode_sglang import encode_sglang_draft, encode_sglang_draft_device
 from sglang_spec.tree.hybrid import BestFirstBuilder, BestFirstRounds
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
@@ -91,6 +95,12 @@ class ContextDrafter:
         self.rounds = 0  # head rounds the last draft ran
         self.rounds_seconds = 0.0  # and their seconds
         self.priced_out = 0  # requests whose trees left a head level out because it did not pay (all drafts)
+        # ``lookup`` trees grown on the device (--speculative-tree-context-on device): set with that option, its
+        # history made at the first draft (it needs SGLang's request table)
+        self.on_device = False
+        self.history: DeviceHistory | None = None
+        self.proposed_on_device: LookupTrees | None = None
+        self._device_outcomes: deque[tuple[LookupTrees, torch.Tensor, int, Any]] = deque()
 
     @property
     def uses_head(self) -> bool:
@@ -104,9 +114,24 @@ class ContextDrafter:
         output = None if self.outputs is None else self.outputs.output(req, kv_length, root)
         return list(req.origin_input_ids_unpadded) + (list(req.output_ids) if output is None else output)
 
+    @property
+    def has_proposal(self) -> bool:
+        """Whether the last draft proposed trees whose accepted paths the next accept should report."""
+        return bool(self.proposed) or self.proposed_on_device is not None
+
     def record_outcome(self, accept_index: torch.Tensor, verify_tokens: int) -> None:
         """accept_index: SGLang's accepted paths for the trees last proposed, [bs, steps + 1] global node
-        indices (row * verify_tokens + node), -1 padded."""
+        indices (row * verify_tokens + node), -1 padded. Trees grown on the device are observed once the
+        device has finished the accept (``observe_outcome`` never waits for it): a CUDA event marks that point."""
+        if self.proposed_on_device is not None:
+            accepted = accept_index.clone()  # SGLang may reuse its buffer before the outcome is read
+            event = None
+            if accepted.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
+            self._device_outcomes.append((self.proposed_on_device, accepted, verify_tokens, event))
+            self.proposed_on_device = None
+            return
         self._outcome = (self.proposed, accept_index, verify_tokens)
         self.proposed = []
 
@@ -123,10 +148,19 @@ class ContextDrafter:
 
     def observe_outcome(self) -> None:
         """Teaches the counts what the last verified trees accepted (filler nodes are nobody's candidates)."""
+        while self._device_outcomes:  # the device's, oldest first, as far as the device has finished them
+            grown, accepted, tokens, event = self._device_outcomes[0]
+            if event is not None and not event.query():
+                break
+            self._device_outcomes.popleft()
+            self._observe(lookup_draft_trees(grown, self.drafter.counts), accepted, tokens)
         if self._outcome is None:
             return
         trees, accept_index, verify_tokens = self._outcome
         self._outcome = None
+        self._observe(trees, accept_index, verify_tokens)
+
+    def _observe(self, trees: list[DraftTree], accept_index: torch.Tensor, verify_tokens: int) -> None:
         for row, path in enumerate(accept_index.reshape(len(trees), -1).tolist()):
             nodes = [index - row * verify_tokens for index in path if index >= 0]
             self.drafter.observe(trees[row], nodes)
@@ -306,3 +340,29 @@ def _advance(rounds: list[BestFirstRounds], trees: list[DraftTree | None], pendi
         return
     pending[row] = nodes
 
+
+
+def device_lookup_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any],
+                                drafter: ContextDrafter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    """``draft_forward`` for a ``lookup`` server with --speculative-tree-context-on device: the batch's trees grown
+    on the device (``tree/device_lookup``, the host builder's trees) from the requests' device histories, padded
+    and encoded there; the host reads nothing (the requests new to their rows are written from host lists).
+    The caller has had the drafter observe what the device has finished accepting."""
+    spec_info = forward_batch.spec_info
+    device = spec_info.bonus_tokens.device
+    if drafter.history is None:
+        table = worker.draft_runner.req_to_token_pool.req_to_token
+        drafter.history = DeviceHistory(table.shape[0], table.shape[1] + drafter.budget + 2, device)
+    history = drafter.history
+    history.admit(reqs, getattr(forward_batch, "seq_lens_cpu", None), spec_info.bonus_tokens)
+    policy = drafter.drafter.policy
+    match = ngram_match if device.type == "cuda" else ngram_match_reference
+    trees = build_lookup_trees(history.tokens, history.lengths, forward_batch.req_pool_indices.long(),
+                               lookup_estimates(drafter.drafter.counts, device), policy.budget, policy.depth,
+                               policy.lookup_width, match=match)
+    drafter.proposed_on_device = trees
+    parents, tokens = pad_to_budget_device(trees.parents, trees.tokens, trees.num_nodes, drafter.budget,
+                                           worker.topk, drafter.steps)
+    parent_list, top_scores_index, draft_tokens = encode_sglang_draft_device(parents, tokens, worker.topk,
+                                                                             drafter.steps)
+    return parent_list, top_scores_index, draft_tokens, None

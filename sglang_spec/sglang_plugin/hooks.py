@@ -44,7 +44,8 @@ import torch
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.batch_switch import COLD, PLAIN, TREE, BatchSwitches
 from sglang_spec.sglang_plugin.committed import CommittedOutputs
-from sglang_spec.sglang_plugin.context_draft import ContextDrafter, context_draft_forward, pad_to_budget
+from sglang_spec.sglang_plugin.context_draft import (ContextDrafter, context_draft_forward, device_lookup_draft_forward,
+                                                    pad_to_budget)
 from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS, draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.faults import ACCEPT, AUTO, COMMIT, COUNTS, OBSERVE, RECORD
@@ -325,6 +326,7 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
                                  worker.speculative_num_draft_tokens - 1, SOURCES)
         if options.auto:  # head levels priced per batch size from the served steps (``level_costs``)
             context.level_costs = LevelCosts()
+        context.on_device = options.context_on == "device"
     # the draft KV pool is allocated later (Scheduler.init_memory_pools): ancestry is decided in alloc_memory_pool
     try:
         poison = HeadPoison.from_environment()
@@ -426,7 +428,7 @@ def draft_around(original, worker, batch, *args, **kwargs):
     token = _REQS.set(list(batch.reqs))
     try:
         verify_input = original(worker, batch, *args, **kwargs)
-        if setup.context.proposed:  # the accept reports its paths to the drafter (live calibration)
+        if setup.context.has_proposal:  # the accept reports its paths to the drafter (live calibration)
             verify_input._sglang_spec_context = setup.context
         return verify_input
     finally:
@@ -504,8 +506,8 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
         error = FaultOnAnotherRank("another tensor-parallel rank's draft of this batch faulted")
     if error is None:
         return drafted
-    if setup.context is not None:
-        setup.context.proposed = []  # nothing was proposed: the accept teaches the counts nothing
+    if setup.context is not None:  # nothing was proposed: the accept teaches the counts nothing
+        setup.context.proposed, setup.context.proposed_on_device = [], None
     METRICS.record_draft_fault(type(error).__name__)
     log(f"draft fault, batch of {forward_batch.batch_size} verified without speculation "
         f"({type(error).__name__}: {error}; sglang_spec_draft_faults_total)")
@@ -640,6 +642,8 @@ def _draft_forward(original, worker, forward_batch, setup: DraftSetup, *args, **
         if reqs is None:  # a draft graph capture: SGLang's loop fills the graph, which context trees never replay
             return original(worker, forward_batch, *args, **kwargs)
         _observe_accepted(setup, forward_batch.batch_size)
+        if setup.context.on_device:
+            return device_lookup_draft_forward(worker, forward_batch, reqs, setup.context)
         try:
             return context_draft_forward(worker, forward_batch, reqs, setup.context, permute_kv)
         finally:
@@ -958,6 +962,7 @@ class VerifyStep:
     fused_fault: bool = False  # a fault before the accept (the replay's links): SGLang's accept serves the batch
     peers: Peers | None = None  # tensor parallelism with the fused accept: a sampled batch's accept path agreed
     committed: CommittedOutputs | None = None  # the overlap scheduler: what each verify committed (``committed``)
+    context: ContextDrafter | None = None  # a context server's drafter (its device history takes each verify's tokens)
 
     def fire(self, stage: str) -> None:
         if self.faults is not None:
@@ -974,8 +979,10 @@ def verify_around(original, worker, *args, **kwargs):
     faults: AcceptFaults | None = getattr(worker, "_sglang_spec_accept_faults", None)
     if faults is not None:
         faults.arm()
+    setup: DraftSetup | None = getattr(getattr(worker, "draft_worker", None), "_sglang_spec", None)
     token = _STEP.set(VerifyStep(fused, faults=faults, peers=getattr(worker, "_sglang_spec_peers", None),
-                                 committed=getattr(worker, "_sglang_spec_committed", None)))
+                                 committed=getattr(worker, "_sglang_spec_committed", None),
+                                 context=None if setup is None else setup.context))
     try:
         return original(worker, *args, **kwargs)
     finally:
@@ -996,6 +1003,8 @@ def eagle_sample_around(original, verify_input, batch, logits_output, *args, **k
         if context is not None:
             context.record_outcome(result[2], verify_input.draft_token_num)
         step = _STEP.get()
+        if step is not None and step.context is not None and step.context.history is not None:
+            step.context.history.append(batch.req_pool_indices, result[0], result[2], result[1])
         if step is not None and step.committed is not None and (step.committed.every_step or _penalised(batch)):
             step.committed.record([req.rid for req in batch.reqs], batch.seq_lens, result[0], result[2], result[1])
         if step is not None:

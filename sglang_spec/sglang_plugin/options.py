@@ -14,6 +14,9 @@ arguments), attached to its ServerArgs, checked against the resolved configurati
     --speculative-tree-mla-verify flashinfer   MLA models (DeepSeek): the target verifies trees with FlashInfer's
                                          MLA decode over the prefix + the tree kernel, merged by lse
                                          (``mla_tree_backend``); with --attention-backend flashinfer
+    --speculative-tree-context-on {host,device}   lookup: where its trees grow (default host); device keeps each
+                                         request's history on the device and grows, pads and encodes the trees
+                                         there, with no host read in the draft step (``device_history``)
 
 This module imports no sglang; the checks that need resolved values take a view of the ServerArgs.
 """
@@ -53,10 +56,13 @@ BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefill_atte
 # the Python-side names of the options (sgl.Engine keyword arguments == argparse dests)
 KEYWORDS = ("speculative_tree_policy", "speculative_tree_budget", "speculative_tree_depth", "speculative_tree_topk",
             "speculative_tree_width", "speculative_acceptance_profile", "speculative_tree_accept",
-            "speculative_tree_auto", "speculative_tree_mtp_levels", "speculative_tree_mla_verify")
+            "speculative_tree_auto", "speculative_tree_mtp_levels", "speculative_tree_mla_verify",
+            "speculative_tree_context_on")
 ACCEPT_CHOICES = ("sglang", "fused")
 # --speculative-tree-mla-verify: the target's MLA tree verify as a cascade on FlashInfer (``mla_tree_backend``)
 MLA_VERIFY_CHOICES = ("flashinfer",)
+# --speculative-tree-context-on: where lookup trees grow (``context_draft``: host; ``device_lookup_draft_forward``)
+CONTEXT_ON_CHOICES = ("host", "device")
 # the target backends it serves under: FlashInfer's MLA back-end on a GPU (prefill / decode stay SGLang's), the
 # CPU bed's intel_amx (prefill / decode the bed's stand-ins, the verify through the CPU twin of FlashInfer)
 MLA_VERIFY_TARGET_BACKENDS = {"cpu": ("intel_amx",), "gpu": ("flashinfer",)}
@@ -69,7 +75,8 @@ class TreeServerOptions:
     speculative_eagle_topk: nodes expanded per level), profile_path (sequoia), accept (who accepts: sglang or
     fused), auto (each step a tree or a plain step, by measured rates per batch size: ``batch_switch``), mtp_levels
     (hybrid: head forwards below the root's children; None = the policy's default), mla_verify (None: the
-    attention back-end's own verify; "flashinfer": the MLA cascade of ``mla_tree_backend``)."""
+    attention back-end's own verify; "flashinfer": the MLA cascade of ``mla_tree_backend``), context_on (lookup:
+    its trees grown on the host or on the device)."""
 
     policy: str
     budget: int
@@ -81,6 +88,7 @@ class TreeServerOptions:
     auto: bool = False
     mtp_levels: int | None = None
     mla_verify: str | None = None
+    context_on: str = "host"
 
     @property
     def own_loop(self) -> bool:
@@ -155,6 +163,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "decode over each request's prefix and a masked tree kernel over the tree, merged by "
                             "log-sum-exp (FlashInfer's MLA kernels take no tree mask); with --attention-backend "
                             "flashinfer and a tree-capable --speculative-draft-attention-backend (fa3 or triton)")
+    group.add_argument("--speculative-tree-context-on", choices=CONTEXT_ON_CHOICES, default=None,
+                       help="lookup: grow its trees on the host (default) or on the device, from a token history "
+                            "kept there, with no host read in the draft step")
     group.add_argument("--speculative-tree-auto", action="store_true", default=None,
                        help="each decode step of the running batch drafts the tree or decodes plainly, whichever "
                             "the batch size's recent steps delivered more tokens a second with (turns speculation "
@@ -214,8 +225,15 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
     mla_verify = values.get("speculative_tree_mla_verify")
     if mla_verify is not None and mla_verify not in MLA_VERIFY_CHOICES:
         raise SpecError(f"--speculative-tree-mla-verify takes {' or '.join(MLA_VERIFY_CHOICES)}, got {mla_verify!r}")
+    context_on = values.get("speculative_tree_context_on") or "host"
+    if context_on not in CONTEXT_ON_CHOICES:
+        raise SpecError(f"--speculative-tree-context-on takes {' or '.join(CONTEXT_ON_CHOICES)}, got {context_on!r}")
+    if context_on == "device" and (policy != "lookup" or auto):
+        raise SpecError("--speculative-tree-context-on device grows lookup trees without --speculative-tree-auto "
+                        "(hybrid's head rounds and auto's sizing run on the host); use --speculative-tree-policy "
+                        "lookup without --speculative-tree-auto, or drop it")
     return TreeServerOptions(policy, budget, depth, topk, width, profile_path, accept, bool(auto), mtp_levels,
-                             mla_verify)
+                             mla_verify, context_on)
 
 
 def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | None, given: int | None) -> int:

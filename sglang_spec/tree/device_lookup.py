@@ -16,13 +16,16 @@ children appended in that order. Reaches are float64 products along the path, as
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from sglang_spec.kernels.ngram_match import NgramMatches, ngram_match_reference
-from sglang_spec.tree.profile import SourceCounts
+from sglang_spec.tree.draft import DraftTree
+from sglang_spec.tree.profile import SOURCE_LOOKUP, SourceCounts
+from sglang_spec.tree.token_tree import TokenTree
 
 NgramMatch = Callable[..., NgramMatches]  # kernels.ngram_match.ngram_match or its reference
 
@@ -174,3 +177,22 @@ def _compact(keep: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, ma
     return LookupTrees(tokens=gathered(tokens, -1), parents=gathered(renumbered, -1),
                        match_lengths=gathered(match_lengths, 0), ranks=gathered(ranks, -1),
                        reach=gathered(reach, 0.0), num_nodes=keep.long().sum(1))
+
+
+def lookup_draft_trees(trees: LookupTrees, counts: SourceCounts) -> list[DraftTree]:
+    """The host's ``DraftTree`` of each request (what ``TreeDrafter.observe`` learns from), read from ``trees``:
+    the tree, and per node the lookup cell its outcome counts in."""
+    result = []
+    host = {name: getattr(trees, name).tolist() for name in ("tokens", "parents", "match_lengths", "ranks", "reach")}
+    for row, count in enumerate(trees.num_nodes.tolist()):
+        matches, ranks, reach = host["match_lengths"][row], host["ranks"][row], host["reach"][row]
+        cells = [counts.lookup_cell(matches[node], ranks[node]) for node in range(1, count)]
+        result.append(DraftTree(
+            tree=TokenTree.from_parents(host["parents"][row][:count], tokens=host["tokens"][row][:count]),
+            sources=(0,) + (SOURCE_LOOKUP,) * (count - 1),
+            cells=((),) + tuple((cell,) for cell in cells),
+            estimates=(1.0,) + tuple(counts.estimate(cell) for cell in cells),
+            mtp_forwards=0,
+            expected_accept_length=1.0 + math.fsum(reach[1:count]),
+        ))
+    return result

@@ -43,23 +43,26 @@ def repeat_prompts(smollm2_cpu) -> list[list[int]]:
     return [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in REPEAT_CONTEXT_PROMPTS]
 
 
-@pytest.fixture(scope="module", params=["hybrid", "lookup"])
+# lookup-device: lookup trees grown on the device (--speculative-tree-context-on device), the host's trees
+@pytest.fixture(scope="module", params=["hybrid", "lookup", "lookup-device"])
 def run(request, smollm2_cpu, server_logs, smollm2_prompts, repeat_prompts, tmp_path_factory):
-    policy = request.param
-    steps_folder = tmp_path_factory.mktemp(f"steps-{policy}")
+    name = request.param
+    policy = name.split("-")[0]
+    steps_folder = tmp_path_factory.mktemp(f"steps-{name}")
+    extra = ["--speculative-tree-context-on", "device"] if name == "lookup-device" else []
     with pytest.MonkeyPatch.context() as patch:  # the CPU bed's per-batch timings (cpu/profile.py)
         patch.setenv("SGLANG_SPEC_CPU_PROFILE", str(steps_folder))
-        with running_server(smollm2_cpu, server_logs, f"smollm2-context-{policy}",
-                            context_args(policy, smollm2_cpu.profile)) as server:
+        with running_server(smollm2_cpu, server_logs, f"smollm2-context-{name}",
+                            context_args(policy, smollm2_cpu.profile) + extra) as server:
             heldout = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
             repeat = server.generate(repeat_prompts, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
             sampled = server.generate(repeat_prompts, SAMPLED)
             info = server.request("/server_info")
             metrics = server.request("/metrics")
-            profile = server_logs / f"context-{policy}-from-server.json"
+            profile = server_logs / f"context-{name}-from-server.json"
             calibrated = cli_main(["calibrate", "--from-server", server.url, "--out", str(profile), "--force"])
     steps = [json.loads(line) for line in (steps_folder / "steps.jsonl").read_text().splitlines()]
-    return {"policy": policy, "heldout": heldout, "repeat": repeat, "sampled": sampled, "info": info,
+    return {"policy": policy, "name": name, "heldout": heldout, "repeat": repeat, "sampled": sampled, "info": info,
             "metrics": metrics, "calibrated": (calibrated, profile), "steps": steps}
 
 
@@ -98,6 +101,21 @@ def test_accept_length_within_5_percent_of_the_reference_decoder(run, smollm2_cp
         print(f"\n{run['policy']} {BUDGET}/{DEPTH} width {options.width} on {name}: mean accept length through "
               f"SGLang {through_sglang:.3f}, reference decoder {reference.accept_length_mean:.3f}")
         assert through_sglang == pytest.approx(reference.accept_length_mean, rel=0.05), name
+
+
+_ACCEPTED: dict[str, list] = {}  # server -> its greedy requests' accept-length histograms
+
+
+def test_trees_grown_on_the_device_accept_what_the_hosts_accept(run):
+    """--speculative-tree-context-on device grows the host builder's trees from a device history: the lookup
+    server's greedy requests accept the same tokens at every step whether its trees grew on the host or on the
+    device (the host server runs first; the device one compares). Its history took every request from the host
+    once and every verify's tokens on the device."""
+    _ACCEPTED[run["name"]] = [answer["meta_info"].get("spec_correct_drafts_histogram")
+                              for answer in run["heldout"] + run["repeat"]]
+    if run["name"] == "lookup-device":
+        assert _ACCEPTED["lookup-device"] == _ACCEPTED["lookup"]
+        assert mean(accept_lengths(run["repeat"])) > 1.5  # the copies are found: not a tree of fillers
 
 
 def test_a_lookup_server_never_runs_the_head_and_a_hybrid_one_does(run):

@@ -101,3 +101,23 @@ def test_a_context_without_repeats_gives_the_root_alone():
     trees = build_lookup_trees(history, lengths, torch.tensor([0]), lookup_estimates(SourceCounts.generic(8), "cpu"),
                                4, 3, 2, match=ngram_match_reference)
     assert trees.num_nodes.tolist() == [1] and trees.tokens[0].tolist() == [5, -1, -1, -1, -1]
+
+
+def test_the_draft_trees_read_back_are_the_host_builders():
+    """What the plugin's calibration observes: the host builder's DraftTree, cells and estimates included."""
+    from sglang_spec.tree.device_lookup import lookup_draft_trees
+
+    rng = np.random.default_rng(11)
+    counts = tied_counts(rng, 8)
+    histories = [random_history(rng, 60, 3) for _ in range(3)]
+    history, lengths = batch_inputs(histories)
+    trees = build_lookup_trees(history, lengths, torch.arange(3), lookup_estimates(counts, "cpu"), 9, 4, 2)
+    policy = TreePolicy("lookup", 9, 4, lookup_width=2, max_ngram=8)
+    for row, draft in enumerate(lookup_draft_trees(trees, counts)):
+        expected = host_tree(policy, histories[row], counts)
+        assert draft.tree.parents.tolist() == expected.tree.parents.tolist()
+        assert draft.tree.tokens.tolist() == expected.tree.tokens.tolist()
+        assert draft.sources == expected.sources and draft.estimates == expected.estimates
+        assert all(a is b for ours, theirs in zip(draft.cells, expected.cells) for a, b in zip(ours, theirs))
+        assert len(draft.cells) == len(expected.cells)
+        assert draft.expected_accept_length == pytest.approx(expected.expected_accept_length, abs=1e-12)
