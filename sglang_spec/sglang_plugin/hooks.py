@@ -905,7 +905,8 @@ def _start_committed_outputs(worker) -> None:
     if get_schedule().disable_overlap_schedule:  # the resolved loop (SGLang turns it off on a CPU, for one)
         return
     setup: DraftSetup | None = getattr(getattr(worker, "draft_worker", None), "_sglang_spec", None)
-    context = setup is not None and setup.context is not None
+    # a context drafter on the host reads every step's output; one on the device keeps its own history
+    context = setup is not None and setup.context is not None and not setup.context.on_device
     committed = worker._sglang_spec_committed = CommittedOutputs(every_step=context)
     if context:
         setup.context.outputs = committed

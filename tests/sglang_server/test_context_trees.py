@@ -43,7 +43,8 @@ def repeat_prompts(smollm2_cpu) -> list[list[int]]:
     return [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in REPEAT_CONTEXT_PROMPTS]
 
 
-# lookup-device: lookup trees grown on the device (--speculative-tree-context-on device), the host's trees
+# lookup-device: lookup trees grown on the device (--speculative-tree-context-on device), the host's trees, under
+# SGLang's overlap scheduler (the GPU's loop, where a request's output ids lag its device history by a step)
 @pytest.fixture(scope="module", params=["hybrid", "lookup", "lookup-device"])
 def run(request, smollm2_cpu, server_logs, smollm2_prompts, repeat_prompts, tmp_path_factory):
     name = request.param
@@ -52,6 +53,8 @@ def run(request, smollm2_cpu, server_logs, smollm2_prompts, repeat_prompts, tmp_
     extra = ["--speculative-tree-context-on", "device"] if name == "lookup-device" else []
     with pytest.MonkeyPatch.context() as patch:  # the CPU bed's per-batch timings (cpu/profile.py)
         patch.setenv("SGLANG_SPEC_CPU_PROFILE", str(steps_folder))
+        if name == "lookup-device":
+            patch.setenv(OVERLAP_ENV, "1")
         with running_server(smollm2_cpu, server_logs, f"smollm2-context-{name}",
                             context_args(policy, smollm2_cpu.profile) + extra) as server:
             heldout = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
@@ -77,9 +80,9 @@ def test_greedy_output_equals_plain_decoding(run, smollm2_plain, plain_repeat):
     assert [answer["output_ids"] for answer in run["heldout"]] == smollm2_plain
     assert [answer["output_ids"] for answer in run["repeat"]] == plain_repeat
     # the overlap scheduler is off (SGLang's rule for speculative servers on a CPU; test_parity_under_load.py runs
-    # a hybrid server with it) and the width is the policy's: the head's topk plus the context's continuations
-    # (hybrid), the budget's spread (lookup)
-    assert run["info"]["disable_overlap_schedule"] is True
+    # a hybrid server with it, this module the device lookup) and the width is the policy's: the head's topk plus
+    # the context's continuations (hybrid), the budget's spread (lookup)
+    assert run["info"]["disable_overlap_schedule"] is (run["name"] != "lookup-device")
     assert run["info"]["speculative_eagle_topk"] == {"hybrid": 6, "lookup": 3}[run["policy"]]
 
 
@@ -108,9 +111,9 @@ _ACCEPTED: dict[str, list] = {}  # server -> its greedy requests' accept-length 
 
 def test_trees_grown_on_the_device_accept_what_the_hosts_accept(run):
     """--speculative-tree-context-on device grows the host builder's trees from a device history: the lookup
-    server's greedy requests accept the same tokens at every step whether its trees grew on the host or on the
-    device (the host server runs first; the device one compares). Its history took every request from the host
-    once and every verify's tokens on the device."""
+    server's greedy requests accept the same tokens at every step whether its trees grew on the host (synchronous
+    loop) or on the device (overlap loop: a request's first draft finds its output ids without the root, which the
+    history takes from the device; the host server runs first, the device one compares)."""
     _ACCEPTED[run["name"]] = [answer["meta_info"].get("spec_correct_drafts_histogram")
                               for answer in run["heldout"] + run["repeat"]]
     if run["name"] == "lookup-device":
