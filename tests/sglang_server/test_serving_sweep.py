@@ -75,6 +75,9 @@ def test_speedups_are_over_the_faster_plain_decoding_and_plain_sync_turns_overla
     assert depth(sweep.tree_arguments(args, "specexec", 15, None)) == "4"
     shallow = sweep.parse_args(["--cpu-model", "smollm2", "--hybrid-depth", "8"])
     assert depth(sweep.tree_arguments(shallow, "lookup", 15, None)) == "8"
+    # lookup-device: the lookup server's options, its trees grown on the device
+    assert sweep.tree_arguments(args, "lookup-device", 15, None) == \
+        sweep.tree_arguments(args, "lookup", 15, None) + ["--speculative-tree-context-on", "device"]
 
     def row(policy, workload, throughput):
         return {**sweep.row_from_result(policy, 15, 1, {"output_throughput": throughput}, workload)}
