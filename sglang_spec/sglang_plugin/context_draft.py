@@ -12,6 +12,8 @@ to the budget (SGLang verifies a fixed number of tokens per request) and handed 
 
 The host reads the roots, the root candidates and each round's candidates, so this path syncs once per head
 round and cannot run inside a CUDA graph: the plugin runs it eagerly (see ``options.validate_speculative``).
+``lookup`` trees can instead grow on the device (``device_lookup_draft_forward``, --speculative-tree-context-on
+device): the same trees from each request's device history (``device_history``), no host read.
 Each request's context is ``RequestContexts``: an n-gram index per request, extended by the tokens SGLang has
 committed for it since the last step (with the overlap scheduler, its output ids completed from the last verify:
 ``committed``).
@@ -339,7 +341,6 @@ def _advance(rounds: list[BestFirstRounds], trees: list[DraftTree | None], pendi
         trees[row] = done.value
         return
     pending[row] = nodes
-
 
 
 def device_lookup_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any],

@@ -41,7 +41,7 @@ def test_a_history_takes_new_requests_from_the_host_and_each_verify_from_the_dev
     assert history.lengths.tolist() == [2, 0, 6, 0] and history.tokens[0, :2].tolist() == [9, 1]
 
 
-def test_a_full_row_keeps_its_end_and_drops_what_does_not_fit():
+def test_a_full_row_keeps_what_fits_and_drops_the_rest():
     history = DeviceHistory(rows=1, columns=5, device="cpu")
     history.admit([request("a", 0, [1, 2, 3], [4])], torch.tensor([3]), roots=torch.tensor([4]))
     history.append(torch.tensor([0]), torch.tensor([5, 6, 7]), torch.tensor([[0, 1, 2]]), torch.tensor([3]))
