@@ -358,7 +358,10 @@ def device_lookup_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[
     history.admit(reqs, getattr(forward_batch, "seq_lens_cpu", None), spec_info.bonus_tokens)
     policy = drafter.drafter.policy
     match = ngram_match if device.type == "cuda" else ngram_match_reference
-    trees = build_lookup_trees(history.tokens, history.lengths, forward_batch.req_pool_indices.long(),
+    tokens = history.tokens
+    if device.type == "cpu":  # the CPU bed: lengths are host memory, and the reference scans every column it gets
+        tokens = tokens[:, : int(history.lengths.max()) + 1]
+    trees = build_lookup_trees(tokens, history.lengths, forward_batch.req_pool_indices.long(),
                                lookup_estimates(drafter.drafter.counts, device), policy.budget, policy.depth,
                                policy.lookup_width, match=match)
     drafter.proposed_on_device = trees
