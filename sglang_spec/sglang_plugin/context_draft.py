@@ -10,8 +10,9 @@ KV column rewritten with its parent's history first, so each node sees its own a
 to the budget (SGLang verifies a fixed number of tokens per request) and handed to SGLang in the UNO encoding
 (``tree/encode_sglang.encode_sglang_draft``), which takes any tree.
 
-The host reads the roots, the root candidates and each round's candidates, so this path syncs once per head
-round and cannot run inside a CUDA graph: the plugin runs it eagerly (see ``options.validate_speculative``).
+The host reads the roots, the root candidates and each round's candidates (one copy each, ``to_host``), so this
+path syncs once at the start and once per head round and cannot run inside a CUDA graph: the plugin runs it eagerly
+(see ``options.validate_speculative``).
 ``lookup`` trees can instead grow on the device (``device_lookup_draft_forward``, --speculative-tree-context-on
 device): the same trees from each request's device history (``device_history``), no host read.
 Each request's context is ``RequestContexts``: an n-gram index per request, extended by the tokens SGLang has
@@ -254,12 +255,13 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     spec_info = forward_batch.spec_info
     batch = forward_batch.batch_size
     device = spec_info.topk_p.device
-    roots = spec_info.bonus_tokens.tolist()
-    kv_lengths = forward_batch.seq_lens.tolist()
     root_index = spec_info.topk_index[:, :topk]
     if worker.hot_token_id is not None:
         root_index = worker.hot_token_id[root_index]
-    root_candidates = Candidates(tokens=root_index.cpu(), probs=_finite(spec_info.topk_p[:, :topk].float().cpu()))
+    host_roots, host_lengths, root_index, root_probs = to_host(spec_info.bonus_tokens, forward_batch.seq_lens,
+                                                               root_index, spec_info.topk_p[:, :topk].float())
+    roots, kv_lengths = host_roots.tolist(), host_lengths.tolist()
+    root_candidates = Candidates(tokens=root_index, probs=_finite(root_probs))
 
     costs = None if drafter.level_costs is None else drafter.level_costs.curve(batch)
     builders: list[BestFirstBuilder] = []
@@ -303,8 +305,8 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
         output, topk_p, topk_index = forward_beams(worker, forward_batch, step, tokens.reshape(-1).to(device),
                                                    state[hidden_rows], step_locs[step - 1], topk)
         state = output.hidden_states
-        topk_p, topk_index = _finite(topk_p.float().cpu()).view(batch, width, topk), topk_index.cpu().view(batch, width,
-                                                                                                          topk)
+        topk_p, topk_index = to_host(topk_p.float(), topk_index)
+        topk_p, topk_index = _finite(topk_p).view(batch, width, topk), topk_index.view(batch, width, topk)
         drafter.rounds += 1
         drafter.rounds_seconds += time.perf_counter() - start
         for row, nodes in list(pending.items()):
@@ -320,6 +322,29 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     encoding = encode_sglang_draft(padded, width, drafter.steps)
     return (encoding.parent_list.to(device), encoding.top_scores_index.to(device),
             encoding.draft_tokens.to(device), None)
+
+
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors on the host, through one device-to-host copy (on a GPU one sync, not one a tensor): packed as
+    float64, which holds token ids and lengths (below 2**53) and float32 probabilities exactly. Host tensors are
+    returned as they are."""
+    if all(tensor.device.type == "cpu" for tensor in tensors):
+        return list(tensors)
+    return unpack(pack(tensors).cpu(), tensors)
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``to_host``'s one tensor: every tensor flattened into float64, in order."""
+    return torch.cat([tensor.reshape(-1).to(torch.float64) for tensor in tensors])
+
+
+def unpack(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``pack``'s inverse: tensors of ``like``'s shapes and dtypes, on ``packed``'s device."""
+    host, start = [], 0
+    for tensor in like:
+        host.append(packed[start: start + tensor.numel()].view(tensor.shape).to(tensor.dtype))
+        start += tensor.numel()
+    return host
 
 
 def _finite(probs: torch.Tensor) -> torch.Tensor:

@@ -183,3 +183,21 @@ def test_the_device_padding_and_encoding_equal_the_host_ones(budget, width, step
     assert torch.equal(device[0], host.parent_list)
     assert torch.equal(device[1], host.top_scores_index)
     assert torch.equal(device[2], host.draft_tokens)
+
+
+def test_the_hosts_reads_of_a_draft_come_through_one_copy_exactly():
+    """``to_host`` packs a draft's reads (roots, KV lengths, candidate ids, probabilities) into one float64 copy:
+    ids as large as DeepSeek's vocabulary and float32 probabilities come back exactly, in their dtypes and shapes.
+    On the meta device (a stand-in for a GPU's) the one copy is made and raises, having no data."""
+    from sglang_spec.sglang_plugin.context_draft import pack, to_host, unpack
+
+    roots = torch.tensor([129279, 0, 7], dtype=torch.int64)
+    lengths = torch.tensor([4096, 12, 163840], dtype=torch.int32)
+    probs = torch.rand(3, 4, dtype=torch.float32) / 3
+    ids = torch.randint(0, 129280, (3, 4))
+    assert all(a is b for a, b in zip(to_host(roots, lengths), [roots, lengths]))  # host tensors: as they are
+    tensors = (roots, lengths, ids, probs)
+    for back, tensor in zip(unpack(pack(tensors), tensors), tensors):
+        assert back.dtype == tensor.dtype and torch.equal(back, tensor)
+    with pytest.raises(NotImplementedError):
+        to_host(roots.to("meta"), probs.to("meta"))
