@@ -70,6 +70,20 @@ def _check(history: torch.Tensor, lengths: torch.Tensor, query_rows: torch.Tenso
 
 
 @triton.jit
+def _match_lengths(history, position, running, back, back_index, longest, N: tl.constexpr, BLOCK: tl.constexpr):
+    """m(e) for the history positions ``position`` [BLOCK] where ``running``: how many tokens going back from e
+    equal ``back`` (the query's sequence backwards), at most ``longest``."""
+    match = tl.zeros((BLOCK,), dtype=tl.int64)
+    for j in tl.static_range(N):
+        query_token = tl.sum(tl.where(back_index == j, back, 0))
+        earlier = position - j
+        token = tl.load(history + earlier, mask=running & (earlier >= 0), other=-1)
+        running = running & (earlier >= 0) & (token == query_token) & (j < longest)
+        match += running.to(tl.int64)
+    return match
+
+
+@triton.jit
 def _ngram_match_kernel(
     history_ptr,  # [R, L] int64 token ids (row stride L)
     lengths_ptr,  # [R] int64 valid tokens per row
@@ -111,14 +125,7 @@ def _ngram_match_kernel(
     best = tl.zeros((), dtype=tl.int64)
     for start in range(0, last + 1, BLOCK):
         position = start + offsets
-        running = position <= last
-        match = tl.zeros((BLOCK,), dtype=tl.int64)
-        for j in tl.static_range(N):
-            query_token = tl.sum(tl.where(back_index == j, back, 0))
-            earlier = position - j
-            token = tl.load(history + earlier, mask=running & (earlier >= 0), other=-1)
-            running = running & (earlier >= 0) & (token == query_token) & (j < longest)
-            match += running.to(tl.int64)
+        match = _match_lengths(history, position, position <= last, back, back_index, longest, N, BLOCK)
         best = tl.maximum(best, tl.max(match))
     tl.store(match_lengths_ptr + q, best)
 
@@ -131,14 +138,8 @@ def _ngram_match_kernel(
     for step in range(0, blocks):
         start = (blocks - 1 - step) * BLOCK
         position = start + offsets
-        running = (position <= last) & (best > 0)
-        match = tl.zeros((BLOCK,), dtype=tl.int64)
-        for j in tl.static_range(N):
-            query_token = tl.sum(tl.where(back_index == j, back, 0))
-            earlier = position - j
-            token = tl.load(history + earlier, mask=running & (earlier >= 0), other=-1)
-            running = running & (earlier >= 0) & (token == query_token) & (j < longest)
-            match += running.to(tl.int64)
+        match = _match_lengths(history, position, (position <= last) & (best > 0), back, back_index, longest, N,
+                               BLOCK)
         hit = (match == best) & (best > 0)
         hits = hit.to(tl.int64)
         # recency of a hit: hits in earlier-read blocks, plus the hits after it in this block
