@@ -382,6 +382,9 @@ def device_lookup_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[
     history = drafter.history
     history.admit(reqs, getattr(forward_batch, "seq_lens_cpu", None), spec_info.bonus_tokens)
     policy = drafter.drafter.policy
+    # the growth keeps every continuation a node has: SGLang's encoding needs width * (depth - 1) >= budget with
+    # depth <= budget, so the width is at least 2, the policy's lookup width (``options._width``)
+    assert worker.topk >= policy.lookup_width
     match = ngram_match if device.type == "cuda" else ngram_match_reference
     tokens = history.tokens
     if device.type == "cpu":  # the CPU bed: lengths are host memory, and the reference scans every column it gets
