@@ -16,6 +16,8 @@ Providers per op:
   accept_walk     ours | sglang verify_tree_greedy (JIT CUDA, else Triton twin)
   commit_kv       ours | torch index copy (SGLang's move_kv_cache_native does the same per layer)
   step            the whole captured step with a trivial target (logits from a table)
+  ngram_match     ours | its torch reference (the CPU back-end): a lookup round's queries, budget per request
+  lookup_trees    the device growth of lookup trees (tree/device_lookup), with ours | with the torch reference
 """
 
 from __future__ import annotations
@@ -178,6 +180,37 @@ class Case:
 
         yield "commit_kv", "torch", torch_move
         yield "step", "ours", self.whole_step()
+        yield from self.lookup()
+
+    def lookup(self):
+        """The context lookup over histories of ``context`` tokens that copy earlier spans: one round's queries
+        (``budget`` a request, tails of up to 3 tokens) and a whole growth of depth 4."""
+        from sglang_spec.kernels.ngram_match import NgramMatches, ngram_match, ngram_match_reference
+        from sglang_spec.tree.device_lookup import build_lookup_trees, lookup_estimates
+        from sglang_spec.tree.profile import SourceCounts
+
+        torch = self.torch
+        generator = torch.Generator().manual_seed(1)
+        context = int(self.prefix_lens[0])
+        history = torch.randint(64, (self.batch, context), generator=generator)
+        span = 16
+        for start in range(context // 4, context - span, max(context // 4, 1)):  # copied spans: matches run long
+            history[:, start: start + span] = history[:, start // 2: start // 2 + span].clone()
+        history = history.to(self.device)
+        lengths = torch.full((self.batch,), context, dtype=torch.int64, device=self.device)
+        queries = self.batch * (self.nodes - 1)
+        rows = torch.arange(self.batch, device=self.device).repeat_interleave(self.nodes - 1)
+        tails = torch.randint(64, (queries, 3), generator=generator).to(self.device)
+        tail_lengths = torch.randint(4, (queries,), generator=generator).to(self.device)
+        out = NgramMatches.empty(queries, 2, self.device)
+        for name, match in (("ours", ngram_match), ("torch", ngram_match_reference)):
+            yield "ngram_match", name, lambda match=match: match(history, lengths, rows, tails, tail_lengths, 8, 2,
+                                                                  out=out)
+        estimates = lookup_estimates(SourceCounts.generic(8), self.device)
+        batch_rows = torch.arange(self.batch, device=self.device)
+        for name, match in (("ours", ngram_match), ("torch", ngram_match_reference)):
+            yield "lookup_trees", name, lambda match=match: build_lookup_trees(
+                history, lengths, batch_rows, estimates, self.nodes - 1, 4, 2, match=match)
 
     def whole_step(self) -> Callable:
         """The chained step (metadata, mask, a table-lookup target, sampling verify, accept, KV commit)."""

@@ -31,7 +31,8 @@ def test_smoke_run_covers_every_op_and_writes_json(tmp_path, capsys, monkeypatch
     assert load_bench(monkeypatch).main(["--smoke", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     ops = {(row["op"], row["provider"]) for row in report["rows"]}
-    for op in ["tree_metadata", "flashinfer_mask", "target_greedy", "target_sample", "accept_walk", "commit_kv", "step"]:
+    for op in ["tree_metadata", "flashinfer_mask", "target_greedy", "target_sample", "accept_walk", "commit_kv", "step",
+               "ngram_match", "lookup_trees"]:
         assert (op, "ours") in ops
     assert ("accept_walk", "sglang-triton") in ops and ("tree_metadata", "sglang-triton") in ops
     assert report["environment"]["torch"]
