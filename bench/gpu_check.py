@@ -159,6 +159,11 @@ KERNEL_CHECKS = (
           "test_kv_commit.py alone)",
           (*PYTEST, "tests/kernels", "-m", "not gpu", "-k", "not reads_nothing"),
           (*PYTEST, "tests/kernels/test_kv_commit.py"), ("pytest",), 300),
+    Check("device_lookup",
+          "lookup trees grown on the device (tree/device_lookup) with the compiled n-gram kernel against the CPU "
+          "reference, and the draft step's device work (growth, padding, encoding) under torch's sync debug mode",
+          (*PYTEST, "tests/tree/test_device_lookup.py"), (*PYTEST, "tests/tree/test_device_lookup.py"), ("pytest",),
+          120),
     Check("kernel_bench",
           "bench/kernels.py, reduced sweep (batch 1, 16, 64 x budget 8, 32, 128), CUDA-graph replays",
           ("bench/kernels.py", "--batch-sizes", "1,16,64", "--budgets", "8,32,128", "--repeats", "20"),

@@ -121,3 +121,30 @@ def test_the_draft_trees_read_back_are_the_host_builders():
         assert all(a is b for ours, theirs in zip(draft.cells, expected.cells) for a, b in zip(ours, theirs))
         assert len(draft.cells) == len(expected.cells)
         assert draft.expected_accept_length == pytest.approx(expected.expected_accept_length, abs=1e-12)
+
+
+@pytest.mark.gpu
+def test_the_device_draft_makes_no_host_sync_on_a_gpu():
+    """What a ``lookup`` server's draft step runs on the device (growth with the Triton kernel, padding, encoding)
+    under torch's sync debug mode set to raise: no host sync anywhere in it."""
+    from sglang_spec.sglang_plugin.context_draft import pad_to_budget_device
+    from sglang_spec.tree.encode_sglang import encode_sglang_draft_device
+
+    rng = np.random.default_rng(5)
+    history, lengths = batch_inputs([random_history(rng, 300, 4) for _ in range(4)])
+    history, lengths = history.cuda(), lengths.cuda()
+    rows, estimates = torch.arange(4, device="cuda"), lookup_estimates(SourceCounts.generic(8), "cuda")
+
+    def draft():
+        trees = build_lookup_trees(history, lengths, rows, estimates, 11, 5, 2, match=ngram_match)
+        parents, tokens = pad_to_budget_device(trees.parents, trees.tokens, trees.num_nodes, 11, 3, 5)
+        return encode_sglang_draft_device(parents, tokens, 3, 5)
+
+    expected = draft()  # compiles the kernel
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        encoded = draft()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(a, b) for a, b in zip(encoded, expected))
