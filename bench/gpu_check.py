@@ -160,9 +160,9 @@ KERNEL_CHECKS = (
           (*PYTEST, "tests/kernels", "-m", "not gpu", "-k", "not reads_nothing"),
           (*PYTEST, "tests/kernels/test_kv_commit.py"), ("pytest",), 300),
     Check("device_lookup",
-          "lookup trees grown on the device (tree/device_lookup) with the compiled n-gram kernel against the CPU "
+          "lookup trees grown on the device (kernels/lookup_tree) with the compiled n-gram kernel against the CPU "
           "reference, and the draft step's device work (growth, padding, encoding) under torch's sync debug mode",
-          (*PYTEST, "tests/tree/test_device_lookup.py"), (*PYTEST, "tests/tree/test_device_lookup.py"), ("pytest",),
+          (*PYTEST, "tests/kernels/test_lookup_tree.py"), (*PYTEST, "tests/kernels/test_lookup_tree.py"), ("pytest",),
           120),
     Check("kernel_bench",
           "bench/kernels.py, reduced sweep (batch 1, 16, 64 x budget 8, 32, 128), CUDA-graph replays",

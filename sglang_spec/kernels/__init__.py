@@ -11,7 +11,9 @@ One module per op, each with its Triton kernel(s), launcher(s) and pure-torch re
 * ``mla_tree_verify``  the cascade around it: prefix paging and FlashInfer's MLA plan, decode, tree kernel, merge
                      (FlashInfer passed in as a namespace: the package on a GPU, the CPU twin on a CPU)
 * ``ngram_match``    context lookup from a device token history: ``NgramIndex.continuations`` per query (request
-                     row + a node's tail), no host read (the groundwork of a sync-free lookup tree)
+                     row + a node's tail), no host read
+* ``lookup_tree``    ``lookup`` trees grown on the device from ``ngram_match`` in fixed rounds (its reference: the host
+                     builder, ``tree/hybrid.BestFirstBuilder``)
 
 Launchers take everything as arguments (``out=`` buffers included) and never read tensors on the host. On a CPU
 the kernels run under ``TRITON_INTERPRET=1``, which must be set before this package is imported.

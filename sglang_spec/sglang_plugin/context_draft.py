@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from sglang_spec.kernels.lookup_tree import LookupTrees, build_lookup_trees, lookup_draft_trees, lookup_estimates
 from sglang_spec.kernels.ngram_match import ngram_match, ngram_match_reference
 from sglang_spec.sglang_plugin.committed import CommittedOutputs, forget_finished
 from sglang_spec.sglang_plugin.device_history import DeviceHistory
@@ -40,7 +41,6 @@ from sglang_spec.sglang_plugin.metrics import SourceMetrics
 from sglang_spec.tree.candidates import Candidates
 from sglang_spec.tree.draft import DraftTree
 from sglang_spec.tree.drafter import TreeDrafter
-from sglang_spec.tree.device_lookup import LookupTrees, build_lookup_trees, lookup_draft_trees, lookup_estimates
 from sglang_spec.tree.encode_sglang import encode_sglang_draft, encode_sglang_draft_device
 from sglang_spec.tree.hybrid import BestFirstBuilder, BestFirstRounds
 from sglang_spec.tree.ngram import NgramIndex
@@ -371,7 +371,7 @@ def _advance(rounds: list[BestFirstRounds], trees: list[DraftTree | None], pendi
 def device_lookup_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any],
                                 drafter: ContextDrafter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
     """``draft_forward`` for a ``lookup`` server with --speculative-tree-context-on device: the batch's trees grown
-    on the device (``tree/device_lookup``, the host builder's trees) from the requests' device histories, padded
+    on the device (``kernels/lookup_tree``, the host builder's trees) from the requests' device histories, padded
     and encoded there; the host reads nothing (the requests new to their rows are written from host lists).
     The caller has had the drafter observe what the device has finished accepting."""
     spec_info = forward_batch.spec_info

@@ -1,27 +1,22 @@
-"""``tree/device_lookup``: the device growth of ``lookup`` trees gives, for every request of a batch, the tree the
+"""``kernels/lookup_tree``: the device growth of ``lookup`` trees gives, for every request of a batch, the tree the
 host builder (``tree/hybrid.BestFirstBuilder``, what the reference decoder and the plugin grow) gives: same
 nodes, same order, same reaches. Estimates are drawn from a few values, so reach ties (broken by node id) are
 common, and histories copy spans, so trees branch and run deep."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
+from sglang_spec.kernels.lookup_tree import build_lookup_trees, lookup_estimates
 from sglang_spec.kernels.ngram_match import ngram_match, ngram_match_reference
-from sglang_spec.tree.device_lookup import build_lookup_trees, lookup_estimates
 from sglang_spec.tree.draft import DraftSources
 from sglang_spec.tree.hybrid import build_best_first
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.profile import SourceCounts
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
-from test_ngram_match import random_history  # noqa: E402
+from test_ngram_match import random_history
 
 
 def tied_counts(rng: np.random.Generator, max_ngram: int) -> SourceCounts:
@@ -105,7 +100,7 @@ def test_a_context_without_repeats_gives_the_root_alone():
 
 def test_the_draft_trees_read_back_are_the_host_builders():
     """What the plugin's calibration observes: the host builder's DraftTree, cells and estimates included."""
-    from sglang_spec.tree.device_lookup import lookup_draft_trees
+    from sglang_spec.kernels.lookup_tree import lookup_draft_trees
 
     rng = np.random.default_rng(11)
     counts = tied_counts(rng, 8)
