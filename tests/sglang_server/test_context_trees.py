@@ -117,6 +117,8 @@ def test_trees_grown_on_the_device_accept_what_the_hosts_accept(run):
     _ACCEPTED[run["name"]] = [answer["meta_info"].get("spec_correct_drafts_histogram")
                               for answer in run["heldout"] + run["repeat"]]
     if run["name"] == "lookup-device":
+        if "lookup" not in _ACCEPTED:  # pytest runs the module's servers in order; a selection may leave one out
+            pytest.skip("compares with the host lookup server, which this selection did not run")
         assert _ACCEPTED["lookup-device"] == _ACCEPTED["lookup"]
         assert mean(accept_lengths(run["repeat"])) > 1.5  # the copies are found: not a tree of fillers
 
