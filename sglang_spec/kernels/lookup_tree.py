@@ -1,7 +1,7 @@
 """``lookup`` trees for a batch of requests grown on the device, from a device token history (the contexts) and
 the lookup estimates of ``SourceCounts``: the trees ``tree/hybrid.BestFirstBuilder`` grows for the ``lookup``
-policy, node for node and in its node order, with no host read (fixed shapes and a fixed number of rounds, so a
-server's draft step can run it inside a CUDA graph).
+policy, node for node and in its node order, with no host read (fixed shapes and a fixed number of rounds, what a
+CUDA graph would need; no graph captures it yet).
 
 Why a fixed number of rounds reproduces the host builder. The builder repeats: select the ``budget`` non-root
 nodes of highest reach (ties to the lower node id), expand with the lookup every selected node (and the root)
