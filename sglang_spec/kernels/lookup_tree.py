@@ -78,17 +78,18 @@ def build_lookup_trees(history: torch.Tensor, lengths: torch.Tensor, rows: torch
     max_ngram = estimates.shape[0]
     ranks_calibrated = estimates.shape[1]
     batch = torch.arange(requests, device=device)
-    tokens = torch.full((requests, capacity), -1, dtype=torch.int64, device=device)
+    # per node, with a spare last column that takes the writes of candidates not made (no node ever has its id)
+    tokens = torch.full((requests, capacity + 1), -1, dtype=torch.int64, device=device)
     parents = torch.full_like(tokens, -1)
     match_lengths = torch.zeros_like(tokens)
     ranks = torch.full_like(tokens, -1)
     depths = torch.zeros_like(tokens)
-    reach = torch.zeros(requests, capacity, dtype=torch.float64, device=device)
-    paths = torch.full((requests, capacity, max(depth, 1)), -1, dtype=torch.int64, device=device)
+    reach = torch.zeros(requests, capacity + 1, dtype=torch.float64, device=device)
+    paths = torch.full((requests, capacity + 1, max(depth, 1)), -1, dtype=torch.int64, device=device)
     tokens[:, 0] = history[rows, (lengths[rows] - 1).clamp(min=0)]
     reach[:, 0] = 1.0
     count = torch.ones(requests, dtype=torch.int64, device=device)
-    node_ids = torch.arange(capacity, device=device)
+    node_ids = torch.arange(capacity + 1, device=device)
 
     for level in range(depth):
         # the selection, and its nodes of this round's depth (the root in the first round): what gets expanded
@@ -117,30 +118,28 @@ def build_lookup_trees(history: torch.Tensor, lengths: torch.Tensor, rows: torch
                                     child_ranks.clamp(max=ranks_calibrated - 1)].reshape(requests, -1)
         child_reach = torch.gather(reach, 1, child_parents) * child_estimates
         child_depths = torch.gather(depths, 1, child_parents) + 1
-        _scatter(tokens, target, child_tokens.reshape(requests, -1))
-        _scatter(parents, target, child_parents)
-        _scatter(match_lengths, target, child_matches.reshape(requests, -1))
-        _scatter(ranks, target, child_ranks.reshape(requests, -1))
-        _scatter(depths, target, child_depths)
-        _scatter(reach, target, child_reach)
+        tokens.scatter_(1, target, child_tokens.reshape(requests, -1))
+        parents.scatter_(1, target, child_parents)
+        match_lengths.scatter_(1, target, child_matches.reshape(requests, -1))
+        ranks.scatter_(1, target, child_ranks.reshape(requests, -1))
+        depths.scatter_(1, target, child_depths)
+        reach.scatter_(1, target, child_reach)
         if depth > 1:
             # a child's path: its parent's, then its own token at its depth
             parent_paths = paths[batch[:, None], child_parents]  # [R, slots * width, depth]
             position = (child_depths - 1).clamp(max=depth - 1)
             own = torch.arange(depth, device=device)[None, None, :] == position[:, :, None]
             child_paths = torch.where(own, child_tokens.reshape(requests, -1, 1), parent_paths)
-            spare = torch.zeros(requests, 1, depth, dtype=torch.int64, device=device)
-            padded = torch.cat([paths, spare], dim=1)
-            padded.scatter_(1, target[:, :, None].expand(-1, -1, depth), child_paths)
-            paths = padded[:, :capacity]
+            paths.scatter_(1, target[:, :, None].expand(-1, -1, depth), child_paths)
         count = count + flat_made.long().sum(1)
 
     chosen = _best(reach, node_ids, count, budget)
     keep = torch.zeros(requests, capacity + 1, dtype=torch.bool, device=device)
     keep.scatter_(1, torch.where(chosen >= 0, chosen, capacity), True)
-    keep = keep[:, :capacity]
     keep[:, 0] = True
-    return _compact(keep, tokens, parents, match_lengths, ranks, reach, budget)
+    nodes = slice(0, capacity)  # the spare column dropped
+    return _compact(keep[:, nodes], tokens[:, nodes], parents[:, nodes], match_lengths[:, nodes], ranks[:, nodes],
+                    reach[:, nodes], budget)
 
 
 def _best(reach: torch.Tensor, node_ids: torch.Tensor, count: torch.Tensor, budget: int) -> torch.Tensor:
@@ -149,14 +148,6 @@ def _best(reach: torch.Tensor, node_ids: torch.Tensor, count: torch.Tensor, budg
     key = torch.where(exists, -reach, torch.full_like(reach, float("inf")))
     order = torch.sort(key, dim=1, stable=True).indices[:, :budget]
     return torch.where(torch.gather(exists, 1, order), order, torch.full_like(order, -1))
-
-
-def _scatter(values: torch.Tensor, target: torch.Tensor, source: torch.Tensor) -> None:
-    """values[r, target[r, i]] = source[r, i], where a target equal to values' width is dropped."""
-    spare = torch.zeros(values.shape[0], 1, dtype=values.dtype, device=values.device)
-    padded = torch.cat([values, spare], dim=1)
-    padded.scatter_(1, target, source.to(values.dtype))
-    values.copy_(padded[:, :-1])
 
 
 def _compact(keep: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, match_lengths: torch.Tensor,
