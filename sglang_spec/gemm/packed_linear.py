@@ -11,6 +11,10 @@ Three backends, the best available chosen by default (``best_backend``):
   told of: a decoder names its tree size) and one pack per bucket is made the first time the bucket is used.
 * ``linear``: ``F.linear``.
 
+A ``PackedLinear`` made with ``dtype=torch.bfloat16`` multiplies by the weight rounded to bfloat16 on every backend:
+``avx512`` reads bfloat16 panels (half the memory stream), the others a float32 copy of the rounded weight. That is
+for a drafter's weights (``sglang_plugin/cpu/linear.py``).
+
 Anything a backend does not cover (GPU tensors, other dtypes, row counts outside its range) runs ``F.linear``.
 Results equal ``F.linear``'s up to float32 summation order (``F.linear`` itself rounds differently at different
 row counts).
@@ -21,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sglang_spec.gemm.small_gemm import pack_weight, small_gemm, small_gemm_available
+from sglang_spec.gemm.small_gemm import PANEL_DTYPES, pack_weight, small_gemm, small_gemm_available
 
 BACKENDS = ("avx512", "mkl", "linear")
 MAX_SMALL_ROWS = 64  # the avx512 backend's largest row count; a prefill's hundreds of rows run F.linear
@@ -47,12 +51,18 @@ def best_backend() -> str:
 
 
 class PackedLinear:
-    """``weight`` [out, in]; calling it on ``x`` [rows, in] returns ``x @ weight.T`` [rows, out]."""
+    """``weight`` [out, in]; calling it on ``x`` [rows, in] returns ``x @ weight.T`` [rows, out], with the weight
+    rounded to ``dtype`` first (float32: as given; bfloat16: see the module doc)."""
 
-    def __init__(self, weight: torch.Tensor, backend: str | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, backend: str | None = None, dtype: torch.dtype = torch.float32) -> None:
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"unknown GEMM backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if dtype not in PANEL_DTYPES:
+            raise ValueError(f"a PackedLinear rounds its weight to float32 or bfloat16, not {dtype}")
+        self.dtype = dtype
         self.weight = weight.detach()
+        if dtype != torch.float32 and self.weight.dtype == torch.float32:
+            self.weight = self.weight.to(dtype).to(torch.float32)  # what every backend multiplies by
         if self.weight.device.type != "cpu" or self.weight.dtype != torch.float32:
             backend = "linear"
         self.backend = best_backend() if backend is None else backend
@@ -81,7 +91,7 @@ class PackedLinear:
 
     def _small_panels(self) -> torch.Tensor:
         if self._panels is None:
-            self._panels = pack_weight(self.weight)
+            self._panels = pack_weight(self.weight, self.dtype)
         return self._panels
 
     def prepare(self, rows: int) -> None:

@@ -7,8 +7,11 @@
 // next one is fetched into L2 (spread over the row tiles, so a 16-row product that passes over a panel twice
 // keeps the memory busy in both passes), and the rows just ahead in the current panel into L1.
 //
-// Layout: panels [ceil(N / 32), K, 32], zero padded past N. Rows are split into tiles of at most 12 (two
-// accumulators per row: 24 of the 32 zmm registers); panels are shared among threads (at::parallel_for).
+// Layout: panels [ceil(N / 32), K, 32], zero padded past N, float32 or bfloat16. A bfloat16 panel is widened to
+// float32 in registers (a bfloat16 is a float32's upper half) and multiplied in float32: the product of the
+// bfloat16-rounded weight, at half the memory stream (a drafter's weights, whose rounding moves only proposals).
+// Rows are split into tiles of at most 12 (two accumulators per row: 24 of the 32 zmm registers); panels are
+// shared among threads (at::parallel_for).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -19,17 +22,24 @@ constexpr int64_t kPanel = 32;       // output columns per panel: two zmm regist
 constexpr int kMaxTileRows = 12;     // 2 * 12 accumulators + 2 weight registers <= 32 zmm
 constexpr int64_t kPrefetchRows = 32;  // panel rows ahead into L1 (best of 8 / 16 / 32 on the 2-core machine)
 
-template <int Rows>
-void tile(const float* x, int64_t K, const float* panel, float* out, int64_t N, const float* residual,
-          int64_t columns, const float* next_panel, int64_t part, int64_t parts) {
+// 16 weights of a panel row as float32: loaded, or (bfloat16) widened by a 16-bit shift
+inline __m512 load16(const float* weights) { return _mm512_load_ps(weights); }
+inline __m512 load16(const at::BFloat16* weights) {
+  const __m256i half = _mm256_load_si256(reinterpret_cast<const __m256i*>(weights));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+template <typename Weight, int Rows>
+void tile(const float* x, int64_t K, const Weight* panel, float* out, int64_t N, const float* residual,
+          int64_t columns, const Weight* next_panel, int64_t part, int64_t parts) {
   __m512 low[Rows], high[Rows];
   for (int m = 0; m < Rows; ++m) {
     low[m] = _mm512_setzero_ps();
     high[m] = _mm512_setzero_ps();
   }
   for (int64_t k = 0; k < K; ++k) {
-    const __m512 weight_low = _mm512_load_ps(panel + k * kPanel);
-    const __m512 weight_high = _mm512_load_ps(panel + k * kPanel + 16);
+    const __m512 weight_low = load16(panel + k * kPanel);
+    const __m512 weight_high = load16(panel + k * kPanel + 16);
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRows) * kPanel), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRows) * kPanel + 16), _MM_HINT_T0);
     if (next_panel != nullptr) {  // tile `part` of `parts` fetches its share of the next panel's rows
@@ -59,18 +69,43 @@ void tile(const float* x, int64_t K, const float* panel, float* out, int64_t N, 
   }
 }
 
-using TileFunction = void (*)(const float*, int64_t, const float*, float*, int64_t, const float*, int64_t,
-                              const float*, int64_t, int64_t);
-constexpr TileFunction kTiles[kMaxTileRows + 1] = {nullptr,  tile<1>, tile<2>, tile<3>,  tile<4>,  tile<5>, tile<6>,
-                                                   tile<7>,  tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
+template <typename Weight>
+using TileFunction = void (*)(const float*, int64_t, const Weight*, float*, int64_t, const float*, int64_t,
+                              const Weight*, int64_t, int64_t);
+template <typename Weight>
+constexpr TileFunction<Weight> kTiles[kMaxTileRows + 1] = {
+    nullptr,           tile<Weight, 1>,  tile<Weight, 2>,  tile<Weight, 3>, tile<Weight, 4>,
+    tile<Weight, 5>,   tile<Weight, 6>,  tile<Weight, 7>,  tile<Weight, 8>, tile<Weight, 9>,
+    tile<Weight, 10>,  tile<Weight, 11>, tile<Weight, 12>};
+
+template <typename Weight>
+void run_panels(const float* x_data, const Weight* panel_data, float* out_data, const float* residual_data,
+                int64_t M, int64_t K, int64_t N, int64_t blocks) {
+  const int64_t tiles = (M + kMaxTileRows - 1) / kMaxTileRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const Weight* panel = panel_data + block * K * kPanel;
+      const int64_t column = block * kPanel;
+      const int64_t columns = std::min<int64_t>(kPanel, N - column);
+      int64_t row = 0;
+      for (int64_t t = 0; t < tiles; ++t) {  // tiles of near-equal size: 17 rows run as 9 + 8, not 12 + 5
+        const int64_t rows = (M - row) / (tiles - t);
+        kTiles<Weight>[rows](x_data + row * K, K, panel, out_data + row * N + column, N,
+                             residual_data == nullptr ? nullptr : residual_data + row * N + column, columns,
+                             block + 1 < end ? panel + K * kPanel : nullptr, t, tiles);
+        row += rows;
+      }
+    }
+  });
+}
 
 torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features,
                          const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
               "small_gemm: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
-                  panels.scalar_type() == torch::kFloat32,
-              "small_gemm: panels must come from pack_weight (contiguous float32 [blocks, K, 32])");
+                  (panels.scalar_type() == torch::kFloat32 || panels.scalar_type() == torch::kBFloat16),
+              "small_gemm: panels must come from pack_weight (contiguous float32 or bfloat16 [blocks, K, 32])");
   TORCH_CHECK(panels.size(1) == x.size(1), "small_gemm: x has ", x.size(1), " columns, the weight ", panels.size(1));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.data_ptr()) % 64 == 0, "small_gemm: panels must be 64-byte aligned");
   const int64_t blocks = panels.size(0);
@@ -89,24 +124,12 @@ torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& panels, in
   torch::Tensor out = torch::empty({M, N}, input.options());
   if (M == 0) return out;
   const float* x_data = input.data_ptr<float>();
-  const float* panel_data = panels.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
-  const int64_t tiles = (M + kMaxTileRows - 1) / kMaxTileRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      const float* panel = panel_data + block * K * kPanel;
-      const int64_t column = block * kPanel;
-      const int64_t columns = std::min<int64_t>(kPanel, N - column);
-      int64_t row = 0;
-      for (int64_t t = 0; t < tiles; ++t) {  // tiles of near-equal size: 17 rows run as 9 + 8, not 12 + 5
-        const int64_t rows = (M - row) / (tiles - t);
-        kTiles[rows](x_data + row * K, K, panel, out_data + row * N + column, N,
-                     residual_data == nullptr ? nullptr : residual_data + row * N + column, columns,
-                     block + 1 < end ? panel + K * kPanel : nullptr, t, tiles);
-        row += rows;
-      }
-    }
-  });
+  if (panels.scalar_type() == torch::kBFloat16) {
+    run_panels(x_data, panels.data_ptr<at::BFloat16>(), out_data, residual_data, M, K, N, blocks);
+  } else {
+    run_panels(x_data, panels.data_ptr<float>(), out_data, residual_data, M, K, N, blocks);
+  }
   return out;
 }
 

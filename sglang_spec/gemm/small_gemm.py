@@ -6,6 +6,10 @@ rows take 47-55 ms through ``F.linear`` and 36-41 ms through MKL's packed GEMM, 
 19.5-24 ms here against 21-27 ms (``python bench/packed_gemm.py``, four runs). The weight is packed once into 32-column panels
 (``pack_weight``) that serve every row count.
 
+Panels may hold the weight rounded to bfloat16 (``pack_weight(weight, torch.bfloat16)``): the kernel widens them
+in registers and multiplies in float32, the product of the rounded weight at half the memory stream. That is for
+a drafter's weights, whose rounding can change which tokens it proposes but never what the target accepts.
+
 The extension is compiled the first time it is needed (``load_small_gemm``, about 25 s with the machine's g++,
 cached by PyTorch under ``~/.cache/torch_extensions``) and only where the CPU has AVX-512; elsewhere, or when the
 build fails, ``load_small_gemm`` says why and callers use MKL or ``F.linear`` (``gemm/packed_linear.py``).
@@ -75,11 +79,17 @@ def small_gemm_available() -> bool:
     return True
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> panels [ceil(N / 32), K, 32] (zero padded past N), what ``small_gemm`` reads."""
+PANEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight [N, K] float32 -> panels [ceil(N / 32), K, 32] of ``dtype`` (float32, or bfloat16: the weight
+    rounded), zero padded past N, what ``small_gemm`` reads."""
+    if dtype not in PANEL_DTYPES:
+        raise ValueError(f"small_gemm panels are float32 or bfloat16, not {dtype}")
     out_features, in_features = weight.shape
     blocks = -(-out_features // PANEL_COLUMNS)
-    padded = weight.new_zeros(blocks * PANEL_COLUMNS, in_features)
+    padded = weight.new_zeros(blocks * PANEL_COLUMNS, in_features, dtype=dtype)
     padded[:out_features] = weight
     return padded.view(blocks, PANEL_COLUMNS, in_features).transpose(1, 2).contiguous()
 
@@ -91,7 +101,8 @@ def small_gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     return load_small_gemm().small_gemm(x, panels, out_features, residual)
 
 
-def small_gemm_reference(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """What ``small_gemm`` computes, from the unpacked weight [N, K]."""
-    product = F.linear(x, weight)
+def small_gemm_reference(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What ``small_gemm`` computes, from the unpacked weight [N, K] and the panels' ``dtype``."""
+    product = F.linear(x, weight.to(dtype).to(x.dtype))
     return product if residual is None else product + residual

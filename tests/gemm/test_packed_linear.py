@@ -34,6 +34,25 @@ def test_matches_linear_at_every_row_count(backend: str, rows: int) -> None:
     assert (linear._panels is not None) == (backend == "avx512" and rows <= MAX_SMALL_ROWS)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows", [1, 8, 17, 200])
+def test_a_bfloat16_pack_multiplies_by_the_rounded_weight_on_every_backend(backend: str, rows: int) -> None:
+    if not AVAILABLE[backend]:
+        pytest.skip(f"the {backend} backend is not available here")
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=generator)
+    x = torch.randn(rows, 40, generator=generator)
+    rounded = weight.to(torch.bfloat16).float()
+    linear = PackedLinear(weight, backend, torch.bfloat16)
+    assert linear.backend == backend and torch.equal(linear.weight, rounded)
+    torch.testing.assert_close(linear(x), F.linear(x, rounded), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(linear(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    if linear._panels is not None:
+        assert linear._panels.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="float32 or bfloat16, not torch.float16"):
+        PackedLinear(weight, backend, torch.float16)
+
+
 def test_the_default_is_the_best_backend_here_and_a_wrong_name_is_refused() -> None:
     assert PackedLinear(torch.randn(8, 4)).backend == best_backend()
     assert best_backend() == next(backend for backend in BACKENDS if AVAILABLE[backend])

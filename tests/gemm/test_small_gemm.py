@@ -47,6 +47,37 @@ def test_matches_the_reference(rows: int, out_features: int, in_features: int) -
                                small_gemm_reference(x, weight, residual), rtol=tolerance, atol=tolerance)
 
 
+def test_bfloat16_panels_hold_the_rounded_weight_and_other_dtypes_are_refused() -> None:
+    weight = torch.randn(70, 3)
+    panels = pack_weight(weight, torch.bfloat16)
+    assert panels.dtype == torch.bfloat16 and panels.shape == (3, 3, PANEL_COLUMNS)
+    assert torch.equal(panels[0, :, 5], weight[5].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16, not torch.float16"):
+        pack_weight(weight, torch.float16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 8, 13, 17])
+@pytest.mark.parametrize("out_features,in_features", [(96, 40), (70, 33), (576, 576)])
+def test_bfloat16_panels_compute_the_rounded_weights_product(rows: int, out_features: int, in_features: int) -> None:
+    """The kernel widens bfloat16 panels in registers and sums in float32: the reference's product with the weight
+    rounded, to float32 summation order; not the unrounded weight's (the rounding is real)."""
+    generator = torch.Generator().manual_seed(rows * 7 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    residual = torch.randn(rows, out_features, generator=generator)
+    panels = pack_weight(weight, torch.bfloat16)
+    tolerance = 2e-6 * in_features**0.5
+    got = small_gemm(x, panels, out_features)
+    torch.testing.assert_close(got, small_gemm_reference(x, weight, dtype=torch.bfloat16), rtol=tolerance,
+                               atol=tolerance)
+    torch.testing.assert_close(small_gemm(x, panels, out_features, residual),
+                               small_gemm_reference(x, weight, residual, dtype=torch.bfloat16), rtol=tolerance,
+                               atol=tolerance)
+    assert not torch.allclose(got, small_gemm_reference(x, weight), rtol=tolerance, atol=tolerance)
+    assert torch.equal(small_gemm(x[:1], panels, out_features)[0], got[0])  # a row alone: the same bits
+
+
 @needs_kernel
 def test_a_row_comes_out_the_same_whatever_rides_along() -> None:
     """Each output is one FMA chain over k, whatever the row tiling: a node's logits in a 17-row verify are
@@ -83,6 +114,7 @@ def test_bad_input_is_refused_in_one_line() -> None:
         (torch.randn(4, 48), panels, 65, None, "out_features"),
         (torch.randn(4, 48), panels, 64, torch.randn(4, 63), "residual"),
         (torch.randn(4, 48), panels[:, :, :16], 64, None, "pack_weight"),
+        (torch.randn(4, 48), panels.half(), 64, None, "float32 or bfloat16"),
     ]
     for x, packed, out_features, residual, word in cases:
         with pytest.raises(RuntimeError, match=word) as raised:
