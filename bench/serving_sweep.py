@@ -26,6 +26,8 @@ user's own file, ``--prompts FILE.jsonl`` (``{"prompt": ...}`` or ``{"messages":
         --concurrency 1,2,4 --num-prompts 8 --random-input-len 64 --random-output-len 32
     # the same on a machine running nothing else: every server's prompt prefills on two threads
     python bench/serving_sweep.py --cpu-model smollm2 --prefill-threads 2 ...
+    # ... and every server's drafter multiplies by bfloat16-rounded weights, as a GPU serves its draft model
+    python bench/serving_sweep.py --cpu-model smollm2 --prefill-threads 2 --draft-weights bfloat16 ...
     # a GPU host:
     python bench/serving_sweep.py --model-path deepseek-ai/DeepSeek-R1 --server-args "--tp 8 --attention-backend fa3" \\
         --policies plain,chain,sequoia,specexec --budgets 4,8,16 --concurrency 1,4,16,64 \\
@@ -47,6 +49,7 @@ from pathlib import Path
 
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
+from sglang_spec.sglang_plugin.cpu.linear import DRAFT_WEIGHT_DTYPES, DRAFT_WEIGHTS_ENV
 from sglang_spec.sglang_plugin.cpu.threads import PREFILL_THREADS_ENV
 from sglang_spec.sglang_plugin.options import default_depth
 from sglang_spec.train.prompts import PromptSpec, humaneval_prompts, load_prompts
@@ -104,6 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="CPU bed: run each server's prefills on this many threads (decode steps keep one; "
                              "every server alike); for a machine running nothing else, where a prompt's prefill on "
                              "one core otherwise takes tens of decode steps' time (a GPU's takes one or two)")
+    parser.add_argument("--draft-weights", choices=tuple(DRAFT_WEIGHT_DTYPES), default=None,
+                        help="CPU bed: the dtype every server's draft model packs its own weights in (default "
+                             "float32; bfloat16 streams half the bytes, as a GPU serves a bf16 draft model: the "
+                             "proposals may change, never the output); the target stays float32")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--start-timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "serving_sweep.csv")
@@ -132,6 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.prefill_threads is not None and (args.prefill_threads < 1 or args.cpu_model is None):
         parser.error(f"--prefill-threads {args.prefill_threads}: give 1 or more, with --cpu-model (the CPU bed's "
                      f"setting)")
+    if args.draft_weights is not None and args.cpu_model is None:
+        parser.error(f"--draft-weights {args.draft_weights}: the CPU bed's setting; give it with --cpu-model")
     concurrencies = args.concurrency.split(",")
     counts = args.num_prompts.split(",")
     if not all(count.strip().isdigit() and int(count) > 0 for count in counts) or \
@@ -146,8 +155,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def bed_environment(args) -> dict[str, str]:
-    """What a CPU bed's server gets in its environment beyond this process's: ``--prefill-threads``."""
-    return {} if args.prefill_threads is None else {PREFILL_THREADS_ENV: str(args.prefill_threads)}
+    """What a CPU bed's server gets in its environment beyond this process's: ``--prefill-threads`` and
+    ``--draft-weights``."""
+    environment = {} if args.prefill_threads is None else {PREFILL_THREADS_ENV: str(args.prefill_threads)}
+    if args.draft_weights is not None:
+        environment[DRAFT_WEIGHTS_ENV] = args.draft_weights
+    return environment
 
 
 def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[str]:

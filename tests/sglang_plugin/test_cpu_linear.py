@@ -58,6 +58,14 @@ def test_the_backend_comes_from_the_environment_and_a_bad_name_is_one_line():
         linear.backend_from_environment({linear.GEMM_ENV: "blas"})
 
 
+def test_the_draft_weight_dtype_comes_from_the_environment_and_a_bad_name_is_one_line():
+    assert linear.draft_dtype_from_environment({}) == torch.float32
+    assert linear.draft_dtype_from_environment({linear.DRAFT_WEIGHTS_ENV: "bfloat16"}) == torch.bfloat16
+    assert linear.draft_dtype_from_environment({linear.DRAFT_WEIGHTS_ENV: " float32 "}) == torch.float32
+    with pytest.raises(SpecError, match="SGLANG_SPEC_CPU_DRAFT_WEIGHTS='fp8' is not a draft weight dtype; use one"):
+        linear.draft_dtype_from_environment({linear.DRAFT_WEIGHTS_ENV: "fp8"})
+
+
 class _Head(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -88,6 +96,37 @@ def test_pack_model_packs_sglangs_linear_layers_and_marks_the_head():
     assert all(getattr(layer.weight, linear.PACK_ATTRIBUTE, None) is not None for layer in model.layers)
     assert getattr(model.other.weight, linear.PACK_ATTRIBUTE, None) is None
     assert model.lm_head.use_intel_amx_backend is True  # SGLang's logits processor then calls weight_packed_linear
+
+
+def test_a_draft_packs_its_own_weights_rounded_and_leaves_the_targets_shared_head_alone(monkeypatch):
+    """``load_model_after`` packs a draft model in the environment's dtype and a target in float32;
+    ``init_lm_head_after`` packs the draft's own (token-map) head in it, and leaves a head that the target packed."""
+    monkeypatch.setenv(linear.DRAFT_WEIGHTS_ENV, "bfloat16")
+    backend = available_backends()[0]
+    monkeypatch.setenv(linear.GEMM_ENV, backend)
+    target, draft = _tiny_model(), _tiny_model()
+
+    class Runner:
+        def __init__(self, model, is_draft_worker: bool) -> None:
+            self.model, self.is_draft_worker = model, is_draft_worker
+
+    linear.load_model_after(None, Runner(target, False))
+    linear.load_model_after(None, Runner(draft, True))
+    dtype = {True: torch.bfloat16, False: torch.float32}
+    for model, is_draft in ((target, False), (draft, True)):
+        for weight in (model.layers[0].weight, model.layers[1].weight, model.lm_head.weight):
+            assert getattr(weight, linear.PACK_ATTRIBUTE).dtype == dtype[is_draft]
+    worker = type("Worker", (), {})()
+    worker.draft_runner = Runner(draft, True)
+    draft.lm_head.weight = target.lm_head.weight  # shared: the target's float32 pack stays
+    linear.init_lm_head_after(None, worker)
+    assert getattr(draft.lm_head.weight, linear.PACK_ATTRIBUTE).dtype == torch.float32
+    draft.lm_head.weight = torch.nn.Parameter(target.lm_head.weight[:16].clone(), requires_grad=False)  # token map
+    linear.init_lm_head_after(None, worker)
+    assert getattr(draft.lm_head.weight, linear.PACK_ATTRIBUTE).dtype == torch.bfloat16
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(linear.weight_packed_linear(x, draft.lm_head.weight, None, True),
+                               F.linear(x, draft.lm_head.weight.to(torch.bfloat16).float()), rtol=1e-5, atol=1e-5)
 
 
 def test_the_linear_method_routes_packed_weights_to_the_stand_in_and_others_to_sglang():

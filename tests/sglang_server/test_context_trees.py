@@ -20,6 +20,7 @@ import pytest
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS, accept_lengths, mean,
                                 running_server)
 from sglang_spec.cli import main as cli_main
+from sglang_spec.sglang_plugin.cpu.linear import DRAFT_WEIGHTS_ENV
 from sglang_spec.sglang_plugin.cpu.patches import OVERLAP_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
@@ -174,10 +175,13 @@ def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cp
     same under SGLang's overlap scheduler (the GPU's default loop; ``OVERLAP_ENV`` keeps it on the CPU bed), where
     every step's output ids lag and the last verify completes them (``committed``): no output left unknown, and
     requests with a frequency penalty get plain decoding's penalised output (transformers, by definition; SGLang's
-    relaxed penalties, which an output not completed falls back to, give another)."""
+    relaxed penalties, which an output not completed falls back to, give another). The overlap server's drafter
+    also multiplies by its own weights rounded to bfloat16 (``DRAFT_WEIGHTS_ENV``, the sweep's ``--draft-weights``):
+    its layers and its token map's LM head, the target's float32; the outputs stay the target's."""
     monkeypatch.setenv("SGLANG_SPEC_CPU_PROFILE", str(tmp_path))
     if loop == "overlap":
         monkeypatch.setenv(OVERLAP_ENV, "1")
+        monkeypatch.setenv(DRAFT_WEIGHTS_ENV, "bfloat16")
     args = context_args("hybrid", smollm2_cpu.profile) + ["--speculative-tree-auto"]
     with running_server(smollm2_cpu, server_logs, f"smollm2-context-auto-{loop}", args) as server:
         answers = server.generate(repeat_prompts * 3, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
@@ -213,6 +217,13 @@ def test_tree_auto_measures_its_costs_at_start_up_and_stays_identical(smollm2_cp
     assert len(priced) == 1 and 0 < float(priced[0][0]) < float(priced[0][1]), priced
     assert ("'disable_overlap_schedule': False" in log) is (loop == "overlap")
     assert "could not be completed from its last verify" not in log
+    rounded = [line for line in log.splitlines() if "rounded to bfloat16" in line]
+    if loop == "overlap":
+        assert len(rounded) == 2 and "weights of the draft model packed" in rounded[0], rounded
+        assert "the draft's own LM head (8192 tokens) packed" in rounded[1], rounded
+        assert "weights of the target model packed for the" in log
+    else:
+        assert not rounded, rounded
     print("\n".join(line for line in log.splitlines() if "tree auto" in line))
 
 

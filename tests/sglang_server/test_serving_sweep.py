@@ -171,12 +171,18 @@ def test_every_server_logs_each_decode_step_so_its_accept_length_counts_every_st
     assert sweep.extra_server_args(args) == ["--decode-log-interval=40"]
 
 
-def test_prefill_threads_reach_each_cpu_server_and_a_bad_count_is_refused(capsys):
+def test_prefill_threads_and_draft_weights_reach_each_cpu_server_and_bad_values_are_refused(capsys):
     spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
     args = sweep.parse_args(["--cpu-model", "smollm2", "--prefill-threads", "2"])
     assert sweep.bed_environment(args) == {"SGLANG_SPEC_CPU_PREFILL_THREADS": "2"}
+    args = sweep.parse_args(["--cpu-model", "smollm2", "--draft-weights", "bfloat16"])
+    assert sweep.bed_environment(args) == {"SGLANG_SPEC_CPU_DRAFT_WEIGHTS": "bfloat16"}
+    for bad in (["--cpu-model", "smollm2", "--draft-weights", "fp8"], ["--draft-weights", "bfloat16"]):
+        with pytest.raises(SystemExit):
+            sweep.parse_args(bad)
+        assert "--draft-weights" in capsys.readouterr().err
     assert sweep.bed_environment(sweep.parse_args(["--cpu-model", "smollm2"])) == {}
     for bad in (["--cpu-model", "smollm2", "--prefill-threads", "0"], ["--prefill-threads", "2"]):
         with pytest.raises(SystemExit):

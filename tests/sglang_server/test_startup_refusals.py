@@ -74,6 +74,18 @@ def test_a_bad_gemm_backend_for_the_cpu_bed_is_one_line(smollm2_cpu, monkeypatch
     assert "Traceback" not in finished.stderr + finished.stdout
 
 
+def test_a_bad_draft_weight_dtype_for_the_cpu_bed_is_one_line(smollm2_cpu, monkeypatch):
+    from sglang_spec.sglang_plugin.cpu.linear import DRAFT_WEIGHTS_ENV
+
+    monkeypatch.setenv(DRAFT_WEIGHTS_ENV, "fp8")
+    finished = launch(smollm2_cpu, [])
+    errors = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
+    assert finished.returncode != 0
+    assert len(errors) == 1 and f"{DRAFT_WEIGHTS_ENV}='fp8' is not a draft weight dtype" in errors[0], \
+        finished.stderr[-2000:]
+    assert "Traceback" not in finished.stderr + finished.stdout
+
+
 def test_a_bad_prefill_thread_count_for_the_cpu_bed_is_one_line(smollm2_cpu, monkeypatch):
     from sglang_spec.sglang_plugin.cpu.threads import PREFILL_THREADS_ENV
 

@@ -131,6 +131,7 @@ def activate() -> None:
     check_sglang_version()
     if os.environ.get(linear.GEMM_ENV):
         linear.backend_from_environment()
+    linear.draft_dtype_from_environment()
     tree_mask.mode_from_environment()
     threads.prefill_threads_from_environment()
     kernels.install()

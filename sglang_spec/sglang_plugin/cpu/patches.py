@@ -11,7 +11,8 @@
   hooked), sampled requests take SGLang's real sampling path.
 * SGLang's CPU engine multiplies by weights it packed at load (``weight_packed_linear``), for bf16 and the like:
   ``linear`` packs the bed's float32 weights after ``ModelRunner.load_model`` and sends the linear layers' products
-  to its stand-in of that op.
+  to its stand-in of that op (the draft's own weights rounded to bfloat16 with ``SGLANG_SPEC_CPU_DRAFT_WEIGHTS``,
+  its token map's LM head once SGLang's draft worker has made it).
 * SGLang's dummy forward (warm-up, autotune; ``--speculative-tree-auto`` times it at start-up) asks the attention
   backend for the dummy batch's sequence length through the CUDA-graph name; the CPU backend answers only to its
   CPU-graph name, with the same value.
@@ -38,12 +39,14 @@ import importlib
 import os
 
 from sglang_spec.sglang_plugin.cpu import sampling
-from sglang_spec.sglang_plugin.cpu.linear import linear_apply_around, load_model_after  # noqa: F401 (HOOKS)
+from sglang_spec.sglang_plugin.cpu.linear import (  # noqa: F401 (HOOKS)
+    init_lm_head_after, linear_apply_around, load_model_after)
 from sglang_spec.sglang_plugin.hooks import log
 
 HOOKS = (
     ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", "load_model_after", "AFTER"),
     ("sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply", "linear_apply_around", "AROUND"),
+    ("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head", "init_lm_head_after", "AFTER"),
     ("sglang.srt.layers.rotary_embedding.factory.get_rope_cpu", "get_rope_cpu_around", "AROUND"),
     ("sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head", "set_embed_and_head_cpu", "REPLACE"),
     ("sglang.srt.speculative.eagle_utils._verify_uses_greedy", "verify_uses_greedy_cpu", "REPLACE"),
