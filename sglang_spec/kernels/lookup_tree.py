@@ -152,9 +152,17 @@ def _best(reach: torch.Tensor, node_ids: torch.Tensor, count: torch.Tensor, budg
 
 def _compact(keep: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, match_lengths: torch.Tensor,
              ranks: torch.Tensor, reach: torch.Tensor, budget: int) -> LookupTrees:
-    """The kept nodes (a parent-closed set) in id order, parents renumbered, padded to budget + 1 columns."""
-    requests, capacity = keep.shape
-    columns = budget + 1
+    fields, num_nodes = compact_nodes(keep, parents, budget + 1, {
+        "tokens": (tokens, -1), "match_lengths": (match_lengths, 0), "ranks": (ranks, -1), "reach": (reach, 0.0)})
+    return LookupTrees(num_nodes=num_nodes, **fields)
+
+
+def compact_nodes(keep: torch.Tensor, parents: torch.Tensor, columns: int,
+                  fields: dict[str, tuple[torch.Tensor, float | int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The kept nodes (``keep`` [R, C], a parent-closed set with the root) in id order, padded to ``columns``:
+    each of ``fields`` (name -> ([R, C] values, fill past the kept nodes)) and ``parents`` renumbered (-1 for the
+    root and padding); and [R] the nodes kept."""
+    requests = keep.shape[0]
     new_index = keep.long().cumsum(1) - 1  # [R, C] column of each kept node
     target = torch.where(keep, new_index, torch.full_like(new_index, columns))
     renumbered = torch.where(parents >= 0, torch.gather(new_index, 1, parents.clamp(min=0)),
@@ -165,9 +173,9 @@ def _compact(keep: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, ma
         out.scatter_(1, target, values)
         return out[:, :columns]
 
-    return LookupTrees(tokens=gathered(tokens, -1), parents=gathered(renumbered, -1),
-                       match_lengths=gathered(match_lengths, 0), ranks=gathered(ranks, -1),
-                       reach=gathered(reach, 0.0), num_nodes=keep.long().sum(1))
+    result = {name: gathered(values, fill) for name, (values, fill) in fields.items()}
+    result["parents"] = gathered(renumbered, -1)
+    return result, keep.long().sum(1)
 
 
 def lookup_draft_trees(trees: LookupTrees, counts: SourceCounts) -> list[DraftTree]:
