@@ -164,6 +164,11 @@ KERNEL_CHECKS = (
           "reference, and the draft step's device work (growth, padding, encoding) under torch's sync debug mode",
           (*PYTEST, "tests/kernels/test_lookup_tree.py"), (*PYTEST, "tests/kernels/test_lookup_tree.py"), ("pytest",),
           120),
+    Check("device_hybrid",
+          "hybrid trees grown on the device (kernels/hybrid_tree) with the compiled n-gram kernel and a device head "
+          "stand-in against the CPU reference, and the growth under torch's sync debug mode",
+          (*PYTEST, "tests/kernels/test_hybrid_tree.py"), (*PYTEST, "tests/kernels/test_hybrid_tree.py"), ("pytest",),
+          120),
     Check("kernel_bench",
           "bench/kernels.py, reduced sweep (batch 1, 16, 64 x budget 8, 32, 128), CUDA-graph replays",
           ("bench/kernels.py", "--batch-sizes", "1,16,64", "--budgets", "8,32,128", "--repeats", "20"),

@@ -6,8 +6,8 @@ overlap loop's host work competes with the forward for the cores); SGLang's own 
 it instead, ``sglang-chain`` (EAGLE / NEXTN, one candidate a step, 3 steps), ``sglang-tree`` (its topk-4 tree
 with the same number of draft tokens as ours) and ``sglang-ngram`` (its n-gram corpus, no draft model); ours,
 ``chain``, ``eagle``, ``sequoia``, ``specexec``, ``lookup``, ``hybrid`` (``--speculative-tree-policy``), ``auto``
-(hybrid with ``--speculative-tree-auto``) and ``lookup-device`` (lookup with ``--speculative-tree-context-on
-device``: the same trees, grown on the device). For every method and budget the script launches
+(hybrid with ``--speculative-tree-auto``), ``lookup-device`` and ``hybrid-device`` (lookup / hybrid with
+``--speculative-tree-context-on device``: the same trees, grown on the device). For every method and budget the script launches
 ``python -m sglang.launch_server``, waits for ``/health``, runs ``python -m sglang.bench_serving`` per workload and
 concurrency, stops the server (its whole process group), and collects the client's JSON lines into a CSV and a
 plot: output tokens/s and its ratio over plain in the same run (the faster of ``plain`` and ``plain-sync`` where
@@ -62,8 +62,9 @@ OUR_POLICIES = ("chain", "eagle", "sequoia", "specexec", "lookup", "hybrid")
 SGLANG_METHODS = ("sglang-chain", "sglang-tree", "sglang-ngram")
 AUTO = "auto"  # hybrid with --speculative-tree-auto: each step a tree or a plain step, by measured rates
 LOOKUP_DEVICE = "lookup-device"  # lookup with --speculative-tree-context-on device
+HYBRID_DEVICE = "hybrid-device"  # hybrid with --speculative-tree-context-on device
 PLAIN_METHODS = ("plain", "plain-sync")  # no speculation: with SGLang's overlap scheduler, and without
-POLICIES = (*PLAIN_METHODS, *OUR_POLICIES, AUTO, LOOKUP_DEVICE, *SGLANG_METHODS)
+POLICIES = (*PLAIN_METHODS, *OUR_POLICIES, AUTO, LOOKUP_DEVICE, HYBRID_DEVICE, *SGLANG_METHODS)
 SGLANG_CHAIN_STEPS = 3  # SGLang's usual EAGLE chain for NEXTN: 3 steps, 4 verified tokens
 SGLANG_TREE_TOPK = 4
 SERVING_WORKLOADS = ("code", "extraction", "chat")
@@ -179,8 +180,9 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
         return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(budget + 1)]
     if policy == AUTO:
         return tree_arguments(args, "hybrid", budget, profile) + ["--speculative-tree-auto"]
-    if policy == LOOKUP_DEVICE:
-        return tree_arguments(args, "lookup", budget, profile) + ["--speculative-tree-context-on", "device"]
+    if policy in (LOOKUP_DEVICE, HYBRID_DEVICE):
+        on_host = policy.removesuffix("-device")
+        return tree_arguments(args, on_host, budget, profile) + ["--speculative-tree-context-on", "device"]
     # a tree of `budget` draft tokens is at most that deep (the server refuses deeper): a budget sweep caps it
     if policy in ("lookup", "hybrid"):
         depth = min(args.hybrid_depth or default_depth(policy, budget), budget)

@@ -34,6 +34,7 @@ only change a decision that is a float64 tie.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,7 +43,9 @@ import torch
 from sglang_spec.kernels.lookup_tree import NgramMatch, compact_nodes
 from sglang_spec.kernels.ngram_match import ngram_match_reference
 from sglang_spec.tree.cost_model import CostCurve, step_seconds
-from sglang_spec.tree.profile import LOOKUP_RANKS, MTP_BINS, MTP_DEPTHS, SourceCounts
+from sglang_spec.tree.draft import DraftTree
+from sglang_spec.tree.profile import LOOKUP_RANKS, MTP_BINS, MTP_DEPTHS, SOURCE_LOOKUP, SOURCE_MTP, SourceCounts
+from sglang_spec.tree.token_tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -432,3 +435,37 @@ class _Growth:
             "mtp_ranks": (self.mtp_ranks[:, nodes], -1), "estimates": (self.node_estimates[:, nodes], 0.0),
             "reach": (self.reach[:, nodes], 0.0)})
         return HybridTrees(num_nodes=num_nodes, mtp_forwards=self.mtp_forwards, **fields)
+
+
+def hybrid_draft_trees(trees: HybridTrees, counts: SourceCounts, rows: list[bool] | None = None
+                       ) -> list[DraftTree | None]:
+    """The host's ``DraftTree`` of each request (what ``TreeDrafter.observe`` learns from), read from ``trees``:
+    the tree, each node's sources, the cells its outcome counts in (its source's, and the depth's top-1 cell for
+    the head's rank-0 candidate, as ``BestFirstBuilder`` gives them) and the estimates it was grown with. ``rows``:
+    the requests to read (None: all); the others are None."""
+    names = ("tokens", "parents", "match_lengths", "lookup_ranks", "mtp_probs", "mtp_ranks", "estimates", "reach")
+    host = {name: getattr(trees, name).tolist() for name in names}
+    result: list[DraftTree | None] = []
+    for row, (count, forwards) in enumerate(zip(trees.num_nodes.tolist(), trees.mtp_forwards.tolist())):
+        if rows is not None and not rows[row]:
+            result.append(None)
+            continue
+        tree = TokenTree.from_parents(host["parents"][row][:count], tokens=host["tokens"][row][:count])
+        depths = tree.depths.tolist()
+        sources: list[int] = [0]
+        cells: list[tuple[list[float], ...]] = [()]
+        for node in range(1, count):
+            match, prob = host["match_lengths"][row][node], host["mtp_probs"][row][node]
+            if match and prob >= 0:
+                cell = counts.both_cell(match)
+            elif match:
+                cell = counts.lookup_cell(match, host["lookup_ranks"][row][node])
+            else:
+                cell = counts.mtp_cell(depths[node], prob)
+            top1 = host["mtp_ranks"][row][node] == 0
+            cells.append((cell, counts.mtp_top1_cell(depths[node])) if top1 else (cell,))
+            sources.append((SOURCE_LOOKUP if match else 0) | (SOURCE_MTP if prob >= 0 else 0))
+        result.append(DraftTree(tree=tree, sources=tuple(sources), cells=tuple(cells),
+                                estimates=tuple(host["estimates"][row][:count]), mtp_forwards=forwards,
+                                expected_accept_length=1.0 + math.fsum(host["reach"][row][1:count])))
+    return result

@@ -44,7 +44,8 @@ import torch
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.batch_switch import COLD, PLAIN, TREE, BatchSwitches
 from sglang_spec.sglang_plugin.committed import CommittedOutputs
-from sglang_spec.sglang_plugin.context_draft import (ContextDrafter, context_draft_forward, device_lookup_draft_forward,
+from sglang_spec.sglang_plugin.context_draft import (ContextDrafter, context_draft_forward, device_hybrid_draft_forward,
+                                                     device_lookup_draft_forward,
                                                     pad_to_budget)
 from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS, draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
@@ -338,6 +339,8 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
                                              peers=Peers.of_worker())
     if loop is not None:  # before any draft graph is captured: the guard's tensors live on the device
         setup.guard = HeadGuard.build(_filler_encoding(worker, setup), worker.device)
+    if context is not None and context.on_device and context.uses_head:  # hybrid on the device: its own guard
+        context.guard = HeadGuard.build(_filler_encoding(worker, setup), worker.device)
     claim_acceptance_metrics(worker.server_args, _attn_tp_rank())
     return result
 
@@ -430,6 +433,8 @@ def draft_around(original, worker, batch, *args, **kwargs):
         verify_input = original(worker, batch, *args, **kwargs)
         if setup.context.has_proposal:  # the accept reports its paths to the drafter (live calibration)
             verify_input._sglang_spec_context = setup.context
+        if setup.context.guard is not None:
+            _report_head_faults(setup.context.guard)
         return verify_input
     finally:
         worker.cuda_graph_runner = graph_runner
@@ -507,7 +512,7 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
     if error is None:
         return drafted
     if setup.context is not None:  # nothing was proposed: the accept teaches the counts nothing
-        setup.context.proposed, setup.context.proposed_on_device = [], None
+        setup.context.proposed, setup.context.proposed_on_device, setup.context.proposed_finite = [], None, None
     METRICS.record_draft_fault(type(error).__name__)
     log(f"draft fault, batch of {forward_batch.batch_size} verified without speculation "
         f"({type(error).__name__}: {error}; sglang_spec_draft_faults_total)")
@@ -642,6 +647,8 @@ def _draft_forward(original, worker, forward_batch, setup: DraftSetup, *args, **
         if reqs is None:  # a draft graph capture: SGLang's loop fills the graph, which context trees never replay
             return original(worker, forward_batch, *args, **kwargs)
         _observe_accepted(setup, forward_batch.batch_size)
+        if setup.context.on_device and setup.context.uses_head:
+            return device_hybrid_draft_forward(worker, forward_batch, reqs, setup.context, permute_kv)
         if setup.context.on_device:
             return device_lookup_draft_forward(worker, forward_batch, reqs, setup.context)
         try:

@@ -14,9 +14,10 @@ arguments), attached to its ServerArgs, checked against the resolved configurati
     --speculative-tree-mla-verify flashinfer   MLA models (DeepSeek): the target verifies trees with FlashInfer's
                                          MLA decode over the prefix + the tree kernel, merged by lse
                                          (``mla_tree_backend``); with --attention-backend flashinfer
-    --speculative-tree-context-on {host,device}   lookup: where its trees grow (default host); device keeps each
-                                         request's history on the device and grows, pads and encodes the trees
-                                         there, with no host read in the draft step (``device_history``)
+    --speculative-tree-context-on {host,device}   lookup / hybrid: where their trees grow (default host); device
+                                         keeps each request's history on the device and grows, pads and encodes
+                                         the trees there, the head's rounds included, with no host read in the
+                                         draft step (``device_history``)
 
 This module imports no sglang; the checks that need resolved values take a view of the ServerArgs.
 """
@@ -61,7 +62,7 @@ KEYWORDS = ("speculative_tree_policy", "speculative_tree_budget", "speculative_t
 ACCEPT_CHOICES = ("sglang", "fused")
 # --speculative-tree-mla-verify: the target's MLA tree verify as a cascade on FlashInfer (``mla_tree_backend``)
 MLA_VERIFY_CHOICES = ("flashinfer",)
-# --speculative-tree-context-on: where lookup trees grow (``context_draft``: host; ``device_lookup_draft_forward``)
+# --speculative-tree-context-on: where lookup / hybrid trees grow (``context_draft``: host; ``device_*_draft_forward``)
 CONTEXT_ON_CHOICES = ("host", "device")
 # the target backends it serves under: FlashInfer's MLA back-end on a GPU (prefill / decode stay SGLang's), the
 # CPU bed's intel_amx (prefill / decode the bed's stand-ins, the verify through the CPU twin of FlashInfer)
@@ -75,8 +76,8 @@ class TreeServerOptions:
     speculative_eagle_topk: nodes expanded per level), profile_path (sequoia), accept (who accepts: sglang or
     fused), auto (each step a tree or a plain step, by measured rates per batch size: ``batch_switch``), mtp_levels
     (hybrid: head forwards below the root's children; None = the policy's default), mla_verify (None: the
-    attention back-end's own verify; "flashinfer": the MLA cascade of ``mla_tree_backend``), context_on (lookup:
-    its trees grown on the host or on the device)."""
+    attention back-end's own verify; "flashinfer": the MLA cascade of ``mla_tree_backend``), context_on (lookup /
+    hybrid: their trees grown on the host or on the device)."""
 
     policy: str
     budget: int
@@ -164,8 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "log-sum-exp (FlashInfer's MLA kernels take no tree mask); with --attention-backend "
                             "flashinfer and a tree-capable --speculative-draft-attention-backend (fa3 or triton)")
     group.add_argument("--speculative-tree-context-on", choices=CONTEXT_ON_CHOICES, default=None,
-                       help="lookup: grow its trees on the host (default) or on the device, from a token history "
-                            "kept there, with no host read in the draft step")
+                       help="lookup / hybrid: grow their trees on the host (default) or on the device, from a token "
+                            "history kept there, with no host read in the draft step")
     group.add_argument("--speculative-tree-auto", action="store_true", default=None,
                        help="each decode step of the running batch drafts the tree or decodes plainly, whichever "
                             "the batch size's recent steps delivered more tokens a second with (turns speculation "
@@ -228,10 +229,10 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
     context_on = values.get("speculative_tree_context_on") or "host"
     if context_on not in CONTEXT_ON_CHOICES:
         raise SpecError(f"--speculative-tree-context-on takes {' or '.join(CONTEXT_ON_CHOICES)}, got {context_on!r}")
-    if context_on == "device" and (policy != "lookup" or auto):
-        raise SpecError("--speculative-tree-context-on device grows lookup trees without --speculative-tree-auto "
-                        "(hybrid's head rounds and auto's sizing run on the host); use --speculative-tree-policy "
-                        "lookup without --speculative-tree-auto, or drop it")
+    if context_on == "device" and (policy not in ("lookup", "hybrid") or auto):
+        raise SpecError("--speculative-tree-context-on device grows lookup and hybrid trees without "
+                        "--speculative-tree-auto (auto's sizing and pricing run on the host); use "
+                        "--speculative-tree-policy lookup or hybrid without --speculative-tree-auto, or drop it")
     return TreeServerOptions(policy, budget, depth, topk, width, profile_path, accept, bool(auto), mtp_levels,
                              mla_verify, context_on)
 

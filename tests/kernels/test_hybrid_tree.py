@@ -58,13 +58,15 @@ class StandInHead(CandidateSource):
 def device_head(requests: torch.Tensor, vocab: int, topk: int):
     """The device side: the same candidates from the growth's paths, as tensor operations."""
     def expand(level, nodes, growth):
-        paths = growth.paths[torch.arange(nodes.shape[0])[:, None], nodes.clamp(min=0)]  # [R, W, depth]
-        powers = torch.tensor([31 ** (index + 1) for index in range(paths.shape[-1])], dtype=torch.int64)
-        hashed = (requests[:, None] * 7919 + ((paths + 1) * powers).sum(-1)) % HASH  # [R, W]
-        tokens = torch.arange(vocab)
+        device = nodes.device
+        paths = growth.paths[torch.arange(nodes.shape[0], device=device)[:, None], nodes.clamp(min=0)]  # [R, W, d]
+        powers = torch.tensor([31 ** (index + 1) for index in range(paths.shape[-1])], dtype=torch.int64,
+                              device=device)
+        hashed = (requests.to(device)[:, None] * 7919 + ((paths + 1) * powers).sum(-1)) % HASH  # [R, W]
+        tokens = torch.arange(vocab, device=device)
         scores = ((hashed[..., None] * 1103515245 + (tokens + 1) * 12345) % HASH) * vocab + (vocab - 1 - tokens)
         chosen = torch.sort(scores, dim=-1, descending=True).indices[..., :topk]
-        ranks = torch.arange(min(topk, vocab), dtype=torch.float64)
+        ranks = torch.arange(min(topk, vocab), dtype=torch.float64, device=device)
         probs = (1.0 / (1.2 + ranks + (hashed[..., None] % 5).double() * 0.37)).float()
         return chosen, probs
     return expand
@@ -154,6 +156,37 @@ def test_device_trees_are_the_host_builders_trees(case):
             assert (trees.tokens[column, count:] == -1).all() and (trees.parents[column, count:] == -1).all()
 
 
+def test_the_draft_trees_read_back_are_the_host_builders():
+    """What the plugin's calibration observes: the host builder's DraftTree, its cells (the same cells of the same
+    counts) and estimates included; rows left out read as None."""
+    from sglang_spec.kernels.hybrid_tree import hybrid_draft_trees
+
+    rng = np.random.default_rng(13)
+    counts = random_counts(rng, 8)
+    histories = [random_history(rng, 60, 3) for _ in range(3)]
+    history, lengths = batch_inputs(histories)
+    rows = torch.arange(3)
+    shape = HybridShape(budget=9, depth=4, width=5, topk=3, mtp_levels=2, lookup_width=2, max_ngram=8)
+    policy = TreePolicy("hybrid", 9, 4, topk=3, width=5, mtp_levels=2, lookup_width=2, max_ngram=8)
+    head = device_head(rows, 3, 3)
+    root_tokens, root_probs = head(-1, torch.zeros(3, 1, dtype=torch.int64),
+                                   type("Root", (), {"paths": torch.full((3, 1, 4), -1)})())
+    trees = build_hybrid_trees(history, lengths, rows, root_tokens[:, 0], root_probs[:, 0], head,
+                               SourceEstimates.of(counts, "cpu"), shape)
+    drafts = hybrid_draft_trees(trees, counts, [True, False, True])
+    assert drafts[1] is None
+    for row in (0, 2):
+        draft, (expected, _) = drafts[row], host_build(policy, histories[row], counts, row, 3)
+        assert draft is not None
+        assert draft.tree.parents.tolist() == expected.tree.parents.tolist()
+        assert draft.tree.tokens.tolist() == expected.tree.tokens.tolist()
+        assert draft.sources == expected.sources and draft.estimates == expected.estimates
+        assert draft.mtp_forwards == expected.mtp_forwards
+        assert [len(cells) for cells in draft.cells] == [len(cells) for cells in expected.cells]
+        assert all(a is b for ours, theirs in zip(draft.cells, expected.cells) for a, b in zip(ours, theirs))
+        assert draft.expected_accept_length == pytest.approx(expected.expected_accept_length, abs=1e-12)
+
+
 def test_both_sources_and_priced_out_levels_occur_in_these_cases():
     """The comparison above covers what makes hybrid growth hard: merged ("both") nodes, head levels priced out,
     and trees cut short by the cost curve (counted over the host's trees of a priced case)."""
@@ -182,17 +215,70 @@ def test_the_kernel_grows_the_reference_trees(kernel_device):
     root_tokens, root_probs = head(-1, torch.zeros(3, 1, dtype=torch.int64),
                                    type("Root", (), {"paths": torch.full((3, 1, 4), -1)})())
 
-    def on(device):
-        def moved(level, nodes, growth):
-            tokens, probs = head(level, nodes.cpu(), type("Cpu", (), {"paths": growth.paths.cpu()})())
-            return tokens.to(device), probs.to(device)
-        return moved
-
     expected = build_hybrid_trees(history, lengths, rows, root_tokens[:, 0], root_probs[:, 0], head,
                                   SourceEstimates.of(counts, "cpu"), shape, match=ngram_match_reference)
     actual = build_hybrid_trees(history.to(kernel_device), lengths.to(kernel_device), rows.to(kernel_device),
                                 root_tokens[:, 0].to(kernel_device), root_probs[:, 0].to(kernel_device),
-                                on(kernel_device), SourceEstimates.of(counts, kernel_device), shape, match=ngram_match)
+                                head, SourceEstimates.of(counts, kernel_device), shape, match=ngram_match)
     for name in ("tokens", "parents", "match_lengths", "lookup_ranks", "mtp_probs", "mtp_ranks", "reach",
                  "num_nodes", "mtp_forwards"):
+        assert torch.equal(getattr(actual, name).cpu(), getattr(expected, name)), name
+
+
+def test_the_growth_reads_nothing_on_the_host():
+    """Every tensor on the meta device (no data: any host read raises): the growth runs to its result, head rounds,
+    pricing and all, so nothing in it waits for the device."""
+    meta = torch.device("meta")
+    requests, topk = 3, 3
+    shape = HybridShape(budget=7, depth=4, width=5, topk=topk, mtp_levels=2, lookup_width=2, max_ngram=8)
+    calls = []
+
+    def head(level, nodes, growth):
+        calls.append(level)
+        assert nodes.device == meta and growth.paths.device == meta
+        return (torch.empty(requests, nodes.shape[1], topk, dtype=torch.int64, device=meta),
+                torch.empty(requests, nodes.shape[1], topk, dtype=torch.float32, device=meta))
+
+    costs = random_costs(np.random.default_rng(0))
+    trees = build_hybrid_trees(torch.empty(3, 40, dtype=torch.int64, device=meta),
+                               torch.empty(3, dtype=torch.int64, device=meta),
+                               torch.empty(requests, dtype=torch.int64, device=meta),
+                               torch.empty(requests, topk, dtype=torch.int64, device=meta),
+                               torch.empty(requests, topk, dtype=torch.float32, device=meta), head,
+                               SourceEstimates.of(SourceCounts.generic(8), meta), shape,
+                               step_prices(costs, 8 + shape.round_width, shape.head_rounds + 2, meta))
+    assert calls == [0, 1] and trees.tokens.shape == (requests, 8) and trees.tokens.device == meta
+    with pytest.raises(NotImplementedError):
+        trees.num_nodes.tolist()  # meta indeed: a read would have raised inside the growth
+
+
+@pytest.mark.gpu
+def test_the_growth_makes_no_host_sync_on_a_gpu():
+    """The growth with the Triton kernel and a device head stand-in, priced, under torch's sync debug mode set to
+    raise: no host sync anywhere in it; and the trees are the CPU reference's."""
+    rng = np.random.default_rng(21)
+    counts = random_counts(rng, 8)
+    history, lengths = batch_inputs([random_history(rng, 300, 4) for _ in range(4)])
+    rows = torch.arange(4)
+    shape = HybridShape(budget=11, depth=5, width=6, topk=4, mtp_levels=3, lookup_width=2, max_ngram=8)
+    head = device_head(rows, 4, 4)
+    costs = random_costs(rng)
+    root = type("Root", (), {"paths": torch.full((4, 1, 5), -1)})()
+    root_tokens, root_probs = head(-1, torch.zeros(4, 1, dtype=torch.int64), root)
+
+    def grow(device, match):
+        return build_hybrid_trees(history.to(device), lengths.to(device), rows.to(device),
+                                  root_tokens[:, 0].to(device), root_probs[:, 0].to(device), head,
+                                  SourceEstimates.of(counts, device), shape,
+                                  step_prices(costs, 12 + shape.round_width, shape.head_rounds + 2, device), match)
+
+    expected = grow("cpu", ngram_match_reference)
+    grow("cuda", ngram_match)  # compiles the kernel
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        actual = grow("cuda", ngram_match)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name in ("tokens", "parents", "reach", "num_nodes", "mtp_forwards"):
         assert torch.equal(getattr(actual, name).cpu(), getattr(expected, name)), name

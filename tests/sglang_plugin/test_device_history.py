@@ -69,8 +69,9 @@ def test_the_draft_step_reads_nothing_on_the_host():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"speculative_tree_policy": "hybrid"}, "grows lookup trees"),
-    ({"speculative_tree_policy": "lookup", "speculative_tree_auto": True}, "grows lookup trees"),
+    ({"speculative_tree_policy": "specexec"}, "grows lookup and hybrid trees"),
+    ({"speculative_tree_policy": "lookup", "speculative_tree_auto": True}, "grows lookup and hybrid trees"),
+    ({"speculative_tree_policy": "hybrid", "speculative_tree_auto": True}, "grows lookup and hybrid trees"),
     ({"speculative_tree_policy": "lookup", "speculative_tree_context_on": "gpu"}, "takes host or device"),
 ])
 def test_device_growth_is_refused_where_it_does_not_serve(values, message):
@@ -83,3 +84,5 @@ def test_the_option_reaches_the_servers_options():
     options = from_values({"speculative_tree_policy": "lookup", "speculative_tree_context_on": "device"})
     assert options is not None and options.context_on == "device"
     assert from_values({"speculative_tree_policy": "lookup"}).context_on == "host"
+    hybrid = from_values({"speculative_tree_policy": "hybrid", "speculative_tree_context_on": "device"})
+    assert hybrid is not None and hybrid.context_on == "device"

@@ -44,17 +44,23 @@ def repeat_prompts(smollm2_cpu) -> list[list[int]]:
     return [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in REPEAT_CONTEXT_PROMPTS]
 
 
-# lookup-device: lookup trees grown on the device (--speculative-tree-context-on device), the host's trees, under
-# SGLang's overlap scheduler (the GPU's loop, where a request's output ids lag its device history by a step)
-@pytest.fixture(scope="module", params=["hybrid", "lookup", "lookup-device"])
+# lookup-device / hybrid-device: trees grown on the device (--speculative-tree-context-on device), the host's trees,
+# under SGLang's overlap scheduler (the GPU's loop, where a request's output ids lag its device history by a step);
+# hybrid-overlap: host-built hybrid trees under that loop (the head's states differ a little from the synchronous
+# loop's, so the device hybrid compares with it; test_parity_under_load.py serves hybrid in both loops)
+DEVICE_TWIN = {"lookup-device": "lookup", "hybrid-device": "hybrid-overlap"}
+
+
+@pytest.fixture(scope="module", params=["hybrid-overlap", "lookup", "lookup-device", "hybrid-device"])
 def run(request, smollm2_cpu, server_logs, smollm2_prompts, repeat_prompts, tmp_path_factory):
     name = request.param
     policy = name.split("-")[0]
     steps_folder = tmp_path_factory.mktemp(f"steps-{name}")
-    extra = ["--speculative-tree-context-on", "device"] if name == "lookup-device" else []
+    on_device = name.endswith("-device")
+    extra = ["--speculative-tree-context-on", "device"] if on_device else []
     with pytest.MonkeyPatch.context() as patch:  # the CPU bed's per-batch timings (cpu/profile.py)
         patch.setenv("SGLANG_SPEC_CPU_PROFILE", str(steps_folder))
-        if name == "lookup-device":
+        if on_device or name.endswith("-overlap"):
             patch.setenv(OVERLAP_ENV, "1")
         with running_server(smollm2_cpu, server_logs, f"smollm2-context-{name}",
                             context_args(policy, smollm2_cpu.profile) + extra) as server:
@@ -80,10 +86,10 @@ def plain_repeat(smollm2_plain_runs) -> list[list[int]]:
 def test_greedy_output_equals_plain_decoding(run, smollm2_plain, plain_repeat):
     assert [answer["output_ids"] for answer in run["heldout"]] == smollm2_plain
     assert [answer["output_ids"] for answer in run["repeat"]] == plain_repeat
-    # the overlap scheduler is off (SGLang's rule for speculative servers on a CPU; test_parity_under_load.py runs
-    # a hybrid server with it, this module the device lookup) and the width is the policy's: the head's topk plus
-    # the context's continuations (hybrid), the budget's spread (lookup)
-    assert run["info"]["disable_overlap_schedule"] is (run["name"] != "lookup-device")
+    # the overlap scheduler is off (SGLang's rule for speculative servers on a CPU) but where OVERLAP_ENV keeps it,
+    # and the width is the policy's: the head's topk plus the context's continuations (hybrid), the budget's spread
+    # (lookup)
+    assert run["info"]["disable_overlap_schedule"] is not run["name"].endswith(("-device", "-overlap"))
     assert run["info"]["speculative_eagle_topk"] == {"hybrid": 6, "lookup": 3}[run["policy"]]
 
 
@@ -111,16 +117,18 @@ _ACCEPTED: dict[str, list] = {}  # server -> its greedy requests' accept-length 
 
 
 def test_trees_grown_on_the_device_accept_what_the_hosts_accept(run):
-    """--speculative-tree-context-on device grows the host builder's trees from a device history: the lookup
-    server's greedy requests accept the same tokens at every step whether its trees grew on the host (synchronous
-    loop) or on the device (overlap loop: a request's first draft finds its output ids without the root, which the
-    history takes from the device; the host server runs first, the device one compares)."""
+    """--speculative-tree-context-on device grows the host builder's trees from a device history: the lookup and
+    hybrid servers' greedy requests accept the same tokens at every step whether their trees grew on the host
+    (synchronous loop) or on the device (overlap loop: a request's first draft finds its output ids without the
+    root, which the history takes from the device; hybrid's head rounds run as device tensors, every level each
+    step; the host server, in the same loop, runs first, the device one compares)."""
     _ACCEPTED[run["name"]] = [answer["meta_info"].get("spec_correct_drafts_histogram")
                               for answer in run["heldout"] + run["repeat"]]
-    if run["name"] == "lookup-device":
-        if "lookup" not in _ACCEPTED:  # pytest runs the module's servers in order; a selection may leave one out
-            pytest.skip("compares with the host lookup server, which this selection did not run")
-        assert _ACCEPTED["lookup-device"] == _ACCEPTED["lookup"]
+    if run["name"] in DEVICE_TWIN:
+        host = DEVICE_TWIN[run["name"]]
+        if host not in _ACCEPTED:  # pytest runs the module's servers in order; a selection may leave one out
+            pytest.skip(f"compares with the host {host} server, which this selection did not run")
+        assert _ACCEPTED[run["name"]] == _ACCEPTED[host]
         assert mean(accept_lengths(run["repeat"])) > 1.5  # the copies are found: not a tree of fillers
 
 

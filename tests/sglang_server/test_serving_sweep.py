@@ -78,6 +78,8 @@ def test_speedups_are_over_the_faster_plain_decoding_and_plain_sync_turns_overla
     # lookup-device: the lookup server's options, its trees grown on the device
     assert sweep.tree_arguments(args, "lookup-device", 15, None) == \
         sweep.tree_arguments(args, "lookup", 15, None) + ["--speculative-tree-context-on", "device"]
+    assert sweep.tree_arguments(args, "hybrid-device", 7, None) == \
+        sweep.tree_arguments(args, "hybrid", 7, None) + ["--speculative-tree-context-on", "device"]
 
     def row(policy, workload, throughput):
         return {**sweep.row_from_result(policy, 15, 1, {"output_throughput": throughput}, workload)}
