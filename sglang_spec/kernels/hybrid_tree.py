@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from sglang_spec.kernels.lookup_tree import NgramMatch, compact_nodes
+from sglang_spec.kernels.lookup_tree import NgramMatch, compact_nodes, lookup_estimates
 from sglang_spec.kernels.ngram_match import ngram_match_reference
 from sglang_spec.tree.cost_model import CostCurve, step_seconds
 from sglang_spec.tree.draft import DraftTree
@@ -68,7 +68,7 @@ class SourceEstimates:
         def table(cells) -> torch.Tensor:
             return torch.tensor(cells, dtype=torch.float64, device=device)
         estimate = counts.estimate
-        return cls(lookup=table([[estimate(cell) for cell in row] for row in counts.lookup]),
+        return cls(lookup=lookup_estimates(counts, device),
                    mtp=table([[estimate(cell) for cell in row] for row in counts.mtp]),
                    both=table([estimate(cell) for cell in counts.both]),
                    mtp_top1=table([estimate(cell) for cell in counts.mtp_top1]))

@@ -13,8 +13,9 @@ to the budget (SGLang verifies a fixed number of tokens per request) and handed 
 The host reads the roots, the root candidates and each round's candidates (one copy each, ``to_host``), so this
 path syncs once at the start and once per head round and cannot run inside a CUDA graph: the plugin runs it eagerly
 (see ``options.validate_speculative``).
-``lookup`` trees can instead grow on the device (``device_lookup_draft_forward``, --speculative-tree-context-on
-device): the same trees from each request's device history (``device_history``), no host read.
+``lookup`` and ``hybrid`` trees can instead grow on the device (``device_lookup_draft_forward``,
+``device_hybrid_draft_forward``; --speculative-tree-context-on device): the same trees from each request's device
+history (``device_history``), the head's rounds as padded beams, no host read.
 Each request's context is ``RequestContexts``: an n-gram index per request, extended by the tokens SGLang has
 committed for it since the last step (with the overlap scheduler, its output ids completed from the last verify:
 ``committed``).

@@ -45,8 +45,7 @@ from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.batch_switch import COLD, PLAIN, TREE, BatchSwitches
 from sglang_spec.sglang_plugin.committed import CommittedOutputs
 from sglang_spec.sglang_plugin.context_draft import (ContextDrafter, context_draft_forward, device_hybrid_draft_forward,
-                                                     device_lookup_draft_forward,
-                                                    pad_to_budget)
+                                                     device_lookup_draft_forward, pad_to_budget)
 from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS, draft_forward
 from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
 from sglang_spec.sglang_plugin.faults import ACCEPT, AUTO, COMMIT, COUNTS, OBSERVE, RECORD

@@ -63,36 +63,19 @@ def test_a_bad_fused_accept_kernels_name_is_one_line(smollm2_cpu, monkeypatch):
     assert "Traceback" not in finished.stderr + finished.stdout
 
 
-def test_a_bad_gemm_backend_for_the_cpu_bed_is_one_line(smollm2_cpu, monkeypatch):
-    from sglang_spec.sglang_plugin.cpu.linear import GEMM_ENV
-
-    monkeypatch.setenv(GEMM_ENV, "blas")
-    finished = launch(smollm2_cpu, [])
-    errors = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
-    assert finished.returncode != 0
-    assert len(errors) == 1 and f"{GEMM_ENV}='blas' is not a GEMM backend" in errors[0], finished.stderr[-2000:]
-    assert "Traceback" not in finished.stderr + finished.stdout
-
-
-def test_a_bad_draft_weight_dtype_for_the_cpu_bed_is_one_line(smollm2_cpu, monkeypatch):
-    from sglang_spec.sglang_plugin.cpu.linear import DRAFT_WEIGHTS_ENV
-
-    monkeypatch.setenv(DRAFT_WEIGHTS_ENV, "fp8")
-    finished = launch(smollm2_cpu, [])
-    errors = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
-    assert finished.returncode != 0
-    assert len(errors) == 1 and f"{DRAFT_WEIGHTS_ENV}='fp8' is not a draft weight dtype" in errors[0], \
-        finished.stderr[-2000:]
-    assert "Traceback" not in finished.stderr + finished.stdout
-
-
-def test_a_bad_prefill_thread_count_for_the_cpu_bed_is_one_line(smollm2_cpu, monkeypatch):
+@pytest.mark.parametrize("variable, value, message", [
+    ("SGLANG_SPEC_CPU_GEMM", "blas", "is not a GEMM backend"),
+    ("SGLANG_SPEC_CPU_DRAFT_WEIGHTS", "fp8", "is not a draft weight dtype"),
+    ("SGLANG_SPEC_CPU_PREFILL_THREADS", "0", "is not a thread count"),
+])
+def test_a_bad_setting_of_the_cpu_bed_is_one_line(smollm2_cpu, monkeypatch, variable, value, message):
+    from sglang_spec.sglang_plugin.cpu.linear import DRAFT_WEIGHTS_ENV, GEMM_ENV
     from sglang_spec.sglang_plugin.cpu.threads import PREFILL_THREADS_ENV
 
-    monkeypatch.setenv(PREFILL_THREADS_ENV, "0")
+    assert variable in (GEMM_ENV, DRAFT_WEIGHTS_ENV, PREFILL_THREADS_ENV)  # the names the bed reads
+    monkeypatch.setenv(variable, value)
     finished = launch(smollm2_cpu, [])
     errors = [line for line in finished.stderr.splitlines() if line.startswith("error: ")]
     assert finished.returncode != 0
-    assert len(errors) == 1 and f"{PREFILL_THREADS_ENV}='0' is not a thread count" in errors[0], \
-        finished.stderr[-2000:]
+    assert len(errors) == 1 and f"{variable}={value!r} {message}" in errors[0], finished.stderr[-2000:]
     assert "Traceback" not in finished.stderr + finished.stdout

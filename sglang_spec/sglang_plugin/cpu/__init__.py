@@ -14,7 +14,8 @@ host's g++) run here unchanged, our plugin included:
   checked equal to SGLang's own Triton twin where one exists; ``attention``: decode and extend attention, tree mask
   included, for MHA and MLA pools; ``sampling``: the sampling-verify and renormalisation ops (set on SGLang's
   modules by ``patches``, which also holds the few behaviour hooks a CPU needs); ``linear``: sgl-kernel's packed
-  GEMM (``weight_packed_linear``) over float32 weights packed at load, for the linear layers and the LM head;
+  GEMM (``weight_packed_linear``) over float32 weights packed at load, for the linear layers and the LM head (the
+  draft model's own rounded to bfloat16 with ``SGLANG_SPEC_CPU_DRAFT_WEIGHTS=bfloat16``);
   ``tree_mask``: the tree-mask layout SGLang builds and the extend attention reads (``SGLANG_SPEC_CPU_TREE_MASK=full``
   runs the GPU's ``FULL_MASK`` instead of the CPU's ``QLEN_ONLY``).
   DeepSeek-V3's MoE needs no stand-in: SGLang's own CPU fallback serves it.
