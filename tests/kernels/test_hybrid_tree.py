@@ -113,6 +113,12 @@ CASES = [
     (3, 40, 6, 6, 3, 4, None, 2, 2, 2, True),
     (2, 3, 2, 5, 3, 2, 4, 2, 2, 8, True),
     (3, 50, 3, 9, 1, 3, 4, 2, 2, 4, False),
+    # large budgets, deep trees: a lookup growth needs every one of its passes
+    (2, 200, 5, 20, 5, 1, None, 3, 1, 1, False),
+    (1, 300, 5, 44, 7, 2, None, 1, 3, 5, False),
+    # a binding width bound: more distinct candidates than a node may keep
+    (2, 80, 6, 5, 5, 2, 1, 3, 2, 1, False),
+    (2, 60, 8, 9, 4, 4, 2, 2, 3, 4, True),
 ]
 
 
