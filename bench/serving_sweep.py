@@ -7,10 +7,10 @@ it instead, ``sglang-chain`` (EAGLE / NEXTN, one candidate a step, 3 steps), ``s
 with the same number of draft tokens as ours) and ``sglang-ngram`` (its n-gram corpus, no draft model); ours,
 ``chain``, ``eagle``, ``sequoia``, ``specexec``, ``lookup``, ``hybrid`` (``--speculative-tree-policy``), ``auto``
 (hybrid with ``--speculative-tree-auto``), ``lookup-device`` and ``hybrid-device`` (lookup / hybrid with
-``--speculative-tree-context-on device``: the same trees, grown on the device). For every method and budget the script launches
-``python -m sglang.launch_server``, waits for ``/health``, runs ``python -m sglang.bench_serving`` per workload and
-concurrency, stops the server (its whole process group), and collects the client's JSON lines into a CSV and a
-plot: output tokens/s and its ratio over plain in the same run (the faster of ``plain`` and ``plain-sync`` where
+``--speculative-tree-context-on device``: the same trees, grown on the device). For every method and budget the
+script launches ``python -m sglang.launch_server``, waits for ``/health``, runs ``python -m sglang.bench_serving``
+per workload and concurrency, stops the server (its whole process group), and collects the client's JSON lines
+into a CSV and a plot: output tokens/s and its ratio over plain in the same run (the faster of ``plain`` and ``plain-sync`` where
 both ran), mean accept length and p50 / p99 inter-token latency (speculation makes tokens arrive in bursts: p50
 ITL falls while p99 can rise).
 
