@@ -10,9 +10,9 @@ with the same number of draft tokens as ours) and ``sglang-ngram`` (its n-gram c
 ``--speculative-tree-context-on device``: the same trees, grown on the device). For every method and budget the
 script launches ``python -m sglang.launch_server``, waits for ``/health``, runs ``python -m sglang.bench_serving``
 per workload and concurrency, stops the server (its whole process group), and collects the client's JSON lines
-into a CSV and a plot: output tokens/s and its ratio over plain in the same run (the faster of ``plain`` and ``plain-sync`` where
-both ran), mean accept length and p50 / p99 inter-token latency (speculation makes tokens arrive in bursts: p50
-ITL falls while p99 can rise).
+into a CSV and a plot: output tokens/s and its ratio over plain in the same run (the faster of ``plain`` and
+``plain-sync`` where both ran), mean accept length and p50 / p99 inter-token latency (speculation makes tokens
+arrive in bursts: p50 ITL falls while p99 can rise).
 
 Workloads: ``heldout`` (HumanEval 134-163, never in the shipped heads' training), or ``serving``: three held-out
 sets no part of the project trained or tuned on, 32 distinct requests each: code (HumanEval 150-163, 134-149,
