@@ -46,8 +46,8 @@ def repeat_prompts(smollm2_cpu) -> list[list[int]]:
 
 # lookup-device / hybrid-device: trees grown on the device (--speculative-tree-context-on device), the host's trees,
 # under SGLang's overlap scheduler (the GPU's loop, where a request's output ids lag its device history by a step);
-# hybrid-overlap: host-built hybrid trees under that loop (the head's states differ a little from the synchronous
-# loop's, so the device hybrid compares with it; test_parity_under_load.py serves hybrid in both loops)
+# hybrid-overlap: host-built hybrid trees under that loop (the host hybrid server's histograms differ a little
+# between the two loops, so the device hybrid compares with it; test_parity_under_load.py serves hybrid in both)
 DEVICE_TWIN = {"lookup-device": "lookup", "hybrid-device": "hybrid-overlap"}
 
 
