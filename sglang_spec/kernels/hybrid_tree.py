@@ -40,11 +40,13 @@ from typing import Callable
 
 import torch
 
-from sglang_spec.kernels.lookup_tree import NgramMatch, compact_nodes, lookup_estimates
+from sglang_spec.kernels.lookup_tree import (NgramMatch, best_order, compact_nodes, lookup_estimates, select_best,
+                                             write_paths)
 from sglang_spec.kernels.ngram_match import ngram_match_reference
 from sglang_spec.tree.cost_model import CostCurve, step_seconds
 from sglang_spec.tree.draft import DraftTree
-from sglang_spec.tree.profile import LOOKUP_RANKS, MTP_BINS, MTP_DEPTHS, SOURCE_LOOKUP, SOURCE_MTP, SourceCounts
+from sglang_spec.tree.hybrid import node_cell, node_source, outcome_cells
+from sglang_spec.tree.profile import LOOKUP_RANKS, MTP_BINS, MTP_DEPTHS, SourceCounts
 from sglang_spec.tree.token_tree import TokenTree
 
 
@@ -252,13 +254,7 @@ class _Growth:
         self.tokens.scatter_(1, target, flat_tokens)
         self.parents.scatter_(1, target, flat_parents)
         self.depths.scatter_(1, target, depths)
-        if self.shape.depth > 1:
-            depth = self.shape.depth
-            parent_paths = self.paths[self.batch[:, None], flat_parents]  # [R, S * K, depth]
-            place = (depths - 1).clamp(max=depth - 1)
-            own = torch.arange(depth, device=tokens.device)[None, None, :] == place[..., None]
-            paths = torch.where(own, flat_tokens[..., None], parent_paths)
-            self.paths.scatter_(1, target[..., None].expand(-1, -1, depth), paths)
+        write_paths(self.paths, flat_parents, flat_tokens, depths, target)
         self.count = self.count + new.long().sum(1)
         return torch.where(new, new_ids, torch.where(merged, existing, spare))
 
@@ -320,14 +316,10 @@ class _Growth:
     def best(self) -> torch.Tensor:
         """[R, budget]: the host's ``_best(budget)``, best first, -1 where fewer."""
         budget, width = self.shape.budget, self.shape.width
-        exists = self._exists() & (self.node_ids[None, :] > 0)
-        key = torch.where(exists, -self.reach, torch.full_like(self.reach, float("inf")))
-        order = torch.sort(key, dim=1, stable=True).indices
         if width is None:
-            chosen = torch.gather(exists, 1, order)
-        else:
-            kept = self._kept_within_width(order, exists, width)
-            chosen = torch.gather(kept & exists, 1, order)
+            return select_best(self.reach, self.node_ids, self.count, budget)
+        order, exists = best_order(self.reach, self.node_ids, self.count)
+        chosen = torch.gather(self._kept_within_width(order, exists, width) & exists, 1, order)
         place = chosen.long().cumsum(1)
         take = chosen & (place <= budget)
         selected = torch.full((order.shape[0], budget + 1), -1, dtype=torch.int64, device=order.device)
@@ -386,11 +378,15 @@ class _Growth:
         return todo[:, :width]
 
     # pricing ----------------------------------------------------------------------------------------------------
+    def _reach_of(self, nodes: torch.Tensor) -> torch.Tensor:
+        """[R, S] the reach of ``nodes`` [R, S], 0 where -1 (padding)."""
+        return torch.where(nodes >= 0, torch.gather(self.reach, 1, nodes.clamp(min=0)),
+                           torch.zeros_like(self.reach[:, :1]))
+
     def level_pays(self, selected: torch.Tensor, todo: torch.Tensor, prices: torch.Tensor) -> torch.Tensor:
         """[R] bool, the host's ``_level_pays``: one more head level lowers the predicted time per token."""
         listed = selected >= 0
-        none = torch.zeros_like(self.reach[:, :1])
-        reach = torch.where(listed, torch.gather(self.reach, 1, selected.clamp(min=0)), none)
+        reach = self._reach_of(selected)
         accept = 1.0 + reach.cumsum(1)[:, -1]  # the host's sum, left to right
         forwards = self.mtp_forwards + 1
         nodes = listed.long().sum(1) + 1
@@ -411,8 +407,7 @@ class _Growth:
     def best_prefix(self, selected: torch.Tensor, prices: torch.Tensor) -> torch.Tensor:
         """``selected`` cut to the host's ``_best_prefix``: the count with the least predicted time per token."""
         listed = selected >= 0
-        reach = torch.where(listed, torch.gather(self.reach, 1, selected.clamp(min=0)),
-                            torch.zeros_like(self.reach[:, :1]))
+        reach = self._reach_of(selected)
         ones = torch.ones_like(reach[:, :1])
         accept = torch.cat([ones, reach], dim=1).cumsum(1)  # 1, then the host's running sum
         forwards = (self.mtp_forwards + 1)[:, None]
@@ -440,8 +435,8 @@ class _Growth:
 def hybrid_draft_trees(trees: HybridTrees, counts: SourceCounts, rows: list[bool] | None = None
                        ) -> list[DraftTree | None]:
     """The host's ``DraftTree`` of each request (what ``TreeDrafter.observe`` learns from), read from ``trees``:
-    the tree, each node's sources, the cells its outcome counts in (its source's, and the depth's top-1 cell for
-    the head's rank-0 candidate, as ``BestFirstBuilder`` gives them) and the estimates it was grown with. ``rows``:
+    the tree, each node's sources, the cells its outcome counts in (``tree/hybrid``'s ``node_cell`` and
+    ``outcome_cells``, as ``BestFirstBuilder`` gives them) and the estimates it was grown with. ``rows``:
     the requests to read (None: all); the others are None."""
     names = ("tokens", "parents", "match_lengths", "lookup_ranks", "mtp_probs", "mtp_ranks", "estimates", "reach")
     host = {name: getattr(trees, name).tolist() for name in names}
@@ -456,15 +451,9 @@ def hybrid_draft_trees(trees: HybridTrees, counts: SourceCounts, rows: list[bool
         cells: list[tuple[list[float], ...]] = [()]
         for node in range(1, count):
             match, prob = host["match_lengths"][row][node], host["mtp_probs"][row][node]
-            if match and prob >= 0:
-                cell = counts.both_cell(match)
-            elif match:
-                cell = counts.lookup_cell(match, host["lookup_ranks"][row][node])
-            else:
-                cell = counts.mtp_cell(depths[node], prob)
-            top1 = host["mtp_ranks"][row][node] == 0
-            cells.append((cell, counts.mtp_top1_cell(depths[node])) if top1 else (cell,))
-            sources.append((SOURCE_LOOKUP if match else 0) | (SOURCE_MTP if prob >= 0 else 0))
+            cell = node_cell(counts, depths[node], match, host["lookup_ranks"][row][node], prob)
+            cells.append(outcome_cells(counts, cell, depths[node], host["mtp_ranks"][row][node]))
+            sources.append(node_source(match, prob))
         result.append(DraftTree(tree=tree, sources=tuple(sources), cells=tuple(cells),
                                 estimates=tuple(host["estimates"][row][:count]), mtp_forwards=forwards,
                                 expected_accept_length=1.0 + math.fsum(host["reach"][row][1:count])))

@@ -97,7 +97,7 @@ def build_lookup_trees(history: torch.Tensor, lengths: torch.Tensor, rows: torch
             expand = torch.zeros(requests, 1, dtype=torch.int64, device=device)
             expanding = torch.ones(requests, 1, dtype=torch.bool, device=device)
         else:
-            expand = _best(reach, node_ids, count, budget)
+            expand = select_best(reach, node_ids, count, budget)
             expanding = (expand >= 0) & (torch.gather(depths, 1, expand.clamp(min=0)) == level)
         slots = expand.shape[1]
         query_nodes = expand.clamp(min=0)
@@ -124,16 +124,10 @@ def build_lookup_trees(history: torch.Tensor, lengths: torch.Tensor, rows: torch
         ranks.scatter_(1, target, child_ranks.reshape(requests, -1))
         depths.scatter_(1, target, child_depths)
         reach.scatter_(1, target, child_reach)
-        if depth > 1:
-            # a child's path: its parent's, then its own token at its depth
-            parent_paths = paths[batch[:, None], child_parents]  # [R, slots * width, depth]
-            position = (child_depths - 1).clamp(max=depth - 1)
-            own = torch.arange(depth, device=device)[None, None, :] == position[:, :, None]
-            child_paths = torch.where(own, child_tokens.reshape(requests, -1, 1), parent_paths)
-            paths.scatter_(1, target[:, :, None].expand(-1, -1, depth), child_paths)
+        write_paths(paths, child_parents, child_tokens.reshape(requests, -1), child_depths, target)
         count = count + flat_made.long().sum(1)
 
-    chosen = _best(reach, node_ids, count, budget)
+    chosen = select_best(reach, node_ids, count, budget)
     keep = torch.zeros(requests, capacity + 1, dtype=torch.bool, device=device)
     keep.scatter_(1, torch.where(chosen >= 0, chosen, capacity), True)
     keep[:, 0] = True
@@ -142,11 +136,33 @@ def build_lookup_trees(history: torch.Tensor, lengths: torch.Tensor, rows: torch
                     reach[:, nodes], budget)
 
 
-def _best(reach: torch.Tensor, node_ids: torch.Tensor, count: torch.Tensor, budget: int) -> torch.Tensor:
-    """[R, budget] the non-root nodes of highest reach, ties to the lower id (a stable sort), -1 where fewer."""
+def write_paths(paths: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor,
+                target: torch.Tensor) -> None:
+    """New nodes' paths into ``paths`` [R, C, D] (tokens below the root, -1 padded) at columns ``target`` [R, N]:
+    each its parent's (``parents`` [R, N]) with its own token (``tokens``) at its depth (``depths``). With D = 1
+    (trees of depth 1, whose nodes are never looked up) nothing is written."""
+    width = paths.shape[2]
+    if width == 1:
+        return
+    batch = torch.arange(paths.shape[0], device=paths.device)
+    parent_paths = paths[batch[:, None], parents]  # [R, N, D]
+    position = (depths - 1).clamp(max=width - 1)
+    own = torch.arange(width, device=paths.device)[None, None, :] == position[:, :, None]
+    paths.scatter_(1, target[:, :, None].expand(-1, -1, width), torch.where(own, tokens[:, :, None], parent_paths))
+
+
+def best_order(reach: torch.Tensor, node_ids: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nodes [R, C] by reach, highest first, ties to the lower id (a stable sort), the root and the nodes past
+    ``count`` last; and [R, C] which non-root nodes exist."""
     exists = (node_ids[None, :] < count[:, None]) & (node_ids[None, :] > 0)
     key = torch.where(exists, -reach, torch.full_like(reach, float("inf")))
-    order = torch.sort(key, dim=1, stable=True).indices[:, :budget]
+    return torch.sort(key, dim=1, stable=True).indices, exists
+
+
+def select_best(reach: torch.Tensor, node_ids: torch.Tensor, count: torch.Tensor, budget: int) -> torch.Tensor:
+    """[R, budget] the non-root nodes of highest reach (``best_order``), -1 where fewer."""
+    order, exists = best_order(reach, node_ids, count)
+    order = order[:, :budget]
     return torch.where(torch.gather(exists, 1, order), order, torch.full_like(order, -1))
 
 

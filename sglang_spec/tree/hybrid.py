@@ -75,6 +75,27 @@ def build_best_first(policy: TreePolicy, root_token: int, sources: DraftSources,
         return done.value
 
 
+def node_cell(calibration: SourceCounts, depth: int, match: int, lookup_rank: int, mtp_prob: float) -> list[float]:
+    """The counts cell that rates a node: "both" by match length where both sources proposed it, else the lookup's
+    by match length and rank, else the head's by depth and draft probability (``match`` 0: no lookup proposal;
+    ``mtp_prob`` -1: no head proposal)."""
+    if match and mtp_prob >= 0:
+        return calibration.both_cell(match)
+    if match:
+        return calibration.lookup_cell(match, lookup_rank)
+    return calibration.mtp_cell(depth, mtp_prob)
+
+
+def outcome_cells(calibration: SourceCounts, cell: list[float], depth: int, mtp_rank: int) -> tuple[list[float], ...]:
+    """The cells a node's outcome counts in: its own, and the depth's top-1 cell for the head's rank-0 candidate."""
+    return (cell, calibration.mtp_top1_cell(depth)) if mtp_rank == 0 else (cell,)
+
+
+def node_source(match: int, mtp_prob: float) -> int:
+    """A draft node's source bits (``SOURCE_LOOKUP`` | ``SOURCE_MTP``)."""
+    return (SOURCE_LOOKUP if match else 0) | (SOURCE_MTP if mtp_prob >= 0 else 0)
+
+
 class BestFirstBuilder:
     """Best-first growth over both sources (module doc) for one request. Nodes live in a GrowingTree (the head's
     exact-ancestry drafting reads its parents, depths and tokens); per-node side lists hold what the sources
@@ -119,15 +140,10 @@ class BestFirstBuilder:
         return node
 
     def _rate(self, node: int) -> None:
-        calibration = self.calibration
-        if self.match[node] and self.mtp_prob[node] >= 0:
-            cell = calibration.both_cell(self.match[node])
-        elif self.match[node]:
-            cell = calibration.lookup_cell(self.match[node], self.lookup_rank[node])
-        else:
-            cell = calibration.mtp_cell(self.tree.depths[node], self.mtp_prob[node])
+        cell = node_cell(self.calibration, self.tree.depths[node], self.match[node], self.lookup_rank[node],
+                         self.mtp_prob[node])
         self.cell[node] = cell
-        self.estimate[node] = calibration.estimate(cell)
+        self.estimate[node] = self.calibration.estimate(cell)
 
     def _lookup_expand(self, node: int) -> None:
         self.lookup_done.add(node)
@@ -258,17 +274,12 @@ class BestFirstBuilder:
         cell = self.cell[node]
         if cell is None:
             return ()
-        if self.mtp_rank[node] == 0:
-            return (cell, self.calibration.mtp_top1_cell(self.tree.depths[node]))
-        return (cell,)
+        return outcome_cells(self.calibration, cell, self.tree.depths[node], self.mtp_rank[node])
 
     def _result(self, selected: Sequence[int], reach: list[float]) -> DraftTree:
         ids = sorted({0, *selected})
         subtree = self.tree.subtree(ids)
-        sources = tuple(
-            0 if node == 0 else (SOURCE_LOOKUP if self.match[node] else 0) | (SOURCE_MTP if self.mtp_prob[node] >= 0 else 0)
-            for node in ids
-        )
+        sources = tuple(0 if node == 0 else node_source(self.match[node], self.mtp_prob[node]) for node in ids)
         return DraftTree(
             tree=subtree,
             sources=sources,
