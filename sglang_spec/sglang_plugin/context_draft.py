@@ -298,9 +298,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
                                                            root_candidates.probs[row: row + 1]))
 
     step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, batch, width, drafter.steps)
-    pool = worker.draft_runner.token_to_kv_pool
     beam_of: list[dict[int, int]] = [{0: 0} for _ in range(batch)]  # node -> its beam in the last forward
-    hidden_rows = torch.arange(batch, device=device).repeat_interleave(width)  # root state per beam
     state = spec_info.hidden_states
     for step in range(1, drafter.steps):
         if not pending:
@@ -313,13 +311,8 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
             for beam, node in enumerate(nodes):
                 tokens[row, beam] = tree.tokens[node]
                 parent_beam[row, beam] = beam_of[row][tree.parents[node]]
-        parent_beam = parent_beam.to(device)
-        if step > 1:
-            hidden_rows = (parent_beam + (torch.arange(batch, device=device) * width)[:, None]).reshape(-1)
-            target, source = ancestry_permutation(parent_beam, step_locs, step - 1)
-            permute_kv(pool, target, source)
-        output, topk_p, topk_index = forward_beams(worker, forward_batch, step, tokens.reshape(-1).to(device),
-                                                   state[hidden_rows], step_locs[step - 1], topk)
+        output, topk_p, topk_index = head_round(worker, forward_batch, step, tokens.to(device),
+                                                parent_beam.to(device), state, step_locs, permute_kv, topk)
         state = output.hidden_states
         topk_p, topk_index = to_host(topk_p.float(), topk_index)
         topk_p, topk_index = _finite(topk_p).view(batch, width, topk), topk_index.view(batch, width, topk)
@@ -338,6 +331,25 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     encoding = encode_sglang_draft(padded, width, drafter.steps)
     return (encoding.parent_list.to(device), encoding.top_scores_index.to(device),
             encoding.draft_tokens.to(device), None)
+
+
+def head_round(worker: Any, forward_batch: Any, step: int, tokens: torch.Tensor, parent_beam: torch.Tensor,
+               state: torch.Tensor, step_locs: torch.Tensor, permute_kv: Callable, topk: int
+               ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """One head level of a context tree over the batch's W beams, as both context paths run it: beam (r, w) is
+    node token ``tokens[r, w]`` ([R, W], on the device); at step 1 every beam reads its request's root state
+    (``state`` [R, H]), past it the state of its parent beam ``parent_beam[r, w]`` in the last forward (``state``
+    [R * W, H]), whose KV history its own column takes first. Returns ``forward_beams``' output and top-``topk``."""
+    batch, width = tokens.shape
+    requests = torch.arange(batch, device=tokens.device)
+    if step == 1:
+        hidden_rows = requests.repeat_interleave(width)
+    else:
+        hidden_rows = (parent_beam + (requests * width)[:, None]).reshape(-1)
+        target, source = ancestry_permutation(parent_beam, step_locs, step - 1)
+        permute_kv(worker.draft_runner.token_to_kv_pool, target, source)
+    return forward_beams(worker, forward_batch, step, tokens.reshape(-1), state[hidden_rows], step_locs[step - 1],
+                         topk)
 
 
 def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -449,8 +461,6 @@ def device_hybrid_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[
     root_probs = spec_info.topk_p[:, :topk].float()
     finite = finite_rows(root_probs, batch)
     step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, batch, width, drafter.steps)
-    pool = worker.draft_runner.token_to_kv_pool
-    requests = torch.arange(batch, device=device)
     beams = torch.arange(width, device=device)
     carried = {"state": spec_info.hidden_states, "finite": finite}
     beam_of: list[torch.Tensor] = []  # [R, C + 1]: each node's beam in the last head round (the root: 0)
@@ -467,14 +477,8 @@ def device_hybrid_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[
         parent_beam = beams.repeat(batch, 1)  # a beam of no node reads its own column, as the host path's
         parents = torch.gather(growth.parents, 1, node_ids).clamp(min=0)
         parent_beam[:, :slots] = torch.where(listed, torch.gather(beam_of[0], 1, parents), beams[:slots])
-        if step == 1:
-            hidden_rows = requests.repeat_interleave(width)
-        else:
-            hidden_rows = (parent_beam + (requests * width)[:, None]).reshape(-1)
-            target, source = ancestry_permutation(parent_beam, step_locs, step - 1)
-            permute_kv(pool, target, source)
-        output, topk_p, topk_index = forward_beams(worker, forward_batch, step, tokens.reshape(-1),
-                                                   carried["state"][hidden_rows], step_locs[step - 1], topk)
+        output, topk_p, topk_index = head_round(worker, forward_batch, step, tokens, parent_beam, carried["state"],
+                                                step_locs, permute_kv, topk)
         carried["state"] = output.hidden_states
         probs = topk_p.float().view(batch, width, topk)[:, :slots]
         carried["finite"] = carried["finite"] & torch.where(listed[..., None], torch.isfinite(probs), True).view(
