@@ -229,7 +229,7 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
     context_on = values.get("speculative_tree_context_on") or "host"
     if context_on not in CONTEXT_ON_CHOICES:
         raise SpecError(f"--speculative-tree-context-on takes {' or '.join(CONTEXT_ON_CHOICES)}, got {context_on!r}")
-    if context_on == "device" and (policy not in ("lookup", "hybrid") or auto):
+    if context_on == "device" and (policy not in CONTEXT_POLICY_NAMES or auto):
         raise SpecError("--speculative-tree-context-on device grows lookup and hybrid trees without "
                         "--speculative-tree-auto (auto's sizing and pricing run on the host); use "
                         "--speculative-tree-policy lookup or hybrid without --speculative-tree-auto, or drop it")
