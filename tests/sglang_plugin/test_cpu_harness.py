@@ -162,6 +162,38 @@ def test_extend_attention_with_a_tree_mask_and_decode_attention_match_sdpa():
         assert torch.allclose(decoded[row], want[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("own_slots, calls", [(3, 2), (30, 5)])
+def test_decode_rows_sharing_a_prefix_attend_together_and_match_the_explicit_softmax(monkeypatch, own_slots, calls):
+    """A draft step's beams (rows whose tables share a request's prefix, then slots of their own) attend in one
+    pass per request where the prefix outweighs their own slots, else row by row; every row against the explicit
+    softmax over its own table either way."""
+    torch.manual_seed(3)
+    slots, heads, kv_heads, dim, prefix = 256, 4, 2, 8, 20
+    k_buffer, v_buffer = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    free = torch.randperm(slots).tolist()
+    request_a, request_b = free[:prefix], free[prefix:2 * prefix]
+    free = free[2 * prefix:]
+    req_to_token = torch.zeros(5, prefix + own_slots + 2, dtype=torch.int32)
+    lengths = []
+    for row, (request, extra) in enumerate([(request_a, own_slots), (request_a, own_slots - 1), (request_a, 0),
+                                            (request_b, own_slots), (request_b, own_slots + 2)]):
+        own, free = free[:extra], free[extra:]
+        req_to_token[row, :prefix + extra] = torch.tensor(request + own, dtype=torch.int32)
+        lengths.append(prefix + extra)
+    passes = []
+    attend = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda *args, **kwargs: passes.append(1) or attend(*args, **kwargs))
+    q = torch.randn(5, heads, dim)
+    decoded = torch.empty(5, heads, dim)
+    attention.decode_attention_cpu(q, k_buffer, v_buffer, 1.0, 1.0, decoded, None, None, None, None, req_to_token,
+                                   torch.arange(5), torch.tensor(lengths), 0.3, 0.0, False, 0, None, None)
+    assert len(passes) == calls
+    for row, length in enumerate(lengths):
+        keys = req_to_token[row, :length].long()
+        want = sdpa(q[row:row + 1], k_buffer[keys], v_buffer[keys], torch.ones(1, length, dtype=torch.bool), 0.3)
+        assert torch.allclose(decoded[row], want[0], atol=1e-5)
+
+
 def extend_row_one_causally(q, out, k_buffer, v_buffer, req_to_token, prefix: int, new: int, sliding_window: int,
                             logit_cap: float):
     """The extend stand-in over request row 1 (``new`` causal queries after ``prefix`` cached tokens, scaling 0.3)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -74,7 +75,11 @@ class LlamaForCausalLMNextN(nn.Module):
                                                     prefix=add_prefix("model.embed_tokens", prefix))
         model.enorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         model.hnorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        model.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        # SGLang's linear layer, unquantized as DeepSeek's NextN keeps it (on a GPU F.linear, as nn.Linear was),
+        # so a CPU engine runs it on its packed GEMM with the head's other layers (nn.Linear on the bed: ~1 ms of
+        # a 53 ms extraction step at one request, over the draft extend and the head's rounds)
+        model.eh_proj = ReplicatedLinear(2 * config.hidden_size, config.hidden_size, bias=False, quant_config=None,
+                                         prefix=add_prefix("model.eh_proj", prefix))
         model.decoder = _HeadLayer(config, quant_config, add_prefix("model.decoder", prefix))
         model.shared_head_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.model = model
@@ -89,7 +94,7 @@ class LlamaForCausalLMNextN(nn.Module):
         model = self.model
         embedded = model.embed_tokens(input_ids) if input_embeds is None else input_embeds
         previous = forward_batch.spec_info.hidden_states  # [T, d]: target states, or this head's fed-back ones
-        fused = model.eh_proj(torch.cat([model.enorm(embedded), model.hnorm(previous)], dim=-1))
+        fused, _ = model.eh_proj(torch.cat([model.enorm(embedded), model.hnorm(previous)], dim=-1))
         hidden = model.decoder(positions, fused, forward_batch)
         normed = model.shared_head_norm(hidden)
         before_norm = hidden if self.feedback == "pre_norm" else None
