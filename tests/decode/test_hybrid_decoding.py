@@ -86,21 +86,31 @@ def test_the_lookup_policy_needs_no_head(tiny):
         SpeculativeDecoder(loaded.model, None, TreePolicy("hybrid", budget=6, depth=6))
 
 
-@pytest.mark.slow
-@pytest.mark.model
-@pytest.mark.parametrize("name", ["lookup", "hybrid"])
-def test_smollm2_greedy_identity(smollm2, name, near_tie_report):
+@pytest.fixture(scope="module")
+def smollm2_case(smollm2):
+    """HumanEval 120-125 and five chat prompts, their greedy config, and plain decoding's answers (decoded once for
+    every policy and batch size below)."""
     from test_smollm2_identity import CHAT
     from sglang_spec.train.generate_traffic import prompt_tokens
     from sglang_spec.train.prompts import humaneval_prompts
 
-    loaded, head = smollm2
+    loaded, _ = smollm2
     prompts = [prompt_tokens(loaded, spec) for spec in humaneval_prompts(120, 125)]
     prompts += [loaded.encode_prompt(text) for text in CHAT[:5]]
     config = GenerationConfig(max_new_tokens=24, eos_token_ids=loaded.eos_token_ids)
+    return prompts, config, generate_plain(loaded.model, prompts, config)
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["lookup", "hybrid"])
+def test_smollm2_greedy_identity(smollm2, smollm2_case, name, near_tie_report):
+    loaded, head = smollm2
+    prompts, config, plain = smollm2_case
     policy = TreePolicy(name, budget=12, depth=8, mtp_levels=2)
-    outputs = check_identity(loaded.model, head, prompts, policy, config, batch_size=1, report=near_tie_report)
-    check_identity(loaded.model, head, prompts, policy, config, batch_size=4, report=near_tie_report)
+    outputs = check_identity(loaded.model, head, prompts, policy, config, batch_size=1, report=near_tie_report,
+                             plain=plain)
+    check_identity(loaded.model, head, prompts, policy, config, batch_size=4, report=near_tie_report, plain=plain)
     lengths = [length for request in outputs for length in request.accept_lengths]
     assert sum(lengths) / len(lengths) > 1.3
 

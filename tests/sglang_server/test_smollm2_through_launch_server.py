@@ -165,8 +165,10 @@ def test_the_bed_packs_its_gemms_and_decodes_as_f_linear_does(smollm2_plain, smo
     assert re.search(rf"\[sglang_spec\] CPU bed: \d+ float32 weights of the target model packed for the {backend} "
                      "GEMM", packed_log), packed_log[-3000:]
     tree_log = (server_logs / "smollm2-sequoia-15-4-4.log")
-    if tree_log.exists():  # the tree servers above ran in this session: their draft model is packed too
-        assert "weights of the draft model packed" in tree_log.read_text(errors="replace")
+    if tree_log.exists():  # the tree servers above ran in this session: their draft model is packed too, every
+        # linear layer of the head (q/k/v, o, gate/up, down, eh_proj) and its LM head
+        assert f"6 float32 weights of the draft model packed for the {backend} GEMM" in \
+            tree_log.read_text(errors="replace")
     monkeypatch.setenv(GEMM_ENV, "linear")
     with running_server(smollm2_cpu, server_logs, "smollm2-plain-f-linear", speculative=False) as server:
         answers = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
