@@ -139,7 +139,7 @@ def decode_attention_cpu(q, k_buffer, v_buffer, k_scale, v_scale, o, k_new, v_ne
     """One query per row b: attends to the row's first ``seq_lens[b]`` table slots. When ``k_new`` / ``v_new`` are
     given the kernel first stores them at ``cache_loc`` (the backend leaves that write to it). Rows whose tables
     share a prefix (a draft step's beams) attend together: the prefix gathered once, each row's own slots after it
-    behind a mask (one request's three head rounds of up to 11 beams: a Python pass a beam saved)."""
+    behind a mask (one Python pass a request rather than a beam in each head round)."""
     _unsupported(is_cross, sinks)
     if k_new is not None and v_new is not None:
         slots = cache_loc.long()
