@@ -162,34 +162,31 @@ def test_extend_attention_with_a_tree_mask_and_decode_attention_match_sdpa():
         assert torch.allclose(decoded[row], want[0], atol=1e-5)
 
 
-@pytest.mark.parametrize("own_slots, calls", [(3, 2), (30, 5)])
-def test_decode_rows_sharing_a_prefix_attend_together_and_match_the_explicit_softmax(monkeypatch, own_slots, calls):
-    """A draft step's beams (rows whose tables share a request's prefix, then slots of their own) attend in one
-    pass per request where the prefix outweighs their own slots, else row by row; every row against the explicit
-    softmax over its own table either way."""
+@pytest.mark.parametrize("tagged, passes", [(True, 2), (False, 6)])
+def test_a_draft_steps_beams_attend_once_per_request_and_match_the_explicit_softmax(monkeypatch, tagged, passes):
+    """A draft step's per-beam table (``build_draft_decode_metadata_cpu``: a request's prefix, then each beam's own
+    draft slots) carries its requests' prefix lengths, and the decode stand-in attends each request's beams in one
+    pass; the same table untagged goes row by row. Every row against the explicit softmax over its own slots."""
     torch.manual_seed(3)
-    slots, heads, kv_heads, dim, prefix = 256, 4, 2, 8, 20
+    slots, heads, kv_heads, dim, topk, steps = 256, 4, 2, 8, 3, 3
     k_buffer, v_buffer = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
-    free = torch.randperm(slots).tolist()
-    request_a, request_b = free[:prefix], free[prefix:2 * prefix]
-    free = free[2 * prefix:]
-    req_to_token = torch.zeros(5, prefix + own_slots + 2, dtype=torch.int32)
-    lengths = []
-    for row, (request, extra) in enumerate([(request_a, own_slots), (request_a, own_slots - 1), (request_a, 0),
-                                            (request_b, own_slots), (request_b, own_slots + 2)]):
-        own, free = free[:extra], free[extra:]
-        req_to_token[row, :prefix + extra] = torch.tensor(request + own, dtype=torch.int32)
-        lengths.append(prefix + extra)
-    passes = []
+    req_to_token = torch.randperm(slots)[:128].view(2, 64).to(torch.int32)
+    prefixes = torch.tensor([20, 25])
+    table = ops.build_draft_decode_metadata_cpu(req_to_token, torch.tensor([0, 1]), prefixes, topk, steps, 64)
+    if not tagged:
+        table = table.clone()  # a tensor without the attribute: what every other decode table is
+    lengths = prefixes.repeat_interleave(topk) + 2  # the second draft step: prefix + two draft slots a beam
+    calls = []
     attend = attention._attend
-    monkeypatch.setattr(attention, "_attend", lambda *args, **kwargs: passes.append(1) or attend(*args, **kwargs))
-    q = torch.randn(5, heads, dim)
-    decoded = torch.empty(5, heads, dim)
-    attention.decode_attention_cpu(q, k_buffer, v_buffer, 1.0, 1.0, decoded, None, None, None, None, req_to_token,
-                                   torch.arange(5), torch.tensor(lengths), 0.3, 0.0, False, 0, None, None)
-    assert len(passes) == calls
-    for row, length in enumerate(lengths):
-        keys = req_to_token[row, :length].long()
+    monkeypatch.setattr(attention, "_attend", lambda *args, **kwargs: calls.append(1) or attend(*args, **kwargs))
+    q = torch.randn(2 * topk, heads, dim)
+    decoded = torch.empty(2 * topk, heads, dim)
+    attention.decode_attention_cpu(q, k_buffer, v_buffer, 1.0, 1.0, decoded, None, None, None, None, table,
+                                   torch.arange(2 * topk), lengths, 0.3, 0.0, False, 0, None, None)
+    assert len(calls) == passes
+    for row, length in enumerate(lengths.tolist()):
+        keys = table[row, :length].long()
+        assert len(set(keys.tolist())) == length  # a beam's own slots are not its prefix's or another beam's
         want = sdpa(q[row:row + 1], k_buffer[keys], v_buffer[keys], torch.ones(1, length, dtype=torch.bool), 0.3)
         assert torch.allclose(decoded[row], want[0], atol=1e-5)
 

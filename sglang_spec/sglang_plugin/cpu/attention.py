@@ -106,30 +106,26 @@ def _unsupported(is_cross: bool, sinks) -> None:
         raise NotImplementedError("the CPU attention stand-in serves decoder self-attention without sinks only")
 
 
-def _shared_prefix_groups(req_to_token, rows: list[int], lengths: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive rows whose tables start with the same slots, as (start, stop, shared) row ranges with
-    the length of the prefix all their tables share (a draft step's beams: one request's prefix, then each beam's
-    own draft slots). A run is kept only where the shared prefix outweighs the rows' own tails (else the rows
-    attend one by one: ``shared`` 0)."""
-    firsts = req_to_token[rows, 0].tolist()
+# set on a draft step's per-beam token table by the bed's ``build_draft_decode_metadata_cpu``: [bs] each request's
+# prefix length, which its ``topk`` consecutive rows (its beams) hold first, before their own draft slots
+BEAM_PREFIXES_ATTRIBUTE = "_sglang_spec_beam_prefixes"
+
+
+def _row_groups(req_to_token, rows: list[int], windowed: bool) -> list[tuple[int, int, int]]:
+    """(start, stop, shared): rows start..stop-1 attend in one pass over the ``shared`` table slots they all hold
+    first, then each over its own; ``shared`` 0: one row alone. A draft step's beams (``BEAM_PREFIXES_ATTRIBUTE``)
+    group by request; every other table, and any under a sliding window, goes row by row."""
+    prefixes = getattr(req_to_token, BEAM_PREFIXES_ATTRIBUTE, None)
+    if windowed or prefixes is None or rows != list(range(req_to_token.shape[0])):
+        return [(index, index + 1, 0) for index in range(len(rows))]
+    width = len(rows) // len(prefixes)
     groups = []
-    start = 0
-    for stop in range(1, len(rows) + 1):
-        if stop < len(rows) and firsts[stop] == firsts[start] and lengths[stop] and lengths[start]:
-            continue
-        shared = 0
-        if stop - start > 1:
-            shortest = min(lengths[start:stop])
-            tables = req_to_token[rows[start:stop], :shortest]
-            differs = (tables != tables[:1]).any(0).nonzero()
-            shared = int(differs[0]) if len(differs) else shortest
-            if sum(lengths[start:stop]) - (stop - start) * shared > shared:
-                shared = 0
-        if shared:
-            groups.append((start, stop, shared))
+    for request, prefix in enumerate(prefixes):
+        first = request * width
+        if prefix:
+            groups.append((first, first + width, prefix))
         else:
-            groups += [(row, row + 1, 0) for row in range(start, stop)]
-        start = stop
+            groups += [(row, row + 1, 0) for row in range(first, first + width)]
     return groups
 
 
@@ -137,9 +133,9 @@ def decode_attention_cpu(q, k_buffer, v_buffer, k_scale, v_scale, o, k_new, v_ne
                          req_to_token, req_pool_indices, seq_lens, scaling, logit_cap, is_cross, sliding_window,
                          encoder_lens, sinks):
     """One query per row b: attends to the row's first ``seq_lens[b]`` table slots. When ``k_new`` / ``v_new`` are
-    given the kernel first stores them at ``cache_loc`` (the backend leaves that write to it). Rows whose tables
-    share a prefix (a draft step's beams) attend together: the prefix gathered once, each row's own slots after it
-    behind a mask (one Python pass a request rather than a beam in each head round)."""
+    given the kernel first stores them at ``cache_loc`` (the backend leaves that write to it). A draft step's beams
+    (``BEAM_PREFIXES_ATTRIBUTE``) attend together per request: the prefix gathered once, each beam's own slots after
+    it behind a mask (one Python pass a request rather than a beam in each head round)."""
     _unsupported(is_cross, sinks)
     if k_new is not None and v_new is not None:
         slots = cache_loc.long()
@@ -148,9 +144,7 @@ def decode_attention_cpu(q, k_buffer, v_buffer, k_scale, v_scale, o, k_new, v_ne
             v_buffer[slots] = v_new.reshape(-1, *v_buffer.shape[1:]).to(v_buffer.dtype)
     rows, lengths = req_pool_indices.tolist(), seq_lens.tolist()
     windowed = _has_window(sliding_window)
-    groups = [(index, index + 1, 0) for index in range(len(rows))] if windowed else \
-        _shared_prefix_groups(req_to_token, rows, lengths)
-    for start, stop, shared in groups:
+    for start, stop, shared in _row_groups(req_to_token, rows, windowed):
         if not shared:
             row, length = rows[start], lengths[start]
             slots = req_to_token[row, :length].long()

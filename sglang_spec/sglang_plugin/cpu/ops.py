@@ -20,6 +20,7 @@ import os
 import numpy as np
 import torch
 
+from sglang_spec.sglang_plugin.cpu.attention import BEAM_PREFIXES_ATTRIBUTE
 from sglang_spec.sglang_plugin.cpu.tree_mask import first_use
 from sglang_spec.tree.encode_sglang import TreeMaskMode, decode_sglang_draft, encode_sglang_verify
 
@@ -137,6 +138,7 @@ def build_draft_decode_metadata_cpu(req_to_token, req_pool_indices, seq_lens, to
             out[:length] = source[:length]
             first = starts[request][beam]
             out[length:length + num_steps] = source[first:first + num_steps]
+    setattr(table, BEAM_PREFIXES_ATTRIBUTE, seq_lens.tolist())  # the decode stand-in attends a request's beams once
     return table
 
 
