@@ -361,16 +361,27 @@ def median_over_rounds(rows: list[dict]) -> list[dict]:
 
 def add_speedups(rows: list[dict]) -> None:
     """Each row's output tokens/s over plain decoding's at the same workload and concurrency, in this run: the
-    faster of ``plain`` and ``plain-sync`` where both ran (a speedup is over the best plain decoding measured)."""
+    faster of ``plain`` and ``plain-sync`` where both ran (a speedup is over the best plain decoding measured).
+    Rows merged over rounds also get ``speedup_over_plain_rounds``: round r's tokens/s over the faster plain's in
+    round r (the servers of one round share the machine's phase, which moves tokens/s by 10-20% between rounds
+    here), so the spread of a median's ratio is in the JSON and the table."""
     plain: dict[tuple, float] = {}
+    plain_rounds: dict[tuple, list[float]] = {}
     for row in rows:
         if row["policy"] in PLAIN_METHODS and row["output_throughput"] is not None:
             key = (row["workload"], row["concurrency"])
             plain[key] = max(plain.get(key, 0.0), row["output_throughput"])
+            rounds = row.get("output_throughput_rounds") or []
+            best = plain_rounds.setdefault(key, [0.0] * len(rounds))
+            plain_rounds[key] = [max(a, b) for a, b in zip(best, rounds)]
     for row in rows:
-        base = plain.get((row["workload"], row["concurrency"]))
+        key = (row["workload"], row["concurrency"])
+        base = plain.get(key)
         if base and row["output_throughput"] is not None:
             row["speedup_over_plain"] = row["output_throughput"] / base
+        rounds, bases = row.get("output_throughput_rounds"), plain_rounds.get(key)
+        if rounds and bases and len(rounds) == len(bases) and all(bases):
+            row["speedup_over_plain_rounds"] = [value / base for value, base in zip(rounds, bases)]
 
 
 def write_csv_and_plot(rows: list[dict], out: Path) -> None:
@@ -453,12 +464,25 @@ def _bars(axes, panels, rows: list[dict]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'workload':<11}{'policy':<13}{'budget':>7}{'conc':>6}{'out tok/s':>11}{'x plain':>8}{'AL':>6}"
-          f"{'p50 ITL':>10}{'p99 ITL':>10}")
+    """One line a row; with rounds, ``rounds x`` gives the lowest and highest of the row's per-round ratios over
+    the faster plain (``add_speedups``) beside the ratio of the medians."""
+    spread = any(row.get("speedup_over_plain_rounds") for row in rows)
+
+    def rounds_column(row: dict | None) -> str:
+        if not spread:
+            return ""
+        if row is None:
+            return f"{'rounds x':>12}"
+        ratios = row.get("speedup_over_plain_rounds")
+        return f"{f'{min(ratios):.2f}-{max(ratios):.2f}' if ratios else '':>12}"
+
+    print(f"{'workload':<11}{'policy':<13}{'budget':>7}{'conc':>6}{'out tok/s':>11}{'x plain':>8}"
+          f"{rounds_column(None)}{'AL':>6}{'p50 ITL':>10}{'p99 ITL':>10}")
     for row in rows:
         ratio = row.get("speedup_over_plain")
         print(f"{row.get('workload', ''):<11}{row['policy']:<13}{row['budget']:>7}{row['concurrency']:>6}"
               f"{row['output_throughput'] or 0:>11.2f}{'' if ratio is None else f'{ratio:.2f}x':>8}"
+              f"{rounds_column(row)}"
               f"{row['accept_length'] or 1.0:>6.2f}{row['median_itl_ms'] or 0:>10.1f}{row['p99_itl_ms'] or 0:>10.1f}")
 
 

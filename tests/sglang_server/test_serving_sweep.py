@@ -89,6 +89,7 @@ def test_speedups_are_over_the_faster_plain_decoding_and_plain_sync_turns_overla
     sweep.add_speedups(rows)
     assert [round(r["speedup_over_plain"], 3) for r in rows] == [0.75, 1.0, 1.25, 1.0, 0.917, 1.25]
     assert rows[1]["budget"] == 0
+    assert not any("speedup_over_plain_rounds" in r for r in rows)  # one round: no per-round ratios
 
 
 def test_rounds_rotate_the_servers_so_each_takes_every_place():
@@ -104,7 +105,7 @@ def test_rounds_rotate_the_servers_so_each_takes_every_place():
     assert sweep.round_order([], 2) == []
 
 
-def test_rounds_report_each_figure_as_its_median_and_keep_every_round(tmp_path):
+def test_rounds_report_each_figure_as_its_median_and_keep_every_round(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
@@ -123,6 +124,12 @@ def test_rounds_report_each_figure_as_its_median_and_keep_every_round(tmp_path):
     assert merged[1]["output_throughput_rounds"] == [58.0, 64.0, 65.0]
     assert merged[0]["position_rounds"] == [0, 1, 0] and merged[1]["position_rounds"] == [1, 0, 1]
     assert merged[1]["speedup_over_plain"] == pytest.approx(64.0 / 63.0) and merged[1]["accept_length"] is None
+    # each round's ratio over that round's plain (the servers of a round share the machine's phase)
+    assert merged[1]["speedup_over_plain_rounds"] == pytest.approx([58.0 / 60.0, 64.0 / 66.0, 65.0 / 63.0])
+    assert merged[0]["speedup_over_plain_rounds"] == pytest.approx([1.0, 1.0, 1.0])
+    sweep.print_table(merged)
+    table = capsys.readouterr().out.splitlines()
+    assert "rounds x" in table[0] and "0.97-1.03" in table[2]
     with pytest.raises(SystemExit):
         sweep.parse_args(["--cpu-model", "smollm2", "--rounds", "0"])
     sweep.write_csv_and_plot(merged, tmp_path / "one.csv")  # one concurrency: bars by workload
