@@ -12,7 +12,9 @@ script launches ``python -m sglang.launch_server``, waits for ``/health``, runs 
 per workload and concurrency, stops the server (its whole process group), and collects the client's JSON lines
 into a CSV and a plot: output tokens/s and its ratio over plain in the same run (the faster of ``plain`` and
 ``plain-sync`` where both ran), mean accept length and p50 / p99 inter-token latency (speculation makes tokens
-arrive in bursts: p50 ITL falls while p99 can rise).
+arrive in bursts: p50 ITL falls while p99 can rise). With ``--rounds N`` every server runs N times in rotated
+order and each figure is its median; the table's ``rounds x`` gives the range of each round's ratio over that
+round's faster plain (servers of one round share the machine's phase), the JSON every round's figures.
 
 Workloads: ``heldout`` (HumanEval 134-163, never in the shipped heads' training), or ``serving``: three held-out
 sets no part of the project trained or tuned on, 32 distinct requests each: code (HumanEval 150-163, 134-149,
@@ -118,8 +120,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every server this many times, round by round (each server fresh; round r runs "
                              "them in the order rotated by r, so each takes every place in turn); the table, CSV "
-                             "and plot give each figure's median over the rounds, the JSON every round's tokens/s "
-                             "and place too (a 2-core CPU drifts 5%% between runs of one server)")
+                             "and plot give each figure's median over the rounds, the JSON every round's tokens/s, "
+                             "place and ratio over that round's faster plain too (a 2-core CPU drifts 5-20%% "
+                             "between runs of one server)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     for policy in args.policies.split(","):
