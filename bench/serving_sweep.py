@@ -374,7 +374,7 @@ def add_speedups(rows: list[dict]) -> None:
         if row["policy"] in PLAIN_METHODS and row["output_throughput"] is not None:
             key = (row["workload"], row["concurrency"])
             plain[key] = max(plain.get(key, 0.0), row["output_throughput"])
-            rounds = row.get("output_throughput_rounds") or []
+            rounds = [value or 0.0 for value in row.get("output_throughput_rounds") or []]  # None: not measured
             best = plain_rounds.setdefault(key, [0.0] * len(rounds))
             plain_rounds[key] = [max(a, b) for a, b in zip(best, rounds)]
     for row in rows:
@@ -383,7 +383,7 @@ def add_speedups(rows: list[dict]) -> None:
         if base and row["output_throughput"] is not None:
             row["speedup_over_plain"] = row["output_throughput"] / base
         rounds, bases = row.get("output_throughput_rounds"), plain_rounds.get(key)
-        if rounds and bases and len(rounds) == len(bases) and all(bases):
+        if rounds and bases and len(rounds) == len(bases) and all(bases) and None not in rounds:
             row["speedup_over_plain_rounds"] = [value / base for value, base in zip(rounds, bases)]
 
 
