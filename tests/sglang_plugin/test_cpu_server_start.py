@@ -1,9 +1,10 @@
 """``SGLangServer.start`` (``cpu/server.py``) against stand-in launchers: it reads only what the log gained since
 its last poll, so a bind failure written in two pieces across polls must still be seen, and a launcher that dies
-is reported with its last error line."""
+is reported with its last error line; ``stop(wait=False)`` returns before the group has gone, and a thread ends it."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 
@@ -36,3 +37,19 @@ def test_a_launcher_that_dies_is_reported_with_its_last_error(tmp_path, monkeypa
     monkeypatch.setattr(sys, "executable", launcher(tmp_path, "echo 'ValueError: no such model'\nexit 3\n"))
     with pytest.raises(SpecError, match=r"exited with status 3 during start-up \(ValueError: no such model\)"):
         server.SGLangServer([], 1, tmp_path / "server.log", env={}, cpu=False).start(timeout=30)
+
+
+def test_a_stop_without_waiting_returns_at_once_and_a_thread_ends_the_group(tmp_path):
+    # a launcher that takes its time over SIGTERM, as SGLang's does (its watchdog looks every 5 s)
+    process = subprocess.Popen(["sh", "-c", "trap 'sleep 2; exit 0' TERM; sleep 60 & wait; sleep 2"],
+                               start_new_session=True)
+    stand_in = server.SGLangServer([], 1, tmp_path / "server.log", env={}, cpu=False)
+    stand_in.process = process
+    server._RUNNING[process.pid] = process
+    started = time.monotonic()
+    stand_in.stop(wait=False)
+    assert time.monotonic() - started < 0.5 and process.poll() is None
+    deadline = time.monotonic() + 20
+    while process.pid in server._RUNNING and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process.poll() is not None and not server._group_alive(process.pid)

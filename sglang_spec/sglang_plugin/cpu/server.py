@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -248,11 +249,23 @@ class SGLangServer:
         raise SpecError(f"the SGLang server did not answer /health within {timeout:.0f} s "
                         f"({self.last_error()}); its log: {self.log_path}")
 
-    def stop(self, timeout: float = 8.0) -> None:
+    def stop(self, timeout: float = 8.0, wait: bool = True) -> None:
+        """Stops the server's process group (``_stop``). ``wait=False`` returns at once and leaves the stop to a
+        thread: SGLang's launcher looks for SIGTERM every 5 s, and an idle server has nothing to drain, so a caller
+        that goes on to start another server need not wait for it (the test suite; whatever is still running at
+        exit is stopped then)."""
         if self.process is None:
             return
-        _stop(self.process, timeout)
-        _RUNNING.pop(self.process.pid, None)
+        process = self.process
+
+        def finish() -> None:
+            _stop(process, timeout)
+            _RUNNING.pop(process.pid, None)
+
+        if wait:
+            finish()
+        else:
+            threading.Thread(target=finish, name=f"stop-sglang-{process.pid}", daemon=True).start()
 
     def log_tail(self, lines: int = 40) -> str:
         try:
