@@ -26,7 +26,7 @@ host's g++) run here unchanged, our plugin included:
   DeepSeek-V3 servers do).
 * ``server``: start and stop ``python -m sglang.launch_server`` on this CPU by process group, with hard timeouts;
   ``zygote``: the same launch forked from a process that imported the launcher's modules once (the test suite's
-  servers: ~5 s of each start's import saved).
+  servers: ~6 s of each start saved).
 * ``served_models``: the architectures the bed serves, which SGLang's registry imports instead of all its models
   (``SGLANG_EXTERNAL_MODEL_PACKAGE``; about 3 s of each launch's 25 s here); any other model still loads.
 * ``profile``: with ``SGLANG_SPEC_CPU_PROFILE=<folder>``, the scheduler's per-batch timings (target and draft

@@ -167,7 +167,8 @@ class PortTaken(SpecError):
 
 
 LAUNCHERS = ("exec", "fork")
-_RUNNING: dict[int, subprocess.Popen | zygote.ForkedProcess] = {}  # launchers started by this process and not yet stopped
+# launchers started by this process and not yet stopped
+_RUNNING: dict[int, subprocess.Popen | zygote.ForkedProcess] = {}
 
 
 @atexit.register
@@ -185,7 +186,7 @@ class SGLangServer:
         """``cpu``: run through the CPU harness (``server_environment``); False for a GPU host, where ``env``
         (default: this process's environment) is used as is. ``launcher``: ``exec`` starts ``python -m
         sglang.launch_server``; ``fork`` forks it from a process that has imported the launcher's modules under the
-        same environment (``zygote``: ~5 s less a start; the test suite's servers)."""
+        same environment (``zygote``: ~6 s less a start; the test suite's servers)."""
         if launcher not in LAUNCHERS:
             raise SpecError(f"launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
         self.launcher = launcher
