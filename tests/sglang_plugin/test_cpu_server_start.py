@@ -41,8 +41,12 @@ def test_a_launcher_that_dies_is_reported_with_its_last_error(tmp_path, monkeypa
 
 def test_a_stop_without_waiting_returns_at_once_and_a_thread_ends_the_group(tmp_path):
     # a launcher that takes its time over SIGTERM, as SGLang's does (its watchdog looks every 5 s)
-    process = subprocess.Popen(["sh", "-c", "trap 'sleep 2; exit 0' TERM; sleep 60 & wait; sleep 2"],
+    ready = tmp_path / "trapped"  # written once the trap is set: a SIGTERM before it would end the shell at once
+    process = subprocess.Popen(["sh", "-c", f"trap 'sleep 2; exit 0' TERM; touch {ready}; sleep 60 & wait; sleep 2"],
                                start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     stand_in = server.SGLangServer([], 1, tmp_path / "server.log", env={}, cpu=False)
     stand_in.process = process
     server._RUNNING[process.pid] = process
