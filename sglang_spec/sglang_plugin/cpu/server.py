@@ -210,7 +210,7 @@ class SGLangServer:
                             "manager or call start() once")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("w")
-        command = [sys.executable, "-m", "sglang.launch_server", *self.args]
+        command = [sys.executable, "-m", zygote.LAUNCHER_MODULE, *self.args]
         log.write("$ " + " ".join(command) + ("  (forked from a launcher zygote)" if self.launcher == "fork" else "")
                   + "\n")
         log.flush()

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from sglang_spec.errors import SpecError
+from sglang_spec.sglang_plugin.cpu import THREADS_BIND_ENV, patches, profile
+from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 
 LAUNCHER_MODULE = "sglang.launch_server"
 # what the launcher imports before its first log line (launch_server's own imports and its HTTP server's)
@@ -45,8 +47,8 @@ PRELOAD = (LAUNCHER_MODULE, "sglang.srt.entrypoints.http_server")
 # environment variables the bed reads only after the launcher's ``__main__`` starts (in the plugin's registration,
 # which SGLang runs there, or in the spawned scheduler): servers that differ in these alone share a zygote
 LATE_PREFIXES = ("SGLANG_SPEC_INJECT_", "PYTEST_")
-LATE_VARIABLES = frozenset({"SGLANG_SPEC_CPU_OVERLAP", "SGLANG_SPEC_CPU_PROFILE", "SGLANG_SPEC_CPU_PROFILE_CPROFILE",
-                            "SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_SPEC_ACCEPT_KERNELS"})
+LATE_VARIABLES = frozenset({patches.OVERLAP_ENV, profile.PROFILE_ENV, profile.CPROFILE_ENV, THREADS_BIND_ENV,
+                            ACCEPT_KERNELS_ENV})
 MAX_ZYGOTES = 2  # zygotes kept at once (each holds ~0.6 GB of imported modules); the least recently used goes
 POLL_S = 0.05  # ForkedProcess.wait: how often the zygote is asked
 ANSWER_TIMEOUT_S = 60.0  # a spawn or poll answer (a fork takes milliseconds; the zygote does nothing else)
@@ -64,11 +66,10 @@ class Zygote:
     """One helper process (``python -m sglang_spec.sglang_plugin.cpu.zygote`` under ``env``) and its children."""
 
     def __init__(self, env: Mapping[str, str], timeout: float = 120.0) -> None:
-        self.env = dict(env)
         self.key = import_key(env)
         self._lock = threading.Lock()
         self._pending = b""  # answer bytes read past the last full line
-        self.process = subprocess.Popen([sys.executable, "-m", __name__], env=self.env, stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([sys.executable, "-m", __name__], env=dict(env), stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         ready = self._read(timeout)
         if ready.get("ready") is not True:
