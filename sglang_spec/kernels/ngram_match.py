@@ -85,7 +85,7 @@ def _match_lengths(history, position, running, back, back_index, longest, N: tl.
 
 @triton.jit
 def _ngram_match_kernel(
-    history_ptr,  # [R, L] int64 token ids (row stride L)
+    history_ptr,  # [R, L] int64 token ids (row stride ROW_STRIDE)
     lengths_ptr,  # [R] int64 valid tokens per row
     query_rows_ptr,  # [Q] int64 history row of each query
     tails_ptr,  # [Q, T] int64 tail tokens (row stride T)
@@ -94,7 +94,7 @@ def _ngram_match_kernel(
     counts_ptr,  # out [Q, W] int64
     positions_ptr,  # out [Q, W] int64
     match_lengths_ptr,  # out [Q] int64
-    L,
+    ROW_STRIDE,
     T,
     N: tl.constexpr,  # max_ngram
     N_PAD: tl.constexpr,
@@ -110,7 +110,7 @@ def _ngram_match_kernel(
     tail_length = tl.load(tail_lengths_ptr + q)
     total = length + tail_length
     longest = tl.minimum(total, N)
-    history = history_ptr + row * L
+    history = history_ptr + row * ROW_STRIDE
     # the query's sequence backwards from its end: back[j] = sequence[total - 1 - j], j < longest
     back_index = tl.arange(0, N_PAD)
     index = total - 1 - back_index
@@ -180,16 +180,22 @@ def _ngram_match_kernel(
 def ngram_match(history: torch.Tensor, lengths: torch.Tensor, query_rows: torch.Tensor, tails: torch.Tensor,
                 tail_lengths: torch.Tensor, max_ngram: int, width: int, out: NgramMatches | None = None) -> NgramMatches:
     """Launcher: one program per query (module doc for the layouts; every tensor int64 on one device). Writes
-    ``out`` (made when None) and returns it."""
+    ``out`` (made when None) and returns it. The history's rows may be strided (a view of a wider buffer); the
+    per-query inputs are made contiguous, because the kernel indexes them densely: a batch of one request builds
+    its query rows by ``expand``, a stride-0 view whose element q the kernel would otherwise read past the end."""
     _check(history, lengths, query_rows, tails, tail_lengths, max_ngram, width)
+    if history.shape[1] and history.stride(1) != 1:
+        raise ValueError("history's rows must be contiguous (stride 1 along a row)")
     queries = tails.shape[0]
     out = NgramMatches.empty(queries, width, history.device) if out is None else out
+    if not all(buffer.is_contiguous() for buffer in (out.tokens, out.counts, out.positions, out.match_lengths)):
+        raise ValueError("out's buffers must be contiguous")
     if queries == 0:
         return out
     _ngram_match_kernel[(queries,)](
-        history, lengths, query_rows, tails, tail_lengths,
+        history, lengths.contiguous(), query_rows.contiguous(), tails.contiguous(), tail_lengths.contiguous(),
         out.tokens, out.counts, out.positions, out.match_lengths,
-        history.shape[1], max(tails.shape[1], 1),
+        history.stride(0), max(tails.shape[1], 1),
         N=max_ngram, N_PAD=triton.next_power_of_2(max_ngram), W=width, W_PAD=triton.next_power_of_2(width),
         OCCURRENCES=MAX_OCCURRENCES, BLOCK=BLOCK_POSITIONS,
     )

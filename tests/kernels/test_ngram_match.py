@@ -132,3 +132,34 @@ def test_bad_shapes_are_one_clear_error():
         ngram_match_reference(**{**inputs, "lengths": torch.tensor([3, 3])}, max_ngram=2, width=2)
     with pytest.raises(ValueError, match="width in 1"):
         ngram_match_reference(**inputs, max_ngram=2, width=MAX_OCCURRENCES + 1)
+
+
+def test_strided_inputs_answer_what_contiguous_ones_answer(kernel_device):
+    """Views as the growths pass them: a batch of one request queries through ``expand`` (query rows of stride 0),
+    the history is a column window of a wider buffer, tails and tail lengths are strided slices. The kernel reads
+    them as the reference reads their contiguous copies (on a GPU it read past the one-element row tensor, an
+    illegal address at 127 queries, before its launcher made them contiguous)."""
+    rng = np.random.default_rng(77)
+    histories = [random_history(rng, 60, 4) for _ in range(3)]
+    queries, max_ngram, width = 70, 6, 3
+    rows, tails = queries_for(rng, histories, queries, 4, 4)
+    rows = [2] * queries
+    inputs = as_tensors(histories, rows, tails)
+    expected = ngram_match_reference(**inputs, max_ngram=max_ngram, width=width)
+    wide = torch.full((3, inputs["history"].shape[1] + 9), -5, dtype=torch.int64)
+    wide[:, 4:4 + inputs["history"].shape[1]] = inputs["history"]
+    wide_tails = torch.full((queries, inputs["tails"].shape[1] + 3), -5, dtype=torch.int64)
+    wide_tails[:, :inputs["tails"].shape[1]] = inputs["tails"]
+    spaced_lengths = torch.stack([inputs["tail_lengths"], torch.zeros_like(inputs["tail_lengths"])], dim=1)
+    device = kernel_device
+    strided = {"history": wide.to(device)[:, 4:4 + inputs["history"].shape[1]],
+               "lengths": inputs["lengths"].to(device),
+               "query_rows": torch.tensor([2], device=device).expand(queries),
+               "tails": wide_tails.to(device)[:, :inputs["tails"].shape[1]],
+               "tail_lengths": spaced_lengths.to(device)[:, 0]}
+    assert strided["query_rows"].stride(0) == 0 and not strided["tails"].is_contiguous()
+    assert not strided["tail_lengths"].is_contiguous() and strided["history"].stride(0) != strided["history"].shape[1]
+    assert_same(ngram_match(**strided, max_ngram=max_ngram, width=width), expected)
+    transposed = inputs["history"].t().contiguous().t()
+    with pytest.raises(ValueError, match="history's rows must be contiguous"):
+        ngram_match(**{**inputs, "history": transposed}, max_ngram=max_ngram, width=width)
