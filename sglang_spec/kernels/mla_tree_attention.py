@@ -94,6 +94,7 @@ def _mla_tree_attention_kernel(
     BLOCK_H: tl.constexpr,  # heads a program; BLOCK_Q * BLOCK_H >= 16 (tl.dot's smallest M)
     BLOCK_N: tl.constexpr,  # >= the most tree tokens a request has
     BLOCK_L: tl.constexpr,  # latent columns per chunk; divides LATENT
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (tl.dot would round them to tf32), else "tf32"
 ):
     # program (b, query block, head block): queries [qb * BLOCK_Q, ...) of request b x heads [hb * BLOCK_H, ...),
     # as BLOCK_Q * BLOCK_H rows (row r: query r // BLOCK_H, head r % BLOCK_H) that share one read of the tree's rows
@@ -124,14 +125,14 @@ def _mla_tree_attention_kernel(
             q = tl.load(q_rows[:, None] + (chunk + columns)[None, :], mask=live[:, None], other=0.0)
             k = tl.load(c_kv_ptr + tree_rows[:, None] * c_kv_row + (chunk + columns)[None, :],
                         mask=in_tree[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k), scores)
+            scores = tl.dot(q, tl.trans(k), scores, input_precision=DOT_PRECISION)
         rope_columns = tl.arange(0, ROPE_PAD)
         in_rope = rope_columns < ROPE
         q_rope = tl.load(q_rope_ptr + (token * q_rope_token + head * q_rope_head)[:, None] + rope_columns[None, :],
                          mask=live[:, None] & in_rope[None, :], other=0.0)
         k_rope = tl.load(k_rope_ptr + tree_rows[:, None] * k_rope_row + rope_columns[None, :],
                          mask=in_tree[:, None] & in_rope[None, :], other=0.0)
-        scores = tl.dot(q_rope, tl.trans(k_rope), scores)
+        scores = tl.dot(q_rope, tl.trans(k_rope), scores, input_precision=DOT_PRECISION)
 
         # softmax in base 2 over the visible rows; an all-masked row keeps max -inf: weights 0, lse -inf
         scores = tl.where(visible, scores * scale_log2, float("-inf"))
@@ -148,7 +149,7 @@ def _mla_tree_attention_kernel(
         for chunk in range(0, LATENT, BLOCK_L):
             values = tl.load(c_kv_ptr + tree_rows[:, None] * c_kv_row + (chunk + columns)[None, :],
                              mask=in_tree[:, None], other=0.0)
-            attended = tl.dot(weights.to(values.dtype), values)
+            attended = tl.dot(weights.to(values.dtype), values, input_precision=DOT_PRECISION)
             tl.store(out_rows[:, None] + (chunk + columns)[None, :], attended.to(out_ptr.dtype.element_ty),
                      mask=live[:, None])
 
@@ -207,6 +208,9 @@ def mla_tree_attention(
         BLOCK_H=block_heads,
         BLOCK_N=max(16, triton.next_power_of_2(max_tree_tokens)),
         BLOCK_L=block_latent,
+        # float32 attention is exact float32, as the reference and a float32 server's other attention: a compiled
+        # tl.dot rounds float32 inputs to tf32 by default (about 3e-4 relative on a GPU; the interpreter does not)
+        DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
     )
     return out, lse
 

@@ -144,30 +144,36 @@ COMPILE_SCRIPT = textwrap.dedent("""
     from sglang_spec.kernels import mla_tree_attention as tree
 
     kernel = tree._mla_tree_attention_kernel
-    pointers = {"q_latent_ptr": "*bf16", "q_rope_ptr": "*bf16", "c_kv_ptr": "*bf16", "k_rope_ptr": "*bf16",
+
+    def pointers(dtype):
+        return {"q_latent_ptr": dtype, "q_rope_ptr": dtype, "c_kv_ptr": dtype, "k_rope_ptr": dtype,
                 "qo_indptr_ptr": "*i32", "mask_ptr": "*u8", "mask_start_ptr": "*i64", "mask_row_stride_ptr": "*i64",
-                "mask_column_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32", "scale_log2": "fp32"}
-    for block_q, block_n in ((1, 16), (4, 64)):  # DeepSeek-V3's widths, 1 and 64 tree tokens (the launcher's blocks)
-        constants = dict(LATENT=512, ROPE=64, ROPE_PAD=64, BLOCK_Q=block_q, BLOCK_H=16, BLOCK_N=block_n, BLOCK_L=64)
+                "mask_column_ptr": "*i64", "out_ptr": dtype, "lse_ptr": "*fp32", "scale_log2": "fp32"}
+
+    # DeepSeek-V3's widths in bf16, 1 and 64 tree tokens (the launcher's blocks); and float32, exact (ieee) dots
+    for dtype, precision, block_q, block_n in (("*bf16", "tf32", 1, 16), ("*bf16", "tf32", 4, 64),
+                                               ("*fp32", "ieee", 1, 16)):
+        constants = dict(LATENT=512, ROPE=64, ROPE_PAD=64, BLOCK_Q=block_q, BLOCK_H=16, BLOCK_N=block_n, BLOCK_L=64,
+                         DOT_PRECISION=precision)
         names = kernel.arg_names
-        signature = {name: pointers.get(name, "constexpr" if name in constants else "i64") for name in names}
+        signature = {name: pointers(dtype).get(name, "constexpr" if name in constants else "i64") for name in names}
         source = ASTSource(fn=kernel, signature=signature,
                            constexprs={(names.index(name),): value for name, value in constants.items()})
         compiled = compile(source, target=GPUTarget("cuda", 90, 32))
         assert "cubin" in compiled.asm, sorted(compiled.asm)
-        print("compiled", block_n)
+        print("compiled", dtype[1:], block_n)
 """)
 
 
 def test_the_tree_part_compiles_for_sm90():
     """Triton's compiler is stricter than its interpreter (types of loop-carried values, dot shapes): the kernel
-    compiled for an H100 at DeepSeek-V3's widths, in bf16, on this CPU (no GPU needed to lower to a cubin)."""
+    compiled for an H100 at DeepSeek-V3's widths, in bf16 and float32, on this CPU (no GPU needed to lower to a cubin)."""
     pytest.importorskip("triton.backends.nvidia")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["compiled", "16", "compiled", "64"]
+    assert result.stdout.split() == ["compiled", "bf16", "16", "compiled", "bf16", "64", "compiled", "fp32", "16"]
 
 
 @pytest.mark.gpu
