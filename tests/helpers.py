@@ -144,9 +144,10 @@ def law_p_value(law: dict[tuple[int, ...], float], samples: list[tuple[int, ...]
 MLA_HEADS, MLA_LATENT, MLA_ROPE = 3, 32, 8
 
 
-def paged_mla_batch(seed, batch, tree_tokens, page_size, mode):
+def paged_mla_batch(seed, batch, tree_tokens, page_size, mode, heads=MLA_HEADS, latent=MLA_LATENT, rope=MLA_ROPE):
     """B requests in a paged pool (each request's pages drawn at random, SGLang's slot = page * size + offset),
-    their trees' rows written at positions prefix .. prefix + n, SGLang's flat tree mask in ``mode``."""
+    their trees' rows written at positions prefix .. prefix + n, SGLang's flat tree mask in ``mode``; ``heads``
+    query heads over latent rows of ``latent + rope``."""
     rng = np.random.default_rng(seed)
     generator = torch.Generator().manual_seed(seed)
     prefixes = [int(p) for p in rng.integers(1, 50, size=batch)]
@@ -160,7 +161,7 @@ def paged_mla_batch(seed, batch, tree_tokens, page_size, mode):
         positions = torch.arange(prefix + tree_tokens)
         req_to_token[row, : prefix + tree_tokens] = torch.tensor(pages)[positions // page_size] * page_size + (
             positions % page_size)
-    kv_buffer = torch.randn(num_pages * page_size, 1, MLA_LATENT + MLA_ROPE, generator=generator)
+    kv_buffer = torch.randn(num_pages * page_size, 1, latent + rope, generator=generator)
     masks = [random_tree(rng, tree_tokens, 3, 5).ancestor_mask() for _ in range(batch)]
     if mode == TreeMaskMode.QLEN_ONLY:
         flat = torch.cat([mask.reshape(-1) for mask in masks])
@@ -171,9 +172,9 @@ def paged_mla_batch(seed, batch, tree_tokens, page_size, mode):
         prefixes=prefixes, rows=torch.tensor(rows), req_to_token=req_to_token, kv_buffer=kv_buffer, masks=masks,
         flat_mask=flat,
         tree_slots=torch.cat([req_to_token[row, p:p + tree_tokens] for row, p in zip(rows, prefixes)]),
-        q_latent=torch.randn(tokens, MLA_HEADS, MLA_LATENT, generator=generator),
-        q_rope=torch.randn(tokens, MLA_HEADS, MLA_ROPE, generator=generator),
-        scale=(MLA_LATENT + MLA_ROPE) ** -0.5,
+        q_latent=torch.randn(tokens, heads, latent, generator=generator),
+        q_rope=torch.randn(tokens, heads, rope, generator=generator),
+        scale=(latent + rope) ** -0.5,
     )
 
 
@@ -185,8 +186,9 @@ def paged_mla_reference(data, tree_tokens):
         queries = slice(b * tree_tokens, (b + 1) * tree_tokens)
         prefix_rows = rows[data["req_to_token"][row, :prefix].long()]
         tree_rows = rows[data["req_to_token"][row, prefix:prefix + tree_tokens].long()]
-        prefix_kv = prefix_rows[:, :MLA_LATENT], prefix_rows[:, MLA_LATENT:]
-        tree_kv = tree_rows[:, :MLA_LATENT], tree_rows[:, MLA_LATENT:]
+        latent = data["q_latent"].shape[-1]
+        prefix_kv = prefix_rows[:, :latent], prefix_rows[:, latent:]
+        tree_kv = tree_rows[:, :latent], tree_rows[:, latent:]
         outs.append(mla_tree_attention_reference(data["q_latent"][queries], data["q_rope"][queries], *prefix_kv,
                                                  *tree_kv, data["masks"][b], data["scale"]).out)
     return torch.cat(outs)

@@ -200,7 +200,12 @@ def mla_tree_verify_attention(
     tree_lse = torch.empty((tokens, heads), dtype=torch.float32, device=q_latent.device)
     tree_attention(q_latent, q_rope, tree_rows[:, :latent].to(q_latent.dtype), tree_rows[:, latent:].to(q_rope.dtype),
                    plan.qo_indptr, tree_mask, plan.mask_layout, plan.tree_tokens, scale, tree_out, tree_lse)
-    merged, _ = flashinfer.merge_state(prefix_out, prefix_lse, tree_out, tree_lse)
+    # FlashInfer's merge_state runs one block a token with every head in it, more than CUDA's 1024 threads at 128
+    # heads of 512 (DeepSeek-V3 on one GPU); the merge is per (token, head), so the heads fold into the tokens
+    rows = tokens * heads
+    merged, _ = flashinfer.merge_state(prefix_out.reshape(rows, 1, latent), prefix_lse.reshape(rows, 1),
+                                       tree_out.reshape(rows, 1, latent), tree_lse.reshape(rows, 1))
+    merged = merged.view(tokens, heads, latent)
     if out is None:
         return merged
     out.copy_(merged)

@@ -10,7 +10,8 @@ on this CPU, as ``kernels.py`` stands in sgl-kernel's ops.
   the run's query rows equal to qo_indptr's total, the cache's page size the planned one), so a paging mistake
   fails here as it would on a GPU rather than reading a wrong row quietly. With ``use_cuda_graph`` the plan is
   copied into the caller's buffers, as FlashInfer does for a captured graph.
-* ``merge_state(v_a, s_a, v_b, s_b)``: FlashInfer's merge, lse in base 2, through ``cascade.merge_states``.
+* ``merge_state(v_a, s_a, v_b, s_b)``: FlashInfer's merge, lse in base 2, through ``cascade.merge_states``; it
+  refuses the shapes FlashInfer's launch refuses (more than 1024 threads a block).
 * ``MLAPlanMetadata.csr``: the canonical metadata object.
 
 Lse is base 2 (``lse_mode="base2"``) or natural (``"basee"``), as planned. Numerics: float32 accumulation over the
@@ -46,8 +47,24 @@ class MLAPlanMetadata:
         return cls(qo_indptr, kv_indptr, kv_indices, kv_len_arr)
 
 
+MAX_BLOCK_THREADS = 1024  # CUDA's limit on the threads of one block
+
+
+def merge_state_threads(heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Threads of one block of FlashInfer 0.7's ``MergeState`` launch (cascade.cuh): ``head_dim / vec`` lanes for
+    each of the ``heads``, vec = max(16 bytes / element size, head_dim / 32)."""
+    vec = max(16 // torch.empty((), dtype=dtype).element_size(), head_dim // 32)
+    return head_dim // vec * heads
+
+
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor):
-    """v [S, H, D], s [S, H] float32 base-2 lse -> (merged v [S, H, D] in v_a's dtype, merged s [S, H] base 2)."""
+    """v [S, H, D], s [S, H] float32 base-2 lse -> (merged v [S, H, D] in v_a's dtype, merged s [S, H] base 2).
+    Fails where FlashInfer's launch fails: one block a row with every head in it, so more than 1024 threads
+    (128 heads of 512 at DeepSeek-V3's widths, 32 lanes a head) is CUDA's invalid argument, as on a GPU."""
+    threads = merge_state_threads(v_a.shape[1], v_a.shape[2], v_a.dtype)
+    if threads > MAX_BLOCK_THREADS:
+        raise RuntimeError(f"MergeState kernel launch failed: invalid argument ({v_a.shape[1]} heads of "
+                           f"{v_a.shape[2]} need {threads} threads a block, CUDA allows {MAX_BLOCK_THREADS})")
     first = AttentionState(v_a.float(), s_a.float() * LN_2)
     merged = merge_states(first, AttentionState(v_b.float(), s_b.float() * LN_2))
     return merged.out.to(v_a.dtype), merged.lse / LN_2
