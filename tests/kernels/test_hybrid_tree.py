@@ -60,8 +60,7 @@ def device_head(requests: torch.Tensor, vocab: int, topk: int):
     def expand(level, nodes, growth):
         device = nodes.device
         paths = growth.paths[torch.arange(nodes.shape[0], device=device)[:, None], nodes.clamp(min=0)]  # [R, W, d]
-        powers = torch.tensor([31 ** (index + 1) for index in range(paths.shape[-1])], dtype=torch.int64,
-                              device=device)
+        powers = 31 ** torch.arange(1, paths.shape[-1] + 1, dtype=torch.int64, device=device)  # no host copy
         hashed = (requests.to(device)[:, None] * 7919 + ((paths + 1) * powers).sum(-1)) % HASH  # [R, W]
         tokens = torch.arange(vocab, device=device)
         scores = ((hashed[..., None] * 1103515245 + (tokens + 1) * 12345) % HASH) * vocab + (vocab - 1 - tokens)
@@ -272,18 +271,20 @@ def test_the_growth_makes_no_host_sync_on_a_gpu():
     root = type("Root", (), {"paths": torch.full((4, 1, 5), -1)})()
     root_tokens, root_probs = head(-1, torch.zeros(4, 1, dtype=torch.int64), root)
 
-    def grow(device, match):
-        return build_hybrid_trees(history.to(device), lengths.to(device), rows.to(device),
-                                  root_tokens[:, 0].to(device), root_probs[:, 0].to(device), head,
-                                  SourceEstimates.of(counts, device), shape,
-                                  step_prices(costs, 12 + shape.round_width, shape.head_rounds + 2, device), match)
+    def inputs(device):
+        """Everything the growth reads, on ``device``: copied there before the sync check (a host-to-device copy
+        of pageable memory synchronizes), as a server keeps them there."""
+        return (history.to(device), lengths.to(device), rows.to(device), root_tokens[:, 0].to(device),
+                root_probs[:, 0].to(device), device_head(rows.to(device), 4, 4), SourceEstimates.of(counts, device),
+                shape, step_prices(costs, 12 + shape.round_width, shape.head_rounds + 2, device))
 
-    expected = grow("cpu", ngram_match_reference)
-    grow("cuda", ngram_match)  # compiles the kernel
+    expected = build_hybrid_trees(*inputs("cpu"), ngram_match_reference)
+    on_gpu = inputs("cuda")
+    build_hybrid_trees(*on_gpu, ngram_match)  # compiles the kernel
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        actual = grow("cuda", ngram_match)
+        actual = build_hybrid_trees(*on_gpu, ngram_match)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for name in ("tokens", "parents", "reach", "num_nodes", "mtp_forwards"):

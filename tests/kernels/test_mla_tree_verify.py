@@ -2,6 +2,8 @@
 pools, the tree kernel and the base-2 merge, against one masked attention over prefix + tree
 (``cascade.mla_tree_attention_reference``) for random trees, prefixes and page sizes."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -25,8 +27,29 @@ from sglang_spec.sglang_plugin.cpu import flashinfer_mla as twin
 from sglang_spec.tree.encode_sglang import TreeMaskMode
 
 
-def shape(scale):
-    return MLAShape(HEADS, LATENT, ROPE, scale, torch.float32, torch.float32)
+def shape(data):
+    _, heads, latent = data["q_latent"].shape
+    return MLAShape(heads, latent, data["q_rope"].shape[-1], data["scale"], torch.float32, torch.float32)
+
+
+def on_device(tree_attention, device):
+    """``tree_attention`` run on ``device`` inside the CPU twin's cascade: its tensors (the mask layout's too) moved
+    there, its out and lse copied back (a compiled kernel cannot read the twin's CPU tensors)."""
+    def moved(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if dataclasses.is_dataclass(value):
+            return dataclasses.replace(value, **{field.name: moved(getattr(value, field.name))
+                                                 for field in dataclasses.fields(value)})
+        return value
+
+    def run(*args):
+        *inputs, out, lse = args
+        device_out, device_lse = tree_attention(*map(moved, inputs), out.to(device), lse.to(device))
+        out.copy_(device_out.cpu())
+        lse.copy_(device_lse.cpu())
+        return out, lse
+    return run
 
 
 def run_cascade(data, tree_tokens, page_size, mode, tree_attention=mla_tree_attention, mask=None):
@@ -35,7 +58,7 @@ def run_cascade(data, tree_tokens, page_size, mode, tree_attention=mla_tree_atte
                             page_size, mode)
     flashinfer = twin.namespace()
     wrapper = flashinfer.BatchMLAPagedAttentionWrapper(torch.empty(16, dtype=torch.uint8))
-    plan_prefix_wrapper(flashinfer, wrapper, plan, shape(data["scale"]))
+    plan_prefix_wrapper(flashinfer, wrapper, plan, shape(data))
     return mla_tree_verify_attention(flashinfer, wrapper, plan, data["q_latent"], data["q_rope"], data["kv_buffer"],
                                      data["tree_slots"], data["flat_mask"] if mask is None else mask, data["scale"],
                                      tree_attention=tree_attention)
@@ -44,13 +67,15 @@ def run_cascade(data, tree_tokens, page_size, mode, tree_attention=mla_tree_atte
 @pytest.mark.parametrize("mode", [TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("seed, batch, tree_tokens", [(0, 1, 1), (1, 3, 6), (2, 4, 9)])
-def test_cascade_through_the_twin_equals_full_masked_attention(mode, page_size, seed, batch, tree_tokens):
+def test_cascade_through_the_twin_equals_full_masked_attention(kernel_device, mode, page_size, seed, batch,
+                                                               tree_tokens):
     data = paged_mla_batch(seed, batch, tree_tokens, page_size, mode)
     expected = paged_mla_reference(data, tree_tokens)
     with_reference = run_cascade(data, tree_tokens, page_size, mode, tree_attention=tree_reference)
     assert torch.allclose(with_reference, expected, atol=1e-5, rtol=1e-4)
-    if page_size == 4:  # the interpreted kernel once per layout and shape (the kernel's own tests cover more)
-        with_kernel = run_cascade(data, tree_tokens, page_size, mode)
+    if page_size == 4:  # the kernel once per layout and shape (the kernel's own tests cover more)
+        with_kernel = run_cascade(data, tree_tokens, page_size, mode,
+                                  tree_attention=on_device(mla_tree_attention, kernel_device))
         assert torch.allclose(with_kernel, expected, atol=1e-5, rtol=1e-4)
 
 
@@ -126,6 +151,20 @@ def test_the_twin_merge_is_base_two_and_splits_attention_exactly():
     assert not torch.allclose(natural, whole.out, atol=1e-3)
 
 
+def test_the_cascade_merges_deepseek_v3s_128_heads_of_512():
+    """FlashInfer's merge_state launches one block a token with every head in it: 128 heads of 512 (DeepSeek-V3 on
+    one GPU) is 4096 threads, over CUDA's 1024, and the launch fails (seen on an H200). The twin refuses what
+    FlashInfer refuses, and the cascade, which folds the heads into the tokens, goes through at that width."""
+    heads, latent, rope, tree_tokens = 128, 512, 64, 3
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        twin.merge_state(*(torch.zeros(2, heads, latent), torch.zeros(2, heads)) * 2)
+    twin.merge_state(*(torch.zeros(2, heads // 4, latent), torch.zeros(2, heads // 4)) * 2)  # 1024 threads: fine
+    data = paged_mla_batch(8, 2, tree_tokens, 4, TreeMaskMode.FULL_MASK, heads=heads, latent=latent, rope=rope)
+    result = run_cascade(data, tree_tokens, 4, TreeMaskMode.FULL_MASK, tree_attention=tree_reference)
+    assert result.shape == (2 * tree_tokens, heads, latent)
+    assert torch.allclose(result, paged_mla_reference(data, tree_tokens), atol=1e-5, rtol=1e-4)
+
+
 def test_a_chain_without_a_mask_is_causal():
     mask = causal_tree_mask(2, 3, "cpu").view(2, 3, 3)
     assert torch.equal(mask[1], torch.ones(3, 3, dtype=torch.bool).tril())
@@ -143,7 +182,7 @@ def test_a_graph_wrapper_plans_into_its_buffers_and_replans():
     for step in range(2):
         plan = plan_tree_verify(data["req_to_token"], data["rows"], prefix_lens + step, prefix_lens + step, 4, 1,
                                 TreeMaskMode.QLEN_ONLY, kv_indices_out=buffers["kv_indices"], max_pages=100)
-        plan_prefix_wrapper(flashinfer, wrapper, plan, shape(data["scale"]))
+        plan_prefix_wrapper(flashinfer, wrapper, plan, shape(data))
         assert torch.equal(buffers["kv_len_arr"], prefix_lens + step)
         assert plan.kv_indices.data_ptr() == buffers["kv_indices"].data_ptr()
     assert wrapper.plans == 2
