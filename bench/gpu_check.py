@@ -6,6 +6,7 @@ to docs/gpu-validation.md.
     scripts/gpu_check.sh --dry-run                # anywhere: lists the checks, runs the kernel checks on the CPU at
                                                   # tiny sizes and plans the server checks
     scripts/gpu_check.sh --list                   # the checks, by group
+    scripts/gpu_check.sh --group kernels --checks kernel_tests,kernel_bench   # some checks of a group again
 
 Groups (``GROUPS``): ``kernels``, the project's own kernels, needing PyTorch, Triton and numpy (sglang_spec imports
 it) and optionally pytest (the four test-based checks: the tests use its fixtures and parametrisation) and
@@ -215,6 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "nothing started); append nothing to the docs")
     parser.add_argument("--group", default=",".join(group.name for group in GROUPS),
                         help="comma-separated groups to run (default: all): " + ", ".join(g.name for g in GROUPS))
+    parser.add_argument("--checks", help="comma-separated checks to run of the groups chosen (default: all of "
+                                         "them), e.g. the ones that failed, again on a short lease")
     parser.add_argument("--list", action="store_true", help="list the checks by group and exit")
     parser.add_argument("--out", type=Path, help=f"results file (default {GPU_RESULTS.relative_to(REPO)}, dry run: "
                                                  f"{DRY_RESULTS.relative_to(REPO)})")
@@ -456,12 +459,28 @@ def selected_groups(text: str) -> list[Group]:
     return [group for group in GROUPS if group.name in names]
 
 
-def listing(groups: list[Group]) -> list[str]:
-    """The checks of ``groups``, numbered in running order, under a line per group."""
+def selected_checks(text: str | None, groups: list[Group]) -> tuple[Check, ...]:
+    """The checks ``--checks`` names (comma-separated; None: every one) of ``groups``, in CHECKS order; a name that
+    is no check of those groups is a one-line error."""
+    available = tuple(check for check in CHECKS if check.group in {group.name for group in groups})
+    if text is None:
+        return available
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in {check.name for check in available}]
+    if unknown or not names:
+        raise SpecError(f"--checks {text!r}: {', '.join(unknown) or 'no name'} is not a check of the groups "
+                        f"chosen; choose among {', '.join(check.name for check in available)}")
+    return tuple(check for check in available if check.name in names)
+
+
+def listing(groups: list[Group], checks: tuple[Check, ...] = CHECKS) -> list[str]:
+    """The ``checks`` of ``groups``, numbered in running order, under a line per group."""
     lines, number = [], 0
     for group in groups:
+        if not any(check.group == group.name for check in checks):
+            continue
         lines.append(f"  [{group.name}] {group.what} (budget {group.budget} s)")
-        for check in (check for check in CHECKS if check.group == group.name):
+        for check in (check for check in checks if check.group == group.name):
             number += 1
             lines.append(f"  {number}. {check.name}: {check.what}")
     return lines
@@ -499,8 +518,9 @@ def read_previous(out: Path) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     groups = selected_groups(args.group)
+    checks = selected_checks(args.checks, groups)
     if args.list:
-        print("\n".join(listing(groups)))
+        print("\n".join(listing(groups, checks)))
         return 0
     out = args.out or (DRY_RESULTS if args.dry_run else GPU_RESULTS)
     check_output_path(out, force=True)  # a bad --out or log fails now, not after nine minutes
@@ -513,11 +533,12 @@ def main(argv: list[str] | None = None) -> int:
     mode = ("dry run: CPU, tiny sizes, interpreted kernels, servers planned" if args.dry_run
             else "CUDA, compiled kernels")
     print(f"GPU checks on {env['device']} ({mode}):")
-    print("\n".join(listing(groups)))
+    print("\n".join(listing(groups, checks)))
     started = time.perf_counter()
     outcomes: dict[str, Outcome] = {}
     command_line = "scripts/gpu_check.sh" + " --dry-run" * args.dry_run + (
-        f" --group {args.group}" if len(groups) < len(GROUPS) else "")
+        f" --group {args.group}" if len(groups) < len(GROUPS) else "") + (
+        f" --checks {args.checks}" if args.checks else "")
 
     def save() -> None:  # after every check: a run stopped half way (a lease's limit) keeps what finished
         current = {name: {"name": name, "group": check.group, "what": check.what, "date": env["date"],
@@ -530,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
         for group in groups:
             group_started = time.perf_counter()
-            for check in (check for check in CHECKS if check.group == group.name):
+            for check in (check for check in checks if check.group == group.name):
                 print(f"\n== {check.name}", flush=True)
                 budget_left = (group.budget - (time.perf_counter() - group_started) if not args.dry_run
                                else float("inf"))

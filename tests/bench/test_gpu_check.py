@@ -124,3 +124,18 @@ def test_groups_are_chosen_by_name_and_an_unknown_one_is_one_line(capsys):
     listed = capsys.readouterr().out.splitlines()
     assert listed[0].startswith("  [kernels]") and len(listed) == 1 + sum(
         check.group == "kernels" for check in gpu_check.CHECKS)
+
+
+def test_checks_are_chosen_by_name_within_the_groups_and_an_unknown_one_is_one_line(capsys):
+    """A short lease reruns what failed: ``--checks`` picks checks of the chosen groups, in running order."""
+    gpu_check = load_gpu_check()
+    groups = gpu_check.selected_groups("kernels,mla")
+    chosen = gpu_check.selected_checks("mla_tree_kernel, kernel_bench", groups)
+    assert [check.name for check in chosen] == ["kernel_bench", "mla_tree_kernel"]
+    assert gpu_check.selected_checks(None, groups) == tuple(c for c in gpu_check.CHECKS if c.group in ("kernels", "mla"))
+    with pytest.raises(SpecError, match=r"--checks 'server_plain': server_plain is not a check of the groups chosen"):
+        gpu_check.selected_checks("server_plain", groups)
+    assert gpu_check.main(["--list", "--group", "kernels,mla", "--checks", "device_hybrid,mla_tree_kernel"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in listed if not line.startswith("  [")] == [
+        "  1. device_hybrid", "  2. mla_tree_kernel"]
