@@ -53,7 +53,7 @@ NGRAM_SCRIPT = textwrap.dedent("""
     names = kernel.arg_names
     constants = dict(N=8, N_PAD=8, W=3, W_PAD=4, OCCURRENCES=64, BLOCK=nm.BLOCK_POSITIONS)
     types = {name: "*i64" for name in names if name.endswith("_ptr")}
-    types.update(L="i64", T="i64")
+    types.update(ROW_STRIDE="i64", T="i64")
     source = ASTSource(fn=kernel, signature={name: types.get(name, "constexpr") for name in names},
                        constexprs={(names.index(name),): value for name, value in constants.items()})
     compiled = compile(source, target=GPUTarget("cuda", 90, 32))
