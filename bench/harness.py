@@ -58,10 +58,14 @@ QUICK_LIMIT_SIZES = (1, 4, 16)
 
 # ------------------------------------------------------------------------------------------------ environment
 def commit() -> str | None:
-    """The checkout's short commit, or None in a copy without git."""
+    """The checkout's short commit, with ``+modified`` when tracked files differ from it, or None in a copy
+    without git. A GPU machine's copy of the checkout carries the working tree of the call and the ``.git`` of the
+    session's start, so a run there after later commits reads as modified, not as the older commit."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
+        head = git("rev-parse", "--short", "HEAD")
+        return (head + "+modified" if git("status", "--porcelain", "--untracked-files=no") else head) or None
     except (OSError, subprocess.SubprocessError):
         return None
 
