@@ -53,7 +53,7 @@ MAX_BLOCK_THREADS = 1024  # CUDA's limit on the threads of one block
 def merge_state_threads(heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Threads of one block of FlashInfer 0.7's ``MergeState`` launch (cascade.cuh): ``head_dim / vec`` lanes for
     each of the ``heads``, vec = max(16 bytes / element size, head_dim / 32)."""
-    vec = max(16 // torch.empty((), dtype=dtype).element_size(), head_dim // 32)
+    vec = max(16 // dtype.itemsize, head_dim // 32)
     return head_dim // vec * heads
 
 
