@@ -10,7 +10,7 @@ kernel, at DeepSeek-V3's widths (128 heads, latent 512 + rope 64, bf16).
 * CUDA graph: the cascade captured at one batch shape (graph wrapper, static buffers), replayed on two new batches
   after re-planning them in place, each equal to an eager run on that batch;
 * time: one layer's verify attention for 1 / 8 / 16 / 32 / 64 tree tokens a request against one decode step (the
-  same FlashInfer MLA decode with one query a request), at batch 1 and 8 after 4,096 cached tokens (CUDA-graph
+  same FlashInfer MLA decode with one query a request), at batch 1 and 8 after 2,048 cached tokens (CUDA-graph
   replays, median of 50), and SGLang's Triton tree verify at the same shapes when sglang is installed.
 
     python bench/mla_tree_verify.py --out FILE          # CUDA GPU with flashinfer: about a minute
