@@ -2,8 +2,6 @@
 pools, the tree kernel and the base-2 merge, against one masked attention over prefix + tree
 (``cascade.mla_tree_attention_reference``) for random trees, prefixes and page sizes."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -11,7 +9,7 @@ import torch
 from helpers import MLA_HEADS as HEADS
 from helpers import MLA_LATENT as LATENT
 from helpers import MLA_ROPE as ROPE
-from helpers import paged_mla_batch, paged_mla_reference
+from helpers import paged_mla_batch, paged_mla_reference, to_device
 from sglang_spec.attention.cascade import mla_attention
 from sglang_spec.kernels.mla_tree_verify import (
     MLAShape,
@@ -35,17 +33,9 @@ def shape(data):
 def on_device(tree_attention, device):
     """``tree_attention`` run on ``device`` inside the CPU twin's cascade: its tensors (the mask layout's too) moved
     there, its out and lse copied back (a compiled kernel cannot read the twin's CPU tensors)."""
-    def moved(value):
-        if isinstance(value, torch.Tensor):
-            return value.to(device)
-        if dataclasses.is_dataclass(value):
-            return dataclasses.replace(value, **{field.name: moved(getattr(value, field.name))
-                                                 for field in dataclasses.fields(value)})
-        return value
-
     def run(*args):
         *inputs, out, lse = args
-        device_out, device_lse = tree_attention(*map(moved, inputs), out.to(device), lse.to(device))
+        device_out, device_lse = tree_attention(*to_device(inputs, device), out.to(device), lse.to(device))
         out.copy_(device_out.cpu())
         lse.copy_(device_lse.cpu())
         return out, lse
