@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("script", ["acceptance", "head_quality", "kernels", "serving_sweep", "sglang_trees",
                                     "verify_cost", "greedy_identity", "gpu_check", "hybrid", "limits",
-                                    "cpu_step_profile", "hybrid_shapes"])
+                                    "cpu_step_profile", "hybrid_shapes", "copy_ceiling"])
 def test_unwritable_out_is_one_line_and_status_2(script, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")
