@@ -31,8 +31,9 @@ host's g++) run here unchanged, our plugin included:
   (``SGLANG_EXTERNAL_MODEL_PACKAGE``; about 3 s of each launch's 25 s here); any other model still loads.
 * ``profile``: with ``SGLANG_SPEC_CPU_PROFILE=<folder>``, the scheduler's per-batch timings (target and draft
   forwards, loop period) and optionally cProfile statistics of its decode steps (``bench/cpu_step_profile.py``).
-* ``threads``: with ``SGLANG_SPEC_CPU_PREFILL_THREADS=N``, prefills run on N threads (decode steps keep one); for a
-  machine of its own (the serving sweep's ``--prefill-threads``).
+* ``threads``: every SGLang process on one OpenMP thread unless ``SGLANG_SPEC_CPU_THREADS=N`` says more, and with
+  ``SGLANG_SPEC_CPU_PREFILL_THREADS=N`` prefills on N threads (decode steps keep the process's); for a machine of
+  its own (the serving sweep's ``--prefill-threads``). A bad count is one line.
 * malloc: ``server_environment`` fixes glibc's mmap and trim thresholds (``MALLOC_ENV``) so a step's large
   temporaries stay in the heap instead of being faulted in again each step (the CUDA caching allocator's role on
   a GPU); a value set in the environment wins.
@@ -95,7 +96,8 @@ def rank_cores(ranks: int, cores: int | None = None) -> str:
 def server_environment(base: dict[str, str] | None = None, ranks: int = 1) -> dict[str, str]:
     """The environment an SGLang process needs to run on this CPU with the stand-ins active; ``ranks``: the
     scheduler processes the launch starts (dp x tp x pp, ``server.launch_ranks``), more than one gets a core
-    binding per rank (``rank_cores``) unless the environment names one."""
+    binding per rank (``rank_cores``) unless the environment names one. A bad ``SGLANG_SPEC_CPU_THREADS`` is a
+    ``SpecError`` (one line)."""
     env = dict(os.environ if base is None else base)
     if ranks > 1 and not env.get(THREADS_BIND_ENV):
         env[THREADS_BIND_ENV] = rank_cores(ranks)
@@ -111,7 +113,7 @@ def server_environment(base: dict[str, str] | None = None, ranks: int = 1) -> di
         # one OpenMP thread per SGLang process: with a second busy process on a 2-core machine, every
         # multi-threaded op waits for a descheduled thread at its barrier (measured: 8 s vs 183 s for the same
         # 4 x 40 plain decode); SGLANG_SPEC_CPU_THREADS raises it on a machine of its own
-        OMP_NUM_THREADS=env.get("SGLANG_SPEC_CPU_THREADS", "1"),
+        OMP_NUM_THREADS=str(threads.threads_from_environment(env)),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",

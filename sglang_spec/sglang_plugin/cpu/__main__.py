@@ -48,12 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         passthrough += ["--speculative-acceptance-profile", str(model.profile)]
     try:
         launch = cpu_launch_args(model, args.port, speculative=not args.no_speculation, extra=passthrough)
+        environment = server_environment(ranks=launch_ranks(launch))
     except SpecError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     command = [sys.executable, "-m", "sglang.launch_server", *launch]
     print("starting:", " ".join(command), file=sys.stderr, flush=True)
-    os.execve(sys.executable, command, server_environment(ranks=launch_ranks(launch)))
+    os.execve(sys.executable, command, environment)
     return 0  # not reached
 
 

@@ -1,4 +1,5 @@
-"""Prefills on more threads than decode steps (``SGLANG_SPEC_CPU_PREFILL_THREADS=N``, opt-in) on the CPU test bed.
+"""The CPU test bed's thread counts: every SGLang process's (``SGLANG_SPEC_CPU_THREADS``, default 1) and its
+prefills' (``SGLANG_SPEC_CPU_PREFILL_THREADS=N``, opt-in: more threads than decode steps).
 
 The bed runs every SGLang process on one OpenMP thread (``server_environment``): a decode step on two threads stalls
 at its barriers whenever another process is busy on the other core, and the test suite always has one. A prefill
@@ -25,6 +26,8 @@ from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.hooks import log
 
 PREFILL_THREADS_ENV = "SGLANG_SPEC_CPU_PREFILL_THREADS"
+# every SGLang process's OpenMP threads (``server_environment``): one unless a machine of its own asks for more
+THREADS_ENV = "SGLANG_SPEC_CPU_THREADS"
 
 # a batch of this many input tokens or more counts as a prefill (a tree verify is at most 64 nodes a request, and
 # the modes below exclude it anyway; a short prompt stays on one thread, where a second buys nothing)
@@ -35,17 +38,30 @@ PREFILL_MODES = ("EXTEND", "MIXED", "SPLIT_PREFILL")
 HOOKS = (("sglang.srt.model_executor.model_runner.ModelRunner.forward", "model_forward_around", "AROUND"),)
 
 
-def prefill_threads_from_environment(environment=None) -> int | None:
-    """The thread count ``SGLANG_SPEC_CPU_PREFILL_THREADS`` names (None when unset or empty). A value that is not a
-    positive integer is one line (``SpecError``); ``activate`` checks it before SGLang starts."""
-    environment = os.environ if environment is None else environment
-    value = environment.get(PREFILL_THREADS_ENV, "").strip()
+def _thread_count(name: str, environment) -> int | None:
+    """The positive integer the variable ``name`` holds (None when unset or empty); anything else is one line
+    (``SpecError``)."""
+    value = (os.environ if environment is None else environment).get(name, "").strip()
     if not value:
         return None
     if not value.isdigit() or int(value) < 1:
-        raise SpecError(f"{PREFILL_THREADS_ENV}={value!r} is not a thread count; give a positive integer (2 on a "
-                        f"2-core machine of its own) or unset it")
+        raise SpecError(f"{name}={value!r} is not a thread count; give a positive integer (2 on a 2-core machine of "
+                        f"its own) or unset it")
     return int(value)
+
+
+def prefill_threads_from_environment(environment=None) -> int | None:
+    """The thread count ``SGLANG_SPEC_CPU_PREFILL_THREADS`` names (None when unset or empty). A value that is not a
+    positive integer is one line (``SpecError``); ``activate`` checks it before SGLang starts."""
+    return _thread_count(PREFILL_THREADS_ENV, environment)
+
+
+def threads_from_environment(environment=None) -> int:
+    """Every SGLang process's OpenMP threads: what ``SGLANG_SPEC_CPU_THREADS`` names, 1 when unset or empty (one
+    thread a process: on a 2-core machine a second busy process stalls a multi-threaded op at its barriers). A
+    value that is not a positive integer is one line (``SpecError``), raised by ``server_environment`` before a
+    server starts."""
+    return _thread_count(THREADS_ENV, environment) or 1
 
 
 class PrefillThreads:
