@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from harness import REPO, environment, markdown_table
+from harness import REPO, environment, markdown_table, repeating_toy_prompts
 
-from sglang_spec.cli.parser import OneLineErrorParser, comma_list, integer
+from sglang_spec.cli.parser import OneLineErrorParser, comma_list, integer, one_of
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_json_atomic
 from sglang_spec.tree.ngram import NgramIndex
@@ -115,25 +115,19 @@ class Row:
 
 def rows_for(workload: str, prompts: list[list[int]], outputs: list[list[int]], depth: int, width: int) -> list[Row]:
     rows = []
+    tokens = [len(output) - 1 for output in outputs]
     for name in DRAFTERS:
         draft = drafter(name, width)
-        tokens = [len(output) - 1 for output in outputs]
         steps = [replay(prompt, output, depth, draft) for prompt, output in zip(prompts, outputs)]
         rows.append(Row(workload, name, len(prompts), sum(tokens), sum(steps), sum(tokens) / max(1, sum(steps)),
                         [round(count / max(1, step), 3) for count, step in zip(tokens, steps)]))
     return rows
 
 
-def workload_name(text: str) -> str:
-    if text.strip() not in SERVING_WORKLOADS:
-        raise argparse.ArgumentTypeError(f"unknown workload {text.strip()!r}; choose among {', '.join(SERVING_WORKLOADS)}")
-    return text.strip()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--workloads", type=comma_list(workload_name), default=None,
+    parser.add_argument("--workloads", type=comma_list(one_of(SERVING_WORKLOADS, "workload")), default=None,
                         help="the serving sweep's held-out workloads, among code, extraction, chat (default: all)")
     parser.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
                         help="your prompts instead ({\"messages\": [...]} or {\"prompt\": ...} lines; one workload "
@@ -161,11 +155,7 @@ def workload_prompts(args: argparse.Namespace, loaded: LoadedModel) -> dict[str,
     from sglang_spec.train.prompts import PromptSpec, load_prompts
 
     if args.quick:
-        from sglang_spec.models.toy_language import ToyLanguage
-
-        language = ToyLanguage(loaded.model.config.vocab_size, seed=321)
-        pieces = [language.sample(1, length)[0].tolist() for length in (5, 7, 9)][:args.num_prompts]
-        return {"toy": [piece * 3 + piece[:2] for piece in pieces]}
+        return {"toy": repeating_toy_prompts(loaded)[:args.num_prompts]}
     if args.prompts is not None:
         by_domain: dict[str, list[list[int]]] = {}
         for spec in load_prompts(str(args.prompts)):

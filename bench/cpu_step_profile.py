@@ -31,7 +31,7 @@ from pathlib import Path
 
 from harness import REPO, environment, markdown_table
 
-from sglang_spec.cli.parser import OneLineErrorParser, comma_list, integer
+from sglang_spec.cli.parser import OneLineErrorParser, comma_list, integer, one_of
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 
@@ -42,15 +42,9 @@ CPU_RUNNING_CAP = 8  # the CPU server's default --max-running-requests
 HELD_OUT_FIRST = 134  # HumanEval 134 onwards: never in the shipped head's traffic
 
 
-def config_name(text: str) -> str:
-    if text.strip() not in CONFIGS:
-        raise argparse.ArgumentTypeError(f"unknown server {text.strip()!r}; choose among {', '.join(CONFIGS)}")
-    return text.strip()
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", type=comma_list(config_name), default=",".join(DEFAULT_CONFIGS),
+    parser.add_argument("--configs", type=comma_list(one_of(CONFIGS, "server")), default=",".join(DEFAULT_CONFIGS),
                         help=f"servers to run, among {', '.join(CONFIGS)}")
     parser.add_argument("--budget", type=integer(2, 64), default=15)
     parser.add_argument("--depth", type=integer(1, 8), default=4)

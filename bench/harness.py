@@ -160,6 +160,14 @@ def load_prompt_tokens(loaded: LoadedModel, spec: str, count: int, seed: int) ->
     return [prompt_tokens(loaded, s) for s in specs], [s.id for s in specs]
 
 
+def repeating_toy_prompts(loaded: LoadedModel) -> list[list[int]]:
+    """Three prompts of the tiny model's toy language that repeat a piece of 5 / 7 / 9 tokens three times and start
+    it again: their continuations copy, so context lookup has something to find (the benches' ``--quick`` runs)."""
+    language = ToyLanguage(loaded.model.config.vocab_size, seed=321)
+    pieces = [language.sample(1, length)[0].tolist() for length in (5, 7, 9)]
+    return [piece * 3 + piece[:2] for piece in pieces]
+
+
 # ------------------------------------------------------------------------------------------------ decoding
 def one_by_one(
     decoder: SpeculativeDecoder, prompts: Sequence[list[int]], config: GenerationConfig

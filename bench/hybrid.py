@@ -47,6 +47,7 @@ from harness import (
     markdown_table,
     model_environment,
     one_by_one,
+    repeating_toy_prompts,
 )
 from limits import measure as measure_limits
 from limits import render as render_limits
@@ -57,7 +58,6 @@ from sglang_spec.decode.decoder import GenerationConfig, RequestOutput, Speculat
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import atomic_path, check_output_path, write_text_atomic
 from sglang_spec.models.loading import LoadedModel, load_head_for, shipped_profile_path
-from sglang_spec.models.toy_language import ToyLanguage
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.train.generate_traffic import prompt_tokens
 from sglang_spec.train.prompts import load_prompts
@@ -250,12 +250,7 @@ def run_workload(setup: Setup, workload: str, prompts: list[list[int]], config: 
 
 def workloads(args: argparse.Namespace, loaded: LoadedModel) -> dict[str, list[list[int]]]:
     if args.quick:
-        language = ToyLanguage(loaded.model.config.vocab_size, seed=321)
-        prompts = []
-        for length in (5, 7, 9):
-            piece = language.sample(1, length)[0].tolist()
-            prompts.append(piece * 3 + piece[:2])
-        return {"toy": prompts}
+        return {"toy": repeating_toy_prompts(loaded)}
     files = args.prompts or [str(WORKLOADS / f"{name}.jsonl") for name in ("code", "chat", "extraction")]
     count = args.prompts_per_workload or None
     return {Path(file).stem: [prompt_tokens(loaded, spec) for spec in load_prompts(file)[:count]] for file in files}

@@ -10,7 +10,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Callable, NoReturn, TypeVar
+from typing import Callable, NoReturn, Sequence, TypeVar
 
 from sglang_spec.errors import brief
 from sglang_spec.sampling import TEMPERATURE_FLOOR
@@ -70,6 +70,18 @@ def number(low: float, high: float, low_open: bool = False, high_open: bool = Fa
         return value
 
     parse.__name__ = "number"
+    return parse
+
+
+def one_of(names: Sequence[str], noun: str) -> Callable[[str], str]:
+    """An argparse type: one of ``names`` (surrounding spaces ignored); anything else is "unknown ``noun``"."""
+
+    def parse(text: str) -> str:
+        if text.strip() not in names:
+            raise argparse.ArgumentTypeError(f"unknown {noun} {text.strip()!r}; choose among {', '.join(names)}")
+        return text.strip()
+
+    parse.__name__ = noun
     return parse
 
 
