@@ -35,7 +35,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     generate.add_argument("--model", required=True, type=text_arg,
                           help="smollm2, tiny-deepseek, or a local model folder")
     generate.add_argument("--prompts", action="append", required=True, type=text_arg,
-                          help="humaneval:A-B, chatterbot, or a file (.jsonl / .txt); repeatable")
+                          help="humaneval:A-B, chatterbot, pydoc:A-B, or a file (.jsonl / .txt); repeatable")
     generate.add_argument("--samples", type=integer(0, MAX_SAMPLES), default=1,
                           help=f"sampled completions per prompt (at most {MAX_SAMPLES})")
     generate.add_argument("--temperature", type=float, default=0.8,

