@@ -56,8 +56,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--traffic", type=path_arg, action="append", default=None,
                         help="traffic JSONL for the positional table; repeatable")
     parser.add_argument("--prompts", action="append", default=None, metavar="SET[@N]", type=text_arg,
-                        help="prompts for the per-source counts (humaneval:A-B, chatterbot, pydoc:A-B, or a file), @N keeps every "
-                        "N-th; repeatable")
+                        help="prompts for the per-source counts (humaneval:A-B, chatterbot, pydoc:A-B, or a file), "
+                        "@N keeps every N-th; repeatable")
     parser.add_argument("--max-new-tokens", type=integer(1, MAX_NEW_TOKENS), default=96,
                         help=f"--prompts: tokens decoded per prompt (1-{MAX_NEW_TOKENS}; at most the model's context "
                         "minus the longest prompt)")

@@ -18,12 +18,13 @@ def test_pydoc_passages_are_the_reference_text_cut_in_a_fixed_order():
     assert passages == pydoc_passages()  # the fixed shuffle: a range names the same prompts on every run
     assert len(passages) > 120  # the mixed head's traffic takes 0-119; the rest is never trained on
     assert len(set(passages)) == len(passages)
-    text = " ".join(re.sub(r"\n[*=\-]{3,}\n", "\n", body) for body in topics.values())
-    for passage in passages[:20]:
+    bodies = {name: re.sub(r"\n[*=\-]{3,}\n", "\n", body) for name, body in topics.items()}
+    sources = []
+    for passage in passages[:10]:
         assert 200 <= len(passage.split()) and len(passage.split(" ")) <= 350
-        assert passage in text  # cut from the reference, not written here
-    in_topic_order = [passage for passage in passages if "The \"global\" statement" in passage]
-    assert in_topic_order and passages != sorted(passages)
+        # cut from the reference, not written here
+        sources.append(next(name for name, body in bodies.items() if passage in body))
+    assert len(set(sources)) > 1  # shuffled: a short range mixes topics
 
 
 def test_pydoc_prompts_ask_each_question_in_turn_as_extraction_requests():
