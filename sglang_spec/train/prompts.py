@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import pydoc_data.topics  # the Python reference's topics, shipped with the interpreter: no download, no package
 import random
 import re
 from dataclasses import dataclass
@@ -104,10 +105,8 @@ def pydoc_passages() -> list[str]:
     """The Python reference's topics (``pydoc_data.topics``, shipped with the interpreter) cut into passages of
     ``PYDOC_PASSAGE_WORDS`` space-separated words (at least 200), in a fixed shuffled order (seed 7) so that any
     range mixes topics. 185 passages on CPython 3.11."""
-    from pydoc_data.topics import topics  # the interpreter's own docs: no download, no package
-
     passages = []
-    for _, text in sorted(topics.items()):
+    for _, text in sorted(pydoc_data.topics.topics.items()):
         words = re.sub(r"\n[*=\-]{3,}\n", "\n", text).split(" ")  # drop the headings' underlines
         for start in range(0, max(1, len(words) - 200), PYDOC_PASSAGE_WORDS):
             chunk = " ".join(words[start : start + PYDOC_PASSAGE_WORDS]).strip()
