@@ -22,7 +22,7 @@ from sglang_spec.models.loading import load_head_for
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.train.calibrate import calibrate, calibrate_sources
 from sglang_spec.train.generate_traffic import prompt_tokens
-from sglang_spec.train.prompts import PromptSpec, load_prompts
+from sglang_spec.train.prompts import PROMPT_SETS, PromptSpec, load_prompts
 from sglang_spec.train.records import is_eval_record
 from sglang_spec.train.traffic import TrafficRecord, check_traffic_model, read_traffic_strict
 from sglang_spec.tree.policies import MAX_TOPK
@@ -56,8 +56,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--traffic", type=path_arg, action="append", default=None,
                         help="traffic JSONL for the positional table; repeatable")
     parser.add_argument("--prompts", action="append", default=None, metavar="SET[@N]", type=text_arg,
-                        help="prompts for the per-source counts (humaneval:A-B, chatterbot, pydoc:A-B, or a file), "
-                        "@N keeps every N-th; repeatable")
+                        help=f"prompts for the per-source counts ({PROMPT_SETS}), @N keeps every N-th; repeatable")
     parser.add_argument("--max-new-tokens", type=integer(1, MAX_NEW_TOKENS), default=96,
                         help=f"--prompts: tokens decoded per prompt (1-{MAX_NEW_TOKENS}; at most the model's context "
                         "minus the longest prompt)")

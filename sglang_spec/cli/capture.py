@@ -14,7 +14,7 @@ from sglang_spec.files import check_output_path
 from sglang_spec.models.loading import load_tokenizer
 from sglang_spec.models.target_shell import read_model_config
 from sglang_spec.train.capture import DTYPES, MANIFEST, CaptureManifest
-from sglang_spec.train.prompts import load_prompts
+from sglang_spec.train.prompts import PROMPT_SETS, load_prompts
 from sglang_spec.train.server_capture import CaptureSettings, capture_from_server, check_url, encode_prompt
 
 
@@ -35,7 +35,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
                         help="smollm2, tiny-deepseek, or the local folder of the served model (its config and "
                         "tokenizer are read; its weights are not)")
     parser.add_argument("--prompts", action="append", required=True, type=text_arg,
-                        help="humaneval:A-B, chatterbot, pydoc:A-B, or a file (.jsonl / .txt); repeatable")
+                        help=f"{PROMPT_SETS} (.jsonl / .txt); repeatable")
     parser.add_argument("--out", type=path_arg, required=True, help="dataset folder to write (or resume)")
     parser.add_argument("--max-new-tokens", type=integer(1), default=defaults.max_new_tokens,
                         help=f"answer tokens per prompt (default {defaults.max_new_tokens})")

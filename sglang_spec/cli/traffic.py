@@ -12,7 +12,7 @@ from sglang_spec.errors import SpecError
 from sglang_spec.files import check_output_path
 from sglang_spec.sampling import TEMPERATURE_FLOOR
 from sglang_spec.train.generate_traffic import generate_traffic, prompt_tokens
-from sglang_spec.train.prompts import PromptSpec, load_prompts
+from sglang_spec.train.prompts import PROMPT_SETS, PromptSpec, load_prompts
 from sglang_spec.train.traffic import (
     PartialTraffic,
     TrafficRecord,
@@ -35,7 +35,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     generate.add_argument("--model", required=True, type=text_arg,
                           help="smollm2, tiny-deepseek, or a local model folder")
     generate.add_argument("--prompts", action="append", required=True, type=text_arg,
-                          help="humaneval:A-B, chatterbot, pydoc:A-B, or a file (.jsonl / .txt); repeatable")
+                          help=f"{PROMPT_SETS} (.jsonl / .txt); repeatable")
     generate.add_argument("--samples", type=integer(0, MAX_SAMPLES), default=1,
                           help=f"sampled completions per prompt (at most {MAX_SAMPLES})")
     generate.add_argument("--temperature", type=float, default=0.8,

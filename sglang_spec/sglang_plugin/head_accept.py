@@ -26,7 +26,7 @@ from sglang_spec.models.loading import load_tokenizer
 from sglang_spec.models.target_shell import read_model_config
 from sglang_spec.sglang_plugin.cpu.server import CpuModel, SGLangServer, cpu_launch_args, free_port, prepare_model
 from sglang_spec.sglang_plugin.export import DraftExport, export_deepseek_draft, export_llama_draft
-from sglang_spec.train.prompts import load_prompts
+from sglang_spec.train.prompts import PROMPT_SETS, load_prompts
 from sglang_spec.train.server_capture import encode_prompt
 
 DEFAULT_TREE = ("--speculative-tree-policy", "chain", "--speculative-tree-budget", "3",
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", default=BUILTIN, help=f"the head it started from (default {BUILTIN})")
     parser.add_argument("--after", required=True, help="the trained head (.safetensors)")
     parser.add_argument("--prompts", action="append", required=True,
-                        help="held-out prompts: humaneval:A-B, chatterbot, pydoc:A-B, or a file; repeatable")
+                        help=f"held-out prompts: {PROMPT_SETS}; repeatable")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--logs", type=Path, default=None, help="folder for the servers' logs (default: temporary)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")

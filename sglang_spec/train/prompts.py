@@ -21,6 +21,8 @@ from sglang_spec.files import parse_json, read_text
 from sglang_spec.train.traffic import parse_messages
 
 CODE_INSTRUCTION = "Complete the following Python function. Reply with the completed code only.\n\n"
+# what ``load_prompts`` takes, as the command lines' help and its own error name it
+PROMPT_SETS = "humaneval:A-B, chatterbot, pydoc:A-B, or a file"
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ def chatterbot_prompts() -> list[PromptSpec]:
     return result
 
 
+# A rule of asterisks, equals signs or dashes under a heading of the reference's plain text: not prose
+PYDOC_HEADING_RULE = re.compile(r"\n[*=\-]{3,}\n")
 # Copy-out and quoting questions a document-extraction deployment sees, asked of the pydoc passages in turn
 PYDOC_QUESTIONS = (
     "Quote, word for word, the first three sentences of this passage.",
@@ -107,7 +111,7 @@ def pydoc_passages() -> list[str]:
     range mixes topics. 185 passages on CPython 3.11."""
     passages = []
     for _, text in sorted(pydoc_data.topics.topics.items()):
-        words = re.sub(r"\n[*=\-]{3,}\n", "\n", text).split(" ")  # drop the headings' underlines
+        words = PYDOC_HEADING_RULE.sub("\n", text).split(" ")
         for start in range(0, max(1, len(words) - 200), PYDOC_PASSAGE_WORDS):
             chunk = " ".join(words[start : start + PYDOC_PASSAGE_WORDS]).strip()
             if len(chunk.split()) >= 200:
@@ -142,7 +146,7 @@ def load_prompts(spec: str) -> list[PromptSpec]:
         return pydoc_prompts(int(match.group(1) or 0), None if match.group(2) is None else int(match.group(2)))
     path = Path(spec)
     if not path.exists():
-        raise SpecError(f"unknown prompt set {spec!r}: use humaneval:A-B, chatterbot, pydoc:A-B, or a file")
+        raise SpecError(f"unknown prompt set {spec!r}: use {PROMPT_SETS}")
     text = read_text(path, "prompt file")
     if path.suffix == ".jsonl":
         result = []

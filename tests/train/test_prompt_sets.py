@@ -1,14 +1,12 @@
-"""The built-in ``pydoc`` prompt set: document-extraction requests over the Python reference the interpreter ships,
-the extraction traffic of the shipped mixed head (``scripts/train_smollm2_head.sh``)."""
+"""The built-in ``pydoc`` prompt set: document-extraction requests over the Python reference the interpreter ships
+(the traffic of the extraction head measured in docs/training.md, "A head for document extraction")."""
 
 from __future__ import annotations
-
-import re
 
 import pytest
 
 from sglang_spec.errors import SpecError
-from sglang_spec.train.prompts import PYDOC_QUESTIONS, load_prompts, pydoc_passages, pydoc_prompts
+from sglang_spec.train.prompts import PYDOC_HEADING_RULE, PYDOC_QUESTIONS, load_prompts, pydoc_passages, pydoc_prompts
 
 
 def test_pydoc_passages_are_the_reference_text_cut_in_a_fixed_order():
@@ -16,9 +14,9 @@ def test_pydoc_passages_are_the_reference_text_cut_in_a_fixed_order():
 
     passages = pydoc_passages()
     assert passages == pydoc_passages()  # the fixed shuffle: a range names the same prompts on every run
-    assert len(passages) > 120  # the mixed head's traffic takes 0-119; the rest is never trained on
+    assert len(passages) > 120  # docs/training.md's head trained on 0-119; the rest stays unseen
     assert len(set(passages)) == len(passages)
-    bodies = {name: re.sub(r"\n[*=\-]{3,}\n", "\n", body) for name, body in topics.items()}
+    bodies = {name: PYDOC_HEADING_RULE.sub("\n", body) for name, body in topics.items()}
     sources = []
     for passage in passages[:10]:
         assert 200 <= len(passage.split()) and len(passage.split(" ")) <= 350
