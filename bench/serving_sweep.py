@@ -14,7 +14,9 @@ into a CSV and a plot: output tokens/s and its ratio over plain in the same run 
 ``plain-sync`` where both ran), mean accept length and p50 / p99 inter-token latency (speculation makes tokens
 arrive in bursts: p50 ITL falls while p99 can rise). With ``--rounds N`` every server runs N times in rotated
 order and each figure is its median; the table's ``rounds x`` gives the range of each round's ratio over that
-round's faster plain (servers of one round share the machine's phase), the JSON every round's figures.
+round's faster plain (servers of one round share the machine's phase), the JSON every round's figures. With
+``--servers-together`` the servers start once and stay up (each on its own port, sleeping when idle), and a round
+runs each workload on every server back to back, so the figures a ratio compares are minutes closer in time.
 
 Workloads: ``heldout`` (HumanEval 134-163, never in the shipped heads' training), or ``serving``: three held-out
 sets no part of the project trained or tuned on, 32 distinct requests each: code (HumanEval 150-163, 134-149,
@@ -30,6 +32,8 @@ user's own file, ``--prompts FILE.jsonl`` (``{"prompt": ...}`` or ``{"messages":
     python bench/serving_sweep.py --cpu-model smollm2 --prefill-threads 2 ...
     # ... and every server's drafter multiplies by bfloat16-rounded weights, as a GPU serves its draft model
     python bench/serving_sweep.py --cpu-model smollm2 --prefill-threads 2 --draft-weights bfloat16 ...
+    # every server up at once, each workload's runs back to back (a machine whose speed drifts within minutes)
+    python bench/serving_sweep.py --cpu-model smollm2 --servers-together --rounds 5 ...
     # a GPU host:
     python bench/serving_sweep.py --model-path deepseek-ai/DeepSeek-R1 --server-args "--tp 8 --attention-backend fa3" \\
         --policies plain,chain,sequoia,specexec --budgets 4,8,16 --concurrency 1,4,16,64 \\
@@ -123,6 +127,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "and plot give each figure's median over the rounds, the JSON every round's tokens/s, "
                              "place and ratio over that round's faster plain too (a 2-core CPU drifts 5-20%% "
                              "between runs of one server)")
+    parser.add_argument("--servers-together", action="store_true",
+                        help="start every server once, each on its own port from --port up, with SGLang's "
+                             "--sleep-on-idle (an idle scheduler otherwise spins a core), and run each round "
+                             "workload by workload, the servers back to back in the round's rotated order: one "
+                             "workload's figures for every server are taken within a minute or two of each other "
+                             "instead of a whole round apart, and rounds cost no restarts (the servers learn and "
+                             "keep state across rounds, as a deployment's do)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     for policy in args.policies.split(","):
@@ -204,26 +215,40 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
     return arguments
 
 
-def launch_command(args, policy: str, budget: int, profile: str | None = None) -> list[str]:
-    """launch_server arguments on a GPU host (the CPU path builds them with the harness)."""
-    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model_path, "--port", str(args.port)]
+def launch_command(args, policy: str, budget: int, profile: str | None = None, port: int | None = None) -> list[str]:
+    """launch_server arguments on a GPU host (the CPU path builds them with the harness), on ``port`` (default
+    ``--port``)."""
+    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model_path, "--port",
+               str(args.port if port is None else port)]
     return command + tree_arguments(args, policy, budget, profile or args.acceptance_profile) + extra_server_args(args)
 
 
 def extra_server_args(args) -> list[str]:
     """``--server-args``, with SGLang's decode log every step unless they set its interval: SGLang adds a window's
     accepted tokens to the totals that /get_server_info reports only when it logs the window (every 40 decode steps
-    by default), so a run of fewer steps reported no accept length and a longer one left its last window out."""
+    by default), so a run of fewer steps reported no accept length and a longer one left its last window out. With
+    ``--servers-together`` every server also sleeps when idle (``--sleep-on-idle``)."""
     extra = shlex.split(args.server_args)
     if not any(arg.split("=")[0] == "--decode-log-interval" for arg in extra):
         extra += ["--decode-log-interval", "1"]
+    if args.servers_together and "--sleep-on-idle" not in extra:
+        extra += ["--sleep-on-idle"]
     return extra
 
 
-def bench_command(args, concurrency: int, output: Path, dataset: Path | None = None) -> list[str]:
-    """bench_serving at one concurrency over ``dataset`` (a ShareGPT file of one workload)."""
+def server_port(args, index: int) -> int:
+    """The port of the ``index``-th server (its place in the sweep's list): all share ``--port`` one at a time, or
+    take one each from it up with ``--servers-together``."""
+    return args.port + index if args.servers_together else args.port
+
+
+def bench_command(args, concurrency: int, output: Path, dataset: Path | None = None,
+                  port: int | None = None) -> list[str]:
+    """bench_serving at one concurrency over ``dataset`` (a ShareGPT file of one workload), against the server on
+    ``port`` (default ``--port``)."""
     command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
-               "--port", str(args.port), "--num-prompts", str(args.prompts_at[concurrency]), "--max-concurrency",
+               "--port", str(args.port if port is None else port), "--num-prompts", str(args.prompts_at[concurrency]),
+               "--max-concurrency",
                str(concurrency), "--output-file", str(output),
                # SGLang's accept length is its counters' total since they were last reset: without a flush after
                # the warm-up request, a server's second workload would report the mean over both
@@ -498,16 +523,18 @@ def main(argv=None) -> int:
     shapes = [(policy, budget) for policy in policies
               for budget in (budgets[:1] if policy in (*PLAIN_METHODS, "sglang-chain") else budgets)]
     if args.dry_run:
-        for policy, budget in shapes:
-            launch = launch_command(args, policy, budget) if args.cpu_model is None else \
+        for index, (policy, budget) in enumerate(shapes):
+            port = server_port(args, index)
+            launch = launch_command(args, policy, budget, port=port) if args.cpu_model is None else \
                 [*(f"{name}={value}" for name, value in bed_environment(args).items()), sys.executable, "-m",
-                 "sglang_spec.sglang_plugin.cpu", "--model", args.cpu_model,
+                 "sglang_spec.sglang_plugin.cpu", "--model", args.cpu_model, "--port", str(port),
                  *(["--no-speculation"] if policy in PLAIN_METHODS else []),
-                 *tree_arguments(args, policy, budget, args.acceptance_profile or "<shipped profile>")]
+                 *tree_arguments(args, policy, budget, args.acceptance_profile or "<shipped profile>"),
+                 *extra_server_args(args)]
             print(" ".join(shlex.quote(part) for part in launch))
             for workload in workload_names(args):
                 for concurrency in concurrencies:
-                    command = bench_command(args, concurrency, Path("out.jsonl"), Path(f"{workload}.json"))
+                    command = bench_command(args, concurrency, Path("out.jsonl"), Path(f"{workload}.json"), port)
                     print("  " + " ".join(shlex.quote(p) for p in command))
         return 0
     from sglang_spec.sglang_plugin.cpu.server import SGLangServer, cpu_launch_args, prepare_model
@@ -526,45 +553,72 @@ def main(argv=None) -> int:
     scratch.mkdir(parents=True, exist_ok=True)
     datasets: dict[str, Path | None] = dict(workload_datasets(args, scratch)) if args.dataset == "heldout" else \
         {args.dataset: None}
-    rows = []
-    for round_index, position, (policy, budget) in ((r, position, shape) for r in range(args.rounds)
-                                                    for position, shape in enumerate(round_order(shapes, r))):
-        if args.rounds > 1 and position == 0:
+    def start(index: int, policy: str, budget: int) -> SGLangServer:
+        """The started server of one method (SpecError naming it when it does not start)."""
+        name, port = server_name(policy, budget), server_port(args, index)
+        if model is not None:
+            launch = cpu_launch_args(model, port, speculative=policy not in PLAIN_METHODS,
+                                     extra=tree_arguments(args, policy, budget, profile) + extra_server_args(args))
+            server = SGLangServer(launch, port, scratch / f"{name}.log", env=dict(os.environ, **bed_environment(args)))
+        else:
+            launch = launch_command(args, policy, budget, profile, port)[3:]
+            server = SGLangServer(launch, port, scratch / f"{name}.log", env=dict(os.environ), cpu=False)
+        try:
+            return server.start(timeout=args.start_timeout)
+        except SpecError as error:
+            raise SpecError(f"{name}: {error}") from None
+
+    def measure(server: SGLangServer, policy: str, budget: int, position: int, workload: str,
+                dataset: Path | None, concurrency: int) -> dict:
+        """One bench_serving run against a started server: its row (SpecError when the client fails)."""
+        name = server_name(policy, budget)
+        stem = f"{name}-{workload}-c{concurrency}"
+        output = scratch / f"{stem}.jsonl"
+        output.unlink(missing_ok=True)
+        with (scratch / f"{stem}.client.log").open("w") as client_log:
+            finished = subprocess.run(bench_command(args, concurrency, output, dataset, server.port), env=server.env,
+                                      stdout=client_log, stderr=subprocess.STDOUT)
+        if finished.returncode != 0:
+            raise SpecError(f"bench_serving failed for {name} on {workload} at concurrency {concurrency}; see "
+                            f"{client_log.name}")
+        result = json.loads(output.read_text().strip().splitlines()[-1])
+        row = dict(row_from_result(policy, budget, concurrency, result, workload), position=position)
+        print(f"{name} {workload} concurrency {concurrency}: {row['output_throughput']:.2f} tok/s", flush=True)
+        return row
+
+    def announce(round_index: int) -> None:
+        if args.rounds > 1:
             order = ", ".join(server_name(*shape) for shape in round_order(shapes, round_index))
             print(f"round {round_index + 1} of {args.rounds}: {order}", flush=True)
-        name = server_name(policy, budget)
-        if model is not None:
-            launch = cpu_launch_args(model, args.port, speculative=policy not in PLAIN_METHODS,
-                                     extra=tree_arguments(args, policy, budget, profile) + extra_server_args(args))
-            server = SGLangServer(launch, args.port, scratch / f"{name}.log",
-                                  env=dict(os.environ, **bed_environment(args)))
+
+    rows = []
+    servers: dict[tuple[str, int], SGLangServer] = {}
+    try:
+        if args.servers_together:
+            for index, shape in enumerate(shapes):
+                servers[shape] = start(index, *shape)
+            for round_index in range(args.rounds):
+                announce(round_index)
+                for workload, dataset in datasets.items():
+                    for concurrency in concurrencies:
+                        for position, (policy, budget) in enumerate(round_order(shapes, round_index)):
+                            rows.append(measure(servers[policy, budget], policy, budget, position, workload, dataset,
+                                                concurrency))
         else:
-            launch = launch_command(args, policy, budget, profile)[3:]
-            server = SGLangServer(launch, args.port, scratch / f"{name}.log", env=dict(os.environ), cpu=False)
-        try:
-            server.start(timeout=args.start_timeout)
-        except SpecError as error:
-            print(f"error: {name}: {error}", file=sys.stderr)
-            return 1
-        try:
-            for workload, dataset in datasets.items():
-                for concurrency in concurrencies:
-                    stem = f"{name}-{workload}-c{concurrency}"
-                    output = scratch / f"{stem}.jsonl"
-                    output.unlink(missing_ok=True)
-                    with (scratch / f"{stem}.client.log").open("w") as client_log:
-                        finished = subprocess.run(bench_command(args, concurrency, output, dataset), env=server.env,
-                                                  stdout=client_log, stderr=subprocess.STDOUT)
-                    if finished.returncode != 0:
-                        print(f"error: bench_serving failed for {name} on {workload} at concurrency {concurrency}; "
-                              f"see {client_log.name}", file=sys.stderr)
-                        return 1
-                    result = json.loads(output.read_text().strip().splitlines()[-1])
-                    rows.append(dict(row_from_result(policy, budget, concurrency, result, workload),
-                                     position=position))
-                    print(f"{name} {workload} concurrency {concurrency}: {rows[-1]['output_throughput']:.2f} tok/s",
-                          flush=True)
-        finally:
+            for round_index in range(args.rounds):
+                announce(round_index)
+                for position, (policy, budget) in enumerate(round_order(shapes, round_index)):
+                    servers[policy, budget] = start(0, policy, budget)
+                    for workload, dataset in datasets.items():
+                        for concurrency in concurrencies:
+                            rows.append(measure(servers[policy, budget], policy, budget, position, workload, dataset,
+                                                concurrency))
+                    servers.pop((policy, budget)).stop()
+    except SpecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        for server in servers.values():
             server.stop()
     if args.rounds > 1:
         rows = median_over_rounds(rows)

@@ -7,10 +7,12 @@ from __future__ import annotations
 import csv
 import json
 import importlib.util
+import subprocess
 from pathlib import Path
 
 import pytest
 
+import sglang_spec.sglang_plugin.cpu.server as cpu_server
 from sglang_spec.sglang_plugin.cpu.server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
@@ -197,3 +199,65 @@ def test_prefill_threads_and_draft_weights_reach_each_cpu_server_and_bad_values_
         with pytest.raises(SystemExit):
             sweep.parse_args(bad)
         assert "error: --prefill-threads" in capsys.readouterr().err
+
+
+class _ServerStandIn:
+    """Records what the sweep does with a server; bench runs against it answer with one JSON line."""
+
+    events: list[tuple[str, int]] = []
+    started: list[_ServerStandIn] = []
+
+    def __init__(self, args, port, log_path, env=None, cpu=True):
+        self.args, self.port, self.env = list(args), port, dict(env or {})
+
+    def start(self, timeout=300.0):
+        self.events.append(("start", self.port))
+        self.started.append(self)
+        return self
+
+    def stop(self, timeout=8.0, wait=True):
+        self.events.append(("stop", self.port))
+
+
+def _bench_stand_in(command, env=None, stdout=None, stderr=None):
+    """bench_serving's stand-in: the run's port and workload make its tokens/s, written where the sweep reads."""
+    port = int(command[command.index("--port") + 1])
+    workload = Path(command[command.index("--dataset-path") + 1]).stem.removeprefix("serving-")
+    _ServerStandIn.events.append((f"bench {workload}", port))
+    Path(command[command.index("--output-file") + 1]).write_text(json.dumps({"output_throughput": float(port)}))
+    return subprocess.CompletedProcess(command, 0)
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_servers_together_start_once_on_their_own_ports_and_take_each_workload_back_to_back(
+        together, tmp_path, monkeypatch):
+    """``--servers-together``: every server starts once on its own port, sleeps when idle (an idle SGLang scheduler
+    spins a core, which would slow the server being measured), and each round runs one workload on every server in
+    the round's rotated order before the next workload. Without it, one server at a time on ``--port``, all its
+    workloads, restarted every round."""
+    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    model = cpu_server.CpuModel("smollm2", tmp_path, ("--draft",), None)
+    monkeypatch.setattr(cpu_server, "prepare_model", lambda name: model)
+    monkeypatch.setattr(cpu_server, "SGLangServer", _ServerStandIn)
+    monkeypatch.setattr(sweep.subprocess, "run", _bench_stand_in)
+    monkeypatch.setattr(sweep, "REPO", tmp_path)  # scratch files under the test's folder
+    _ServerStandIn.events, _ServerStandIn.started = [], []
+    argv = ["--cpu-model", "smollm2", "--policies", "plain,plain-sync", "--concurrency", "4", "--num-prompts", "4",
+            "--workloads", "code,chat", "--rounds", "2", "--port", "31000", "--out", str(tmp_path / "s.csv")]
+    assert sweep.main(argv + (["--servers-together"] if together else [])) == 0
+    events, started = _ServerStandIn.events, _ServerStandIn.started
+    if together:
+        assert events == [("start", 31000), ("start", 31001),
+                          ("bench code", 31000), ("bench code", 31001), ("bench chat", 31000), ("bench chat", 31001),
+                          ("bench code", 31001), ("bench code", 31000), ("bench chat", 31001), ("bench chat", 31000),
+                          ("stop", 31000), ("stop", 31001)]
+        assert all("--sleep-on-idle" in server.args for server in started)
+    else:
+        assert events == [("start", 31000), ("bench code", 31000), ("bench chat", 31000), ("stop", 31000)] * 4
+        assert not any("--sleep-on-idle" in server.args for server in started)
+    rows = json.loads((tmp_path / "s.json").read_text())
+    assert {(row["policy"], row["workload"]) for row in rows} == {
+        (policy, workload) for policy in ("plain", "plain-sync") for workload in ("code", "chat")}
+    assert all(len(row["output_throughput_rounds"]) == 2 for row in rows)
