@@ -248,8 +248,7 @@ def bench_command(args, concurrency: int, output: Path, dataset: Path | None = N
     ``port`` (default ``--port``)."""
     command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
                "--port", str(args.port if port is None else port), "--num-prompts", str(args.prompts_at[concurrency]),
-               "--max-concurrency",
-               str(concurrency), "--output-file", str(output),
+               "--max-concurrency", str(concurrency), "--output-file", str(output),
                # SGLang's accept length is its counters' total since they were last reset: without a flush after
                # the warm-up request, a server's second workload would report the mean over both
                "--flush-cache"]
@@ -553,6 +552,7 @@ def main(argv=None) -> int:
     scratch.mkdir(parents=True, exist_ok=True)
     datasets: dict[str, Path | None] = dict(workload_datasets(args, scratch)) if args.dataset == "heldout" else \
         {args.dataset: None}
+
     def start(index: int, policy: str, budget: int) -> SGLangServer:
         """The started server of one method (SpecError naming it when it does not start)."""
         name, port = server_name(policy, budget), server_port(args, index)
