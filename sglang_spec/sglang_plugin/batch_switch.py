@@ -15,7 +15,8 @@ the traffic (copy-heavy prompts accept more). Two layers decide:
   host work and long contexts are in the scale, not in the table). Where the prediction is below
   ``COLD_BELOW`` even at the prior accept length (a floor: trees lose whatever the traffic accepts) the step is
   plain without trying trees (a tree step now and then, at most ``PROBE_SHARE`` of the time, keeps the accept
-  length current): under load speculation is off from the first step. Those steps are *cold*: the target decodes
+  length current; priced per warm request, since only they teach it): under load speculation is off from the
+  first step. Those steps are *cold*: the target decodes
   and the head's forward over the new token is skipped (SGLang's own stub for a skipped draft extend); when trees
   return for those requests, the head drafts without its KV for the cold positions (it accepts less there;
   verification keeps the output exact). So the accept length is learnt from requests with a warm head only: a
@@ -170,10 +171,12 @@ class BatchSwitches:
         learnt = self.predicted_speedup(batch_size, rids=rids)
         return PLAIN if learnt is not None and learnt < 1.0 else TREE
 
-    def decide(self, batch_size: int, rids: Sequence[str] | None = None) -> str:
-        """The next step of a batch of ``batch_size`` requests (``rids``, when known): TREE, PLAIN (a measured or
-        predicted loss: trees come back, so the head's KV is kept warm) or COLD (a clear loss by prediction: no
-        head forward). A batch size the prediction keeps plain or cold takes a tree step now and then (a probe)."""
+    def decide(self, batch_size: int, rids: Sequence[str] | None = None, warm: int | None = None) -> str:
+        """The next step of a batch of ``batch_size`` requests (``rids``, when known; ``warm`` of them never took a
+        cold step, None: all): TREE, PLAIN (a measured or predicted loss: trees come back, so the head's KV is kept
+        warm) or COLD (a clear loss by prediction: no head forward). A batch size the prediction keeps plain or
+        cold takes a tree step now and then (a probe), priced per request it teaches: only warm requests teach the
+        accept length, so the interval grows by ``batch_size / warm`` and an all-cold batch never probes."""
         self._forget_left_traffic(batch_size, rids)
         if self.clear_win(batch_size, rids):
             return TREE
@@ -183,7 +186,11 @@ class BatchSwitches:
         if regime == TREE:
             return TREE
         share = PROBE_SHARE if regime == COLD else BAND_PROBE_SHARE
-        probe = self.since_tree.get(batch_bucket(batch_size), 0) >= self.probe_interval(batch_size, share)
+        warm = batch_size if warm is None else warm
+        if warm <= 0:
+            return regime
+        interval = self.probe_interval(batch_size, share * warm / batch_size)
+        probe = self.since_tree.get(batch_bucket(batch_size), 0) >= interval
         return TREE if probe else regime
 
     def admit(self, requests: int, batch_size: int) -> bool:

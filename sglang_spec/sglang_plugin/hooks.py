@@ -731,7 +731,8 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
         switches = worker._sglang_spec_switches = _start_switches(worker)
     size = len(batch.reqs)
     try:
-        kind = switches.decide(size, [request.rid for request in batch.reqs])
+        warm = sum(1 for request in batch.reqs if not getattr(request, COLD_MARK, False))
+        kind = switches.decide(size, [request.rid for request in batch.reqs], warm=warm)
     except Exception as error:  # SGLang's own plain step (the head's KV kept warm): exact whatever the switch
         accept_fault(AUTO, error, size, "decoded by a plain step")
         kind = PLAIN

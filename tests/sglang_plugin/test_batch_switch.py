@@ -69,6 +69,24 @@ def test_a_cold_batch_size_tries_a_tree_at_most_one_percent_of_its_time_and_foll
     assert switches.decide(16) == TREE
 
 
+def test_a_cold_batch_probes_only_for_the_requests_it_can_learn_from():
+    """A probe's tree step costs the whole batch, but only requests that never took a cold step teach the accept
+    length (a cold request's head lacks KV): the interval grows by batch / warm, and an all-cold batch never
+    probes (served: one such probe at 16 chat requests cost ~1 s of a 15 s run)."""
+    switches = BatchSwitches(costs=COSTS, accept_length=2.0)
+    interval = switches.probe_interval(16)
+    for _ in range(4 * interval):
+        assert switches.decide(16, warm=0) == COLD
+        switches.observe(16, True, 0.2, 16)
+    assert switches.decide(16, warm=4) == TREE  # 4 of 16 warm: due after 4x the interval
+    switches.observe(16, False, 1.0, 16 * 2)
+    for step in range(4 * interval + 1):
+        kind = switches.decide(16, warm=4)
+        assert kind == (TREE if step == 4 * interval else COLD)
+        switches.observe(16, kind == COLD, 0.2 if kind == COLD else 1.0, 16 * (1 if kind == COLD else 2))
+    assert switches.decide(16, warm=16) == COLD  # every request warm: the plain interval, just restarted
+
+
 def test_the_scales_carry_what_served_steps_cost_over_the_start_up_table():
     switches = BatchSwitches(costs=COSTS)
     run(switches, 1, 20, tree_seconds=0.15, tokens=2.0, plain_seconds=0.1)  # served steps 2x the table
