@@ -12,7 +12,8 @@ the traffic (copy-heavy prompts accept more). Two layers decide:
   copy-heavy or not, decides what its trees accept; a request not yet seen starts from the traffic's moving
   average over all requests and batch sizes), and plain / tree are the start-up
   times scaled by what served plain and tree steps took over their start-up prediction (moving averages: drafting,
-  host work and long contexts are in the scale, not in the table). Where the prediction is below
+  host work and long contexts are in the scale, not in the table; a tree step's, per batch-size bucket once the
+  bucket served one). Where the prediction is below
   ``COLD_BELOW`` even at the prior accept length (a floor: trees lose whatever the traffic accepts) the step is
   plain without trying trees (a tree step now and then, at most ``PROBE_SHARE`` of the time, keeps the accept
   length current; priced per warm request, since only they teach it): under load speculation is off from the
@@ -124,6 +125,10 @@ class BatchSwitches:
     judged: dict[int, frozenset[str]] = field(default_factory=dict)  # per bucket, the requests of its last step
     plain_scale: float = 1.0  # served plain step seconds over costs.plain_at (moving average)
     tree_scale: float = 1.0  # served tree step seconds over costs.tree_at (moving average)
+    # the same per batch-size bucket, from its own tree steps (the first sets it): a tree step's drafting and host
+    # work grow with the batch faster than the table's verify (CPU bed, chat at 16: ~8x a plain step served against
+    # 3.7x in the table), and the shared scale is learnt mostly from small batches' tree steps
+    bucket_tree_scale: dict[int, float] = field(default_factory=dict)
     switches: dict[int, SpeculationSwitch] = field(default_factory=dict)
     plain_steps: int = 0  # steps decided plain so far (reported in the log and by tests)
     tree_steps: int = 0
@@ -156,7 +161,12 @@ class BatchSwitches:
         accept_length = self.batch_accept_length(rids)
         accept_length = accept_length if learnt else max(accept_length, PRIOR_ACCEPT_LENGTH)
         plain = self.plain_scale * self.costs.plain_at(batch_size)
-        return accept_length * plain / (self.tree_scale * self.costs.tree_at(batch_size))
+        return accept_length * plain / (self.tree_scale_at(batch_size) * self.costs.tree_at(batch_size))
+
+    def tree_scale_at(self, batch_size: int) -> float:
+        """Served over start-up tree step time for this batch size's bucket; the traffic's until it took a tree
+        step."""
+        return self.bucket_tree_scale.get(batch_bucket(batch_size), self.tree_scale)
 
     def regime(self, batch_size: int, rids: Sequence[str] | None = None) -> str:
         """What the prediction alone makes of a batch of ``batch_size``: TREE, PLAIN (a loss predicted from the
@@ -228,7 +238,7 @@ class BatchSwitches:
         (tree / plain - 1) plain steps more than a plain one, and probes take ``share`` of the time at most."""
         assert self.costs is not None
         plain = self.plain_scale * self.costs.plain_at(batch_size)
-        extra = self.tree_scale * self.costs.tree_at(batch_size) / plain
+        extra = self.tree_scale_at(batch_size) * self.costs.tree_at(batch_size) / plain
         return max(math.ceil(round((extra - 1) / share, 6)), MIN_PROBE_INTERVAL)  # round: float noise
 
     def observe(self, batch_size: int, plain: bool, seconds: float, tokens: int, warm_requests: int | None = None,
@@ -263,7 +273,10 @@ class BatchSwitches:
                 kept = (1 - ACCEPT_SMOOTHING) ** warm_requests
                 self.accept_length = kept * self.accept_length + (1 - kept) * warm_tokens / warm_requests
             if self.costs is not None:
-                self.tree_scale = moving_average(self.tree_scale, seconds / self.costs.tree_at(batch_size))
+                scale = seconds / self.costs.tree_at(batch_size)
+                self.tree_scale = moving_average(self.tree_scale, scale)
+                bucket = batch_bucket(batch_size)
+                self.bucket_tree_scale[bucket] = moving_average(self.bucket_tree_scale.get(bucket, scale), scale)
         # probes aside: they change no state
         now_plain = not self.clear_win(batch_size, rids) and (switch.lean or self.regime(batch_size, rids) != TREE)
         if now_plain == self.logged.get(batch_bucket(batch_size), False):

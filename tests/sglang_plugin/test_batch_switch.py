@@ -1,5 +1,7 @@
 """--speculative-tree-auto's decision: start-up costs predict, measured seconds per token decide, per bucket."""
 
+import math
+
 import pytest
 
 from sglang_spec.sglang_plugin.batch_switch import BAND_PROBE_SHARE, COLD, PLAIN, TREE, BatchSwitches, StepCosts
@@ -102,6 +104,21 @@ def test_a_bucket_turning_off_says_so_in_one_line():
     switches = BatchSwitches(costs=COSTS)
     lines = [switches.observe(16, True, 0.24, 16) for _ in range(3)]
     assert lines[0].startswith("tree auto, batches up to 16: plain (predicted 0.") and lines[1:] == [None, None]
+
+
+def test_a_batch_size_prices_its_trees_by_its_own_served_tree_steps():
+    """Drafting and host work grow with the batch faster than the table's verify: one request's tree steps at the
+    table's time leave batch 16 priced by the table until its own tree step shows 3x, and then by that."""
+    switches = BatchSwitches(costs=COSTS)
+    run(switches, 1, 20, tree_seconds=0.075, tokens=3.0, plain_seconds=0.05)  # the table's times
+    assert switches.tree_scale_at(16) == pytest.approx(1.0)
+    accept_length = switches.accept_length
+    assert switches.predicted_speedup(16) == pytest.approx(accept_length * 0.2 / 1.0)
+    switches.observe(16, False, 3.0, 16 * 3)  # a tree step at 16: 3x the table's 1.0 s
+    assert switches.tree_scale_at(16) == pytest.approx(3.0) and switches.tree_scale_at(9) == pytest.approx(3.0)
+    assert switches.tree_scale_at(1) == pytest.approx(1.0)
+    assert switches.predicted_speedup(16) == pytest.approx(switches.accept_length * 0.2 / 3.0)
+    assert switches.probe_interval(16) == math.ceil((3.0 / 0.2 - 1) / 0.01)  # 14 plain steps more: 1%
 
 
 def test_step_costs_are_read_between_measured_batch_sizes():
