@@ -74,7 +74,7 @@ def test_a_cold_batch_size_tries_a_tree_at_most_one_percent_of_its_time_and_foll
 def test_a_cold_batch_probes_only_for_the_requests_it_can_learn_from():
     """A probe's tree step costs the whole batch, but only requests that never took a cold step teach the accept
     length (a cold request's head lacks KV): the interval grows by batch / warm, and an all-cold batch never
-    probes (served: one such probe at 16 chat requests cost ~1 s of a 15 s run)."""
+    probes."""
     switches = BatchSwitches(costs=COSTS, accept_length=2.0)
     interval = switches.probe_interval(16)
     for _ in range(4 * interval):
