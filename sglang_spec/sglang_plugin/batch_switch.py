@@ -127,7 +127,7 @@ class BatchSwitches:
     tree_scale: float = 1.0  # served tree step seconds over costs.tree_at (moving average)
     # the same per batch-size bucket, from its own tree steps (the first sets it): a tree step's drafting and host
     # work grow with the batch faster than the table's verify (CPU bed, chat at 16: ~8x a plain step served against
-    # 3.7x in the table), and the shared scale is learnt mostly from small batches' tree steps
+    # 3.4-3.8x in the table), and the shared scale is learnt mostly from small batches' tree steps
     bucket_tree_scale: dict[int, float] = field(default_factory=dict)
     switches: dict[int, SpeculationSwitch] = field(default_factory=dict)
     plain_steps: int = 0  # steps decided plain so far (reported in the log and by tests)
