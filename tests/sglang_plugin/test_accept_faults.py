@@ -251,7 +251,7 @@ def test_a_tree_auto_fault_decodes_the_batch(metrics, capsys, broken):
     stands and the switch learns nothing from it."""
 
     class Switches:
-        def decide(self, size, rids=None):
+        def decide(self, size, rids=None, warm=None):
             if broken == "decide":
                 raise KeyError("bucket")
             return "tree"
