@@ -139,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="most draft tokens a step (a lookup / hybrid server's depth is its budget)")
     parser.add_argument("--lookup-width", type=integer(1, 64), default=4, help="candidates a lookup-tree node")
     parser.add_argument("--quick", action="store_true", help="tiny-deepseek on toy prompts that repeat themselves")
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "copy_ceiling" / "copy_ceiling.json")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "copy_ceiling.json")
     args = parser.parse_args(argv)
     if args.prompts is not None and args.workloads is not None:
         parser.error("argument --workloads: --prompts brings its own workloads (their \"domain\" field); drop one")

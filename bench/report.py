@@ -1,0 +1,566 @@
+"""The results page, ``docs/results/README.md``, written from the benchmarks' own JSON files in ``docs/results/``,
+and the headline table of the repository's ``README.md`` (between its ``results:begin`` / ``results:end`` markers).
+
+    python bench/report.py            # rewrite both
+    python bench/report.py --check    # exit 1, naming what is stale, if either differs from what the JSON gives
+
+Each benchmark keeps one file set with a stable name (``serving_sweep_c1.json`` / ``.csv`` / ``.png``,
+``hybrid.json``, ...). Per benchmark the page gives the run's table, its plot, the machine and the command, taken
+from the JSON (``command``, ``environment``); for a JSON that carries neither (``bench/serving_sweep.py`` writes
+rows only) from ``recorded_runs.json``, recorded by hand with the run; where neither has it the page says "not
+recorded". GPU checks (``scripts/gpu_check.sh``) are filed under ``gpu/`` (the results JSON beside the console
+logs); the page gives the latest result of every check on every device.
+
+Standard library only, so ``tests/docs/test_results_page.py`` regenerates the page in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+PAGE = RESULTS / "README.md"
+README = REPO / "README.md"
+RECORDED = "recorded_runs.json"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+NOT_RECORDED = "not recorded"
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def load(results: Path, name: str) -> Any:
+    return json.loads((results / name).read_text())
+
+
+def recorded(results: Path, name: str) -> dict[str, str]:
+    """What ``recorded_runs.json`` says about ``name`` (command, machine), or nothing."""
+    path = results / RECORDED
+    return json.loads(path.read_text()).get(name, {}) if path.exists() else {}
+
+
+ENVIRONMENT_KEYS = ("device", "model", "dtype", "threads", "torch", "cuda", "triton", "python", "sglang")
+
+
+def machine(data: Any, results: Path, name: str) -> str:
+    """The machine a run measured on, from its ``environment`` (never its commit or date)."""
+    env = data.get("environment") if isinstance(data, dict) else None
+    if not env:
+        return recorded(results, name).get("machine", NOT_RECORDED)
+    parts = []
+    for key in ENVIRONMENT_KEYS:
+        if key not in env:
+            continue
+        value = env[key]
+        if key == "sglang":
+            parts.append("no sglang" if value is None else f"sglang {value}")
+        elif key == "dtype":
+            parts.append(str(value).replace("torch.", ""))
+        elif key == "threads":
+            parts.append(f"{value} threads")
+        elif key in ("torch", "cuda", "triton", "python"):
+            parts.append(f"{key} {value}")
+        else:
+            parts.append(str(value))
+    return ", ".join(parts)
+
+
+def command(data: Any, results: Path, name: str) -> str:
+    given = data.get("command") if isinstance(data, dict) else None
+    return given or recorded(results, name).get("command", NOT_RECORDED)
+
+
+# ------------------------------------------------------------------------------------------------ formatting
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    def cell(value: Any) -> str:
+        return "" if value is None else str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def x(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def f2(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def f1(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+def slug(title: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^a-z0-9 _-]", "", title.lower()).replace(" ", "-")
+
+
+def run_lines(data: Any, results: Path, name: str, files: list[str]) -> str:
+    """Machine, command and the run's files (each a link)."""
+    links = ", ".join(f"[{file}]({file})" for file in files if (results / file).exists())
+    return "\n".join([f"* Machine: {machine(data, results, name)}",
+                      f"* Command: `{command(data, results, name)}`",
+                      f"* Files: {links}"])
+
+
+class Section:
+    """One heading of the page: its title, the files it reads, and its body."""
+
+    def __init__(self, title: str, files: list[str], body: Callable[[Path], str]) -> None:
+        self.title, self.files, self.body = title, files, body
+
+    @property
+    def anchor(self) -> str:
+        return slug(self.title)
+
+
+# ------------------------------------------------------------------------------------------------ serving
+
+
+SERVING_LABELS = {"plain": "plain decoding", "plain-sync": "plain decoding, overlap loop off",
+                  "auto": "hybrid + `--speculative-tree-auto`", "sglang-tree": "SGLang's EAGLE tree (topk 4)",
+                  "sglang-ngram": "SGLang's NGRAM", "sglang-chain": "SGLang's EAGLE chain"}
+SERVING_ABOUT = {
+    "serving_sweep_c1.json": "One request at a time: tree auto (hybrid trees of 11 draft tokens, or a plain step "
+                             "where a tree does not pay) against plain decoding, with and without SGLang's overlap "
+                             "loop.",
+    "serving_sweep_c16.json": "Sixteen concurrent requests: the same servers under load, where a tree step costs "
+                              "more than it gives and tree auto is meant to decode plainly.",
+    "serving_sweep_peers.json": "One request at a time, 15 draft tokens each: the project's hybrid trees against "
+                                "SGLang's own EAGLE tree (topk 4, 4 steps) and NGRAM drafting, as a user would "
+                                "launch them.",
+}
+SERVING_TITLES = {"serving_sweep_c1.json": "Serving, one request: tree auto against plain decoding",
+                  "serving_sweep_c16.json": "Serving, 16 requests: tree auto against plain decoding",
+                  "serving_sweep_peers.json": "Serving, accept length against SGLang's own speculation"}
+SERVING_NOTE = ("SmolLM2-135M-Instruct and its shipped MTP head served by SGLang's `launch_server` on the CPU test "
+                "bed, SGLang's `bench_serving` client, greedy, held-out prompts that no head was trained or tuned "
+                "on (`bench/workloads/serving/`). Tokens/s and latencies are medians over the rounds; "
+                "x plain = output tokens/s over the faster plain server's; per round = each round's ratio over "
+                "that round's faster plain (lowest to highest). Accept length = tokens a verify step emits, the "
+                "bonus token included.")
+
+
+def serving_files(results: Path) -> list[str]:
+    known = [name for name in SERVING_TITLES if (results / name).exists()]
+    others = sorted(path.name for path in results.glob("serving_sweep*.json") if path.name not in SERVING_TITLES)
+    return known + others
+
+
+def serving_body(name: str) -> Callable[[Path], str]:
+    def body(results: Path) -> str:
+        rows = load(results, name)
+        if isinstance(rows, dict):
+            rows = rows["rows"]
+        out = []
+        for row in rows:
+            rounds = row.get("speedup_over_plain_rounds") or []
+            spread = f"{min(rounds):.2f}-{max(rounds):.2f}x" if len(rounds) > 1 else ""
+            label = SERVING_LABELS.get(row["policy"], row["policy"])
+            out.append([row.get("workload", ""), label, row["budget"], row["concurrency"],
+                        f2(row["output_throughput"]), x(row.get("speedup_over_plain")), spread,
+                        f2(row["accept_length"]), f1(row.get("median_itl_ms")), f1(row.get("p99_itl_ms"))])
+        stem = name[:-len(".json")]
+        rounds = max((len(row.get("output_throughput_rounds") or []) for row in rows), default=0)
+        return "\n\n".join([
+            SERVING_ABOUT.get(name, "A run of the serving sweep.") + (f" {rounds} rounds." if rounds > 1 else " One round."),
+            run_lines(rows, results, name, [name, f"{stem}.csv", f"{stem}.png"]),
+            table(["workload", "method", "draft tokens", "concurrency", "output tok/s", "x plain", "per round",
+                   "accept length", "p50 ITL ms", "p99 ITL ms"], out),
+        ])
+
+    return body
+
+
+def sglang_trees_body(results: Path) -> str:
+    name = "sglang_trees.json"
+    data = load(results, name)
+    rows = data["rows"]
+    budgets = sorted({row["budget"] for row in rows})
+    policies = list(dict.fromkeys(row["policy"] for row in rows))
+    cells = {(row["budget"], row["policy"]): f"{row['accept_length']:.2f} (W {row['width']})" for row in rows}
+    shape = rows[0]
+    about = (f"Mean accept length through SGLang's server (SmolLM2-135M + shipped head on the CPU test bed) at equal "
+             f"budgets, depth {shape['depth']}, topk {shape['topk']}; {data['prompts']}, {data['max_new_tokens']} "
+             f"greedy tokens each. eagle is SGLang's own selection (width W = topk); sequoia and specexec run the "
+             f"plugin's draft loop at the width shown. Greedy output identical across all servers: "
+             f"{'yes' if data['greedy_identical'] else 'no'}.")
+    return "\n\n".join([about, run_lines(data, results, name, [name]),
+                        table(["budget", *policies], [[b, *(cells.get((b, p)) for p in policies)] for b in budgets])])
+
+
+# ------------------------------------------------------------------------------------------------ reference decoder
+
+
+def hybrid_labels(config: dict[str, str]) -> dict[str, str]:
+    def shape(text: str) -> str:
+        parts = text.split(":")
+        return "/".join(parts[:2]) + (f", {parts[2]} head levels" if len(parts) > 2 else "")
+
+    labels = {"plain": "plain decoding (the project's)", "hf_plain": "Hugging Face `generate`",
+              "lookup": "`--policy lookup`", "hybrid": f"`--policy hybrid` {shape(config.get('hybrid', ''))}",
+              "auto": f"`--auto`, up to {shape(config.get('auto', ''))}"}
+    mtp = config.get("mtp_tree", "")
+    if mtp:
+        policy, *rest = mtp.split(":")
+        labels["mtp"] = f"MTP head only, {policy} {'/'.join(rest)}"
+    return labels
+
+
+def hybrid_body(results: Path) -> str:
+    name = "hybrid.json"
+    data = load(results, name)
+    labels = hybrid_labels(data["config"])
+    workloads = ", ".join(f"{count} {workload}" for workload, count in data["workloads"].items())
+    parts = [
+        f"The reference decoder (batch 1) on held-out prompts written for this bench (`bench/workloads/`: "
+        f"{workloads} prompts), {data['config']['max_new_tokens']} new tokens each, against Hugging Face's prompt "
+        f"lookup (`generate(prompt_lookup_num_tokens=k)`). Speedup = tokens/s over the project's plain decoding in "
+        f"the same run; accept length = tokens a step emits, the bonus token included; latency = gaps between "
+        f"tokens as a streaming client sees them; plain steps = the steps `--auto` decoded without a tree.",
+        run_lines(data, results, name, [name, "hybrid.png"]),
+    ]
+    for temperature in sorted({row["temperature"] for row in data["rows"]}):
+        rows = []
+        for row in (row for row in data["rows"] if row["temperature"] == temperature):
+            method = row["method"]
+            label = labels.get(method) or re.sub(r"^hf_lookup_k(\d+)$", r"HF prompt lookup, k=\1", method)
+            identical = "" if row["identical"] is None else ("yes" if row["identical"] else "no")
+            plain_steps = f"{row['plain_steps']} / {row['steps']}" if method == "auto" else ""
+            value = row["accept_length"]
+            accept = f2(value) if value is not None and value == value and method != "plain" else ""  # NaN: none
+            rows.append([row["workload"], label, f1(row["tokens_per_second"]), x(row["speedup"]), accept, identical,
+                         f"{row['latency_p50_ms']:.0f} / {row['latency_p99_ms']:.0f}", plain_steps])
+        parts.append(f"Temperature {temperature}:\n\n" + table(
+            ["workload", "method", "tok/s", "speedup", "accept length", "greedy identical", "latency p50 / p99 ms",
+             "plain steps"], rows))
+    limits = data["limits"]
+    plain = limits["plain_step_seconds"]
+    rows = [["plain decode step", ms(limits["plain_step_floor_seconds"]), ms(plain), "1.00"]]
+    rows += [[f"verify {n} tree tokens", ms(limits["verify_floor_seconds"][n]), ms(seconds), f"{seconds / plain:.2f}"]
+             for n, seconds in limits["verify_seconds"].items()]
+    parts.append(f"This machine's verify cost in the same run (`bench/limits.py`, {limits['context']}-token context; "
+                 f"floor = the weights' bytes over the measured memory bandwidth, "
+                 f"{limits['memory_bandwidth_gbs']:.1f} GB/s, or the arithmetic where that is longer):\n\n"
+                 + table(["forward", "floor ms", "measured ms", "/ plain step"], rows))
+    return "\n\n".join(parts)
+
+
+def hybrid_shapes_body(results: Path) -> str:
+    name = "hybrid_shapes.json"
+    data = load(results, name)
+    shapes = data["accept_length"]
+    workloads = list(dict.fromkeys(w for values in shapes.values() for w in values))
+    rows = [["/".join(key.split(":")[:2]) + f", {key.split(':')[2]} head levels",
+             *(f2(values.get(w)) for w in workloads)] for key, values in shapes.items()]
+    about = (f"Accept length of hybrid trees (budget / depth, head levels) in the reference decoder on the reference "
+             f"bench's own code and extraction prompts, {data['max_new_tokens']} greedy tokens a prompt: how the "
+             f"context trees' default depth (the budget) was chosen.")
+    return "\n\n".join([about, run_lines(data, results, name, [name]), table(["shape", *workloads], rows)])
+
+
+def copy_ceiling_body(results: Path) -> str:
+    name = "copy_ceiling.json"
+    data = load(results, name)
+    drafters = list(dict.fromkeys(row["drafter"] for row in data["rows"]))
+    workloads = list(dict.fromkeys(row["workload"] for row in data["rows"]))
+    cell = {(row["workload"], row["drafter"]): f2(row["tokens_per_step"]) for row in data["rows"]}
+    about = (f"Tokens a step that copying from the context could take on the serving sweep's held-out prompts "
+             f"(depth {data['depth']}, {data['max_new_tokens']} tokens, the target's greedy output replayed, no "
+             f"timing): `best-copy` always copies the best span, `lookup-chain` is prompt lookup's chain, "
+             f"`lookup-tree` any of the context lookup's first {data['lookup_width']} candidates at every depth.")
+    return "\n\n".join([about, run_lines(data, results, name, [name]),
+                        table(["workload", *drafters], [[w, *(cell.get((w, d)) for d in drafters)] for w in workloads])])
+
+
+# ------------------------------------------------------------------------------------------------ heads
+
+
+QUALITY_HEADER = ["head", "depth-1 top-1", "top-4", "top-8", "chain-4 accept length",
+                  "sequoia 16 / 32 / 168", "specexec 16 / 32 / 168"]
+
+
+def quality_rows(quality: dict[str, dict[str, Any]]) -> list[list[Any]]:
+    rows = []
+    for head, q in quality.items():
+        trees = {policy: " / ".join(f2(q[f"{policy}{n}_accept_length"]) for n in (16, 32, 168))
+                 for policy in ("sequoia", "specexec")}
+        rows.append([head, f"{q['depth1_top1']:.3f}", f"{q['depth1_top4']:.3f}", f"{q['depth1_top8']:.3f}",
+                     f2(q["chain4_accept_length"]), trees["sequoia"], trees["specexec"]])
+    return rows
+
+
+def acceptance_body(results: Path) -> str:
+    name = "acceptance.json"
+    data = load(results, name)
+    config = data["config"]
+    rows = [[row["head"], row["temperature"], row["method"], row["budget"], row["depth"],
+             f2(row["accept_length"]) if row["method"] != "prompt_lookup" else "", f1(row["tokens_per_second"]),
+             f2(row["speedup"]), f2(row.get("predicted_speedup")),
+             "" if row["identical"] is None else ("yes" if row["identical"] else "no")] for row in data["rows"]]
+    prompts = data["prompts"]
+    vocab = data["draft_vocabulary"]
+    vocab_line = "; ".join(
+        f"{head}: {v['draft_vocab_size']} of {v['vocab_size']} tokens, one draft level "
+        f"{ms(v['draft_level_seconds'])} ms against {ms(v['full_vocab_draft_level_seconds'])} ms over the full "
+        f"vocabulary" for head, v in vocab.items())
+    prediction = data["prediction"]
+    sequoia = prediction["sequoia_measured_over_predicted_accept_length"]
+    pngs = [path.name for path in sorted(results.glob("acceptance-*.png"))]
+    return "\n\n".join([
+        f"The shipped SmolLM2 heads (`generic`: chat traffic; `code`: fine-tuned on code) in the reference decoder, "
+        f"batch 1, on {len(prompts)} held-out prompts ({prompts[0]} to {prompts[-1]}), {config['max_new_tokens']} "
+        f"new tokens each, every policy at budgets {config['budgets']}, depth {config['depths']}, temperatures "
+        f"{config['temperatures']}. Speedup = tokens/s over plain decoding in the same run; predicted = the cost "
+        f"model's prediction (`tree/cost_model.step_seconds`).",
+        run_lines(data, results, name, [name, *pngs]),
+        table(["head", "T", "method", "budget", "depth", "accept length", "tok/s", "speedup", "predicted",
+               "greedy identical"], rows),
+        "Head quality on the same prompts (greedy; accept lengths of trees of 16 / 32 / 168 nodes):\n\n"
+        + table(QUALITY_HEADER, quality_rows(data["head_quality"])),
+        f"Draft vocabulary: {vocab_line}. Predicted against measured speedup: Pearson r {prediction['pearson_r']:.2f}, "
+        f"mean absolute error {prediction['mean_abs_error']:.2f} over {prediction['points']} configurations; "
+        f"Sequoia's measured accept length over its predicted one {sequoia['min']:.2f}-{sequoia['max']:.2f}.",
+    ])
+
+
+def head_quality_body(results: Path) -> str:
+    name = "head-quality.json"
+    data = load(results, name)
+    prompts = data["prompts"]
+    about = (f"The same head-quality measurement over every held-out task ({len(prompts)} prompts, {prompts[0]} to "
+             f"{prompts[-1]}), {data['max_new_tokens']} greedy tokens each, no timing.")
+    if data.get("note"):
+        about += f" Note: {data['note']}."
+    return "\n\n".join([about, run_lines(data, results, name, [name]),
+                        table(QUALITY_HEADER, quality_rows(data["head_quality"]))])
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+def gpu_records(results: Path) -> list[str]:
+    """The filed GPU results (``gpu/*.json``) by date then name, and an unfiled ``gpu-check.json`` last."""
+    def date(name: str) -> str:
+        return load(results, name).get("environment", {}).get("date", "")
+
+    filed = sorted((f"gpu/{path.name}" for path in (results / "gpu").glob("*.json")), key=lambda n: (date(n), n))
+    return filed + (["gpu-check.json"] if (results / "gpu-check.json").exists() else [])
+
+
+def gpu_latest(results: Path) -> dict[tuple[str, str], tuple[dict[str, Any], str]]:
+    """(device, check) -> the latest result of that check on that device and the file holding it."""
+    latest: dict[tuple[str, str], tuple[dict[str, Any], str]] = {}
+    for name in gpu_records(results):
+        data = load(results, name)
+        if data.get("dry_run"):
+            continue
+        device = data["environment"]["device"]
+        for check in data["checks"]:
+            latest[device, check["name"]] = (check, name)
+    return latest
+
+
+def gpu_logs(results: Path, name: str) -> list[str]:
+    stem = Path(name).stem
+    folder = results / Path(name).parent
+    return sorted(f"{Path(name).parent}/{p.name}".removeprefix("./") for p in folder.glob(f"{stem}*")
+                  if p.suffix != ".json")
+
+
+def gpu_body(results: Path) -> str:
+    latest = gpu_latest(results)
+    rows = [[device, f"`{check['name']}`", f"**{check['status']}**", f"{check['seconds']:.0f}", check["detail"],
+             f"[{name}]({name})"] for (device, _), (check, name) in latest.items()]
+    what: dict[str, str] = {}
+    for check, _ in latest.values():
+        what[check["name"]] = check["what"]
+    runs = []
+    for name in gpu_records(results):
+        data = load(results, name)
+        files = [name, *gpu_logs(results, name)]
+        runs.append(f"* [{name}]({name}): {machine(data, results, name)}; `{command(data, results, name)}`; "
+                    + ", ".join(f"[{file}]({file})" for file in files[1:]))
+    counts = {}
+    for (device, _), (check, _) in latest.items():
+        counts.setdefault(device, []).append(check["status"])
+    summary = "; ".join(f"{device}: {statuses.count('passed')} of {len(statuses)} checks passed"
+                        for device, statuses in counts.items())
+    return "\n\n".join([
+        "`scripts/gpu_check.sh` on the GPUs lent to this project (no sglang on them: the server groups have not "
+        "run). The latest result of every check on every device; older results of a check stay in the files. "
+        f"{summary}.",
+        table(["device", "check", "result", "s", "detail", "record"], rows),
+        "What each check runs:\n\n" + "\n".join(f"* `{check}`: {text}" for check, text in what.items()),
+        "Records (results JSON, machine, command, console logs):\n\n" + "\n".join(runs),
+    ])
+
+
+# ------------------------------------------------------------------------------------------------ the page
+
+
+def sections(results: Path) -> list[Section]:
+    out = [Section(SERVING_TITLES.get(name, f"Serving: {name[:-len('.json')]}"), [name], serving_body(name))
+           for name in serving_files(results)]
+    for title, name, body in (
+        ("Tree shapes through SGLang at equal budgets", "sglang_trees.json", sglang_trees_body),
+        ("Hybrid trees against prompt lookup in the reference decoder", "hybrid.json", hybrid_body),
+        ("Context tree depth", "hybrid_shapes.json", hybrid_shapes_body),
+        ("Copy ceiling of the serving prompts", "copy_ceiling.json", copy_ceiling_body),
+        ("Head acceptance sweep", "acceptance.json", acceptance_body),
+        ("Head quality on every held-out task", "head-quality.json", head_quality_body),
+    ):
+        if (results / name).exists():
+            out.append(Section(title, [name], body))
+    if gpu_records(results):
+        out.append(Section("GPU checks", [], gpu_body))
+    return out
+
+
+def render_page(results: Path = RESULTS) -> str:
+    parts = [
+        "# Results",
+        "Generated by `python bench/report.py` from the JSON files in this folder: do not edit it by hand "
+        "(`tests/docs/test_results_page.py` fails when it is stale). Each benchmark writes its JSON here under a "
+        "stable name; rerun the benchmark, then the report. Conventions: budget = draft tokens, root excluded; "
+        "accept length = draft tokens accepted in a step + 1 (the bonus token); speedups are over plain decoding "
+        "measured in the same run. Machines and commands come from the JSON, or from "
+        f"[{RECORDED}]({RECORDED}) where a benchmark's JSON does not carry them.",
+        "\n".join(f"* [{section.title}](#{section.anchor})" for section in sections(results)),
+    ]
+    serving_done = False
+    for section in sections(results):
+        if section.title.startswith("Serving") and not serving_done:
+            parts.append(SERVING_NOTE)
+            serving_done = True
+        parts.append(f"## {section.title}")
+        parts.append(section.body(results))
+    return "\n\n".join(parts) + "\n"
+
+
+def named_files(page: str) -> set[str]:
+    """Every file the page links to (relative to the results folder)."""
+    return {target for target in re.findall(r"\]\(([^)#]+)\)", page) if "://" not in target}
+
+
+# ------------------------------------------------------------------------------------------------ README headline
+
+
+def _rows(results: Path, name: str) -> list[dict[str, Any]]:
+    data = load(results, name)
+    return data["rows"] if isinstance(data, dict) else data
+
+
+def _pick(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
+    found = [row for row in rows if all(row.get(key) == value for key, value in match.items())]
+    if len(found) != 1:
+        raise ValueError(f"expected one row matching {match}, found {len(found)}")
+    return found[0]
+
+
+def _workloads(rows: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(row["workload"] for row in rows))
+
+
+def render_headline(results: Path = RESULTS, page: str = "docs/results/README.md") -> str:
+    """The README's results table: one row per headline figure, its command and a link to its section."""
+    rows = []
+
+    def link(title: str) -> str:
+        return f"[details]({page}#{slug(title)})"
+
+    def add(what: str, name: str, figure: str, title: str) -> None:
+        rows.append([what, figure, f"`{command(load(results, name), results, name)}`", link(title)])
+
+    for name, what in (("serving_sweep_c1.json", "SGLang server, 1 request: `--speculative-tree-auto` over the "
+                                                 "faster plain decoding (x) and its accept length"),
+                       ("serving_sweep_c16.json", "SGLang server, 16 requests: `--speculative-tree-auto` over the "
+                                                  "faster plain decoding")):
+        if (results / name).exists():
+            data = _rows(results, name)
+            cells = []
+            for workload in _workloads(data):
+                auto = _pick(data, workload=workload, policy="auto")
+                accept = f" (AL {auto['accept_length']:.2f})" if name.endswith("c1.json") else ""
+                cells.append(f"{workload} **{x(auto['speedup_over_plain'])}**{accept}")
+            add(what, name, ", ".join(cells), SERVING_TITLES[name])
+    name = "serving_sweep_peers.json"
+    if (results / name).exists():
+        data = _rows(results, name)
+        cells = []
+        for workload in _workloads(data):
+            ours, eagle, ngram = (_pick(data, workload=workload, policy=p)["accept_length"]
+                                  for p in ("hybrid", "sglang-tree", "sglang-ngram"))
+            cells.append(f"{workload} **{ours:.2f}** vs {eagle:.2f} / {ngram:.2f}")
+        add("SGLang server, accept length at 15 draft tokens: `hybrid` vs SGLang's EAGLE tree / NGRAM", name,
+            ", ".join(cells), SERVING_TITLES[name])
+    name = "hybrid.json"
+    if (results / name).exists():
+        data = [row for row in load(results, name)["rows"] if row["temperature"] == 0.0]
+        cells = []
+        for workload in _workloads(data):
+            auto = _pick(data, workload=workload, method="auto")["speedup"]
+            lookup = max(row["speedup"] for row in data if row["workload"] == workload
+                         and row["method"].startswith("hf_lookup"))
+            cells.append(f"{workload} **{x(auto)}** ({x(lookup)})")
+        add("Reference decoder, batch 1, greedy: `--auto` over plain decoding (best Hugging Face prompt lookup)",
+            name, ", ".join(cells), "Hybrid trees against prompt lookup in the reference decoder")
+    name = "head-quality.json"
+    if (results / name).exists():
+        data = load(results, name)
+        q = data["head_quality"]["code"]
+        figure = (f"top-1 **{q['depth1_top1']:.3f}**, chain-4 AL **{q['chain4_accept_length']:.2f}**, specexec "
+                  + " / ".join(f"{q[f'specexec{n}_accept_length']:.2f}" for n in (16, 32, 168)))
+        add(f"Shipped SmolLM2 code head on {len(data['prompts'])} held-out HumanEval tasks: depth-1 top-1, "
+            f"chain-4 and tree (16 / 32 / 168 nodes) accept length", name, figure,
+            "Head quality on every held-out task")
+    if gpu_records(results):
+        counts: dict[str, list[str]] = {}
+        for (device, _), (check, _) in gpu_latest(results).items():
+            counts.setdefault(device, []).append(check["status"])
+        figure = "; ".join(f"{device}: {s.count('passed')} of {len(s)} passed" for device, s in counts.items())
+        rows.append(["GPU checks (kernels compiled, CUDA graphs, no host sync, MLA verify on FlashInfer), latest "
+                     "result per check", figure, "`scripts/gpu_check.sh --group kernels,mla`", link("GPU checks")])
+    return table(["result", "figure", "command", "page"], rows)
+
+
+def update_readme(text: str, headline: str) -> str:
+    """``text`` with the block between the markers replaced by ``headline``."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"README.md has no {BEGIN} ... {END} block")
+    return text[:start + len(BEGIN)] + "\n" + headline + "\n" + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only check that both are current (exit 1 if not)")
+    args = parser.parse_args(argv)
+    page = render_page()
+    readme = update_readme(README.read_text(), render_headline())
+    stale = [path for path, text in ((PAGE, page), (README, readme)) if not path.exists() or path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"{path.relative_to(REPO)} is stale: run python bench/report.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in ((PAGE, page), (README, readme)):
+        path.write_text(text)
+    print(f"wrote {PAGE.relative_to(REPO)} and the results table of {README.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
