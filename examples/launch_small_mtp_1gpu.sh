@@ -1,6 +1,18 @@
 #!/usr/bin/env bash
-# A small model with an MTP layer on one GPU (MiMo-7B ships one), tree speculation with SpecExec-style selection.
-# Not run by this project (no GPU for this task); see docs/gpu-validation.md.
+# A small model with its own MTP layer on one GPU (MiMo-7B ships one), with a SpecExec tree: best-first per
+# request by the head's cumulative draft probability, 8 draft tokens, no acceptance profile needed.
+#
+#   ./launch_small_mtp_1gpu.sh
+#   ./launch_small_mtp_1gpu.sh --speculative-tree-auto --cuda-graph-backend-decode disabled
+#
+# The second form decides per decode step, from rates measured per batch size, whether the running batch drafts
+# the tree or decodes plainly, so under load it falls back to plain steps. It needs one rank (TP 1) and eager
+# decoding: its plain steps verify one token a request, which the decode CUDA graphs captured for the tree do not
+# hold. With --enable-metrics, `sglang-spec calibrate --from-server http://127.0.0.1:30000 --out profile.json`
+# measures a profile for --speculative-tree-policy sequoia --speculative-acceptance-profile profile.json.
+#
+# Not run by this project on a GPU (docs/gpu-validation.md); the tests check every flag here against SGLang's
+# parser.
 set -euo pipefail
 MODEL=${MODEL:-XiaomiMiMo/MiMo-7B-RL}
 python -m sglang.launch_server \
@@ -8,5 +20,5 @@ python -m sglang.launch_server \
     --speculative-algorithm NEXTN \
     --speculative-tree-policy specexec \
     --speculative-tree-budget 8 --speculative-tree-depth 4 --speculative-tree-topk 4 \
-    --attention-backend flashinfer \
+    --attention-backend flashinfer --enable-metrics \
     --host 127.0.0.1 --port 30000 "$@"
