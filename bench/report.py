@@ -147,8 +147,11 @@ SERVING_TITLES = {"serving_sweep_c1.json": "Serving, one request: tree auto agai
                   "serving_sweep_c16.json": "Serving, 16 requests: tree auto against plain decoding",
                   "serving_sweep_peers.json": "Serving, accept length against SGLang's own speculation"}
 SERVING_NOTE = ("SmolLM2-135M-Instruct and its shipped MTP head served by SGLang's `launch_server` on the CPU test "
-                "bed, SGLang's `bench_serving` client, greedy, held-out prompts that no head was trained or tuned "
-                "on (`bench/workloads/serving/`). Tokens/s and latencies are medians over the rounds; "
+                "bed, SGLang's `bench_serving` client, greedy, on prompts no head was trained on (code: held-out "
+                "HumanEval tasks; extraction: copy-out questions over passages of a long report; chat: "
+                "`bench/workloads/serving/chat.jsonl`). The trees' budget was chosen on the reference bench's own "
+                "prompts, hybrid's 3 head levels on these workloads; SGLang's trees and NGRAM keep their defaults. "
+                "Tokens/s and latencies are medians over the rounds; "
                 "x plain = output tokens/s over the faster plain server's; per round = each round's ratio over "
                 "that round's faster plain (lowest to highest). Accept length = tokens a verify step emits, the "
                 "bonus token included.")
