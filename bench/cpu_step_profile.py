@@ -7,7 +7,7 @@ the target's forward, the draft's forwards and everything else (the step's overh
     python bench/cpu_step_profile.py --configs plain,plain-sync,auto --depth 8 --concurrency 16   # tree auto's cold steps
 
 Each server (SmolLM2-135M + shipped head, through the CPU harness) is started with ``SGLANG_SPEC_CPU_PROFILE``
-(``sglang_plugin/cpu/profile.py``), warmed up with one short request, then decodes greedily ``--max-new-tokens``
+(``sglang_spec_testbed/profile.py``), warmed up with one short request, then decodes greedily ``--max-new-tokens``
 tokens (ignore_eos) for 1 prompt and for N concurrent prompts (HumanEval 134 onwards, or with ``--workload`` one
 of serving_sweep.py's held-out serving workloads). The scheduler records every
 batch: its start, target and draft ``ModelRunner.forward`` time and the target forwards' modes (a step whose
@@ -130,8 +130,8 @@ def top_functions(pstats_path: Path, count: int) -> list[dict]:
 def run_server(config: str, args: argparse.Namespace, model, prompts: list[list[int]], folder: Path) -> tuple[
         list[dict], dict[int, list[list[int]]], list[dict]]:
     """Rows per concurrency, greedy outputs per concurrency and (``--cprofile``) the top functions."""
-    from sglang_spec.sglang_plugin.cpu.profile import CPROFILE_ENV, PROFILE_ENV
-    from sglang_spec.sglang_plugin.cpu.server import SGLangServer, cpu_launch_args, free_port
+    from sglang_spec_testbed.profile import CPROFILE_ENV, PROFILE_ENV
+    from sglang_spec_testbed.server import SGLangServer, cpu_launch_args, free_port
 
     folder.mkdir(parents=True, exist_ok=True)
     for stale in ("steps.jsonl", "decode.pstats"):
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     check_output_path(args.out, force=True)
     from transformers import AutoTokenizer
 
-    from sglang_spec.sglang_plugin.cpu.server import prepare_model
+    from sglang_spec_testbed.server import prepare_model
     from sglang_spec.train.prompts import humaneval_prompts
 
     model = prepare_model("smollm2")

@@ -214,7 +214,7 @@ def launch_arguments(check: ServerCheck, model: Any, port: int, speculative: boo
     """The CPU bed's argument list (``cpu_launch_args``: model, draft folder, token map) with the GPU's device
     options in place of ``CPU_FLAGS`` (unless ``cpu_bed``)."""
     from sglang_spec.errors import SpecError
-    from sglang_spec.sglang_plugin.cpu.server import CPU_FLAGS, cpu_launch_args
+    from sglang_spec_testbed.server import CPU_FLAGS, cpu_launch_args
 
     options = server_options(check, model.profile, speculative) + list(extra)
     args = cpu_launch_args(model, port, speculative=speculative, extra=options)
@@ -313,7 +313,7 @@ class Run:
     def server(self, label: str, speculative: bool, model: Any, extra: tuple[str, ...] = (), eager: bool = False,
                env: dict[str, str] | None = None):
         """A started server (SGLangServer, stopped by the caller or at the deadline)."""
-        from sglang_spec.sglang_plugin.cpu.server import SGLangServer, free_port
+        from sglang_spec_testbed.server import SGLangServer, free_port
 
         port = free_port()
         args = launch_arguments(self.check, model, port, speculative, self.cpu_bed, extra, eager)
@@ -802,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
             _check_device(check)
         elif args.cpu_bed and (check.backend != "triton" or check.tp > 1 or check.dtype != "float32"):
             raise CannotRun(f"{check.name} needs a GPU ({check.backend}, {check.dtype}, tp {check.tp})")
-        from sglang_spec.sglang_plugin.cpu.server import prepare_model
+        from sglang_spec_testbed.server import prepare_model
 
         model = prepare_model("smollm2", progress=False)
         if args.dry_run:

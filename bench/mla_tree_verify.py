@@ -199,7 +199,7 @@ def equality(flashinfer, setting: Setting, device: str, rng: np.random.Generator
 
 
 def twin_namespace():
-    from sglang_spec.sglang_plugin.cpu import flashinfer_mla
+    from sglang_spec.attention import flashinfer_mla
 
     return flashinfer_mla.namespace()
 

@@ -55,8 +55,8 @@ from pathlib import Path
 
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
-from sglang_spec.sglang_plugin.cpu.linear import DRAFT_WEIGHT_DTYPES, DRAFT_WEIGHTS_ENV
-from sglang_spec.sglang_plugin.cpu.threads import PREFILL_THREADS_ENV
+from sglang_spec_testbed.linear import DRAFT_WEIGHT_DTYPES, DRAFT_WEIGHTS_ENV
+from sglang_spec_testbed.threads import PREFILL_THREADS_ENV
 from sglang_spec.sglang_plugin.options import default_depth
 from sglang_spec.train.prompts import PromptSpec, humaneval_prompts, load_prompts
 
@@ -526,7 +526,7 @@ def main(argv=None) -> int:
             port = server_port(args, index)
             launch = launch_command(args, policy, budget, port=port) if args.cpu_model is None else \
                 [*(f"{name}={value}" for name, value in bed_environment(args).items()), sys.executable, "-m",
-                 "sglang_spec.sglang_plugin.cpu", "--model", args.cpu_model, "--port", str(port),
+                 "sglang_spec_testbed", "--model", args.cpu_model, "--port", str(port),
                  *(["--no-speculation"] if policy in PLAIN_METHODS else []),
                  *tree_arguments(args, policy, budget, args.acceptance_profile or "<shipped profile>"),
                  *extra_server_args(args)]
@@ -536,7 +536,7 @@ def main(argv=None) -> int:
                     command = bench_command(args, concurrency, Path("out.jsonl"), Path(f"{workload}.json"), port)
                     print("  " + " ".join(shlex.quote(p) for p in command))
         return 0
-    from sglang_spec.sglang_plugin.cpu.server import SGLangServer, cpu_launch_args, prepare_model
+    from sglang_spec_testbed.server import SGLangServer, cpu_launch_args, prepare_model
 
     check_output_path(args.out, force=True)  # a bad --out fails now, not after the run
     if args.cpu_model is None:

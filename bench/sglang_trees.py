@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         check_output_path(out, force=True)
     from transformers import AutoTokenizer
 
-    from sglang_spec.sglang_plugin.cpu.server import SGLangServer, cpu_launch_args, free_port, prepare_model
+    from sglang_spec_testbed.server import SGLangServer, cpu_launch_args, free_port, prepare_model
     from sglang_spec.train.prompts import humaneval_prompts
 
     model = prepare_model("smollm2")

@@ -35,7 +35,7 @@ def _torchvision_importable() -> bool:
 
 if not _torchvision_importable() or os.environ.get("SGLANG_SPEC_TORCHVISION_STUB", "1") == "1":
     # the torchvision stand-in lives beside the CPU harness's boot files (no sglang import needed to find it)
-    sys.path.insert(0, str(TESTS_DIR.parent / "sglang_spec" / "sglang_plugin" / "cpu" / "boot"))
+    sys.path.insert(0, str(TESTS_DIR.parent / "sglang_spec_testbed" / "boot"))
 
 
 def _cuda_available() -> bool:
@@ -97,21 +97,10 @@ def tiny():
 @pytest.fixture(scope="session")
 def random_tiny():
     """A random-weight tiny DeepSeek-V3 and a random MTP head (seeded): the pair bench/greedy_identity.py decodes
-    with (bench/harness.py builds both), here with the config's own vocabulary."""
-    return bench_harness().random_tiny()
+    with, here with the config's own vocabulary."""
+    from sglang_spec.models.tiny_deepseek import random_tiny_deepseek
 
-
-def bench_harness():
-    """bench/harness.py as the bench scripts import it (module ``harness``), without putting every bench script
-    on sys.path."""
-    import importlib.util
-
-    if "harness" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("harness", TESTS_DIR.parent / "bench" / "harness.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["harness"] = module  # dataclasses look their module up while the file executes
-        spec.loader.exec_module(module)
-    return sys.modules["harness"]
+    return random_tiny_deepseek()
 
 
 _NEAR_TIES: list[tuple[str, int]] = []

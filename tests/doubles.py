@@ -39,3 +39,19 @@ class SyntheticCandidates(CandidateSource):
         distributions = torch.stack([self.distribution(tree.path_tokens(node)) for node in node_ids])
         probs, tokens = torch.topk(distributions, k, dim=-1)
         return Candidates(tokens=tokens, probs=probs)
+
+
+def plugin_worker_state(options=None, drafter=None, **fields):
+    """A tree server's ``WorkerState`` for tests that drive the plugin's hooks with stand-in workers: ``options``
+    (default eagle 8/4/4/4), ``drafter`` (default SGLang's loop in that shape); ``width``, ``steps``, ``budget``: SGLang's
+    draft shape where it differs from the options'; the other fields as given."""
+    from sglang_spec.sglang_plugin.drafters.filler import filler_encoding
+    from sglang_spec.sglang_plugin.drafters.sglang_loop import SGLangLoopDrafter
+    from sglang_spec.sglang_plugin.options import TreeServerOptions
+    from sglang_spec.sglang_plugin.state import WorkerState
+
+    options = options or TreeServerOptions("eagle", 8, 4, 4, 4)
+    width, steps = fields.pop("width", options.width), fields.pop("steps", options.depth)
+    budget = fields.pop("budget", options.budget)
+    drafter = drafter or SGLangLoopDrafter(width, steps)
+    return WorkerState(options, drafter, width, steps, budget + 1, filler_encoding(budget, width, steps), **fields)

@@ -13,7 +13,7 @@ Three backends, the best available chosen by default (``best_backend``):
 
 A ``PackedLinear`` made with ``dtype=torch.bfloat16`` multiplies by the weight rounded to bfloat16 on every backend:
 ``avx512`` reads bfloat16 panels (half the memory stream), the others a float32 copy of the rounded weight. That is
-for a drafter's weights (``sglang_plugin/cpu/linear.py``).
+for a drafter's weights (``sglang_spec_testbed/linear.py``).
 
 Anything a backend does not cover (GPU tensors, other dtypes, row counts outside its range) runs ``F.linear``.
 Results equal ``F.linear``'s up to float32 summation order (``F.linear`` itself rounds differently at different

@@ -9,7 +9,7 @@ n x n ancestor-masked attention over the tree's own latent rows (just written to
 FlashInfer reports both halves' lse in base 2, and so does the tree kernel, for ``merge_state``.
 
 ``flashinfer`` below is a namespace with FlashInfer's ``BatchMLAPagedAttentionWrapper``, ``MLAPlanMetadata`` and
-``merge_state``: the real package on a GPU, the CPU twin (``sglang_plugin/cpu/flashinfer_mla.py``, same signatures
+``merge_state``: the real package on a GPU, the CPU twin (``attention/flashinfer_mla.py``, same signatures
 and layouts) on the CPU bed and in the tests.
 
 Paging: SGLang's MLA pool is [slots, 1, L + R] with slot = page * page_size + offset; FlashInfer reads it as

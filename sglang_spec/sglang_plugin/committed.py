@@ -4,7 +4,7 @@ SGLang appends a step's accepted tokens to ``req.output_ids`` when it processes 
 overlap scheduler that happens before the next step runs. With it (SGLang's default on a GPU) a step's result is
 processed after the next step has been launched, so while a step drafts and verifies, ``output_ids`` lacks the
 previous step's tokens (on a request's first decode step, the prefill's token). Two things the plugin reads on
-the host need the output complete: a context tree's history (``context_draft``) and exact penalties in a tree's
+the host need the output complete: a host context tree's history (``drafters.host_context``) and exact penalties in a tree's
 verify (``penalties``). They get ``output_ids`` plus the missing tail, which this module keeps: the tokens each
 verify committed (its accepted drafts and the bonus token), recorded on the device where the verify samples them
 and read on the host when the next step asks (SGLang's NGRAM worker splices its previous round's tokens the same
@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+
+from sglang_spec.sglang_plugin.messages import log
 
 # forget what is held for finished requests once this many more are held than the batch has
 SPARE_REQUESTS = 256
@@ -55,7 +57,7 @@ class CommittedOutputs:
     every_step: bool = False  # record every verify (a context drafter reads each step's); else penalised batches'
     spliced: int = 0
     unknown: int = 0
-    reported: bool = False  # the first unknown output logged (``hooks._report_unknown``)
+    reported: bool = False  # the first unknown output logged (``report_first_unknown``)
     _records: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     # recorded verifies not yet read, oldest first: (rids, KV lengths after [bs], tokens [bs, steps + 1], counts [bs])
     pending: list[tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -104,3 +106,10 @@ class CommittedOutputs:
             return None
         self.spliced += 1
         return output + recorded[1][len(recorded[1]) - missing:]
+
+    def report_first_unknown(self) -> None:
+        """The first output this could not complete, in one log line (the tests assert there is none)."""
+        if self.unknown and not self.reported:
+            self.reported = True
+            log("overlap scheduler: a request's committed output could not be completed from its last verify; its "
+                "tree falls back to the output ids SGLang has processed (penalties: SGLang's relaxed ones)")

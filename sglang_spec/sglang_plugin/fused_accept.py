@@ -265,7 +265,7 @@ class FusedAccept:
 
     def agree(self, accepted: SGLangAccept) -> None:
         """Rank 0's accept on every rank, in place (where ``broadcasts``). Every rank of the group must take the
-        fused path for the batch (``hooks.Peers``): SGLang's path broadcasts its own accept in another layout."""
+        fused path for the batch (``peers.Peers``): SGLang's path broadcasts its own accept in another layout."""
         broadcast_accept(accepted, self.tp_group)
 
     def _eager_accept(self, verify_input: Any, batch: Any, logits: torch.Tensor,

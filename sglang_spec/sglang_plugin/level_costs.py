@@ -2,7 +2,7 @@
 each batch size, measured on served tree steps, as the cost curve with which the tree builder decides whether a
 level pays (``tree/hybrid.BestFirstBuilder._level_pays``; no sglang import here).
 
-SGLang verifies a fixed number of tokens a request whatever the tree (``context_draft.pad_to_budget``), so a tree
+SGLang verifies a fixed number of tokens a request whatever the tree (``drafters.padding.pad_to_budget``), so a tree
 step's cost does not depend on its nodes, only on its head forwards: one per level the builders asked for, and the
 draft extend that drafts the next root's children (the commit forward the builder charges as one more). A served
 tree step of batch b that ran r rounds, t seconds in all, and took s seconds gives a round's price t / r and the

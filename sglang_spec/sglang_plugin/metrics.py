@@ -18,8 +18,8 @@ With ``--speculative-tree-accept fused``, ``sglang_spec_fused_accept_batches_tot
 batches the fused accept served (``outcome="fused"``) and those it left to SGLang's own path, by reason.
 
 ``sglang_spec_draft_faults_total{error}`` counts the batches whose draft raised inside the plugin and were verified
-without speculation instead (``hooks.draft_forward_around``), by exception type;
-``sglang_spec_accept_faults_total{stage,error}`` the faults in the plugin's accept (``hooks.accept_fault``), by
+without speculation instead (``hooks.draft.draft_forward_around``), by exception type;
+``sglang_spec_accept_faults_total{stage,error}`` the faults in the plugin's accept (``faults.accept_fault``), by
 stage (``faults``: accept, commit, record, observe, counts, auto) and exception type.
 """
 
@@ -57,7 +57,7 @@ class AcceptanceMetrics:
         self.accept_faults: Counter[tuple[str, str]] = Counter()
         self._prometheus: _AcceptanceCounters | None = None
         # False on attention-TP ranks other than 0: they verify the same requests, and counting there too would
-        # multiply every total by the TP size (set at worker start-up, hooks.claim_acceptance_metrics)
+        # multiply every total by the TP size (set at worker start-up, hooks.draft.claim_acceptance_metrics)
         self.counting = True
 
     def record(self, num_correct_drafts: int) -> None:

@@ -43,9 +43,9 @@ from sglang_spec.kernels.mla_tree_verify import (
     plan_prefix_wrapper,
     plan_tree_verify,
 )
-from sglang_spec.sglang_plugin.cpu import flashinfer_mla
-from sglang_spec.sglang_plugin.hooks import log
-from sglang_spec.sglang_plugin.options import ATTRIBUTE
+from sglang_spec.attention import flashinfer_mla
+from sglang_spec.sglang_plugin.messages import log
+from sglang_spec.sglang_plugin.state import options_of
 from sglang_spec.tree.encode_sglang import TreeMaskMode
 
 CPU_WORKSPACE_BYTES = 4096  # the CPU twin's wrappers keep their plan on the host: a token workspace
@@ -312,7 +312,7 @@ def build_backend_after(result, *args, **kwargs):
     """After SGLang's ``_build_resolved_backend``: the target's back-end wrapped when the server runs
     ``--speculative-tree-mla-verify flashinfer`` (draft runners and non-MLA models keep theirs)."""
     model_runner = kwargs.get("model_runner", args[0] if args else None)
-    options = getattr(getattr(model_runner, "server_args", None), ATTRIBUTE, None)
+    options = options_of(getattr(model_runner, "server_args", None))
     if options is None or options.mla_verify is None or model_runner.is_draft_worker:
         return result
     if not model_runner.use_mla_backend:

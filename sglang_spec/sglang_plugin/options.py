@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.draft_loop import DraftPlan, live_beams, specexec_width, usable_slots, widest_level
+from sglang_spec.sglang_plugin.drafters.beam_selection import DraftPlan, live_beams, specexec_width, usable_slots, widest_level
+from sglang_spec.sglang_plugin.state import attach_options
 from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
-ATTRIBUTE = "_sglang_spec_tree"  # where the parsed options ride on ServerArgs (pickled into subprocesses)
 TREE_ALGORITHMS = ("EAGLE", "NEXTN")
 DEFAULTS = {"budget": 8, "depth": 4, "topk": 4}
 # specexec's default width is the most beams that can grow (``draft_loop.specexec_width``): SpecExec expands
@@ -62,7 +62,7 @@ KEYWORDS = ("speculative_tree_policy", "speculative_tree_budget", "speculative_t
 ACCEPT_CHOICES = ("sglang", "fused")
 # --speculative-tree-mla-verify: the target's MLA tree verify as a cascade on FlashInfer (``mla_tree_backend``)
 MLA_VERIFY_CHOICES = ("flashinfer",)
-# --speculative-tree-context-on: where lookup / hybrid trees grow (``context_draft``: host; ``device_*_draft_forward``)
+# --speculative-tree-context-on: where lookup / hybrid trees grow (``drafters.host_context``; ``drafters.device_context``)
 CONTEXT_ON_CHOICES = ("host", "device")
 # the target backends it serves under: FlashInfer's MLA back-end on a GPU (prefill / decode stay SGLang's), the
 # CPU bed's intel_amx (prefill / decode the bed's stand-ins, the verify through the CPU twin of FlashInfer)
@@ -98,7 +98,7 @@ class TreeServerOptions:
 
     @property
     def uses_context(self) -> bool:
-        """Whether trees copy from the request's context (lookup, hybrid: built on the host, ``context_draft``)."""
+        """Whether trees copy from the request's context (lookup, hybrid: ``drafters.host_context``, ``drafters.device_context``)."""
         return self.policy in CONTEXT_POLICY_NAMES
 
     def load_profile(self) -> AcceptanceProfile | None:
@@ -126,7 +126,7 @@ class TreeServerOptions:
         server, so that a request's draft slots, mapped in its req_to_token row past its tokens, and the tree's
         positions, up to D past its last token, stay inside the context; a plain server reserves nothing and
         takes a prompt up to the last position. The plugin widens the rows for the draft slots
-        (``hooks.req_to_token_headroom_around``), which leaves the positions: where the model's position table
+        (``hooks.startup.req_to_token_headroom_around``), which leaves the positions: where the model's position table
         (``max_positions``) holds context_len + D, nothing is reserved and a tree server answers every request a
         plain one answers (a tree node past the context length emits nothing: the request ends at it); where it
         does not (a server run at the model's full context), SGLang's reservation stays."""
@@ -293,7 +293,7 @@ def from_namespace(args: argparse.Namespace) -> TreeServerOptions | None:
 
 def apply_to_server_args(options: TreeServerOptions, server_args) -> None:
     """Before resolution: the tree shape becomes SGLang's own draft shape (steps, topk, verify tokens)."""
-    setattr(server_args, ATTRIBUTE, options)
+    attach_options(server_args, options)
     for name, value in (("speculative_num_steps", options.depth), ("speculative_eagle_topk", options.width),
                         ("speculative_num_draft_tokens", options.budget + 1)):
         current = getattr(server_args, name)

@@ -122,7 +122,7 @@ def test_the_draft_trees_read_back_are_the_host_builders():
 def test_the_device_draft_makes_no_host_sync_on_a_gpu():
     """What a ``lookup`` server's draft step runs on the device (growth with the Triton kernel, padding, encoding)
     under torch's sync debug mode set to raise: no host sync anywhere in it."""
-    from sglang_spec.sglang_plugin.context_draft import pad_to_budget_device
+    from sglang_spec.sglang_plugin.drafters.padding import pad_to_budget_device
     from sglang_spec.tree.encode_sglang import encode_sglang_draft_device
 
     rng = np.random.default_rng(5)

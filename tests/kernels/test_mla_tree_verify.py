@@ -21,7 +21,7 @@ from sglang_spec.kernels.mla_tree_verify import (
     prefix_page_indices,
 )
 from sglang_spec.kernels.mla_tree_attention import mla_tree_attention, mla_tree_attention_reference as tree_reference
-from sglang_spec.sglang_plugin.cpu import flashinfer_mla as twin
+from sglang_spec.attention import flashinfer_mla as twin
 from sglang_spec.tree.encode_sglang import TreeMaskMode
 
 

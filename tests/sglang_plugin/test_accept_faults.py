@@ -13,9 +13,14 @@ import numpy as np
 import pytest
 import torch
 
+from doubles import plugin_worker_state
 from helpers import random_tree, targets_following_drafts
-from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.faults import ACCEPT, AUTO, COMMIT, COUNTS, RECORD, AcceptFaults, InjectedFault
+from sglang_spec.sglang_plugin import faults as faults_module
+from sglang_spec.sglang_plugin.faults import (ACCEPT, ACCEPT_FAULT_ENV, AUTO, COMMIT, COUNTS, RECORD, AcceptFaults,
+                                              FaultInjection, InjectedFault)
+from sglang_spec.sglang_plugin.hooks import accept as hooks
+from sglang_spec.sglang_plugin.hooks import auto as auto_hooks
+from sglang_spec.sglang_plugin.state import VERIFY_STEP, VerifyStep, attach, is_cold
 from sglang_spec.sglang_plugin.fused_accept import FusedAccept
 from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
 from sglang_spec.tree import encode_sglang_verify
@@ -28,6 +33,7 @@ VOCAB = 30
 @pytest.fixture
 def metrics(monkeypatch, capsys):
     counted = AcceptanceMetrics()
+    monkeypatch.setattr(faults_module, "METRICS", counted)
     monkeypatch.setattr(hooks, "METRICS", counted)
     return counted
 
@@ -53,11 +59,13 @@ def test_injected_faults_arm_one_stage_every_nth_step_in_turn():
 
 
 def test_a_bad_accept_fault_setting_stops_the_launch_in_one_line(monkeypatch):
-    monkeypatch.setenv(hooks.ACCEPT_FAULT_ENV, "often")
-    with pytest.raises(SystemExit, match=f"error: {hooks.ACCEPT_FAULT_ENV}='often': give a whole number n"):
-        hooks._fault_every(hooks.ACCEPT_FAULT_ENV)
-    monkeypatch.setenv(hooks.ACCEPT_FAULT_ENV, "4")
-    assert hooks._fault_every(hooks.ACCEPT_FAULT_ENV) == 4
+    monkeypatch.setenv(ACCEPT_FAULT_ENV, "often")
+    with pytest.raises(SystemExit, match=f"error: {ACCEPT_FAULT_ENV}='often': give a whole number n"):
+        FaultInjection().arm_accept(0, (ACCEPT,))
+    monkeypatch.setenv(ACCEPT_FAULT_ENV, "4")
+    injection = FaultInjection()
+    injection.arm_accept(0, (ACCEPT,))
+    assert injection.accept is not None and injection.accept.every == 4
 
 
 def greedy_batch(seed: int = 3, batch: int = 3, nodes: int = 9, depth: int = 4):
@@ -74,7 +82,8 @@ def greedy_batch(seed: int = 3, batch: int = 3, nodes: int = 9, depth: int = 4):
                            logit_bias=None, has_watermark_candidates=False, need_top_k_sampling=False,
                            need_top_p_sampling=False, need_min_p_sampling=False)
     schedule_batch = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False), reqs=[None] * batch,
-                                     seq_lens=torch.full((batch,), 7), sampling_info=info, device="cpu")
+                                     req_pool_indices=torch.arange(batch), seq_lens=torch.full((batch,), 7),
+                                     sampling_info=info, device="cpu")
     return verify_input, schedule_batch, SimpleNamespace(next_token_logits=logits)
 
 
@@ -102,13 +111,13 @@ def test_a_fused_accept_fault_hands_the_batch_to_sglangs_eagle_sample(spec, metr
     outcomes = []
     for _ in range(2):  # step 1: nothing armed, the fused accept serves it; step 2: the fault
         faults.arm()
-        step = hooks.VerifyStep(fused, faults=faults)
-        token = hooks._STEP.set(step)
+        step = VerifyStep(plugin_worker_state(fused=fused, faults=FaultInjection(accept=faults)))
+        token = VERIFY_STEP.set(step)
         try:
             outcomes.append((hooks._eagle_sample(sglang_eagle_sample, verify_input, batch, logits_output),
                              step.accepted))
         finally:
-            hooks._STEP.reset(token)
+            VERIFY_STEP.reset(token)
     (fused_result, fused_accepted), (fallback_result, fallback_accepted) = outcomes
     assert fused_accepted and int(fused_result[1].max()) >= 2  # the fused accept walked the trees
     assert fallback_result == "sglang's accept" and len(sglang_calls) == 1 and not fallback_accepted
@@ -119,7 +128,7 @@ def test_a_fused_accept_fault_hands_the_batch_to_sglangs_eagle_sample(spec, metr
 
 class MovingPool:
     """K and V rows of ``layers`` layers in SGLang's slot-major MHA layout: ``size + page_size`` rows a buffer (the
-    shape ``hooks.supports_row_permutation`` checks)."""
+    shape ``drafters.beams.supports_row_permutation`` checks)."""
 
     def __init__(self, slots: int, layers: int = 3) -> None:
         self.size, self.page_size = slots - 1, 1
@@ -144,18 +153,19 @@ def test_a_kv_commit_fault_half_way_is_finished_exactly(metrics, capsys):
     assert not all(torch.equal(a, b) for a, b in zip(pool.rows(), expected.rows()))
     faults = AcceptFaults(1, (COMMIT,))
     faults.arm()
-    step = hooks.VerifyStep(FusedAccept(nodes, 2, "cpu", metrics), accepted=True, faults=faults)
+    step = VerifyStep(plugin_worker_state(fused=FusedAccept(nodes, 2, "cpu", metrics),
+                                          faults=FaultInjection(accept=faults)), accepted=True)
     schedule_batch = SimpleNamespace(seq_lens=torch.tensor([5, 8]), out_cache_loc=out_cache_loc)
     allocator = SimpleNamespace(get_kvcache=lambda: pool)
 
     def sglang_move(*args):
         raise AssertionError("SGLang's move ran after the kernel had moved a buffer")
 
-    token = hooks._STEP.set(step)
+    token = VERIFY_STEP.set(step)
     try:
         hooks.move_accept_tokens_around(sglang_move, schedule_batch, accept_index, accept_lens - 1, allocator)
     finally:
-        hooks._STEP.reset(token)
+        VERIFY_STEP.reset(token)
     assert all(torch.equal(a, b) for a, b in zip(pool.rows(), expected.rows()))
     assert metrics.accept_faults == {(COMMIT, "InjectedFault"): 1}
     lines = fault_lines(capsys)
@@ -196,11 +206,11 @@ def test_a_fault_in_the_bookkeeping_after_the_accept_leaves_the_result(monkeypat
             raise ValueError("rank counts")
 
     monkeypatch.setattr(hooks, "RANKS", BrokenRanks())
-    token = hooks._STEP.set(hooks.VerifyStep(None))
+    token = VERIFY_STEP.set(VerifyStep(plugin_worker_state()))
     try:
         result = hooks.eagle_sample_around(lambda *args, **kwargs: accepted, verify_input, batch, logits_output)
     finally:
-        hooks._STEP.reset(token)
+        VERIFY_STEP.reset(token)
     assert result is accepted
     assert metrics.accept_faults == {(RECORD, "ValueError"): 1}
     assert len(fault_lines(capsys)) == 1
@@ -217,12 +227,12 @@ def test_a_fault_in_the_acceptance_counts_leaves_the_request(monkeypatch, metric
 
 
 def test_a_fault_while_a_cuda_graph_is_captured_still_raises(monkeypatch, metrics):
-    monkeypatch.setattr(hooks, "_capturing", lambda: True)
+    monkeypatch.setattr(faults_module, "capturing", lambda: True)
     with pytest.raises(InjectedFault):
         try:
             raise InjectedFault("in capture")
         except InjectedFault as error:
-            hooks.accept_fault(ACCEPT, error, 1, "unused")
+            faults_module.accept_fault(ACCEPT, error, 1, "unused")
     assert not metrics.accept_faults
 
 
@@ -231,10 +241,10 @@ class AutoWorker:
     (0 draft steps, SGLang's own path) from a tree step."""
 
     def __init__(self, switches) -> None:
-        from sglang_spec.sglang_plugin.options import ATTRIBUTE, TreeServerOptions
+        from sglang_spec.sglang_plugin.options import TreeServerOptions
 
-        self.server_args = SimpleNamespace(**{ATTRIBUTE: TreeServerOptions("hybrid", 12, 5, 4, 6, auto=True)})
-        self._sglang_spec_switches = switches
+        self.state = attach(self, plugin_worker_state(TreeServerOptions("hybrid", 12, 5, 4, 6, auto=True),
+                                                      auto=switches))
         self.speculative_num_steps, self.speculative_num_draft_tokens = 5, 13
         self.draft_worker = SimpleNamespace(speculative_num_steps=5, speculative_num_draft_tokens=13)
         self.target_worker = SimpleNamespace(forward_batch_generation=lambda **kwargs: None)
@@ -263,7 +273,7 @@ def test_a_tree_auto_fault_decodes_the_batch(metrics, capsys, broken):
     worker = AutoWorker(Switches())
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False),
                             is_extend_in_batch=False, reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b")])
-    output = hooks.forward_batch_generation_around(worker.step, worker, batch)
+    output = auto_hooks.forward_batch_generation_around(worker.step, worker, batch)
     assert output.accept_lens.tolist() == [1, 1]
     assert worker.steps_seen == ([0] if broken == "decide" else [5]) and worker.speculative_num_steps == 5
     assert metrics.accept_faults == {(AUTO, "KeyError"): 1}
@@ -274,7 +284,7 @@ def test_a_tree_auto_fault_decodes_the_batch(metrics, capsys, broken):
 @pytest.mark.parametrize("admit", ["cold", "warm", "broken"])
 def test_a_prompt_prefill_joining_a_cold_batch_skips_the_heads_pass(metrics, capsys, admit):
     """Tree auto's cold admission: where the switch admits the prompts cold, the prefill runs with the head's draft
-    extend stubbed (``_HEAD_SKIPPED`` while it runs) and its requests are marked cold; warm, or where the switch
+    extend stubbed (``WorkerState.head_skipped`` while it runs) and its requests are marked cold; warm, or where the switch
     raises (a fault, counted), the head's pass runs and nothing is marked."""
 
     class Switches:
@@ -293,14 +303,11 @@ def test_a_prompt_prefill_joining_a_cold_batch_skips_the_heads_pass(metrics, cap
     worker = AutoWorker(Switches())
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True, is_idle=lambda: False),
                             is_extend_in_batch=False, reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b")])
-    token = hooks._JOINS.set(16)
-    try:
-        hooks.forward_batch_generation_around(lambda worker, batch: seen.append(hooks._HEAD_SKIPPED.get()), worker,
-                                              batch)
-    finally:
-        hooks._JOINS.reset(token)
-    assert seen == [admit == "cold"] and not hooks._HEAD_SKIPPED.get()
-    assert [getattr(request, hooks.COLD_MARK, False) for request in batch.reqs] == [admit == "cold"] * 2
+    worker.state.joining = 16
+    auto_hooks.forward_batch_generation_around(lambda worker, batch: seen.append(worker.state.head_skipped), worker,
+                                               batch)
+    assert seen == [admit == "cold"] and not worker.state.head_skipped
+    assert [is_cold(request) for request in batch.reqs] == [admit == "cold"] * 2
     assert metrics.accept_faults == ({(AUTO, "KeyError"): 1} if admit == "broken" else {})
     lines = fault_lines(capsys)
     assert len(lines) == (admit == "broken") and all("prefilled with the head's pass" in line for line in lines)

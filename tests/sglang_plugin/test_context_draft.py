@@ -1,17 +1,27 @@
-"""The host side of lookup / hybrid trees in SGLang (``sglang_plugin/context_draft.py``): the requests' contexts,
+"""The host side of lookup / hybrid trees in SGLang (``sglang_plugin/drafters/host_context.py``): the requests' contexts,
 the padding to SGLang's fixed verify size, and the live calibration from SGLang's accepted paths."""
 
 import numpy as np
 import pytest
 import torch
 
-from sglang_spec.sglang_plugin.context_draft import ContextDrafter, RequestContexts, pad_to_budget
+from sglang_spec.sglang_plugin.drafters.base import VerifyOutcome
+from sglang_spec.sglang_plugin.drafters.host_context import HostContextDrafter as ContextDrafter
+from sglang_spec.sglang_plugin.drafters.host_context import RequestContexts
+from sglang_spec.sglang_plugin.drafters.padding import pad_to_budget
 from sglang_spec.tree.draft import DraftSources
 from sglang_spec.tree.drafter import TreeDrafter
 from sglang_spec.tree.encode_sglang import decode_sglang_draft, encode_sglang_draft
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.token_tree import TokenTree
+
+
+def outcome(accept_index: torch.Tensor, verify_tokens: int) -> VerifyOutcome:
+    """SGLang's accept of a verify as the drafter is given it (only the accepted paths matter here)."""
+    rows = accept_index.shape[0]
+    return VerifyOutcome(torch.arange(rows), torch.zeros(rows * verify_tokens, dtype=torch.int32), accept_index,
+                         (accept_index >= 0).sum(1).int(), verify_tokens)
 
 
 def test_contexts_extend_incrementally_and_rebuild_a_history_that_changed():
@@ -58,7 +68,7 @@ def test_accepted_paths_teach_the_counts_as_the_reference_decoder_observes_them(
 
     verify_tokens = 7
     drafter.proposed = [tree, tree]
-    drafter.record_outcome(torch.tensor([[0, 1, 2, -1], [verify_tokens, -1, -1, -1]]), verify_tokens)
+    drafter.record_outcome(outcome(torch.tensor([[0, 1, 2, -1], [verify_tokens, -1, -1, -1]]), verify_tokens))
     assert drafter.proposed == []
     drafter.observe_outcome()
     drafter.observe_outcome()  # an outcome is observed once
@@ -83,7 +93,7 @@ def test_what_the_counts_learnt_is_exported_once_by_cell_name():
     drafter = ContextDrafter(policy, steps=3, budget=6, metrics=metrics)
     tree = drafter.drafter.propose(5, DraftSources(context=NgramIndex([4, 5, 6, 4, 5, 6, 4, 5], max_ngram=4)))
     drafter.proposed = [tree]
-    drafter.record_outcome(torch.tensor([[0, 1, 2, -1]]), 7)
+    drafter.record_outcome(outcome(torch.tensor([[0, 1, 2, -1]]), 7))
     drafter.observe_outcome()
     (observed,) = metrics.added
     assert all(name.startswith("lookup/") for name in observed)
@@ -118,7 +128,7 @@ def test_tree_auto_is_refused_where_decode_graphs_are_captured_or_ranks_could_di
 
 
 class PeerFaulted:
-    """hooks.Peers of a tensor-parallel group whose other rank reports a fault at every agreement."""
+    """peers.Peers of a tensor-parallel group whose other rank reports a fault at every agreement."""
 
     def __init__(self):
         self.calls = []
@@ -134,7 +144,7 @@ def test_with_tensor_parallelism_a_peers_learning_fault_keeps_every_ranks_counts
     agreement and keeps what it learnt."""
     from types import SimpleNamespace
 
-    from sglang_spec.sglang_plugin.hooks import _observe_accepted
+    from sglang_spec.sglang_plugin.hooks.draft import _observe_accepted
 
     policy = TreePolicy("lookup", budget=6, depth=3, width=3)
 
@@ -142,15 +152,15 @@ def test_with_tensor_parallelism_a_peers_learning_fault_keeps_every_ranks_counts
         drafter = ContextDrafter(policy, steps=3, budget=6)
         tree = drafter.drafter.propose(5, DraftSources(context=NgramIndex([4, 5, 6, 4, 5, 6, 4, 5], max_ngram=4)))
         drafter.proposed = [tree]
-        drafter.record_outcome(torch.tensor([[0, 1, 2, -1]]), 7)
+        drafter.record_outcome(outcome(torch.tensor([[0, 1, 2, -1]]), 7))
         return drafter
 
     prior = ContextDrafter(policy, steps=3, budget=6).drafter.counts.named_cells()
     alone, agreed = drafted(), drafted()
-    _observe_accepted(SimpleNamespace(context=alone, peers=None, accept_faults=None), 1)
+    _observe_accepted(alone, SimpleNamespace(peers=None, faults=None), 1)
     assert alone.drafter.counts.named_cells() != prior  # learnt
     peers = PeerFaulted()
-    _observe_accepted(SimpleNamespace(context=agreed, peers=peers, accept_faults=None), 1)
+    _observe_accepted(agreed, SimpleNamespace(peers=peers, faults=None), 1)
     assert peers.calls == [False]  # this rank learnt without a fault
     assert agreed.drafter.counts.named_cells() == prior  # and went back with the peer
 
@@ -161,7 +171,7 @@ def test_the_device_padding_and_encoding_equal_the_host_ones(budget, width, step
     ``pad_to_budget`` + ``encode_sglang_draft`` give tree by tree: the same fillers, the same SGLang encoding.
     Trees of every size from the root alone to the budget, with small tokens (fillers must skip them)."""
     from helpers import random_tree
-    from sglang_spec.sglang_plugin.context_draft import pad_to_budget_device
+    from sglang_spec.sglang_plugin.drafters.padding import pad_to_budget_device
     from sglang_spec.tree.encode_sglang import encode_sglang_draft_device
 
     rng = np.random.default_rng(budget * 100 + width * 10 + steps)
@@ -189,7 +199,7 @@ def test_the_hosts_reads_of_a_draft_come_through_one_copy_exactly():
     """``to_host`` packs a draft's reads (roots, KV lengths, candidate ids, probabilities) into one float64 copy:
     ids as large as DeepSeek's vocabulary and float32 probabilities come back exactly, in their dtypes and shapes.
     On the meta device (a stand-in for a GPU's) the one copy is made and raises, having no data."""
-    from sglang_spec.sglang_plugin.context_draft import pack, to_host, unpack
+    from sglang_spec.sglang_plugin.drafters.host_context import pack, to_host, unpack
 
     roots = torch.tensor([129279, 0, 7], dtype=torch.int64)
     lengths = torch.tensor([4096, 12, 163840], dtype=torch.int32)

@@ -1,5 +1,5 @@
 """A tree server at the end of its context: what it reserves (``TreeServerOptions.reserved_context``) and the
-req_to_token rows it builds (``hooks.req_to_token_headroom_around``).
+req_to_token rows it builds (``hooks.startup.req_to_token_headroom_around``).
 
 SGLang sizes a request's req_to_token row to the context plus budget + 5 slots, and maps twice max(W * D, budget
 + 1) slots past the request's tokens every decode step: with the plugin's widths (specexec 15/4/4: W = 15, a
@@ -14,8 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.options import ATTRIBUTE, from_values
+from sglang_spec.sglang_plugin.hooks import startup as hooks
+from sglang_spec.sglang_plugin.options import from_values
+from sglang_spec.sglang_plugin.state import OPTIONS_ATTRIBUTE as ATTRIBUTE
 
 pytestmark = pytest.mark.sglang
 

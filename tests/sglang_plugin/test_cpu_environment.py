@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.cpu import MALLOC_ENV, server_environment
-from sglang_spec.sglang_plugin.cpu.threads import THREADS_ENV
+from sglang_spec_testbed import MALLOC_ENV, server_environment
+from sglang_spec_testbed.threads import THREADS_ENV
 
 
 def test_malloc_thresholds_are_fixed_and_a_callers_own_win():
@@ -34,7 +34,7 @@ def test_every_process_runs_one_thread_unless_a_count_is_named_and_a_bad_count_i
 
 
 def test_the_cpu_launcher_refuses_a_bad_count_in_one_line_before_it_starts_a_server(monkeypatch, capsys):
-    from sglang_spec.sglang_plugin.cpu import __main__ as launcher
+    from sglang_spec_testbed import __main__ as launcher
 
     monkeypatch.setattr(launcher, "check_sglang_version", lambda: None)
     monkeypatch.setattr(launcher, "prepare_model", lambda name: None)

@@ -10,8 +10,8 @@ from scipy import stats
 
 from doubles import SyntheticCandidates
 from helpers import random_tree, targets_following_drafts
-from sglang_spec.sglang_plugin.cpu import attention, ops, sampling
-from sglang_spec.sglang_plugin.draft_loop import DraftLoop
+from sglang_spec_testbed import attention, ops, sampling
+from sglang_spec.sglang_plugin.drafters.beam_selection import DraftLoop
 from sglang_spec.tree import TokenTree
 from sglang_spec.tree.encode_sglang import TreeMaskMode, encode_sglang_verify
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from optional_packages import require_sglang
 from sglang_spec.errors import SpecError
 from sglang_spec.gemm.packed_linear import available_backends
-from sglang_spec.sglang_plugin.cpu import linear
+from sglang_spec_testbed import linear
 
 
 @pytest.mark.parametrize("backend", available_backends())

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from sglang_spec.sglang_plugin.cpu import ops
+from sglang_spec_testbed import ops
 
 pytestmark = pytest.mark.sglang
 
@@ -113,7 +113,7 @@ def test_launch_arguments_take_the_algorithm_from_the_passed_options(tmp_path):
     """One way of choosing the algorithm: ``--speculative-algorithm`` among the launch_server options. NEXTN with
     the model's draft is the default; NGRAM runs without draft arguments; plain decoding refuses an algorithm."""
     from sglang_spec.errors import SpecError
-    from sglang_spec.sglang_plugin.cpu.server import CpuModel, cpu_launch_args, option_value
+    from sglang_spec_testbed.server import CpuModel, cpu_launch_args, option_value
 
     draft = ("--speculative-draft-model-path", str(tmp_path / "draft"))
     model = CpuModel("smollm2", tmp_path / "target", draft, None)

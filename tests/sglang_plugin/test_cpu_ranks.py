@@ -5,8 +5,8 @@ gave as they are."""
 
 from __future__ import annotations
 
-from sglang_spec.sglang_plugin.cpu import THREADS_BIND_ENV, rank_cores, server_environment
-from sglang_spec.sglang_plugin.cpu.server import launch_ranks
+from sglang_spec_testbed import THREADS_BIND_ENV, rank_cores, server_environment
+from sglang_spec_testbed.server import launch_ranks
 
 
 def test_launch_ranks_multiplies_the_parallel_sizes():

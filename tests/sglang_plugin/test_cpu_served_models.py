@@ -8,7 +8,7 @@ import pkgutil
 
 import pytest
 
-from sglang_spec.sglang_plugin.cpu import SERVED_MODELS, server_environment
+from sglang_spec_testbed import SERVED_MODELS, server_environment
 
 pytestmark = pytest.mark.sglang
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.cpu import server
+from sglang_spec_testbed import server
 
 
 def launcher(tmp_path, body: str):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.cpu import threads
+from sglang_spec_testbed import threads
 
 ENV = threads.PREFILL_THREADS_ENV
 

@@ -14,7 +14,7 @@ import torch
 from helpers import random_tree
 from optional_packages import require_sglang
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.cpu import attention, tree_mask
+from sglang_spec_testbed import attention, tree_mask
 from sglang_spec.tree import TokenTree
 from sglang_spec.tree.encode_sglang import TreeMaskMode, encode_sglang_verify
 

@@ -1,5 +1,5 @@
 """``lookup`` trees grown on the device (--speculative-tree-context-on device): each request's history kept there
-(``device_history``), and a draft step that reads nothing on the host (``context_draft.device_lookup_draft_forward``).
+(``device_history``), and a draft step that reads nothing on the host (``drafters.device_context.device_lookup_draft_forward``).
 The server tests (``tests/sglang_server/test_context_trees.py``, ``lookup-device``) check that such a server accepts
 what the host-built trees accept, step for step."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.context_draft import ContextDrafter, device_lookup_draft_forward
-from sglang_spec.sglang_plugin.device_history import DeviceHistory
+from sglang_spec.sglang_plugin.drafters.device_context import DeviceLookupDrafter, device_lookup_draft_forward
+from sglang_spec.sglang_plugin.drafters.device_history import DeviceHistory
 from sglang_spec.sglang_plugin.options import from_values
 from sglang_spec.tree.policies import TreePolicy
 
@@ -53,8 +53,7 @@ def test_the_draft_step_reads_nothing_on_the_host():
     SGLang's host copy of the KV lengths aside: the step runs to its encoded trees."""
     meta = torch.device("meta")
     policy = TreePolicy("lookup", budget=6, depth=3, width=3)
-    drafter = ContextDrafter(policy, steps=3, budget=6)
-    drafter.on_device = True
+    drafter = DeviceLookupDrafter(policy, steps=3, budget=6)
     worker = SimpleNamespace(topk=3, draft_runner=SimpleNamespace(req_to_token_pool=SimpleNamespace(
         req_to_token=torch.empty(5, 64, dtype=torch.int32, device=meta))))
     batch = SimpleNamespace(spec_info=SimpleNamespace(bonus_tokens=torch.empty(2, dtype=torch.int64, device=meta)),
@@ -63,7 +62,7 @@ def test_the_draft_step_reads_nothing_on_the_host():
     reqs = [request("a", 1, [1, 2, 3, 1], [2]), request("b", 3, [4, 5], [])]
     parent_list, top_scores_index, draft_tokens, probs = device_lookup_draft_forward(worker, batch, reqs, drafter)
     assert parent_list.shape == (2, 3 * 2 + 1) and top_scores_index.shape == (2, 6) and draft_tokens.shape == (2, 6)
-    assert probs is None and drafter.has_proposal
+    assert probs is None and drafter.proposed_on_device is not None
     with pytest.raises(NotImplementedError):
         top_scores_index.tolist()  # meta indeed: a read would have raised inside the step
 

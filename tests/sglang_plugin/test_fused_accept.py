@@ -72,7 +72,7 @@ def test_greedy_accept_equals_sglangs_verify_tree_greedy(sglang_kernels, seed, b
 @KERNELS
 @pytest.mark.parametrize("seed", range(6))
 def test_sampled_accept_equals_sglangs_sampling_rule_for_the_same_coins(seed, kernels: AcceptKernels):
-    from sglang_spec.sglang_plugin.cpu.sampling import tree_speculative_sampling_target_only
+    from sglang_spec_testbed.sampling import tree_speculative_sampling_target_only
 
     batch, nodes, depth = 3, 10, 4
     rng, trees, meta = sglang_trees(100 + seed, batch, nodes, depth, 3)

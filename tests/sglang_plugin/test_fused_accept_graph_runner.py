@@ -18,7 +18,10 @@ import pytest
 import torch
 
 from helpers import random_tree, targets_following_drafts
-from sglang_spec.sglang_plugin import fused_accept, hooks
+from doubles import plugin_worker_state
+from sglang_spec.sglang_plugin import fused_accept
+from sglang_spec.sglang_plugin.hooks import accept as hooks
+from sglang_spec.sglang_plugin.state import attach
 from sglang_spec.sglang_plugin.fused_accept import AcceptBuffers, FusedAccept, run_accept
 from sglang_spec.tree import encode_sglang_verify
 
@@ -161,7 +164,8 @@ def verify_batch(seed: int, batch: int, *, dp_counts=None, lora: bool = False, l
         acc_additive_penalties=None, acc_scaling_penalties=None, logit_bias=torch.zeros(1) if logit_bias else None,
         has_watermark_candidates=False, is_all_greedy=True)
     schedule_batch = SimpleNamespace(seq_lens=torch.full((batch,), 9), sampling_info=sampling_info,
-                                     forward_mode=ForwardMode.TARGET_VERIFY, device="cpu")
+                                     forward_mode=ForwardMode.TARGET_VERIFY, device="cpu", reqs=[None] * batch,
+                                     req_pool_indices=torch.arange(batch))
     forward_batch = SimpleNamespace(
         batch_size=batch, forward_mode=ForwardMode.TARGET_VERIFY, spec_info=verify_input,
         input_ids=meta.draft_tokens.long(), positions=torch.zeros(batch * NODES, dtype=torch.int64),
@@ -188,7 +192,9 @@ def verify(runner, fused: FusedAccept, step, *, graph: bool):
             output = LogitsProcessorOutput(next_token_logits=step.logits.clone())
         return hooks.eagle_sample_around(sglang_eagle_sample, step.verify_input, step.schedule_batch, output)
 
-    return hooks.verify_around(worker_verify, SimpleNamespace(_sglang_spec_fused=fused))
+    worker = SimpleNamespace()
+    attach(worker, plugin_worker_state(fused=fused))
+    return hooks.verify_around(worker_verify, worker)
 
 
 def expected(step) -> tuple[torch.Tensor, ...]:

@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.head_guard import INJECT_ENV, HeadGuard, HeadPoison, finite_rows
+from sglang_spec.sglang_plugin.drafters.head_guard import HeadGuard, finite_rows
+from sglang_spec.sglang_plugin.faults import HEAD_POISON_ENV as INJECT_ENV
+from sglang_spec.sglang_plugin.faults import FaultInjection, HeadPoison
 from sglang_spec.tree.encode_sglang import encode_sglang_draft
-from sglang_spec.sglang_plugin.context_draft import pad_to_budget
+from sglang_spec.sglang_plugin.drafters.padding import pad_to_budget
 from sglang_spec.tree.token_tree import TokenTree
 
 TOPK, STEPS, BUDGET = 2, 3, 5
@@ -45,10 +47,10 @@ def test_the_poison_turns_every_nth_forward_nan_for_the_first_request_only(monke
     poisoned = poison.apply(probs, 2)
     assert finite_rows(poisoned, 2).tolist() == [False, True] and torch.isfinite(probs).all()
     monkeypatch.setenv(INJECT_ENV, "0")
-    assert HeadPoison.from_environment() is None
+    assert FaultInjection.from_environment(rank=0) is None
     monkeypatch.setenv(INJECT_ENV, "often")
-    with pytest.raises(SpecError, match=f"{INJECT_ENV}='often': give a whole number"):
-        HeadPoison.from_environment()
+    with pytest.raises(SystemExit, match=f"{INJECT_ENV}='often': give a whole number"):
+        FaultInjection.from_environment(rank=0)
 
 
 @pytest.mark.gpu

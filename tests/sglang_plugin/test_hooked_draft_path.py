@@ -7,11 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from doubles import SyntheticCandidates
+from doubles import SyntheticCandidates, plugin_worker_state
 from helpers import targets_following_drafts
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.draft_loop import (
+from sglang_spec.sglang_plugin.drafters.beams import permute_kv
+from sglang_spec.sglang_plugin.drafters.head_loop import HeadLoopDrafter
+from sglang_spec.sglang_plugin.drafters.sglang_loop import SGLangLoopStep
+from sglang_spec.sglang_plugin.hooks import draft as hooks
+from sglang_spec.sglang_plugin.options import TreeServerOptions
+from sglang_spec.sglang_plugin.state import SGLANG_LOOP_STEP, attach
+from sglang_spec.sglang_plugin.drafters.beam_selection import (
     DraftLoop,
     DraftPlan,
     ancestry_permutation,
@@ -41,9 +46,9 @@ class FakePool:
         self.kv_buffer = [torch.full((slots, 1, 2), -1.0)]
 
 
-def run_draft_loop(spec_utils, eagle_utils, source, roots, topk, steps, num_draft_tokens, setup, pool=None):
-    """SGLang's draft loop (draft_forward's select / organize calls) with a synthetic drafter; the hooks see a
-    DraftContext exactly as our draft_forward hook would set it. Returns organize's outputs and, per step, the
+def run_draft_loop(spec_utils, eagle_utils, source, roots, topk, steps, num_draft_tokens, exact_ancestry, pool=None):
+    """SGLang's draft loop (draft_forward's select / organize calls) with a synthetic drafter; the hooks see an
+    ``SGLangLoopStep`` exactly as ``SGLangLoopDrafter.draft`` would set it. Returns organize's outputs and, per step, the
     beams' paths (token lists) to check ancestry against."""
     batch = len(roots)
 
@@ -52,7 +57,7 @@ def run_draft_loop(spec_utils, eagle_utils, source, roots, topk, steps, num_draf
         return torch.topk(distributions, topk, dim=-1)
 
     step_locs = torch.arange(batch * topk * steps).view(batch, topk, steps).permute(2, 0, 1).reshape(steps, -1)
-    token = hooks._DRAFT.set(hooks.DraftContext(setup, step_locs, pool))
+    token = SGLANG_LOOP_STEP.set(SGLangLoopStep(step_locs, pool, steps, exact_ancestry))
     try:
         topk_p, topk_index = top([[root] for root in roots])
         beam_paths = [[[root, int(t)] for t in topk_index[row]] for row, root in enumerate(roots)]
@@ -79,7 +84,7 @@ def run_draft_loop(spec_utils, eagle_utils, source, roots, topk, steps, num_draf
             topk_p, topk_index = top([path for row in beam_paths for path in row])
         outputs = eagle_utils.organize_draft_results(score_list, token_list, parents_list, num_draft_tokens)
     finally:
-        hooks._DRAFT.reset(token)
+        SGLANG_LOOP_STEP.reset(token)
     return outputs
 
 
@@ -124,7 +129,7 @@ def run_own_loop(loop: DraftLoop, source, roots, budget, pool=None):
                       for r in range(batch)]
         if step < steps - 1 and pool is not None:
             target, source_slots = ancestry_permutation(level.parent_beam, step_locs, step)
-            hooks.permute_kv(pool, target, source_slots)
+            permute_kv(pool, target, source_slots)
     return loop.organize(levels, budget)
 
 
@@ -282,7 +287,7 @@ class PathDraftModel:
     def forward(self, forward_batch):
         from types import SimpleNamespace
 
-        from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS
+        from sglang_spec.sglang_plugin.state import LOGIT_ROWS
 
         ids = []
         for parent, token in zip(forward_batch.spec_info.hidden_states[:, 0].long().tolist(),
@@ -320,10 +325,10 @@ def draft_worker(loop: DraftLoop, source, roots, budget):
 
 def run_draft_forward(loop: DraftLoop, source, roots, budget):
     """``draft_forward.draft_forward`` (the server's own-loop entry) with ``PathDraftModel`` as the draft runner."""
-    from sglang_spec.sglang_plugin.draft_forward import draft_forward
+    from sglang_spec.sglang_plugin.drafters.head_loop import draft_forward
 
     worker, forward_batch, model = draft_worker(loop, source, roots, budget)
-    parent_list, top_scores_index, draft_tokens, _ = draft_forward(worker, forward_batch, loop, hooks.permute_kv)
+    parent_list, top_scores_index, draft_tokens, _ = draft_forward(worker, forward_batch, loop)
     width = loop.width
     trees = decode_sglang_draft(parent_list, top_scores_index, draft_tokens, torch.tensor(roots), width)
     return trees, model.rows
@@ -374,7 +379,8 @@ def test_an_impossible_plan_at_run_time_is_a_draft_fault(sglang_with_plugin, mon
     monkeypatch.setattr(hooks, "METRICS", metrics)
     source = SyntheticCandidates(vocab_size=60, seed=4, sharpness=1.5)
     worker, forward_batch, _ = draft_worker(loop, source, [7, 8], 16)
-    worker._sglang_spec = hooks.DraftSetup(loop, exact_ancestry=True, width=loop.width, steps=4)
+    attach(worker, plugin_worker_state(TreeServerOptions("sequoia", 15, 4, 4, loop.width),
+                                       HeadLoopDrafter(loop, guard=None), width=loop.width, steps=4, budget=16))
 
     def sglangs_draft_forward(*args):
         raise AssertionError("the own loop replaces SGLang's")
@@ -394,7 +400,7 @@ def test_sglangs_logits_processor_selects_the_rows_in_decode_mode(sglang_with_pl
     from sglang.srt.layers.logits_processor import LogitsMetadata, LogitsProcessor
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
-    from sglang_spec.sglang_plugin.draft_forward import LOGIT_ROWS
+    from sglang_spec.sglang_plugin.state import LOGIT_ROWS
 
     hidden = torch.arange(24, dtype=torch.float32).view(8, 3)
     rows = torch.tensor([0, 1, 4, 5])
@@ -431,12 +437,12 @@ def test_own_loop_reads_nothing_on_the_host():
             for step in range(1, loop.steps):
                 levels.append(loop.next_level(step, levels[-1].beam_scores, next_p, next_index))
                 target, source_slots = ancestry_permutation(levels[-1].parent_beam, step_locs, step)
-                hooks.permute_kv(pool, target, source_slots)
+                permute_kv(pool, target, source_slots)
             loop.organize(levels, 32 if plan else 16)
         assert guard.events == []
     with HostAccessGuard(host_only=True) as control:  # building the loop at start-up does copy from the host
         sequoia_loop(32, 5, 4)
-    assert any("draft_loop.py" in event for event in control.events)
+    assert any("beam_selection.py" in event for event in control.events)
 
 
 def test_own_loop_keeps_exact_ancestry():
@@ -452,12 +458,10 @@ def test_exact_ancestry_by_kv_column_permutation(uncompiled):
     spec_utils, eagle_utils = uncompiled
     topk, steps = 3, 5
     source = SyntheticCandidates(vocab_size=40, seed=3, sharpness=1.0)
-    setup = hooks.DraftSetup(None, exact_ancestry=True, width=topk, steps=steps)
     pool = FakePool(2 * topk * steps)
-    run_draft_loop(spec_utils, eagle_utils, source, [4, 5], topk, steps, 12, setup, pool)  # asserts inside
-    without = hooks.DraftSetup(None, exact_ancestry=False, width=topk, steps=steps)
+    run_draft_loop(spec_utils, eagle_utils, source, [4, 5], topk, steps, 12, True, pool)  # asserts inside
     with pytest.raises(AssertionError):
-        run_draft_loop(spec_utils, eagle_utils, source, [4, 5], topk, steps, 12, without, FakePool(2 * topk * steps))
+        run_draft_loop(spec_utils, eagle_utils, source, [4, 5], topk, steps, 12, False, FakePool(2 * topk * steps))
 
 
 def test_without_a_draft_context_sglang_behaviour_is_unchanged(uncompiled, sglang_eagle):
@@ -465,13 +469,9 @@ def test_without_a_draft_context_sglang_behaviour_is_unchanged(uncompiled, sglan
     source = SyntheticCandidates(vocab_size=50, seed=11, sharpness=1.0)
     theirs = sglang_eagle.run(source, [3, 4], 3, 3, 10)
     spec_utils, eagle_utils = uncompiled
-    # the same loop through the hooked public functions, no context set
-    token = hooks._DRAFT.set(None)
-    try:
-        ours = run_draft_loop(spec_utils, eagle_utils, source, [3, 4], 3, 3, 10,
-                              hooks.DraftSetup(None, False, 3, 3))
-    finally:
-        hooks._DRAFT.reset(token)
+    # the same loop through the hooked public functions, no step of SGLang's loop set
+    assert SGLANG_LOOP_STEP.get() is None
+    ours = run_draft_loop(spec_utils, eagle_utils, source, [3, 4], 3, 3, 10, False)
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
 
@@ -481,8 +481,10 @@ def test_metrics_hook_counts_acceptance_per_position(sglang_with_plugin, monkeyp
 
     from sglang.srt.managers.schedule_batch import Req
 
+    from sglang_spec.sglang_plugin.hooks import accept
+
     metrics = AcceptanceMetrics()
-    monkeypatch.setattr(hooks, "METRICS", metrics)
+    monkeypatch.setattr(accept, "METRICS", metrics)
     request = SimpleNamespace(spec_correct_drafts_histogram=[])
     for accepted in [0, 2, 3, 3, 1]:
         Req.update_spec_correct_drafts_histogram(request, accepted)
@@ -499,15 +501,19 @@ def test_only_attention_tp_rank_zero_counts_acceptance(sglang_with_plugin, monke
 
     from sglang.srt.managers.schedule_batch import Req
 
-    from sglang_spec.sglang_plugin.options import ATTRIBUTE, TreeServerOptions
+    from sglang_spec.sglang_plugin.state import OPTIONS_ATTRIBUTE as ATTRIBUTE
 
     metrics = AcceptanceMetrics()
     registered = []
     monkeypatch.setattr(metrics, "enable_prometheus", lambda: registered.append(True))
+    from sglang_spec.sglang_plugin.hooks import accept
+
     monkeypatch.setattr(hooks, "METRICS", metrics)
-    monkeypatch.setattr(hooks, "_attn_tp_rank", lambda: rank, raising=False)
+    monkeypatch.setattr(accept, "METRICS", metrics)
+    monkeypatch.setattr(hooks, "attention_tp_rank", lambda: rank)
     server_args = SimpleNamespace(enable_metrics=True, **{ATTRIBUTE: TreeServerOptions("eagle", 8, 4, 4, 4)})
-    worker = SimpleNamespace(server_args=server_args, topk=4, speculative_num_steps=4)
+    worker = SimpleNamespace(server_args=server_args, topk=4, speculative_num_steps=4,
+                             speculative_num_draft_tokens=9, device="cpu")
     hooks.draft_worker_init_after(None, worker)
     request = SimpleNamespace(spec_correct_drafts_histogram=[])
     for accepted in [2, 3]:
@@ -563,7 +569,7 @@ def test_specexec_capacity_counts_only_the_slots_the_loop_can_use():
     assert organize_picks_unusable(loop, drafted_levels(loop, source, [3, 4]), 16)  # what the launch would draft
     with pytest.raises(SpecError, match="exceeds the 14 draft tokens"):
         validate_speculative(TreeServerOptions("specexec", 16, 3, 2, 16), resolved(16, 3))
-    from sglang_spec.sglang_plugin.draft_loop import usable_slots
+    from sglang_spec.sglang_plugin.drafters.beam_selection import usable_slots
 
     assert usable_slots(16, 2, 3) == 14 and usable_slots(4, 4, 3) == 4 + 2 * 4 * 4  # W = K: SGLang's own count
     accepted = refused = 0

@@ -1,4 +1,4 @@
-"""``cpu/zygote.py``: which environments share a zygote, and a forked launch that fails the way ``python -m
+"""``sglang_spec_testbed/zygote.py``: which environments share a zygote, and a forked launch that fails the way ``python -m
 sglang.launch_server`` fails (status and last error line) with its output in the server's log. The forked launches
 that serve are every test under ``tests/sglang_server`` (``running_server``)."""
 
@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin import head_guard, hooks
-from sglang_spec.sglang_plugin.cpu import THREADS_BIND_ENV, linear, patches, profile, server, server_environment
-from sglang_spec.sglang_plugin.cpu import tree_mask, zygote
+from sglang_spec.sglang_plugin.faults import ACCEPT_FAULT_ENV, FAULT_ENV, FAULT_RANK_ENV, HEAD_POISON_ENV
+from sglang_spec_testbed import THREADS_BIND_ENV, linear, patches, profile, server, server_environment
+from sglang_spec_testbed import tree_mask, zygote
 from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 
 
 def test_late_variables_are_left_out_of_the_key_and_the_rest_kept():
     base = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
-    late = {name: "1" for name in (hooks.FAULT_ENV, hooks.ACCEPT_FAULT_ENV, hooks.FAULT_RANK_ENV, head_guard.INJECT_ENV,
+    late = {name: "1" for name in (FAULT_ENV, ACCEPT_FAULT_ENV, FAULT_RANK_ENV, HEAD_POISON_ENV,
                                    patches.OVERLAP_ENV, profile.PROFILE_ENV, profile.CPROFILE_ENV, THREADS_BIND_ENV,
                                    ACCEPT_KERNELS_ENV, "PYTEST_CURRENT_TEST")}
     assert zygote.import_key({**base, **late}) == zygote.import_key(base)

@@ -213,7 +213,8 @@ def test_other_modes_go_to_the_wrapped_backend(backend_module, monkeypatch):
 
 
 def test_only_the_targets_backend_of_a_cascade_server_is_wrapped(backend_module):
-    from sglang_spec.sglang_plugin.options import ATTRIBUTE, TreeServerOptions
+    from sglang_spec.sglang_plugin.state import OPTIONS_ATTRIBUTE as ATTRIBUTE
+    from sglang_spec.sglang_plugin.options import TreeServerOptions
 
     base = object()
     options = TreeServerOptions("eagle", 6, 3, 2, 2, mla_verify="flashinfer")

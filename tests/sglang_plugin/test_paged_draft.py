@@ -4,7 +4,7 @@ CPU bed's draft-metadata stand-in that reads it.
 
 The ancestry test drives SGLang's real ``prepare_for_draft`` (its page > 1, topk > 1 branch: the draft slots and
 the prefix-tail copy through a real ``MLATokenToKVPool``) and the plugin's own draft loop (``DraftLoop`` with the
-KV column permutation, ``hooks.permute_kv``) with a synthetic drafter, and reads every beam's attention rows two
+KV column permutation, ``drafters.beams.permute_kv``) with a synthetic drafter, and reads every beam's attention rows two
 ways at every draft step: token by token as SGLang's Triton backend lists them (the bed's stand-in, checked equal
 to SGLang's ``generate_draft_decode_kv_indices`` under the Triton interpreter) and page by page as FlashInfer /
 FA3 read them (the prefix's whole pages, then the branch's pages from their start, the copied tail included).
@@ -23,9 +23,13 @@ import pytest
 import torch
 
 from doubles import SyntheticCandidates
-from sglang_spec.sglang_plugin import hooks
-from sglang_spec.sglang_plugin.cpu import ops, patches
-from sglang_spec.sglang_plugin.draft_loop import DraftLoop, ancestry_permutation
+from doubles import plugin_worker_state
+from sglang_spec.sglang_plugin.drafters.beams import permute_kv, supports_row_permutation
+from sglang_spec.sglang_plugin.hooks import draft as hooks
+from sglang_spec.sglang_plugin.messages import StartupError
+from sglang_spec.sglang_plugin.state import attach, state_of
+from sglang_spec_testbed import ops, patches
+from sglang_spec.sglang_plugin.drafters.beam_selection import DraftLoop, ancestry_permutation
 
 pytestmark = pytest.mark.sglang
 
@@ -147,7 +151,7 @@ def run_paged_draft(monkeypatch, *, page_size: int, table_page_size: int | None 
         paths = [[paths[r][int(level.parent_beam[r, j])] + [int(tokens[r, j])] for j in range(width)]
                  for r in range(batch)]
         if permute:
-            hooks.permute_kv(pool, *ancestry_permutation(level.parent_beam, step_locs, step + 1))
+            permute_kv(pool, *ancestry_permutation(level.parent_beam, step_locs, step + 1))
     return mismatches
 
 
@@ -206,10 +210,10 @@ def test_row_permutation_holds_at_any_page_size(sglang_with_plugin, monkeypatch)
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     for page_size in (1, 4, 16):
-        assert hooks.supports_row_permutation(MHATokenToKVPool(64, page_size, torch.float32, 3, 8, 2, "cpu", False))
-        assert hooks.supports_row_permutation(mla_pool(64 + page_size, page_size))
+        assert supports_row_permutation(MHATokenToKVPool(64, page_size, torch.float32, 3, 8, 2, "cpu", False))
+        assert supports_row_permutation(mla_pool(64 + page_size, page_size))
     monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
-    assert not hooks.supports_row_permutation(MHATokenToKVPool(64, 4, torch.float32, 3, 8, 2, "cpu", False))
+    assert not supports_row_permutation(MHATokenToKVPool(64, 4, torch.float32, 3, 8, 2, "cpu", False))
 
 
 def test_the_draft_pool_check_at_start_up(sglang_with_plugin, monkeypatch):
@@ -218,14 +222,15 @@ def test_the_draft_pool_check_at_start_up(sglang_with_plugin, monkeypatch):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     def worker(pool):
-        setup = hooks.DraftSetup(None, exact_ancestry=False, width=4, steps=3)
-        return types.SimpleNamespace(_sglang_spec=setup, draft_runner=types.SimpleNamespace(token_to_kv_pool=pool))
+        owner = types.SimpleNamespace(draft_runner=types.SimpleNamespace(token_to_kv_pool=pool))
+        attach(owner, plugin_worker_state(width=4, steps=3))
+        return owner
 
     paged = worker(MHATokenToKVPool(64, 4, torch.float32, 3, 8, 2, "cpu", False))
     hooks.alloc_memory_pool_after(None, paged)
-    assert paged._sglang_spec.exact_ancestry
+    assert state_of(paged).drafter.exact_ancestry
     monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
-    with pytest.raises(hooks.StartupError) as refused:
+    with pytest.raises(StartupError) as refused:
         hooks.alloc_memory_pool_after(None, worker(MHATokenToKVPool(64, 4, torch.float32, 3, 8, 2, "cpu", False)))
     message = str(refused.value)
     assert message.startswith("error: the draft KV pool (MHATokenToKVPool, layout hnd) does not hold one token a row")

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_spec.sglang_plugin import UnsupportedSGLangVersion, check_sglang_version, hooks
+from sglang_spec.sglang_plugin import UnsupportedSGLangVersion, check_sglang_version
+from sglang_spec.sglang_plugin.hooks import draft as draft_hooks
+from sglang_spec.sglang_plugin.hooks import startup as hooks
 
 pytestmark = pytest.mark.sglang
 
@@ -26,8 +28,8 @@ def test_load_plugins_discovers_the_entry_point_and_applies_our_hooks(sglang_wit
 
     assert any("sglang_spec" in (source.plugin_name or "") for hooks_ in HookRegistry._hooks.values()
                for _, _, source in hooks_ if source is not None)
-    assert hook_of(spec_utils.select_top_k_tokens) is hooks.select_top_k_tokens_around
-    assert hook_of(eagle_worker_v2.EagleDraftWorker.draft_forward) is hooks.draft_forward_around
+    assert hook_of(spec_utils.select_top_k_tokens) is draft_hooks.select_top_k_tokens_around
+    assert hook_of(eagle_worker_v2.EagleDraftWorker.draft_forward) is draft_hooks.draft_forward_around
     # stale `from ... import` bindings are patched too: the worker module calls our select
     assert eagle_worker_v2.select_top_k_tokens is spec_utils.select_top_k_tokens
     assert hook_of(ServerArgs.add_cli_args) is hooks.add_cli_args_after
@@ -178,7 +180,8 @@ def test_adaptive_steps_are_refused_as_requested_before_sglang_resolves(sglang_w
     whatever SGLang would make of it, before SGLang's own resolution runs."""
     from types import SimpleNamespace
 
-    from sglang_spec.sglang_plugin.options import ATTRIBUTE, TreeServerOptions
+    from sglang_spec.sglang_plugin.state import OPTIONS_ATTRIBUTE as ATTRIBUTE
+    from sglang_spec.sglang_plugin.options import TreeServerOptions
 
     resolved = []
     for policy, topk in (("eagle", 4), ("chain", 1)):
@@ -199,7 +202,8 @@ def test_dsa_models_are_refused_by_sglangs_own_detection(sglang_with_plugin, mon
 
     from sglang.srt.arg_groups import overrides
 
-    from sglang_spec.sglang_plugin.options import ATTRIBUTE, TreeServerOptions
+    from sglang_spec.sglang_plugin.state import OPTIONS_ATTRIBUTE as ATTRIBUTE
+    from sglang_spec.sglang_plugin.options import TreeServerOptions
 
     def server_args_for(hf_config):
         monkeypatch.setattr(overrides, "model_config_of", lambda server_args: SimpleNamespace(hf_config=hf_config))

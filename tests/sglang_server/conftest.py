@@ -15,7 +15,7 @@ from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLL
                                running_server)
 from optional_packages import require_sglang
 from parity_requests import PARITY_SERVER_ARGS, plain_oracle
-from sglang_spec.sglang_plugin.cpu.server import CpuModel, prepare_model
+from sglang_spec_testbed.server import CpuModel, prepare_model
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from typing import Iterator, Mapping, Sequence
 
 import pytest
 
-from sglang_spec.sglang_plugin.cpu.server import CpuModel, PortTaken, SGLangServer, cpu_launch_args, free_port
+from sglang_spec_testbed.server import CpuModel, PortTaken, SGLangServer, cpu_launch_args, free_port
 
 START_TIMEOUT = float(os.environ.get("SGLANG_SPEC_SERVER_TIMEOUT", "240"))
 SMOLLM2_NEW_TOKENS = 40  # greedy tokens per held-out prompt in the SmolLM2 end-to-end tests

@@ -20,7 +20,7 @@ from sglang_spec.cli import main
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder
 from sglang_spec.mtp.checkpoint import load_mtp_head, save_mtp_head
 from sglang_spec.mtp.head import MTPHead
-from sglang_spec.sglang_plugin import head_accept
+from sglang_spec_testbed import head_accept
 from sglang_spec.tree import TreePolicy
 from sglang_spec.models.loading import ByteTokenizer
 from sglang_spec.models.toy_language import ToyLanguage

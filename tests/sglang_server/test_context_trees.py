@@ -20,8 +20,8 @@ import pytest
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS, accept_lengths, mean,
                                 running_server)
 from sglang_spec.cli import main as cli_main
-from sglang_spec.sglang_plugin.cpu.linear import DRAFT_WEIGHTS_ENV
-from sglang_spec.sglang_plugin.cpu.patches import OVERLAP_ENV
+from sglang_spec_testbed.linear import DRAFT_WEIGHTS_ENV
+from sglang_spec_testbed.patches import OVERLAP_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 

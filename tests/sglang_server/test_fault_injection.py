@@ -25,8 +25,8 @@ import pytest
 
 from cpu_server_helpers import assert_draft_faults_counted_and_logged, counted_draft_faults, faulty_run, tree_args
 from parity_requests import policy_args
-from sglang_spec.sglang_plugin.head_guard import ERROR as HEAD_FAULT
-from sglang_spec.sglang_plugin.head_guard import INJECT_ENV
+from sglang_spec.sglang_plugin.drafters.head_guard import ERROR as HEAD_FAULT
+from sglang_spec.sglang_plugin.faults import HEAD_POISON_ENV as INJECT_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 

@@ -19,7 +19,7 @@ import re
 import pytest
 
 from cpu_server_helpers import REPEAT_CONTEXT_PROMPTS, accept_lengths, assert_full_masks_only, running_server
-from sglang_spec.sglang_plugin.cpu.tree_mask import TREE_MASK_ENV
+from sglang_spec_testbed.tree_mask import TREE_MASK_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import pytest
 
 from cpu_server_helpers import accept_lengths, running_server, tree_args
-from sglang_spec.sglang_plugin.cpu import server_environment
-from sglang_spec.sglang_plugin.cpu.server import cpu_launch_args, free_port
-from sglang_spec.sglang_plugin.cpu.tree_mask import TREE_MASK_ENV
+from sglang_spec_testbed import server_environment
+from sglang_spec_testbed.server import cpu_launch_args, free_port
+from sglang_spec_testbed.tree_mask import TREE_MASK_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 

@@ -75,8 +75,8 @@ from parity_requests import (
     stream_and_close,
     wait_idle,
 )
-from sglang_spec.sglang_plugin.cpu.patches import OVERLAP_ENV
-from sglang_spec.sglang_plugin.cpu.tree_mask import TREE_MASK_ENV
+from sglang_spec_testbed.patches import OVERLAP_ENV
+from sglang_spec_testbed.tree_mask import TREE_MASK_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-import sglang_spec.sglang_plugin.cpu.server as cpu_server
-from sglang_spec.sglang_plugin.cpu.server import free_port
+import sglang_spec_testbed.server as cpu_server
+from sglang_spec_testbed.server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 

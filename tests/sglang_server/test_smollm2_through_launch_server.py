@@ -158,7 +158,7 @@ def test_the_bed_packs_its_gemms_and_decodes_as_f_linear_does(smollm2_plain, smo
     target's and the draft's): the plain server's log says so, and a server on SGLang's own ``F.linear`` path
     (``SGLANG_SPEC_CPU_GEMM=linear``) decodes the held-out prompts to the same greedy tokens."""
     from sglang_spec.gemm.packed_linear import available_backends
-    from sglang_spec.sglang_plugin.cpu.linear import GEMM_ENV
+    from sglang_spec_testbed.linear import GEMM_ENV
 
     packed_log = (server_logs / "smollm2-plain.log").read_text(errors="replace")
     backend = available_backends()[0]

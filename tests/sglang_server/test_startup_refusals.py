@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from sglang_spec.sglang_plugin.cpu import server_environment
-from sglang_spec.sglang_plugin.cpu.server import cpu_launch_args, free_port
+from sglang_spec_testbed import server_environment
+from sglang_spec_testbed.server import cpu_launch_args, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
@@ -69,8 +69,8 @@ def test_a_bad_fused_accept_kernels_name_is_one_line(smollm2_cpu, monkeypatch):
     ("SGLANG_SPEC_CPU_PREFILL_THREADS", "0", "is not a thread count"),
 ])
 def test_a_bad_setting_of_the_cpu_bed_is_one_line(smollm2_cpu, monkeypatch, variable, value, message):
-    from sglang_spec.sglang_plugin.cpu.linear import DRAFT_WEIGHTS_ENV, GEMM_ENV
-    from sglang_spec.sglang_plugin.cpu.threads import PREFILL_THREADS_ENV
+    from sglang_spec_testbed.linear import DRAFT_WEIGHTS_ENV, GEMM_ENV
+    from sglang_spec_testbed.threads import PREFILL_THREADS_ENV
 
     assert variable in (GEMM_ENV, DRAFT_WEIGHTS_ENV, PREFILL_THREADS_ENV)  # the names the bed reads
     monkeypatch.setenv(variable, value)

@@ -128,7 +128,7 @@ def test_faults_on_one_rank_fall_back_on_every_rank(tiny_cpu, server_logs, promp
     the server aborted at the first fault). Accept: on a sampled batch every rank takes SGLang's accept with rank 1
     (the two accepts broadcast rank 0's in different layouts: before the agreement a sampled batch's fault on rank
     1 crashed its scheduler with an IndexError); greedy batches broadcast nothing and may mix the two."""
-    from sglang_spec.sglang_plugin.hooks import ACCEPT_FAULT_ENV, FAULT_ENV, FAULT_RANK_ENV
+    from sglang_spec.sglang_plugin.faults import ACCEPT_FAULT_ENV, FAULT_ENV, FAULT_RANK_ENV
 
     monkeypatch.setenv(FAULT_ENV, "3")
     monkeypatch.setenv(ACCEPT_FAULT_ENV, "2")

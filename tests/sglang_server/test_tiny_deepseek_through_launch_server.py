@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from cpu_server_helpers import accept_lengths, mean, running_server, tree_args
-from sglang_spec.sglang_plugin.cpu import server_environment
+from sglang_spec_testbed import server_environment
 from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]

@@ -38,10 +38,10 @@ import functools
 import importlib
 import os
 
-from sglang_spec.sglang_plugin.cpu import sampling
-from sglang_spec.sglang_plugin.cpu.linear import (  # noqa: F401 (HOOKS)
+from sglang_spec_testbed import sampling
+from sglang_spec_testbed.linear import (  # noqa: F401 (HOOKS)
     init_lm_head_after, linear_apply_around, load_model_after)
-from sglang_spec.sglang_plugin.hooks import log
+from sglang_spec.sglang_plugin.messages import log
 
 HOOKS = (
     ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", "load_model_after", "AFTER"),
@@ -62,7 +62,7 @@ OVERLAP_HOOK = ("sglang.srt.arg_groups.speculative_hook._disable_overlap_schedul
                 "REPLACE")
 # SGLang's refusal of trees at page size > 1 off its GPU backends (speculative_hook._handle_eagle_family)
 PAGED_TREE_REFUSAL = "speculative_eagle_topk > 1 with page_size > 1 is only supported on"
-# module attribute -> stand-in (module ``sglang_spec.sglang_plugin.cpu.sampling``)
+# module attribute -> stand-in (module ``sglang_spec_testbed.sampling``)
 ATTRIBUTES = {
     "sglang.srt.speculative.eagle_utils": ("tree_speculative_sampling_target_only", "top_k_renorm_prob",
                                            "top_p_renorm_prob"),

@@ -1,7 +1,7 @@
 """Start SGLang's real server on this CPU with the plugin and a small model (what ``scripts/sglang_cpu_server.sh``
 runs). Every option SGLang's launch_server takes, the tree options included, passes through:
 
-    python -m sglang_spec.sglang_plugin.cpu --model smollm2 --port 30000 \\
+    python -m sglang_spec_testbed --model smollm2 --port 30000 \\
         --speculative-tree-policy sequoia --speculative-tree-budget 15 --speculative-tree-depth 4 \\
         --speculative-tree-topk 4 --enable-metrics
 
@@ -11,7 +11,7 @@ unless ``--speculative-acceptance-profile`` is given. ``--no-speculation`` serve
 is NEXTN with the model's draft unless ``--speculative-algorithm`` says otherwise; SGLang's own n-gram drafting
 needs no draft model:
 
-    python -m sglang_spec.sglang_plugin.cpu --model smollm2 --speculative-algorithm NGRAM \
+    python -m sglang_spec_testbed --model smollm2 --speculative-algorithm NGRAM \
         --speculative-num-draft-tokens 8
 """
 
@@ -22,12 +22,12 @@ import os
 import sys
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.cpu import check_sglang_version, server_environment
-from sglang_spec.sglang_plugin.cpu.server import CPU_MODELS, cpu_launch_args, launch_ranks, prepare_model
+from sglang_spec_testbed import check_sglang_version, server_environment
+from sglang_spec_testbed.server import CPU_MODELS, cpu_launch_args, launch_ranks, prepare_model
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_spec.sglang_plugin.cpu",
+    parser = argparse.ArgumentParser(prog="python -m sglang_spec_testbed",
                                      description=__doc__.split("\n\n")[0],
                                      epilog="Any other option is passed to python -m sglang.launch_server.")
     parser.add_argument("--model", choices=CPU_MODELS, default="smollm2")

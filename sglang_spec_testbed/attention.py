@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sglang_spec.sglang_plugin.cpu.tree_mask import first_use
+from sglang_spec_testbed.tree_mask import first_use
 from sglang_spec.tree.encode_sglang import TreeMaskMode
 
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from sglang_spec.errors import SpecError
 from sglang_spec.gemm.packed_linear import BACKENDS, PackedLinear, available_backends
-from sglang_spec.sglang_plugin.hooks import log
+from sglang_spec.sglang_plugin.messages import log
 
 GEMM_ENV = "SGLANG_SPEC_CPU_GEMM"
 DRAFT_WEIGHTS_ENV = "SGLANG_SPEC_CPU_DRAFT_WEIGHTS"

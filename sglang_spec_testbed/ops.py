@@ -20,8 +20,8 @@ import os
 import numpy as np
 import torch
 
-from sglang_spec.sglang_plugin.cpu.attention import BEAM_PREFIXES_ATTRIBUTE
-from sglang_spec.sglang_plugin.cpu.tree_mask import first_use
+from sglang_spec_testbed.attention import BEAM_PREFIXES_ATTRIBUTE
+from sglang_spec_testbed.tree_mask import first_use
 from sglang_spec.tree.encode_sglang import TreeMaskMode, decode_sglang_draft, encode_sglang_verify
 
 TRITON_TREE_FLAG = "SGLANG_SPEC_CPU_TRITON_TREE"

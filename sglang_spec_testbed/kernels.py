@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from sglang_spec.sglang_plugin.cpu import attention, linear, ops
+from sglang_spec_testbed import attention, linear, ops
 
 STAND_INS: dict[str, Callable] = {**ops.STAND_INS, **attention.STAND_INS, **linear.STAND_INS}
 

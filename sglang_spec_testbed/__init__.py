@@ -1,4 +1,9 @@
-"""SGLang's real server on a CPU without sgl-kernel's CPU build: the project's test bed.
+"""SGLang's real server on a CPU without sgl-kernel's CPU build: the project's test bed (not the product).
+
+The bed is an SGLang plugin of its own (entry point ``sglang.srt.plugins: sglang_spec_testbed``, ``register``):
+in a process whose environment sets ``SGLANG_SPEC_CPU=1`` (``server_environment``) it installs the stand-ins
+and the few behaviour hooks a CPU needs; everywhere else it does nothing. The product
+(``sglang_spec.sglang_plugin``) never imports it.
 
 SGLang 0.5.23 serves on a CPU (``SGLANG_USE_CPU_ENGINE=1``, the ``intel_amx`` attention backend) through the ops of
 sgl-kernel's CPU build, which is not on PyPI. This package gives SGLang pure-torch stand-ins for the ops its
@@ -50,13 +55,13 @@ from importlib import metadata
 from pathlib import Path
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.cpu import kernels, linear, threads, tree_mask
+from sglang_spec_testbed import kernels, linear, threads, tree_mask
 from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 
 SUPPORTED_SGLANG = "0.5.23"
 ENABLE_FLAG = "SGLANG_SPEC_CPU"  # set to 1 in a process's environment: boot/sitecustomize activates the stand-ins
 BOOT_DIR = Path(__file__).resolve().parent / "boot"
-SERVED_MODELS = "sglang_spec.sglang_plugin.cpu.served_models"
+SERVED_MODELS = "sglang_spec_testbed.served_models"
 # glibc malloc hands a step's large temporaries (logits, attention scores: megabytes) back to the kernel and faults
 # them in again the next step: the scheduler of a plain server at 16 requests (extraction) took ~36k minor faults a
 # second, 8% of its time in the kernel. Fixed thresholds (which also stop glibc's dynamic ones) keep them in the
@@ -141,6 +146,28 @@ def activate() -> None:
     threads.prefill_threads_from_environment()
     kernels.install()
     _activated = True
+
+
+def register() -> None:
+    """The bed's plugin entry point: its hooks, in a process of the bed only (``ENABLE_FLAG``). Idempotent through
+    SGLang's loader (it runs each plugin once a process)."""
+    if os.environ.get(ENABLE_FLAG) != "1":
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_spec_testbed import patches, profile
+
+    for target, name, kind in patches.hooks(patches.overlap_from_environment()):
+        HookRegistry.register(target, getattr(patches, name), getattr(HookType, kind))
+    for target, hook, kind in tree_mask.hooks(tree_mask.mode_from_environment()):
+        HookRegistry.register(target, hook, getattr(HookType, kind))
+    for target, hook, kind in threads.hooks(threads.prefill_threads_from_environment()):
+        HookRegistry.register(target, hook, getattr(HookType, kind))
+    patches.install_attributes()
+    claim_amx_platform()
+    if os.environ.get(profile.PROFILE_ENV):
+        for target, name, kind in profile.HOOKS:
+            HookRegistry.register(target, getattr(profile, name), getattr(HookType, kind))
 
 
 def claim_amx_platform() -> None:

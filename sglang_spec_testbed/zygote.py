@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.cpu import THREADS_BIND_ENV, patches, profile
+from sglang_spec_testbed import THREADS_BIND_ENV, patches, profile
 from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 
 LAUNCHER_MODULE = "sglang.launch_server"
@@ -63,7 +63,7 @@ def import_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 
 class Zygote:
-    """One helper process (``python -m sglang_spec.sglang_plugin.cpu.zygote`` under ``env``) and its children."""
+    """One helper process (``python -m sglang_spec_testbed.zygote`` under ``env``) and its children."""
 
     def __init__(self, env: Mapping[str, str], timeout: float = 120.0) -> None:
         self.key = import_key(env)

@@ -7,7 +7,7 @@ beam f with rank r is slot ``W + W*W*(i-1) + f*W + r``. The verified tree is the
 SGLang as ``(parent_list, top_scores_index, draft_tokens)``.
 
 SGLang's own loop ties the width to the branching: every beam keeps W children and at most W nodes of a level
-are expanded. The plugin's loop (``DraftLoop``, run by ``draft_forward.draft_forward``) separates them: W is a
+are expanded. The plugin's loop (``DraftLoop``, run by ``head_loop.draft_forward``) separates them: W is a
 static maximum of expanded nodes per level and each node's children are its top-K candidates (K <= W; ranks >= K
 are never chosen), which lets a Sequoia or SpecExec tree expand more than K nodes on a level:
 
@@ -224,7 +224,7 @@ class DraftLoop:
       rank_ok:   [W] bool device buffer, rank < K.
       plan:      sequoia's forced frontier and slots; None for best-first selection (specexec).
       live:      per forwarded step s in 1..steps-1, the beams (a prefix of the W) that can grow: only their
-                 candidates may be chosen, and only their logits are computed (``draft_forward``).
+                 candidates may be chosen, and only their logits are computed (``head_loop.draft_forward``).
       beam_live: [max(steps - 1, 1), W] bool device buffer, row s - 1: beam < live[s - 1].
     """
 

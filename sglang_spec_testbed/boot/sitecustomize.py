@@ -7,7 +7,7 @@ import sys
 
 if os.environ.get("SGLANG_SPEC_CPU") == "1":
     try:
-        from sglang_spec.sglang_plugin.cpu import activate
+        from sglang_spec_testbed import activate
 
         activate()
     except Exception as error:  # sitecustomize errors are otherwise printed and ignored

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from sglang_spec.catalog import resolve_model_path
 from sglang_spec.errors import SpecError
 from sglang_spec.models.loading import shipped_head_path, shipped_profile_path
-from sglang_spec.sglang_plugin.cpu import server_environment, zygote
+from sglang_spec_testbed import server_environment, zygote
 from sglang_spec.sglang_plugin.export import export_llama_draft
 
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "intel_amx", "--dtype", "float32",

@@ -1,7 +1,7 @@
 """Accept length of MTP heads served by SGLang's real server on this CPU, before and after training, in one
 command:
 
-    python -m sglang_spec.sglang_plugin.head_accept --model tiny-deepseek --before builtin \\
+    python -m sglang_spec_testbed.head_accept --model tiny-deepseek --before builtin \\
         --after head.safetensors --prompts heldout.jsonl
 
 Each head is exported as the draft SGLang loads for NEXTN (``export.py``: DeepSeek's ``model.layers.{L}.*`` or
@@ -24,7 +24,7 @@ from typing import Sequence
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.models.loading import load_tokenizer
 from sglang_spec.models.target_shell import read_model_config
-from sglang_spec.sglang_plugin.cpu.server import CpuModel, SGLangServer, cpu_launch_args, free_port, prepare_model
+from sglang_spec_testbed.server import CpuModel, SGLangServer, cpu_launch_args, free_port, prepare_model
 from sglang_spec.sglang_plugin.export import DraftExport, export_deepseek_draft, export_llama_draft
 from sglang_spec.train.prompts import PROMPT_SETS, load_prompts
 from sglang_spec.train.server_capture import encode_prompt
@@ -79,7 +79,7 @@ def serve_and_measure(model: CpuModel, head: str, prompts: list[list[int]], max_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_spec.sglang_plugin.head_accept",
+    parser = argparse.ArgumentParser(prog="python -m sglang_spec_testbed.head_accept",
                                      description=__doc__.split("\n\n")[0],
                                      epilog="Any other option is passed to python -m sglang.launch_server.")
     parser.add_argument("--model", choices=("smollm2", "tiny-deepseek"), required=True)

@@ -23,7 +23,7 @@ import os
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.hooks import log
+from sglang_spec.sglang_plugin.messages import log
 
 PREFILL_THREADS_ENV = "SGLANG_SPEC_CPU_PREFILL_THREADS"
 # every SGLang process's OpenMP threads (``server_environment``): one unless a machine of its own asks for more

@@ -3,29 +3,25 @@
 The plugin's own draft loop (sequoia / specexec) may run inside SGLang's draft CUDA graph, where nothing can be read
 on the host. So there each request's head probabilities (the root's top-k and every step's) are checked on the
 device: a request with any non-finite value verifies the filler tree instead of its drafts (the draft-fault path's
-tree: no head, so the step emits the target's own token; ``hooks._filler_draft``), chosen per request with
+tree: no head, so the step emits the target's own token; ``drafters.filler``), chosen per request with
 ``torch.where``, and a device counter counts it (``HeadGuard``). The host reads the counter outside the graph, at
 most once a second on a GPU and every step on a CPU (as ``metrics.RankMetrics`` reads its counts): each new count
 goes to ``sglang_spec_draft_faults_total{error="NonFiniteHeadOutput"}`` with one log line. The context drafter
 (lookup / hybrid) reads the probabilities on the host anyway and raises ``NonFiniteHeadOutput`` for its batch,
 which the draft-fault path counts under the same label.
 
-Tests inject the fault through launch_server with ``SGLANG_SPEC_INJECT_NONFINITE_HEAD=n``: every n-th head forward
-of the plugin's draft (``draft_forward.forward_beams``) returns NaN probabilities for the batch's first request.
+Tests inject the fault through launch_server (``faults.HeadPoison``).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from sglang_spec.errors import SpecError
 from sglang_spec.tree.encode_sglang import SGLangDraftEncoding
 
 ERROR = "NonFiniteHeadOutput"  # the error label of sglang_spec_draft_faults_total
-INJECT_ENV = "SGLANG_SPEC_INJECT_NONFINITE_HEAD"
 READ_SECONDS = 1.0  # on a GPU the counter is read at most this often (each read waits for the device)
 
 
@@ -80,28 +76,3 @@ class HeadGuard:
         total = int(self.count.item())
         new, self.read = total - self.read, total
         return new
-
-
-@dataclass
-class HeadPoison:
-    """Tests: every ``every``-th head forward's probabilities turn NaN for the batch's first request."""
-
-    every: int
-    forwards: int = 0
-
-    @classmethod
-    def from_environment(cls) -> HeadPoison | None:
-        text = os.environ.get(INJECT_ENV, "0")
-        if not text.isdigit():
-            raise SpecError(f"{INJECT_ENV}={text!r}: give a whole number n (every n-th head forward of the "
-                               "plugin's draft returns NaN probabilities) or 0")
-        return cls(int(text)) if int(text) else None
-
-    def apply(self, topk_p: torch.Tensor, batch: int) -> torch.Tensor:
-        """``topk_p`` [batch * rows, k] (request-major), the first request's rows NaN on every ``every``-th call."""
-        self.forwards += 1
-        if self.forwards % self.every:
-            return topk_p
-        poisoned = topk_p.clone()
-        poisoned[: topk_p.shape[0] // batch] = float("nan")
-        return poisoned

@@ -27,7 +27,7 @@ import os
 from typing import Callable
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.hooks import log
+from sglang_spec.sglang_plugin.messages import log
 from sglang_spec.tree.encode_sglang import TreeMaskMode
 
 TREE_MASK_ENV = "SGLANG_SPEC_CPU_TREE_MASK"

@@ -1,0 +1,41 @@
+"""``drafter_for``: the one place a server's drafter is chosen, at the draft worker's start-up."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_spec.sglang_plugin.drafters.base import ServedDrafter
+from sglang_spec.sglang_plugin.drafters.beam_selection import DraftLoop
+from sglang_spec.sglang_plugin.drafters.device_context import DeviceHybridDrafter, DeviceLookupDrafter
+from sglang_spec.sglang_plugin.drafters.head_guard import HeadGuard
+from sglang_spec.sglang_plugin.drafters.head_loop import HeadLoopDrafter
+from sglang_spec.sglang_plugin.drafters.host_context import HostContextDrafter
+from sglang_spec.sglang_plugin.drafters.sglang_loop import SGLangLoopDrafter
+from sglang_spec.sglang_plugin.level_costs import LevelCosts
+from sglang_spec.sglang_plugin.metrics import SOURCES
+from sglang_spec.sglang_plugin.options import TreeServerOptions
+from sglang_spec.tree.encode_sglang import SGLangDraftEncoding
+
+
+def drafter_for(options: TreeServerOptions, width: int, steps: int, budget: int, device: torch.device | str,
+                filler: SGLangDraftEncoding, dp_attention: bool = False) -> ServedDrafter:
+    """The drafter of a server with ``options`` and SGLang's draft shape (``width`` beams, ``steps`` draft steps,
+    ``budget`` verified nodes a request); ``filler``: the tree a guarded request verifies. Under DP attention the
+    logits processor gathers every rank's rows, so the head runs over all the beams (no live-row budget).
+    Raises ``SpecError`` (one line) where the options do not fit the shape."""
+    if options.own_loop:
+        loop = DraftLoop.build(width, options.topk, steps, options.draft_plan(), device,
+                               budget=None if dp_attention else budget)
+        return HeadLoopDrafter(loop, HeadGuard.build(filler, device))
+    if options.uses_context:
+        policy = options.tree_policy()
+        if options.context_on == "device" and policy.uses_head:
+            return DeviceHybridDrafter(policy, steps, budget, HeadGuard.build(filler, device), SOURCES)
+        if options.context_on == "device":
+            return DeviceLookupDrafter(policy, steps, budget, SOURCES)
+        drafter = HostContextDrafter(policy, steps, budget, SOURCES)
+        if options.auto:  # head levels priced per batch size from the served steps (``level_costs``)
+            drafter.level_costs = LevelCosts()
+        return drafter
+    return SGLangLoopDrafter(width, steps)
+

@@ -1,0 +1,231 @@
+"""Hooks of the draft worker (SGLang's ``EagleDraftWorker``): its start-up builds the worker's state and chooses its
+drafter (``drafters.choose``); each draft step calls that drafter; a draft that raises verifies the filler tree for
+its batch (counted, one log line); the head's forwards are skipped where no tree reads them."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sglang_spec.errors import SpecError
+from sglang_spec.sglang_plugin.drafters.base import DraftCall, ServedDrafter
+from sglang_spec.sglang_plugin.drafters.beams import supports_row_permutation
+from sglang_spec.sglang_plugin.drafters.choose import drafter_for
+from sglang_spec.sglang_plugin.drafters.filler import filler_draft, filler_encoding
+from sglang_spec.sglang_plugin.drafters.head_guard import ERROR as HEAD_FAULT
+from sglang_spec.sglang_plugin.drafters.head_guard import HeadGuard
+from sglang_spec.sglang_plugin.drafters.sglang_loop import keep_ancestry
+from sglang_spec.sglang_plugin.faults import (FAULT_ENV, OBSERVE, FaultInjection, FaultOnAnotherRank, InjectedFault,
+                                              accept_fault, capturing)
+from sglang_spec.sglang_plugin.messages import StartupError, log
+from sglang_spec.sglang_plugin.metrics import METRICS, RANKS, SOURCES
+from sglang_spec.sglang_plugin.peers import Peers, attention_tp_rank, dp_attention
+from sglang_spec.sglang_plugin.state import (LOGIT_ROWS, SGLANG_LOOP_STEP, WorkerState, attach, options_of,
+                                             state_of)
+
+
+def draft_worker_init_after(result, worker, *args, **kwargs):
+    """The worker's state, its drafter chosen once (a shape that does not fit is one ``error:`` line). The draft KV
+    pool is allocated later (Scheduler.init_memory_pools): ancestry is decided in ``alloc_memory_pool_after``."""
+    options = options_of(worker.server_args)
+    if options is None:
+        return result
+    width, steps, budget = worker.topk, worker.speculative_num_steps, worker.speculative_num_draft_tokens - 1
+    filler = filler_encoding(budget, width, steps)
+    try:
+        # guards' tensors live on the device before any draft graph is captured
+        drafter = drafter_for(options, width, steps, budget, worker.device, filler, dp_attention=dp_attention())
+    except SpecError as error:  # validated at start-up already; a mismatch here is a bug, said plainly
+        raise StartupError(error) from None
+    rank = attention_tp_rank()
+    attach(worker, WorkerState(options, drafter, width, steps, budget + 1, filler, peers=Peers.of_worker(),
+                               faults=FaultInjection.from_environment(rank)))
+    claim_acceptance_metrics(worker.server_args, rank)
+    return result
+
+
+def claim_acceptance_metrics(server_args, rank: int) -> bool:
+    """At worker start-up: attention-TP rank 0 counts acceptance (and registers its counters with
+    ``--enable-metrics``); every attention-TP rank runs the same requests through the same verify, so the others
+    count nothing (else SGLang's multiprocess metrics would sum each total TP times). Returns whether this
+    process counts."""
+    METRICS.counting = rank == 0
+    if METRICS.counting and getattr(server_args, "enable_metrics", False):
+        METRICS.enable_prometheus()
+        RANKS.enable(prometheus=True)  # per-(depth, rank) acceptance, once per step (calibrate --from-server)
+        SOURCES.enable()  # per-source outcomes of lookup / hybrid trees (calibrate --from-server)
+    return METRICS.counting
+
+
+def alloc_memory_pool_after(result, worker, *args, **kwargs):
+    """Trees need a draft KV pool that lets every branch keep its own ancestry (one token a row)."""
+    state: WorkerState | None = state_of(worker)
+    if state is None or state.width == 1:
+        return result
+    pool = worker.draft_runner.token_to_kv_pool
+    if not supports_row_permutation(pool):
+        raise StartupError(
+            f"the draft KV pool ({type(pool).__name__}, layout {getattr(pool, 'kv_cache_layout', 'unknown')}) does "
+            f"not hold one token a row, so tree branches cannot each keep their own ancestry; use the NHD layout "
+            f"(unset SGLANG_USE_HND_KVCACHE and the vectorized_5d / page-major layouts), or "
+            f"--speculative-tree-policy chain"
+        )
+    state.drafter.exact_ancestry = True
+    return result
+
+
+def draft_around(original, worker, batch, *args, **kwargs):
+    """A draft step: an eager drafter's (host-built trees cannot replay a captured draft graph) sees the batch's
+    requests; a guarded drafter's non-finite head outputs since the last step are counted."""
+    state: WorkerState | None = state_of(worker)
+    if state is None:
+        return original(worker, batch, *args, **kwargs)
+    drafter = state.drafter
+    if not drafter.eager:  # the own loop, eager or replayed from its graph; SGLang's loop
+        verify_input = original(worker, batch, *args, **kwargs)
+    else:
+        graph_runner, worker.cuda_graph_runner = worker.cuda_graph_runner, None
+        state.draft_requests = list(batch.reqs)
+        try:
+            verify_input = original(worker, batch, *args, **kwargs)
+        finally:
+            worker.cuda_graph_runner = graph_runner
+            state.draft_requests = None
+    if drafter.guard is not None:
+        _report_head_faults(drafter.guard)
+    return verify_input
+
+
+def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
+    """The drafter's trees for the batch; a draft that raises verifies the filler tree for that batch instead. Under
+    tensor parallelism the ranks agree first, so all fall back together."""
+    state: WorkerState | None = state_of(worker)
+    if state is None or forward_batch.forward_mode.is_idle():
+        return original(worker, forward_batch, *args, **kwargs)
+    faults = state.faults
+    inject = faults is not None and faults.draft_due()
+    error: Exception | None = None
+    try:
+        # injected before the draft on one rank; with peers once it ran (a rank that skipped the head's forward
+        # would leave the others waiting in its all-reduce: see Peers)
+        if inject and state.peers is None:
+            raise InjectedFault(f"draft {faults.drafts} ({FAULT_ENV}={faults.draft_every})")
+        drafted = _draft(original, worker, forward_batch, state, *args, **kwargs)
+        if inject:
+            raise InjectedFault(f"draft {faults.drafts} ({FAULT_ENV}={faults.draft_every}, once drafted)")
+    except Exception as caught:  # one batch's draft must not take the scheduler down: it verifies a filler tree
+        if capturing():  # a failed graph capture must fail, not record a filler tree
+            raise
+        error = caught
+    if state.peers is not None and not capturing() and state.peers.any_rank(error is not None) and error is None:
+        error = FaultOnAnotherRank("another tensor-parallel rank's draft of this batch faulted")
+    if error is None:
+        return drafted
+    state.drafter.forget_proposal()  # nothing was proposed: the accept teaches the counts nothing
+    METRICS.record_draft_fault(type(error).__name__)
+    log(f"draft fault, batch of {forward_batch.batch_size} verified without speculation "
+        f"({type(error).__name__}: {error}; sglang_spec_draft_faults_total)")
+    return filler_draft(state.filler, forward_batch.batch_size, forward_batch.spec_info.bonus_tokens.device)
+
+
+def _draft(original, worker, forward_batch, state: WorkerState, *args, **kwargs):
+    requests = state.draft_requests
+    drafter = state.drafter
+    if drafter.eager and requests is None:  # a draft graph capture: SGLang's loop fills it; eager trees never replay
+        return original(worker, forward_batch, *args, **kwargs)
+    if drafter.learns():
+        _observe_accepted(drafter, state, forward_batch.batch_size)
+    return drafter.draft(DraftCall(worker, forward_batch, requests,
+                                   lambda: original(worker, forward_batch, *args, **kwargs)))
+
+
+def _observe_accepted(drafter: ServedDrafter, state: WorkerState, batch_size: int) -> None:
+    """The drafter learns what the last verified trees accepted; a fault there is an accept fault: its counts keep
+    what they learnt before it (they shape trees, never the output) and this batch drafts."""
+    # with tensor parallelism every rank builds the same trees from the same counts: a fault on one rank alone
+    # would leave its counts behind the others' (and a fault half-way, part-taught), so all keep what they had
+    before = drafter.learnt() if state.peers is not None else None
+    failed = False
+    try:
+        if state.faults is not None:
+            state.faults.fire_accept(OBSERVE)
+        drafter.observe_outcome()
+    except Exception as error:
+        failed = True
+        accept_fault(OBSERVE, error, batch_size, "its drafter did not learn from the last accepted paths")
+    if before is not None and state.peers is not None and state.peers.any_rank(failed):
+        drafter.restore(before)
+        if not failed:
+            accept_fault(OBSERVE, FaultOnAnotherRank("another tensor-parallel rank's drafter did not learn"),
+                         batch_size, "its drafter did not learn from the last accepted paths, as on that rank")
+
+
+def _report_head_faults(guard: HeadGuard) -> None:
+    """Requests drafted from a non-finite head output since the last read: counted, one log line."""
+    new = guard.new_faults(time.monotonic())
+    if new:
+        METRICS.record_draft_fault(HEAD_FAULT, new)
+        log(f"draft fault, {new} request(s) whose head output was not finite verified without speculation "
+            f"({HEAD_FAULT}; sglang_spec_draft_faults_total)")
+
+
+# ---------------------------------------------------------------------------------------------- head forwards
+def head_free(worker) -> bool:
+    """The head's forwards (the draft extend over a prompt and over each step's accepted tokens, which fill its KV
+    and give the next root's candidates) are skipped: always on a ``lookup`` server, whose trees never ask the head;
+    under tree auto for a cold batch (``WorkerState.head_skipped``)."""
+    state: WorkerState | None = state_of(worker)
+    return state is not None and (state.head_skipped or not state.drafter.uses_head)
+
+
+def _stub_draft_input(worker, batch_size: int) -> dict:
+    """The next draft input's head fields where the head did not run: zeros of the shapes SGLang's own stub for a
+    skipped draft extend gives (``EAGLEWorkerV2._stub_skipped_draft_extend``); neither a lookup tree nor a plain
+    step reads them."""
+    from sglang.srt.speculative.eagle_utils import get_draft_recurrent_hidden_state_spec
+
+    fields = {"topk_p": torch.zeros((batch_size, worker.topk), dtype=torch.float32, device=worker.device),
+              "topk_index": torch.zeros((batch_size, worker.topk), dtype=torch.int64, device=worker.device)}
+    hidden_size, hidden_dtype = get_draft_recurrent_hidden_state_spec(worker.draft_runner)
+    if hidden_size is not None:
+        fields["hidden_states"] = torch.zeros((batch_size, hidden_size), dtype=hidden_dtype, device=worker.device)
+    return fields
+
+
+def draft_extend_for_prefill_around(original, worker, batch, target_hidden_states, next_token_ids, *args, **kwargs):
+    if not head_free(worker):
+        return original(worker, batch, target_hidden_states, next_token_ids, *args, **kwargs)
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    return EagleDraftInput(bonus_tokens=next_token_ids, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1,
+                           **_stub_draft_input(worker, batch.seq_lens.shape[0]))
+
+
+def draft_extend_for_decode_around(original, worker, batch, batch_output, *args, **kwargs):
+    if not head_free(worker):
+        return original(worker, batch, batch_output, *args, **kwargs)
+    # verify already set the bonus tokens, the one field a lookup draft or a plain step reads
+    for name, value in _stub_draft_input(worker, batch.seq_lens.shape[0]).items():
+        setattr(batch_output.next_draft_input, name, value)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- inside the loops
+def select_top_k_tokens_around(original, i, topk_p, topk_index, hidden_states, scores, topk):
+    """SGLang's own selection (chain, eagle), then every new beam's KV column gets its parent beam's history."""
+    result = original(i, topk_p, topk_index, hidden_states, scores, topk)
+    step = SGLANG_LOOP_STEP.get()
+    if step is not None:
+        keep_ancestry(step, i, result[3][2], topk)
+    return result
+
+
+def logits_metadata_after(result, cls, *args, **kwargs):
+    """Inside the plugin's draft forward (``state.LOGIT_ROWS`` set): the logits processor computes the head over
+    those rows only, through SGLang's own row selection (``draft_extend_select_index``, which it applies in decode
+    mode too); its last hidden states are those rows' as well."""
+    rows = LOGIT_ROWS.get()
+    if rows is not None:
+        result.draft_extend_select_index = rows
+    return result

@@ -1,0 +1,70 @@
+"""The ranks that run one batch together, and what they must agree on.
+
+Under tensor parallelism (and DP attention's attention-TP groups) every rank of a group drafts, verifies and
+accepts the same batch; the verify forward's all-reduces add up every rank's part of the same tokens. So where a
+rank-local event (a fault, a fallback) would make one rank take another path than its peers, the group first
+agrees (``Peers.any_rank``), and every rank takes the fallback together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Peers:
+    """The ranks that verify one batch together (SGLang's attention-TP group), more than one. Their drafts must
+    agree, because the verify forward's all-reduces add up every rank's part of the same tokens (a rank that
+    verified its filler tree beside the others' real trees would corrupt every rank's logits); and on a sampled
+    batch their accepts must take one path, because the fused accept and SGLang's broadcast rank 0's accept in
+    different layouts.
+
+    ``any_rank`` is called by every rank at the same points of every step outside a graph capture (after each
+    draft; before a sampled batch's accept broadcast), and SGLang's scheduler runs its steps on one thread, so the
+    calls pair up in order: one int summed over the group's gloo group, on the host, no device sync. This covers
+    faults after a draft's last collective (the trees' organisation and encoding, the host's reads) and in the
+    accept; a rank that raises in the middle of the head's forward leaves its peers waiting in that forward's
+    all-reduce, which no rank-local fallback can undo (SGLang's watchdog ends such a server)."""
+
+    cpu_group: Any
+
+    @classmethod
+    def of_worker(cls) -> Peers | None:
+        group = accept_tp_group()
+        return None if group is None else cls(group.cpu_group)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the group."""
+        total = torch.tensor([int(flag)], dtype=torch.int32)
+        torch.distributed.all_reduce(total, group=self.cpu_group)
+        return bool(total.item())
+
+
+def accept_tp_group() -> Any:
+    """The group eagle_sample broadcasts its accept over (attention TP under DP attention), or None with one rank."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        group = get_parallel().attn_tp_group if dp_attention() else get_parallel().tp_group
+    except RuntimeError:  # parallel state not published (single-process tests): the only rank
+        return None
+    return group if group.world_size > 1 else None
+
+
+def attention_tp_rank() -> int:
+    """This process's rank in its attention-TP group (0 with one rank)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return int(get_parallel().attn_tp_rank)
+    except Exception:  # parallel state not published (single-process tests): the only rank
+        return 0
+
+
+def dp_attention() -> bool:
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+
+    return bool(is_dp_attention_enabled())

@@ -1,0 +1,166 @@
+"""The plugin's state inside SGLang's scheduler process, all in one place.
+
+* ``WorkerState``: one object per speculative worker, shared by SGLang's ``EAGLEWorkerV2`` (the target side:
+  verify, accept, tree auto) and its ``EagleDraftWorker`` (the draft side). Built by the draft worker's
+  start-up hook, completed by the target worker's.
+* ``VerifyStep``: what one verify step of a tree server carries from the worker's ``verify`` to the functions
+  SGLang calls inside it.
+* The attributes the plugin sets on SGLang objects: only through this module (``attach``, ``attach_options``,
+  ``mark_cold``), one attribute name each, so a reader finds every one here:
+
+  | owner | attribute | value |
+  |---|---|---|
+  | ``ServerArgs`` | ``OPTIONS_ATTRIBUTE`` | ``TreeServerOptions`` (pickled into SGLang's subprocesses) |
+  | ``EAGLEWorkerV2``, ``EagleDraftWorker`` | ``STATE_ATTRIBUTE`` | the worker's ``WorkerState`` |
+  | ``Req`` | ``STATE_ATTRIBUTE`` | ``RequestState`` |
+
+* The context variables SGLang's call structure leaves: each is set by a hook that has the worker or the batch,
+  and read by a function SGLang calls without either; the comment beside each says which.
+
+No sglang import here.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang_spec.sglang_plugin.batch_switch import BatchSwitches
+    from sglang_spec.sglang_plugin.committed import CommittedOutputs
+    from sglang_spec.sglang_plugin.drafters.base import ServedDrafter
+    from sglang_spec.sglang_plugin.drafters.sglang_loop import SGLangLoopStep
+    from sglang_spec.sglang_plugin.faults import FaultInjection
+    from sglang_spec.sglang_plugin.fused_accept import FusedAccept, SGLangAccept
+    from sglang_spec.sglang_plugin.options import TreeServerOptions
+    from sglang_spec.sglang_plugin.peers import Peers
+    from sglang_spec.tree.encode_sglang import SGLangDraftEncoding
+
+OPTIONS_ATTRIBUTE = "_sglang_spec_tree"
+STATE_ATTRIBUTE = "_sglang_spec"
+
+
+@dataclass(eq=False)
+class WorkerState:
+    """One speculative worker of a tree server (``--speculative-tree-policy`` set).
+
+    Fixed at start-up:
+      options:        the server's tree options.
+      drafter:        how every request of this server is drafted (``drafters.drafter_for``, chosen once).
+      width, steps:   SGLang's draft shape: beams a draft step (speculative_eagle_topk), draft steps.
+      verify_tokens:  tokens verified a request, root included (speculative_num_draft_tokens = budget + 1).
+      filler:         the filler tree's SGLang encoding, one request's rows (``drafters.filler``).
+      exact_ancestry: whether each beam keeps its own KV history (decided with the draft KV pool).
+      peers:          the tensor-parallel ranks that verify each batch together, None with one rank.
+      faults:         injected faults (tests only, ``faults``), None on a served deployment.
+    Set by the target worker's start-up (None where the server runs without them):
+      fused:          the fused accept (``--speculative-tree-accept fused``).
+      committed:      each verify's committed tokens, with the overlap scheduler (``committed``).
+      auto:           tree auto's decisions (``--speculative-tree-auto``), made before the first decode step.
+    Per step, set and cleared by the hooks that own them:
+      draft_requests: the requests of the draft step in flight, in batch order (the draft hook).
+      head_skipped:   this batch runs without the head's forwards (tree auto's cold steps and prefills).
+      joining:        tree auto: the size of the decode batch the prefill being run joins (None: a decode batch).
+    """
+
+    options: TreeServerOptions
+    drafter: ServedDrafter
+    width: int
+    steps: int
+    verify_tokens: int
+    filler: SGLangDraftEncoding
+    peers: Peers | None = None
+    faults: FaultInjection | None = None
+    fused: FusedAccept | None = None
+    committed: CommittedOutputs | None = None
+    auto: BatchSwitches | None = None
+    draft_requests: list[Any] | None = None
+    head_skipped: bool = False
+    joining: int | None = None
+
+    @property
+    def budget(self) -> int:
+        """Draft nodes a request verifies (the root excluded)."""
+        return self.verify_tokens - 1
+
+
+@dataclass
+class RequestState:
+    """cold: the request took a step without its head's forward (tree auto), so its head lacks KV for a position and
+    its tree steps no longer teach the accept length."""
+
+    cold: bool = False
+
+
+@dataclass(eq=False)
+class VerifyStep:
+    """A tree server's verify step: set by the worker's ``verify``, gone when it returns.
+
+    state:       the worker's state.
+    replayed:    the greedy accept of the verify graph this step replayed (fused accept under CUDA graphs).
+    accepted:    whether the fused path accepted the batch (its KV commit follows it).
+    fused_fault: a fault before the accept (the replay's links): SGLang's accept serves the batch.
+    """
+
+    state: WorkerState
+    replayed: SGLangAccept | None = None
+    accepted: bool = False
+    fused_fault: bool = False
+
+    def fire(self, stage: str) -> None:
+        """Tests: raises where an injected accept fault is armed for ``stage`` (``faults``)."""
+        faults = self.state.faults
+        if faults is not None and faults.accept is not None:
+            faults.accept.fire(stage)
+
+
+def attach(owner: Any, value: Any) -> Any:
+    """``value`` as the plugin's state of ``owner`` (a worker, a request); returns it."""
+    setattr(owner, STATE_ATTRIBUTE, value)
+    return value
+
+
+def state_of(owner: Any) -> Any:
+    """The plugin's state of ``owner``, None where it has none (a server without tree options)."""
+    return getattr(owner, STATE_ATTRIBUTE, None)
+
+
+def attach_options(server_args: Any, options: TreeServerOptions) -> None:
+    setattr(server_args, OPTIONS_ATTRIBUTE, options)
+
+
+def options_of(server_args: Any) -> TreeServerOptions | None:
+    """The tree options a ServerArgs carries, None on a server without them."""
+    return getattr(server_args, OPTIONS_ATTRIBUTE, None)
+
+
+def mark_cold(request: Any) -> None:
+    state = state_of(request)
+    if state is None:
+        state = attach(request, RequestState())
+    state.cold = True
+
+
+def is_cold(request: Any) -> bool:
+    state = state_of(request)
+    return state is not None and state.cold
+
+
+# set by the worker's verify; read by eagle_sample, the KV move and the verify graph's replay, which SGLang calls
+# with the batch but not the worker
+VERIFY_STEP: contextvars.ContextVar[VerifyStep | None] = contextvars.ContextVar("sglang_spec_verify_step",
+                                                                               default=None)
+# the rows of a draft forward whose logits are computed (None: every row); set by the plugin's draft forward,
+# read by SGLang's LogitsMetadata.from_forward_batch, which sees the forward batch alone
+LOGIT_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("sglang_spec_logit_rows",
+                                                                                 default=None)
+# set around SGLang's build of a tree server's req_to_token pool; read by its row-sizing function, which gets no
+# configurator to tell a tree server from a plain one
+TREE_POOL: contextvars.ContextVar[bool] = contextvars.ContextVar("sglang_spec_tree_pool", default=False)
+# the draft step of SGLang's own loop in flight (chain, eagle); set by its drafter, read after each of SGLang's beam
+# selections (spec_utils.select_top_k_tokens), which SGLang calls without the worker
+SGLANG_LOOP_STEP: contextvars.ContextVar[SGLangLoopStep | None] = contextvars.ContextVar("sglang_spec_loop_step",
+                                                                                        default=None)
