@@ -22,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from harness import REPO, random_tiny
+from harness import REPO
 
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, compare_with_plain, generate_plain
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_json_atomic
+from sglang_spec.models.tiny_deepseek import random_tiny_deepseek
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.tree import AcceptanceProfile, TreePolicy
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_output_path(args.out, force=True)  # a bad --out fails now, not after the decoding
     started = time.perf_counter()
-    model, head = random_tiny(args.device, vocab_size=VOCAB)
+    model, head = random_tiny_deepseek(args.device, vocab_size=VOCAB)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, VOCAB, size=int(rng.integers(2, 14))).tolist() for _ in range(args.prompts)]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)

@@ -35,7 +35,7 @@ from sglang_spec.decode.decoder import (
 from sglang_spec.models.toy_language import ToyLanguage
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.train.prompts import load_prompts
-from sglang_spec.train.traffic import TrafficRecord
+from sglang_spec.train.records import EncodedRecord
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 from sglang_spec.tree.token_tree import TokenTree
@@ -279,20 +279,6 @@ def depth_of(parents: list[int]) -> int:
     return max(max(depths), 1)
 
 
-def random_tiny(device: str | torch.device = "cpu", vocab_size: int | None = None) -> tuple[torch.nn.Module, MTPHead]:
-    """The tiny DeepSeek-V3 with seeded random weights (initializer range 0.2: clear argmaxes) and a seeded random
-    MTP head; ``vocab_size`` replaces the config's vocabulary. Greedy identity holds for any weights, so nothing
-    is trained. The test suite's ``random_tiny`` fixture is this, on the CPU."""
-    from sglang_spec.models.tiny_deepseek import build_tiny_deepseek  # safetensors
-
-    overrides = {} if vocab_size is None else {"vocab_size": vocab_size}
-    model = build_tiny_deepseek(seed=3, initializer_range=0.2, **overrides).to(device)
-    with torch.random.fork_rng():
-        torch.manual_seed(4)
-        head = MTPHead.for_target(model)
-    return model, head
-
-
 # ------------------------------------------------------------------------------------------------ head quality
 def head_quality(
     loaded: LoadedModel,
@@ -307,10 +293,8 @@ def head_quality(
     (calibrated on plain decoding's own completions), chain-4 accept length and tree accept lengths."""
     from sglang_spec.train.calibrate import calibrate  # safetensors
 
-    records = [
-        TrafficRecord(f"heldout/{i}/greedy", "code", loaded.decode(request.tokens), prompt=loaded.decode(prompt))
-        for i, (prompt, request) in enumerate(zip(prompts, plain.requests))
-    ]
+    records = [EncodedRecord(f"heldout/{i}/greedy", list(prompt) + list(request.tokens), len(prompt))
+               for i, (prompt, request) in enumerate(zip(prompts, plain.requests))]
     calibration = calibrate(loaded, head, records, depth=4, max_rank=8, temperature=0.0, progress=False)
     depth_one = calibration.profile.row(1)
     result: dict[str, float | list[float]] = {

@@ -23,11 +23,13 @@ from sglang_spec.sampling import SamplingParams
 from sglang_spec.train.calibrate import calibrate, calibrate_sources
 from sglang_spec.train.generate_traffic import prompt_tokens
 from sglang_spec.train.prompts import PROMPT_SETS, PromptSpec, load_prompts
-from sglang_spec.train.records import is_eval_record
+from sglang_spec.train.records import encode_record, is_eval_record
 from sglang_spec.train.traffic import TrafficRecord, check_traffic_model, read_traffic_strict
 from sglang_spec.tree.policies import MAX_TOPK
 from sglang_spec.tree.profile import AcceptanceProfile, SourceCounts
 from sglang_spec.tree.token_tree import MAX_DEPTH
+
+CALIBRATION_SEQ_LEN = 512  # tokens of a traffic record (prompt + completion) the positional table reads
 
 MAX_NEW_TOKENS = 100_000
 
@@ -120,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
     if specs:
         loaded.check_lengths([len(prompt) for prompt in prompts], args.max_new_tokens)
     if records:
-        result = calibrate(loaded, head, records, depth=args.depth, max_rank=args.max_rank,
-                           temperature=args.temperature)
+        result = calibrate(loaded, head, [encode_record(loaded, record, CALIBRATION_SEQ_LEN) for record in records],
+                           depth=args.depth, max_rank=args.max_rank, temperature=args.temperature)
         metadata = dict(result.profile.metadata)
         metadata.update({"model": loaded.name, "head": args.mtp or "default", "traffic": [str(p) for p in args.traffic],
                          "domains": args.domain, "records": len(records),

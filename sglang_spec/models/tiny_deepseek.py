@@ -84,6 +84,19 @@ MAIN_SHARD = "model-00001-of-00002.safetensors"
 MTP_SHARD = "model-00002-of-00002.safetensors"
 
 
+def random_tiny_deepseek(device: str | torch.device = "cpu",
+                         vocab_size: int | None = None) -> tuple[PreTrainedModel, MTPHead]:
+    """The tiny DeepSeek-V3 with seeded random weights (initializer range 0.2: clear argmaxes) and a seeded random
+    MTP head; ``vocab_size`` replaces the config's vocabulary. Greedy identity holds for any weights, so nothing
+    is trained: what the benchmarks' greedy-identity runs and the tests' ``random_tiny`` fixture decode with."""
+    overrides = {} if vocab_size is None else {"vocab_size": vocab_size}
+    model = build_tiny_deepseek(seed=3, initializer_range=0.2, **overrides).to(device)
+    with torch.random.fork_rng():
+        torch.manual_seed(4)
+        head = MTPHead.for_target(model)
+    return model, head
+
+
 def save_tiny_deepseek(path: str | Path, model: PreTrainedModel, head: MTPHead) -> Path:
     """Writes ``model`` and its MTP ``head`` as a DeepSeek-style sharded checkpoint."""
     path = Path(path)

@@ -1,6 +1,7 @@
 """Measuring an acceptance profile (``sglang-spec calibrate``): both of its sections.
 
-* ``calibrate``, the positional table (``rank_acceptance``), from traffic. For every completion position b of the traffic, the head drafts a chain along the target's own continuation,
+* ``calibrate``, the positional table (``rank_acceptance``), from traffic as token ids (``records.EncodedRecord``:
+  prompt and completion, where the completion starts). For every completion position b of the traffic, the head drafts a chain along the target's own continuation,
 exactly as a tree node at depth d sees it (exact pairs up to b, its own recursive pairs after). At depth d the
 head ranks its candidates x_1, x_2, ...; with deterministic top-k children and the lossless sample-and-match
 rule, the rank-k child of an accepted node is the accepted one with probability p_T(x_k), the target's tempered
@@ -32,8 +33,7 @@ from sglang_spec.models.loading import LoadedModel
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.train.distill import TeacherBatch, unrolled_steps
-from sglang_spec.train.traffic import TrafficRecord
-from sglang_spec.train.records import encode_record
+from sglang_spec.train.records import EncodedRecord
 from sglang_spec.tree.ngram import DEFAULT_MAX_NGRAM
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile, SourceCounts
@@ -53,7 +53,7 @@ class Calibration:
 def calibrate(
     loaded: LoadedModel,
     head: MTPHead,
-    records: Sequence[TrafficRecord],
+    records: Sequence[EncodedRecord],
     depth: int = 6,
     max_rank: int = 8,
     temperature: float = 0.0,
@@ -69,7 +69,8 @@ def calibrate(
     temperature = SamplingParams(temperature=temperature).temperature  # refuses NaN; below the floor is greedy
     model = loaded.model
     device = next(model.parameters()).device
-    encoded = [encode_record(loaded, record, seq_len) for record in records]
+    encoded = [EncodedRecord(record.id, list(record.tokens[:seq_len]), min(record.completion_start, seq_len))
+               for record in records]
     encoded = [record for record in encoded if len(record.tokens) - record.completion_start >= 2]
     if not encoded:
         raise SpecError("no completions long enough to calibrate on")
