@@ -59,7 +59,8 @@ from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec.models.loading import LoadedModel
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
-from sglang_spec.tree.cost_model import CostCurve, choose_speculation, predicted_speedup
+from sglang_spec.costs import CostCurve, predicted_speedup
+from sglang_spec.tree.sizing import choose_speculation
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 from sglang_spec.tree.sequoia import sequoia_plan
@@ -111,7 +112,7 @@ class Row:
     total_seconds: float
     identical: bool | None  # temperature 0: every output equals plain decoding (near-ties counted apart)
     near_ties: int
-    # from the measured accept length and the cost curve (tree/cost_model.py's step_seconds)
+    # from the measured accept length and the cost curve (costs.py's step_seconds)
     predicted_speedup: float | None = None
     # sequoia: the profile's expected accept length F(T), and the speedup the cost model predicts from it: the
     # number `sglang-spec generate --auto` prints for the same tree, costs and profile

@@ -130,7 +130,7 @@ def top_functions(pstats_path: Path, count: int) -> list[dict]:
 def run_server(config: str, args: argparse.Namespace, model, prompts: list[list[int]], folder: Path) -> tuple[
         list[dict], dict[int, list[list[int]]], list[dict]]:
     """Rows per concurrency, greedy outputs per concurrency and (``--cprofile``) the top functions."""
-    from sglang_spec_testbed.profile import CPROFILE_ENV, PROFILE_ENV
+    from sglang_spec_testbed.step_timing import CPROFILE_ENV, PROFILE_ENV
     from sglang_spec_testbed.server import SGLangServer, cpu_launch_args, free_port
 
     folder.mkdir(parents=True, exist_ok=True)

@@ -164,12 +164,12 @@ KERNEL_CHECKS = (
           (*PYTEST, "tests/kernels", "-m", "not gpu", "-k", "not reads_nothing"),
           (*PYTEST, "tests/kernels/test_kv_commit.py"), ("pytest",), 300),
     Check("device_lookup",
-          "lookup trees grown on the device (kernels/lookup_tree) with the compiled n-gram kernel against the CPU "
+          "lookup trees grown on the device (device_trees/lookup) with the compiled n-gram kernel against the CPU "
           "reference, and the draft step's device work (growth, padding, encoding) under torch's sync debug mode",
           (*PYTEST, "tests/kernels/test_lookup_tree.py"),
           (*PYTEST, "tests/kernels/test_lookup_tree.py", "-k", DRY_KERNEL_TESTS), ("pytest",), 120),
     Check("device_hybrid",
-          "hybrid trees grown on the device (kernels/hybrid_tree) with the compiled n-gram kernel and a device head "
+          "hybrid trees grown on the device (device_trees/hybrid) with the compiled n-gram kernel and a device head "
           "stand-in against the CPU reference, and the growth under torch's sync debug mode",
           (*PYTEST, "tests/kernels/test_hybrid_tree.py"),
           (*PYTEST, "tests/kernels/test_hybrid_tree.py", "-k", DRY_KERNEL_TESTS), ("pytest",), 120),

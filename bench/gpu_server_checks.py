@@ -23,10 +23,10 @@ clear margin fails. Every check requests plain decoding's top-5 logprobs for the
 so the float32 checks report a difference at a near-tie the same way (within ``TIE_GAP["float32"]``: the 1e-3 the
 CPU parity test allows between a verify's and a decode step's logprobs) instead of failing on it.
 
-The requests are the CPU tests' own: ``tests/sglang_server/parity_requests.py`` (every kind of /generate request:
+The requests are the CPU tests' own: ``sglang_spec_testbed/parity.py`` (every kind of /generate request:
 a stop string, max_new_tokens 1 and 2, logprobs, a frequency penalty, a JSON schema, a regex, n = 2, ignore_eos, a
 prompt 7 positions short of ``--context-length 512``), its tree servers (``POLICIES``) and its 32 concurrent
-requests, the held-out HumanEval chat prompts 130-133 and ``cpu_server_helpers.REPEAT_CONTEXT_PROMPTS``. The server
+requests, the held-out HumanEval chat prompts 130-133 and ``parity.REPEAT_CONTEXT_PROMPTS``. The server
 process is ``SGLangServer`` (``cpu=False``) and the model folders ``prepare_model``'s.
 
 Time: each check stops its servers and exits by ``--seconds`` (a watchdog), so a check stopped at its limit leaves
@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-SERVER_TESTS = REPO / "tests" / "sglang_server"  # parity_requests.py and cpu_server_helpers.py, reused as they are
 LOGS = REPO / "runs" / "gpu-check" / "servers"
 CANNOT_RUN_HERE = 3  # bench/gpu_check.py: this machine cannot run the check (skipped, not failed)
 FAILED = 1
@@ -59,8 +58,8 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8)  # decode / verify / draft CUDA graphs; 8 = --m
 FAULT_GRAPH_BATCH_SIZES = (1, 2, 4)  # fault servers: batches of 5-8 draft eagerly (below)
 MAX_RUNNING = 8
 HELDOUT = (130, 133)  # HumanEval tasks never in the shipped head's training traffic (conftest.smollm2_prompts)
-HELDOUT_TOKENS = 40  # cpu_server_helpers.SMOLLM2_NEW_TOKENS
-REPEAT_TOKENS = 32  # cpu_server_helpers.REPEAT_NEW_TOKENS
+HELDOUT_TOKENS = 40  # the CPU server tests' greedy tokens per held-out prompt
+REPEAT_TOKENS = 32  # parity.REPEAT_NEW_TOKENS
 SAMPLED = {"temperature": 0.7, "max_new_tokens": 16}  # the first request a server answers (see policy_run)
 DIAGNOSTIC_TOP = 5  # top logprobs plain decoding reports for each request, to judge a difference
 # nats between plain decoding's best token and the tree's at the first token that differs, below which the
@@ -84,7 +83,7 @@ PLAIN, POLICY, AUTO, FAULTS, CAPTURE = "plain", "policy", "auto", "faults", "cap
 @dataclass(frozen=True)
 class ServerCheck:
     """One server-level check: ``kind`` says what it does (``run_check``); ``policy`` names a tree server of
-    parity_requests.POLICIES; ``oracle`` the plain check whose answers it is held to (same group, run first);
+    parity.POLICIES; ``oracle`` the plain check whose answers it is held to (same group, run first);
     ``reference`` a check whose seeded sampled answers it must equal (SGLang's accept against the fused one);
     ``limit``: seconds on a GPU, servers started and stopped included (an estimate: none has run on a GPU)."""
 
@@ -127,7 +126,7 @@ SERVER_GROUPS = (
                              "fused one"),
 )
 # every tree server's requests (tree_answers): 2 sampled (temperature 0.7, the first a server answers), 4 held-out
-# chat prompts x 40 greedy tokens, 3 repeat-context prompts x 32, parity_requests' set as 32 concurrent requests
+# chat prompts x 40 greedy tokens, 3 repeat-context prompts x 32, the parity set as 32 concurrent requests
 # (a stop string, max_new_tokens 1 / 2, logprobs, a frequency penalty, a JSON schema, a regex, n = 2, ignore_eos,
 # a prompt 7 positions short of --context-length 512)
 _REQUESTS = "sampled, held-out, repeat-context and 32 concurrent parity requests"
@@ -201,9 +200,9 @@ def device_flags(check: ServerCheck, eager: bool = False) -> list[str]:
 
 
 def server_options(check: ServerCheck, profile: Path | None, speculative: bool) -> list[str]:
-    """The options after the model's: the tree's (parity_requests.policy_args, which adds --context-length 512)
+    """The options after the model's: the tree's (parity.policy_args, which adds --context-length 512)
     or the same context length for a plain server, and the metrics."""
-    from parity_requests import PARITY_SERVER_ARGS, policy_args
+    from sglang_spec_testbed.parity import PARITY_SERVER_ARGS, policy_args
 
     tree = policy_args(check.policy, profile) if speculative and check.policy else list(PARITY_SERVER_ARGS)
     return tree + ["--enable-metrics"]
@@ -433,7 +432,7 @@ def plain_gap(diagnostic: dict[str, Any] | None, expected_ids: list[int], positi
 def compare_answer(request: str, got: Any, expected: Any, diagnostic: Any, dtype: str) -> list[Finding]:
     """``got`` (a tree server's answer) against ``expected`` (plain decoding's), output by output (n > 1 gives
     lists); ``diagnostic``: plain decoding's answer to the same request with its top logprobs."""
-    from parity_requests import comparable, logprob_values
+    from sglang_spec_testbed.parity import comparable, logprob_values
 
     if isinstance(expected, list) or isinstance(got, list):
         if not (isinstance(expected, list) and isinstance(got, list) and len(got) == len(expected)):
@@ -481,7 +480,7 @@ def describe(counts: dict[str, int]) -> str:
 
 
 def accept_summary(answers: list[Any]) -> dict[str, Any]:
-    from cpu_server_helpers import accept_lengths
+    from sglang_spec_testbed.parity import accept_lengths
 
     flat = [one for answer in answers for one in (answer if isinstance(answer, list) else [answer])
             if isinstance(one, dict) and "meta_info" in one]
@@ -498,7 +497,7 @@ class Requests:
     tokenizer: Any
     heldout: list[list[int]]
     repeat: list[str]
-    cases: list[Any]  # parity_requests.Case
+    cases: list[Any]  # parity.Case
 
     @property
     def summary(self) -> str:
@@ -507,8 +506,8 @@ class Requests:
 
 
 def build_requests(model: Any) -> Requests:
-    from cpu_server_helpers import REPEAT_CONTEXT_PROMPTS
-    from parity_requests import chat_ids, request_set
+    from sglang_spec_testbed.parity import REPEAT_CONTEXT_PROMPTS
+    from sglang_spec_testbed.parity import chat_ids, request_set
     from transformers import AutoTokenizer
 
     from sglang_spec.train.prompts import humaneval_prompts
@@ -528,10 +527,10 @@ def greedy(tokens: int) -> dict[str, Any]:
 
 def plain_answers(server: Any, requests: Requests) -> dict[str, Any]:
     """The oracle: the sampled requests first (as every check sends them), then the held-out and repeat-context
-    prompts batched, parity_requests.plain_oracle (each request of the set alone, the penalised one unpenalised,
+    prompts batched, parity.plain_oracle (each request of the set alone, the penalised one unpenalised,
     the bad bodies), and each request again alone with its top logprobs (``diagnostic``: what judges a
     difference)."""
-    from parity_requests import Case, answer_or_error, plain_oracle
+    from sglang_spec_testbed.parity import Case, answer_or_error, plain_oracle
 
     def alone(body: dict[str, Any]) -> Any:
         return answer_or_error(server.port, Case("diagnostic", with_top_logprobs(body)))
@@ -552,7 +551,7 @@ def tree_answers(server: Any, requests: Requests) -> dict[str, Any]:
     """A tree server's answers to what the oracle answered (the sampled requests first: with the same
     --random-seed and nothing sampled before, two servers draw the same coins), the parity set as 32 concurrent
     requests."""
-    from parity_requests import concurrent
+    from sglang_spec_testbed.parity import concurrent
 
     sampled = server.generate(requests.heldout[:2], SAMPLED)
     heldout = server.generate(requests.heldout, greedy(HELDOUT_TOKENS))
@@ -792,7 +791,6 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.seconds or check.limit * (10 if args.cpu_bed else 1)
     run = Run(check, args.out, seconds, args.dry_run, args.cpu_bed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(SERVER_TESTS))
     code = FAILED
     watchdog = threading.Timer(max(seconds - 5, 1), _deadline, (run,))
     watchdog.daemon = True

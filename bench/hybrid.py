@@ -61,8 +61,8 @@ from sglang_spec.models.loading import LoadedModel, load_head_for, shipped_profi
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.train.generate_traffic import prompt_tokens
 from sglang_spec.train.prompts import load_prompts
-from sglang_spec.tree.cost_model import CostCurve
-from sglang_spec.tree.auto import choose_auto
+from sglang_spec.costs import CostCurve
+from sglang_spec.tree.sizing import choose_auto
 from sglang_spec.tree.profile import SOURCE_NAMES
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile

@@ -17,7 +17,7 @@ Providers per op:
   commit_kv       ours | torch index copy (SGLang's move_kv_cache_native does the same per layer)
   step            the whole captured step with a trivial target (logits from a table)
   ngram_match     ours | its torch reference (the CPU back-end): a lookup round's queries, budget per request
-  lookup_trees    the device growth of lookup trees (kernels/lookup_tree), with ours | with the torch reference
+  lookup_trees    the device growth of lookup trees (device_trees/lookup), with ours | with the torch reference
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class Case:
         """The context lookup over histories of ``context`` tokens that copy earlier spans: one round's queries
         (``budget`` a request, tails of up to 3 tokens) and a whole growth of depth 4."""
         from sglang_spec.kernels.ngram_match import NgramMatches, ngram_match, ngram_match_reference
-        from sglang_spec.kernels.lookup_tree import build_lookup_trees, lookup_estimates
+        from sglang_spec.device_trees.lookup import build_lookup_trees, lookup_estimates
         from sglang_spec.tree.profile import SourceCounts
 
         torch = self.torch
@@ -214,7 +214,7 @@ class Case:
 
     def whole_step(self) -> Callable:
         """The chained step (metadata, mask, a table-lookup target, sampling verify, accept, KV commit)."""
-        from sglang_spec.kernels.step import SpecStep, StepConfig
+        from spec_step import SpecStep, StepConfig
 
         torch = self.torch
         config = StepConfig(batch_size=self.batch, max_nodes=self.nodes, topk=self.topk, max_depth=self.max_depth,

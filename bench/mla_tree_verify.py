@@ -39,7 +39,7 @@ from sglang_spec.decode.autotune import interleaved_medians
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_json_atomic
 from sglang_spec.kernels.mla_tree_attention import mla_tree_attention, mla_tree_attention_reference as tree_reference
-from sglang_spec.kernels.mla_tree_verify import (
+from sglang_spec.sglang_plugin.mla_cascade import (
     MLAShape,
     flashinfer_package_namespace,
     mla_tree_verify_attention,

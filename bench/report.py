@@ -328,7 +328,7 @@ def acceptance_body(results: Path) -> str:
         f"batch 1, on {len(prompts)} held-out prompts ({prompts[0]} to {prompts[-1]}), {config['max_new_tokens']} "
         f"new tokens each, every policy at budgets {config['budgets']}, depth {config['depths']}, temperatures "
         f"{config['temperatures']}. Speedup = tokens/s over plain decoding in the same run; predicted = the cost "
-        f"model's prediction (`tree/cost_model.step_seconds`).",
+        f"model's prediction (`costs.step_seconds`).",
         run_lines(data, results, name, [name, *pngs]),
         table(["head", "T", "method", "budget", "depth", "accept length", "tok/s", "speedup", "predicted",
                "greedy identical"], rows),

@@ -34,7 +34,8 @@ from sglang_spec.decode.autotune import interleaved_medians
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, read_text, write_json_atomic
 from sglang_spec.models.loading import SHIPPED_PROFILES
-from sglang_spec.tree.cost_model import CostCurve, choose_tree_size, predicted_speedup
+from sglang_spec.costs import CostCurve, predicted_speedup
+from sglang_spec.tree.sizing import choose_tree_size
 from sglang_spec.tree.profile import AcceptanceProfile
 
 ACCEPTANCE = REPO / "docs" / "results" / "acceptance.json"

@@ -61,7 +61,7 @@ from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 SUPPORTED_SGLANG = "0.5.23"
 ENABLE_FLAG = "SGLANG_SPEC_CPU"  # set to 1 in a process's environment: boot/sitecustomize activates the stand-ins
 BOOT_DIR = Path(__file__).resolve().parent / "boot"
-SERVED_MODELS = "sglang_spec_testbed.served_models"
+SERVED_MODELS = "sglang_spec_testbed.architectures"
 # glibc malloc hands a step's large temporaries (logits, attention scores: megabytes) back to the kernel and faults
 # them in again the next step: the scheduler of a plain server at 16 requests (extraction) took ~36k minor faults a
 # second, 8% of its time in the kernel. Fixed thresholds (which also stop glibc's dynamic ones) keep them in the
@@ -155,7 +155,7 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_spec_testbed import patches, profile
+    from sglang_spec_testbed import patches, step_timing
 
     for target, name, kind in patches.hooks(patches.overlap_from_environment()):
         HookRegistry.register(target, getattr(patches, name), getattr(HookType, kind))

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from sglang_spec.errors import SpecError
-from sglang_spec_testbed import THREADS_BIND_ENV, patches, profile
+from sglang_spec_testbed import THREADS_BIND_ENV, patches, step_timing
 from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 
 LAUNCHER_MODULE = "sglang.launch_server"

@@ -17,10 +17,11 @@ LAYERS = (
     ("cli", "sglang_plugin"),
     ("catalog",),
     ("train",),
-    ("models", "decode"),
+    ("models", "decode", "device_trees"),
     ("mtp", "kernels"),
     ("attention", "verify"),
     ("tree",),
+    ("costs", "planner"),
     ("sampling", "files", "gemm"),
     ("errors",),
 )

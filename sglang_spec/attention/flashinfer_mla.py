@@ -1,4 +1,4 @@
-"""The CPU twin of the FlashInfer calls MLA tree verify makes (``kernels/mla_tree_verify.py``): pure-torch
+"""The CPU twin of the FlashInfer calls MLA tree verify makes (``sglang_plugin/mla_cascade.py``): pure-torch
 stand-ins with FlashInfer 0.7's signatures and layouts, so the back-end's planning, indexing, paging and merge run
 on this CPU, as ``kernels.py`` stands in sgl-kernel's ops.
 
@@ -154,6 +154,6 @@ class BatchMLAPagedAttentionWrapper:
 
 
 def namespace() -> SimpleNamespace:
-    """The twin as the namespace ``kernels/mla_tree_verify.py`` takes (the real one: FlashInfer's)."""
+    """The twin as the namespace ``sglang_plugin/mla_cascade.py`` takes (the real one: FlashInfer's)."""
     return SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper,
                            MLAPlanMetadata=MLAPlanMetadata, merge_state=merge_state)

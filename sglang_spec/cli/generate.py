@@ -39,8 +39,8 @@ from sglang_spec.models.cache_dir import cache_root
 from sglang_spec.models.loading import LoadedModel, load_head_for, shipped_profile_path
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
-from sglang_spec.tree.auto import AutoChoice, choose_auto
-from sglang_spec.tree.cost_model import CostCurve
+from sglang_spec.tree.sizing import AutoChoice, choose_auto
+from sglang_spec.costs import CostCurve
 from sglang_spec.tree.ngram import DEFAULT_MAX_NGRAM
 from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, MAX_TOPK, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import SOURCE_NAMES, AcceptanceProfile

@@ -10,7 +10,7 @@ from sglang_spec.tree.candidates import ProfileCandidates
 from sglang_spec.tree.policies import DEFAULT_TOPK, MAX_TOPK, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import DEFAULT_PROFILE, AcceptanceProfile
 from sglang_spec.tree.token_tree import TokenTree
-from sglang_spec.tree.draft import DraftSources
+from sglang_spec.tree.proposal import DraftSources
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:

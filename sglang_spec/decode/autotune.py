@@ -1,5 +1,5 @@
 """Hardware-aware speculation: measure what verification, drafting and the decoder's host work cost on this
-machine (a ``CostCurve``), for ``tree/cost_model.py`` to pick the tree with the best predicted speedup under an
+machine (a ``CostCurve``), for ``costs.py`` to pick the tree with the best predicted speedup under an
 acceptance profile, or no speculation when none pays.
 
 On a CPU verify(n) grows almost linearly with n (compute-bound), so the best trees are small; on a GPU verify(n) is
@@ -21,12 +21,12 @@ from sglang_spec.decode.static_runner import target_runner_for
 from sglang_spec.decode.target import PrefillOutput, TargetRunner
 from sglang_spec.errors import SpecError
 from sglang_spec.files import read_json, write_json_atomic
-from sglang_spec.mtp.drafter import MTPDrafter
+from sglang_spec.mtp.expansion import MTPDrafter
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams
 from sglang_spec.tree.batch import TreeBatch
 from sglang_spec.tree.candidates import GrowingTree
-from sglang_spec.tree.cost_model import CostCurve, step_seconds
+from sglang_spec.costs import CostCurve, step_seconds
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.token_tree import TokenTree
 

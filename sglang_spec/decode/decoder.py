@@ -31,11 +31,11 @@ import torch
 from sglang_spec.decode.static_runner import target_runner_for
 from sglang_spec.decode.switch import SpeculationSwitch
 from sglang_spec.errors import SpecError
-from sglang_spec.mtp.drafter import DraftState, MTPDrafter
+from sglang_spec.mtp.expansion import DraftState, MTPDrafter
 from sglang_spec.mtp.head import MTPHead
 from sglang_spec.sampling import SamplingParams, sample_from_probs, target_probs_from_logits
 from sglang_spec.tree.batch import TreeBatch
-from sglang_spec.tree.draft import DraftSources, DraftTree
+from sglang_spec.tree.proposal import DraftSources, DraftTree
 from sglang_spec.tree.drafter import TreeDrafter
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy

@@ -1,6 +1,6 @@
 """``--auto``'s guard against speculation that does not pay: what steps deliver decides, not only what was predicted.
 
-The cost model (``tree/cost_model.py``) predicts a step from a curve timed on short chains at a 200-token prefix;
+The cost model (``costs.py``) predicts a step from a curve timed on short chains at a 200-token prefix;
 a real step at another context, with the tree builder's and the sampler's host work, costs 15-25% more on the
 2-core CPU, and the decoder's own budget-0 step still pays a head forward. So where speculation is marginal (chat
 at T=0.7, docs/hybrid.md) the per-step choice can keep taking trees that lose to plain decoding.

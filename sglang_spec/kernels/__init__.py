@@ -5,15 +5,10 @@ One module per op, each with its Triton kernel(s), launcher(s) and pure-torch re
 * ``tree_metadata``  draft candidates + topology -> tokens, positions, links, ancestor mask, FlashInfer packed mask
 * ``verify_accept``  target logits -> per-node target token -> accepted path, bonus, output-buffer writes
 * ``kv_commit``      accepted KV rows moved in place to contiguous positions; freed slots reported
-* ``step``           the three chained on static buffers (CUDA-graph capturable)
 * ``mla_tree_attention``  MLA tree verify's tree part: each tree query against its ancestors' latent rows,
                      base-2 lse for FlashInfer's ``merge_state`` (the prefix part is FlashInfer's MLA decode)
-* ``mla_tree_verify``  the cascade around it: prefix paging and FlashInfer's MLA plan, decode, tree kernel, merge
-                     (FlashInfer passed in as a namespace: the package on a GPU, the CPU twin on a CPU)
 * ``ngram_match``    context lookup from a device token history: ``NgramIndex.continuations`` per query (request
                      row + a node's tail), no host read
-* ``lookup_tree``    ``lookup`` trees grown on the device from ``ngram_match`` in fixed rounds (its reference: the host
-                     builder, ``tree/hybrid.BestFirstBuilder``)
 
 Launchers take everything as arguments (``out=`` buffers included) and never read tensors on the host. On a CPU
 the kernels run under ``TRITON_INTERPRET=1``, which must be set before this package is imported.

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from sglang_spec.decode.switch import SpeculationSwitch
-from sglang_spec.tree.cost_model import interpolate_seconds
+from sglang_spec.costs import interpolate_seconds
 
 _NO_PRIOR = 1e-9  # seconds a token: any tree loses against it, which measures plain steps first
 # a batch step weighs every request's tokens, so fewer steps make a verdict than for one request (the reference

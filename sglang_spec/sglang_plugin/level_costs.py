@@ -1,6 +1,6 @@
 """``--speculative-tree-auto``'s price of a head level: what one head round and the rest of a tree step cost at
 each batch size, measured on served tree steps, as the cost curve with which the tree builder decides whether a
-level pays (``tree/hybrid.BestFirstBuilder._level_pays``; no sglang import here).
+level pays (``tree/best_first.BestFirstBuilder._level_pays``; no sglang import here).
 
 SGLang verifies a fixed number of tokens a request whatever the tree (``drafters.padding.pad_to_budget``), so a tree
 step's cost does not depend on its nodes, only on its head forwards: one per level the builders asked for, and the
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sglang_spec.sglang_plugin.batch_switch import batch_bucket, moving_average
-from sglang_spec.tree.cost_model import CostCurve
+from sglang_spec.costs import CostCurve
 
 # the curve's verify time is the same for any node count up to this (past its largest size a curve grows)
 FLAT_UP_TO = 1 << 20

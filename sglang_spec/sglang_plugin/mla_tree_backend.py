@@ -34,7 +34,7 @@ from sglang.srt.runtime_context import get_buffer, get_parallel
 
 from sglang_spec.errors import SpecError
 from sglang_spec.kernels.mla_tree_attention import TreeMaskLayout
-from sglang_spec.kernels.mla_tree_verify import (
+from sglang_spec.sglang_plugin.mla_cascade import (
     MLAShape,
     MLATreeVerifyPlan,
     causal_tree_mask,

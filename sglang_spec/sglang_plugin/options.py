@@ -32,7 +32,6 @@ from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.drafters.beam_selection import DraftPlan, live_beams, specexec_width, usable_slots, widest_level
-from sglang_spec.sglang_plugin.state import attach_options
 from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
@@ -292,8 +291,8 @@ def from_namespace(args: argparse.Namespace) -> TreeServerOptions | None:
 
 
 def apply_to_server_args(options: TreeServerOptions, server_args) -> None:
-    """Before resolution: the tree shape becomes SGLang's own draft shape (steps, topk, verify tokens)."""
-    attach_options(server_args, options)
+    """Before resolution: the tree shape becomes SGLang's own draft shape (steps, topk, verify tokens). The caller
+    attaches the options themselves (``state.attach_options``)."""
     for name, value in (("speculative_num_steps", options.depth), ("speculative_eagle_topk", options.width),
                         ("speculative_num_draft_tokens", options.budget + 1)):
         current = getattr(server_args, name)

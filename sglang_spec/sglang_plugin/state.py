@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from sglang_spec.sglang_plugin.batch_switch import BatchSwitches
     from sglang_spec.sglang_plugin.committed import CommittedOutputs
     from sglang_spec.sglang_plugin.drafters.base import ServedDrafter
-    from sglang_spec.sglang_plugin.drafters.sglang_loop import SGLangLoopStep
     from sglang_spec.sglang_plugin.faults import FaultInjection
     from sglang_spec.sglang_plugin.fused_accept import FusedAccept, SGLangAccept
     from sglang_spec.sglang_plugin.options import TreeServerOptions
@@ -160,6 +159,17 @@ LOGIT_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar
 # set around SGLang's build of a tree server's req_to_token pool; read by its row-sizing function, which gets no
 # configurator to tell a tree server from a plain one
 TREE_POOL: contextvars.ContextVar[bool] = contextvars.ContextVar("sglang_spec_tree_pool", default=False)
+@dataclass(frozen=True, eq=False)
+class SGLangLoopStep:
+    """One draft step of SGLang's own loop (chain, eagle): step_locs [steps, bs * W] (each step's draft KV slots), the
+    draft KV pool, ``steps`` draft steps, whether beams keep exact ancestry."""
+
+    step_locs: torch.Tensor
+    pool: Any
+    steps: int
+    exact_ancestry: bool
+
+
 # the draft step of SGLang's own loop in flight (chain, eagle); set by its drafter, read after each of SGLang's beam
 # selections (spec_utils.select_top_k_tokens), which SGLang calls without the worker
 SGLANG_LOOP_STEP: contextvars.ContextVar[SGLangLoopStep | None] = contextvars.ContextVar("sglang_spec_loop_step",

@@ -1,4 +1,5 @@
-"""Token trees: structure, acceptance profiles, the policies and the drafter interface, the Sequoia DP, encoders."""
+"""Token trees: structure, acceptance profiles, the policies and the drafter interface, the Sequoia DP and sizing,
+encoders."""
 
 from sglang_spec.tree.batch import FlashInferIndptrs, FlashInferPlan, TreeBatch, encode_flashinfer_mask, with_prefix
 from sglang_spec.tree.candidates import (
@@ -6,14 +7,6 @@ from sglang_spec.tree.candidates import (
     Candidates,
     GrowingTree,
     ProfileCandidates,
-)
-from sglang_spec.tree.cost_model import (
-    CostCurve,
-    TreeSizeChoice,
-    choose_speculation,
-    choose_tree_size,
-    predicted_speedup,
-    step_seconds,
 )
 from sglang_spec.tree.encode_sglang import (
     SGLangDraftEncoding,
@@ -23,18 +16,18 @@ from sglang_spec.tree.encode_sglang import (
     encode_sglang_draft,
     encode_sglang_verify,
 )
-from sglang_spec.tree.draft import DraftSources, DraftTree
+from sglang_spec.tree.proposal import DraftSources, DraftTree
 from sglang_spec.tree.drafter import TreeDrafter
 from sglang_spec.tree.policies import POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile, SourceCounts
 from sglang_spec.tree.sequoia import SequoiaPlan, sequoia_plan, sequoia_table
+from sglang_spec.tree.sizing import TreeSizeChoice, choose_speculation, choose_tree_size
 from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH, MAX_TREE_NODES, TokenTree
 
 __all__ = [
     "AcceptanceProfile",
     "CandidateSource",
     "Candidates",
-    "CostCurve",
     "DraftSources",
     "DraftTree",
     "FlashInferIndptrs",
@@ -61,9 +54,7 @@ __all__ = [
     "encode_flashinfer_mask",
     "encode_sglang_draft",
     "encode_sglang_verify",
-    "predicted_speedup",
     "sequoia_plan",
     "sequoia_table",
-    "step_seconds",
     "with_prefix",
 ]

@@ -9,15 +9,13 @@ Everything is computed with tensor operations over the whole batch (no per-node 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from sglang_spec.errors import SpecError
 from sglang_spec.tree.bits import pack_bits_little_endian
-
-if TYPE_CHECKING:
-    from sglang_spec.tree.token_tree import TokenTree
+from sglang_spec.tree.token_tree import TokenTree, ancestor_masks, ancestors_or_self
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,7 +75,7 @@ class TreeBatch:
         real = node[None, :] < num_nodes[:, None]
         parents = torch.where(real & (node[None, :] > 0), parents, -1)
         tokens = torch.where(real, tokens, -1)
-        ancestors = _ancestors_or_self(parents)
+        ancestors = ancestors_or_self(parents)
         depths = torch.where(real, ancestors.sum(-1) - 1, -1)
         # child c of node p: parents[c] == p; the smallest such c is p's first child, the next larger c with the
         # same parent is c's next sibling (SGLang's build_tree order)
@@ -118,7 +116,7 @@ class TreeBatch:
         """[B, N, N] bool, the tree attention mask: row i is True at i, its ancestors and the root. A padding row
         (i >= num_nodes[b]) is True at the root column and its own column only, so attention over it stays
         defined and nothing real attends to it."""
-        return _ancestors_or_self(self.parents) | _root_column(self.parents)
+        return ancestor_masks(self.parents)
 
     def attention_mask(self, prefix_lens: Sequence[int] | torch.Tensor, tree_start: int | None = None) -> torch.Tensor:
         """[B, N, S + N] bool over keys = S prefix slots, then the N tree nodes (S = ``tree_start``, default the
@@ -232,29 +230,6 @@ def encode_flashinfer_mask(
     """The FlashInfer plan for trees of any sizes (``None`` = padded request) after their verified prefixes."""
     lengths = _as_lengths(prefix_lens, len(trees))
     return TreeBatch.from_trees(trees).flashinfer_plan(lengths, page_size)
-
-
-def _ancestors_or_self(parents: torch.Tensor) -> torch.Tensor:
-    """[B, N, N] bool: row i is True at i and at every node reached by following parents up from i."""
-    batch_size, width = parents.shape
-    node = torch.arange(width, device=parents.device)
-    mask = (node[:, None] == node[None, :]).expand(batch_size, width, width).clone()
-    current = parents
-    rows = torch.arange(batch_size, device=parents.device)[:, None]
-    for _ in range(width):  # a path up is at most N - 1 steps long
-        up = current >= 0
-        if not bool(up.any()):
-            return mask
-        mask |= up[..., None] & (node[None, None, :] == current[..., None])
-        current = torch.where(up, parents[rows, current.clamp(min=0)], -1)
-    raise SpecError("tree parents form a cycle; every node's parent chain must end at the root")
-
-
-def _root_column(parents: torch.Tensor) -> torch.Tensor:
-    """[B, N, N] bool, True in column 0."""
-    batch_size, width = parents.shape
-    column = torch.arange(width, device=parents.device) == 0
-    return column.expand(batch_size, width, width)
 
 
 def _as_lengths(prefix_lens: Sequence[int] | torch.Tensor, batch_size: int) -> list[int]:

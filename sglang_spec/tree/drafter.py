@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from sglang_spec.errors import SpecError
-from sglang_spec.tree.cost_model import CostCurve
-from sglang_spec.tree.draft import DraftSources, DraftTree
-from sglang_spec.tree.hybrid import BestFirstBuilder
+from sglang_spec.costs import CostCurve
+from sglang_spec.tree.proposal import DraftSources, DraftTree
+from sglang_spec.tree.best_first import BestFirstBuilder
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.profile import SourceCounts
@@ -41,7 +41,7 @@ class TreeDrafter:
         ``costs``: this step's prices, in place of the policy's curve (a head level runs only where it pays)."""
         if not self.policy.uses_context:
             raise SpecError(f"{self.policy.name} trees are not grown round by round from a context")
-        return BestFirstBuilder(self.policy, root_token, context, self.counts, costs)
+        return BestFirstBuilder(self.policy.best_first_shape(), root_token, context, self.counts, costs)
 
     def observe(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
         """Counts the outcome of every child offered at a node of the accepted path (``accepted_nodes``: the

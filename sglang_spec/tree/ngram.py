@@ -6,7 +6,7 @@ increasing order. Appending a token adds one entry per n (O(max_ngram) per token
 tokens that would follow the sequence (a tree node's path below the root; empty for the root): the longest
 n-gram ending the sequence + tail that also occurs earlier in the sequence with a following token gives the
 candidates, one per distinct following token, ranked by how often it followed (then by how recently). The
-match length n is what the acceptance of a candidate is calibrated by (``tree/hybrid.py``): a longer match is a
+match length n is what the acceptance of a candidate is calibrated by (``tree/best_first.py``): a longer match is a
 stronger copy signal. Matches longer than ``max_ngram`` count as ``max_ngram``.
 """
 

@@ -13,7 +13,7 @@ Shapes over the MTP head's per-node top-k (one candidate-source call per expansi
                level: a level's nodes that are among the best ``budget`` so far are expanded (at most ``width``
                of them, the best first), since a node outside that set can only have children below it.
 
-Shapes over the context too (``tree/hybrid.py``), best-first by calibrated per-source acceptance:
+Shapes over the context too (``tree/best_first.py``), best-first by calibrated per-source acceptance:
 
 * ``lookup``   the context's n-gram continuations only; the head never runs.
 * ``hybrid``   the context's continuations and the head's top-k in one tree; head levels below the root's
@@ -27,9 +27,9 @@ from typing import Callable, Sequence
 
 from sglang_spec.errors import SpecError
 from sglang_spec.tree.candidates import CandidateSource, GrowingTree
-from sglang_spec.tree.cost_model import CostCurve
-from sglang_spec.tree.draft import DraftSources, DraftTree
-from sglang_spec.tree.hybrid import build_best_first
+from sglang_spec.costs import CostCurve
+from sglang_spec.tree.proposal import DraftSources, DraftTree
+from sglang_spec.tree.best_first import BestFirstShape, build_best_first
 from sglang_spec.tree.ngram import DEFAULT_MAX_NGRAM
 from sglang_spec.tree.profile import LOOKUP_RANKS, AcceptanceProfile, SourceCounts
 from sglang_spec.tree.sequoia import sequoia_plan
@@ -130,6 +130,12 @@ class TreePolicy:
         """Whether trees draw candidates from the request's context (lookup, hybrid)."""
         return self.name in CONTEXT_POLICY_NAMES
 
+    def best_first_shape(self) -> BestFirstShape:
+        """lookup / hybrid: what the best-first builder may grow."""
+        return BestFirstShape(budget=self.budget, depth=self.depth, topk=self.effective_topk, width=self.width,
+                              lookup_width=self.lookup_width, mtp_levels=self.mtp_levels, uses_head=self.uses_head,
+                              costs=self.costs)
+
     def source_counts(self) -> SourceCounts:
         """The per-source counts a drafter starts from (its own copy, learnt further online): the profile's for
         best-first shapes, a generic prior otherwise (head-only shapes rank by the positional table)."""
@@ -155,7 +161,8 @@ class TreePolicy:
         if self.uses_context:
             if sources.context is None:
                 raise SpecError(f"the {self.name} policy looks the context up; give DraftSources a context index")
-            return build_best_first(self, root_token, sources, self.source_counts() if counts is None else counts)
+            return build_best_first(self.best_first_shape(), root_token, sources,
+                                    self.source_counts() if counts is None else counts)
         if sources.mtp is None:
             raise SpecError(f"the {self.name} policy drafts with an MTP head; give one (or use --policy lookup)")
         return DraftTree.from_head(_BUILDERS[self.name](self, GrowingTree(root_token), sources.mtp))

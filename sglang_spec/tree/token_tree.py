@@ -18,7 +18,6 @@ from typing import Sequence
 import torch
 
 from sglang_spec.errors import SpecError
-from sglang_spec.tree.batch import TreeBatch
 
 # SGLang's JIT tree kernel runs one CUDA block of `num_draft_tokens` threads, so a tree has at most 1024 nodes.
 MAX_TREE_NODES = 1024
@@ -110,7 +109,7 @@ class TokenTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """[n, n] bool; row i is True at i, its ancestors and the root (tree attention mask)."""
-        return TreeBatch.from_trees([self]).ancestor_mask()[0]
+        return ancestor_masks(self.parents[None, :])[0]
 
     def validate(self, max_depth: int | None = None) -> TokenTree:
         """Checks every invariant in the class docstring; raises SpecError (one line) on the first violation.
@@ -220,3 +219,33 @@ def _find_cycle(parents: list[int], start: int) -> list[int]:
     if node in position:
         return order[position[node] :] + [node]
     return []
+
+
+def ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
+    """The tree attention mask: parents [B, N] int64 (-1: no parent) -> [B, N, N] bool, row i True at i, its
+    ancestors and the root. A padding row (a node no tree holds) is True at the root column and its own column
+    only, so attention over it stays defined and nothing real attends to it."""
+    return ancestors_or_self(parents) | root_column(parents)
+
+
+def ancestors_or_self(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N, N] bool: row i is True at i and at every node reached by following parents up from i."""
+    batch_size, width = parents.shape
+    node = torch.arange(width, device=parents.device)
+    mask = (node[:, None] == node[None, :]).expand(batch_size, width, width).clone()
+    current = parents
+    rows = torch.arange(batch_size, device=parents.device)[:, None]
+    for _ in range(width):  # a path up is at most N - 1 steps long
+        up = current >= 0
+        if not bool(up.any()):
+            return mask
+        mask |= up[..., None] & (node[None, None, :] == current[..., None])
+        current = torch.where(up, parents[rows, current.clamp(min=0)], -1)
+    raise SpecError("tree parents form a cycle; every node's parent chain must end at the root")
+
+
+def root_column(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N, N] bool, True in column 0."""
+    batch_size, width = parents.shape
+    column = torch.arange(width, device=parents.device) == 0
+    return column.expand(batch_size, width, width)

@@ -19,7 +19,7 @@ from sglang_spec.mtp.checkpoint import read_mtp_header
 from sglang_spec.sampling import TEMPERATURE_FLOOR, SamplingParams
 from sglang_spec.train.prompts import _jsonl_prompt
 from sglang_spec.train.traffic import _openai_record, import_sglang_log, parse_record
-from sglang_spec.tree.cost_model import CostCurve
+from sglang_spec.costs import CostCurve
 from sglang_spec.tree.profile import AcceptanceProfile
 
 FAST = settings(max_examples=150, deadline=None)

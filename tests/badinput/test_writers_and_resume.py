@@ -16,7 +16,7 @@ from sglang_spec.errors import SpecError
 from sglang_spec.mtp.checkpoint import load_mtp_head, read_mtp_header, save_mtp_head
 from sglang_spec.train import trainer
 from sglang_spec.train.traffic import TrafficRecord, partial_path, read_traffic, write_traffic
-from sglang_spec.tree.cost_model import CostCurve
+from sglang_spec.costs import CostCurve
 from sglang_spec.tree.profile import AcceptanceProfile
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from sglang_spec.cli import main as cli_main
 from sglang_spec.tree import AcceptanceProfile
-from sglang_spec.tree.cost_model import CostCurve
+from sglang_spec.costs import CostCurve
 
 
 @pytest.mark.slow
@@ -25,7 +25,7 @@ def test_quick_sweep_writes_table_json_and_plots(tiny, tmp_path, acceptance):
 
 
 def test_auto_and_the_bench_predict_the_same_speedup(tiny, acceptance, capsys, tmp_path):
-    """`--auto` and the bench's prediction for the same tree share one step cost (tree/cost_model.step_seconds)."""
+    """`--auto` and the bench's prediction for the same tree share one step cost (costs.step_seconds)."""
     costs = CostCurve({1: 1e-2, 2: 1e-2, 4: 1.01e-2, 8: 1.02e-2, 16: 1.05e-2, 32: 1.1e-2}, draft_level=4e-4,
                       step_overhead=6e-4, prefix=200, device="synthetic", plain_token=1.05e-2)
     costs_path = tmp_path / "costs.json"

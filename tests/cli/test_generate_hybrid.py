@@ -5,7 +5,7 @@ import json
 import pytest
 
 from sglang_spec.cli import main
-from sglang_spec.tree.cost_model import CostCurve
+from sglang_spec.costs import CostCurve
 
 PROMPT = "abcabcabcab"  # tiny-deepseek's byte tokens: something to copy
 

@@ -3,7 +3,8 @@ import json
 from sglang_spec.cli import main
 from sglang_spec.decode.autotune import interleaved_medians, interleaved_times, measure_costs
 from sglang_spec.tree import AcceptanceProfile
-from sglang_spec.tree.cost_model import CostCurve, choose_speculation
+from sglang_spec.costs import CostCurve
+from sglang_spec.tree.sizing import choose_speculation
 
 GOOD = AcceptanceProfile.uniform([0.8, 0.1, 0.05])
 POOR = AcceptanceProfile.uniform([0.05, 0.02])

@@ -10,7 +10,7 @@ import pytest
 from sglang_spec.decode.decoder import GenerationConfig, SpeculativeDecoder, generate_plain
 from sglang_spec.errors import SpecError
 from sglang_spec.models.toy_language import ToyLanguage
-from sglang_spec.tree.cost_model import CostCurve
+from sglang_spec.costs import CostCurve
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.profile import SOURCE_BOTH, SOURCE_LOOKUP, SOURCE_MTP
 from test_greedy_identity import check_identity, tiny_prompts
@@ -145,7 +145,7 @@ def test_the_head_caught_up_in_one_forward_drafts_as_if_it_had_followed_every_st
     the same next-root draft distribution."""
     import torch
 
-    from sglang_spec.mtp.drafter import MTPDrafter
+    from sglang_spec.mtp.expansion import MTPDrafter
 
     loaded, head = tiny
     drafter = MTPDrafter(head)

@@ -11,7 +11,7 @@ from helpers import MLA_LATENT as LATENT
 from helpers import MLA_ROPE as ROPE
 from helpers import paged_mla_batch, paged_mla_reference, to_device
 from sglang_spec.attention.cascade import mla_attention
-from sglang_spec.kernels.mla_tree_verify import (
+from sglang_spec.sglang_plugin.mla_cascade import (
     MLAShape,
     causal_tree_mask,
     mla_tree_verify_attention,

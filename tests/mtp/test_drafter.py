@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from sglang_spec.decode.target import TransformersRunner
-from sglang_spec.mtp.drafter import MTPDrafter
+from sglang_spec.mtp.expansion import MTPDrafter
 from sglang_spec.tree import GrowingTree, TreePolicy
 from sglang_spec.tree.candidates import CandidateSource
-from sglang_spec.tree.draft import DraftSources
+from sglang_spec.tree.proposal import DraftSources
 
 
 class Recorder(CandidateSource):

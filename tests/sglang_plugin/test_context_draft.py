@@ -9,7 +9,7 @@ from sglang_spec.sglang_plugin.drafters.base import VerifyOutcome
 from sglang_spec.sglang_plugin.drafters.host_context import HostContextDrafter as ContextDrafter
 from sglang_spec.sglang_plugin.drafters.host_context import RequestContexts
 from sglang_spec.sglang_plugin.drafters.padding import pad_to_budget
-from sglang_spec.tree.draft import DraftSources
+from sglang_spec.tree.proposal import DraftSources
 from sglang_spec.tree.drafter import TreeDrafter
 from sglang_spec.tree.encode_sglang import decode_sglang_draft, encode_sglang_draft
 from sglang_spec.tree.ngram import NgramIndex

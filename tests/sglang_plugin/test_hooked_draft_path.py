@@ -12,7 +12,7 @@ from helpers import targets_following_drafts
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.drafters.beams import permute_kv
 from sglang_spec.sglang_plugin.drafters.head_loop import HeadLoopDrafter
-from sglang_spec.sglang_plugin.drafters.sglang_loop import SGLangLoopStep
+from sglang_spec.sglang_plugin.state import SGLangLoopStep
 from sglang_spec.sglang_plugin.hooks import draft as hooks
 from sglang_spec.sglang_plugin.options import TreeServerOptions
 from sglang_spec.sglang_plugin.state import SGLANG_LOOP_STEP, attach
@@ -33,7 +33,7 @@ from sglang_spec.tree import (
     decode_sglang_draft,
 )
 from sglang_spec.verify import verify_greedy
-from sglang_spec.tree.draft import DraftSources
+from sglang_spec.tree.proposal import DraftSources
 
 pytestmark = pytest.mark.sglang
 PROFILE = AcceptanceProfile.uniform([0.55, 0.2, 0.1, 0.05])

@@ -8,7 +8,7 @@ import pytest
 
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.faults import ACCEPT_FAULT_ENV, FAULT_ENV, FAULT_RANK_ENV, HEAD_POISON_ENV
-from sglang_spec_testbed import THREADS_BIND_ENV, linear, patches, profile, server, server_environment
+from sglang_spec_testbed import THREADS_BIND_ENV, linear, patches, step_timing, server, server_environment
 from sglang_spec_testbed import tree_mask, zygote
 from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 

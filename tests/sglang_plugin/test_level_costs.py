@@ -4,7 +4,7 @@ bucket, given to the tree builder as a curve whose step time is the served step'
 import math
 
 from sglang_spec.sglang_plugin.level_costs import LevelCosts
-from sglang_spec.tree.cost_model import step_seconds
+from sglang_spec.costs import step_seconds
 
 
 def test_no_curve_until_a_round_and_a_step_are_measured():

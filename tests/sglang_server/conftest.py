@@ -14,7 +14,7 @@ import pytest
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS,
                                running_server)
 from optional_packages import require_sglang
-from parity_requests import PARITY_SERVER_ARGS, plain_oracle
+from sglang_spec_testbed.parity import PARITY_SERVER_ARGS, plain_oracle
 from sglang_spec_testbed.server import CpuModel, prepare_model
 
 

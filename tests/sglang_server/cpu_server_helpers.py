@@ -10,34 +10,11 @@ from typing import Iterator, Mapping, Sequence
 
 import pytest
 
+from sglang_spec_testbed.parity import REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, accept_lengths, tree_args  # noqa: F401
 from sglang_spec_testbed.server import CpuModel, PortTaken, SGLangServer, cpu_launch_args, free_port
 
 START_TIMEOUT = float(os.environ.get("SGLANG_SPEC_SERVER_TIMEOUT", "240"))
 SMOLLM2_NEW_TOKENS = 40  # greedy tokens per held-out prompt in the SmolLM2 end-to-end tests
-# Raw-text prompts whose continuation repeats their own context (code following a pattern, records extracted into
-# a format the prompt shows): what SGLang's NGRAM drafts from. Decoded greedily for REPEAT_NEW_TOKENS tokens.
-REPEAT_CONTEXT_PROMPTS = (
-    "class Person:\n    def get_name(self):\n        return self.name\n\n    def get_age(self):\n"
-    "        return self.age\n\n    def get_city(self):\n        return self.city\n\n    def get_email(self):\n",
-    "Alice Moreau lives in Paris. Bob Lindqvist lives in Stockholm. Carol Mendes lives in Lisbon.\n"
-    "As JSON:\n[{\"name\": \"Alice Moreau\", \"city\": \"Paris\"}, {\"name\": \"",
-    "- id: 101, status: shipped, total: 12.50\n- id: 102, status: pending, total: 8.75\n"
-    "- id: 103, status: shipped, total: 20.00\n\nThe same orders as a table:\n| id | status | total |\n",
-)
-REPEAT_NEW_TOKENS = 32
-
-
-def tree_args(policy: str, budget: int, depth: int, topk: int, profile: Path | None = None) -> list[str]:
-    args = ["--speculative-tree-policy", policy, "--speculative-tree-budget", str(budget),
-            "--speculative-tree-depth", str(depth)]
-    if policy != "chain":
-        args += ["--speculative-tree-topk", str(topk)]
-    if policy == "sequoia":
-        assert profile is not None
-        args += ["--speculative-acceptance-profile", str(profile)]
-    return args
-
-
 @contextlib.contextmanager
 def running_server(model: CpuModel, logs: Path, name: str, extra: Sequence[str] = (),
                    speculative: bool = True) -> Iterator[SGLangServer]:
@@ -99,17 +76,6 @@ def assert_draft_faults_counted_and_logged(run: dict, also: Sequence[str] = ()) 
     assert all("verified without speculation (InjectedFault" in line for line in injected), injected[:3]
     assert all(any(f"({error}" in line for error in ("InjectedFault", *also)) for line in lines), lines[:3]
     assert "Traceback" not in run["log"]
-
-
-def accept_lengths(answers: list[dict]) -> list[int]:
-    """Per-verify-step accept lengths (accepted drafts + 1) from SGLang's per-request histograms: entry k of
-    ``spec_correct_drafts_histogram`` counts the steps that accepted k drafts."""
-    lengths: list[int] = []
-    for answer in answers:
-        histogram = answer["meta_info"].get("spec_correct_drafts_histogram") or []
-        for drafts, count in enumerate(histogram):
-            lengths += [drafts + 1] * int(count)
-    return lengths
 
 
 def mean(values: Sequence[float]) -> float:

@@ -24,7 +24,7 @@ import re
 import pytest
 
 from cpu_server_helpers import assert_draft_faults_counted_and_logged, counted_draft_faults, faulty_run, tree_args
-from parity_requests import policy_args
+from sglang_spec_testbed.parity import policy_args
 from sglang_spec.sglang_plugin.drafters.head_guard import ERROR as HEAD_FAULT
 from sglang_spec.sglang_plugin.faults import HEAD_POISON_ENV as INJECT_ENV
 
@@ -41,7 +41,7 @@ CONFIGS = {"sequoia-fused": (("accept", "commit", "record"), True), "hybrid": ((
 
 def server_options(name: str, profile) -> list[str]:
     """The tree options of server ``name``: sequoia (fused) and hybrid at 15/4/4, the others as the parity suite's
-    tree servers (``parity_requests.POLICIES``: chain 7/7, eagle and specexec 15/4/4, lookup 12/5)."""
+    tree servers (``parity.POLICIES``: chain 7/7, eagle and specexec 15/4/4, lookup 12/5)."""
     if name == "sequoia-fused":
         return tree_args("sequoia", 15, 4, 4, profile) + ["--speculative-tree-accept", "fused"]
     if name == "hybrid":

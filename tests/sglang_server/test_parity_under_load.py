@@ -2,7 +2,7 @@
 gives it, through the real server on this CPU (SmolLM2 + shipped head).
 
 The oracle is the session's plain server (conftest.py ``smollm2_plain_runs``, no speculation, the same
-``--context-length``), each request alone (``parity_requests.py``): greedy decoding, a stop string, max_new_tokens
+``--context-length``), each request alone (``sglang_spec_testbed/parity.py``): greedy decoding, a stop string, max_new_tokens
 1 and 2, logprobs with top logprobs, a frequency penalty, a JSON schema, a regex, n = 2, ignore_eos (past an EOS),
 and a prompt within a tree's length of the context limit (7 free positions; every tree here verifies 8-16 tokens).
 Then one server per policy (chain, eagle, sequoia, specexec, hybrid, lookup, sequoia with the fused accept, and
@@ -22,7 +22,7 @@ QLEN_ONLY), answers:
   concurrent requests.
 
 Greedy everywhere, so every answer must be token-identical: output ids, text, finish reason and, with logprobs, the
-chosen and top-logprob token ids; logprob values to ``LOGPROB_TOLERANCE`` (why: parity_requests.py). Each server
+chosen and top-logprob token ids; logprob values to ``LOGPROB_TOLERANCE`` (why: sglang_spec_testbed/parity.py). Each server
 must not log a traceback (``running_server``), which also covers SGLang's idle memory check: a KV slot or request row
 an aborted request leaked raises in the scheduler.
 
@@ -51,7 +51,7 @@ from typing import Any
 import pytest
 
 from cpu_server_helpers import accept_lengths, assert_full_masks_only, running_server
-from parity_requests import (
+from sglang_spec_testbed.parity import (
     ANSWER_REGEX,
     CONCURRENT,
     CONTEXT_LENGTH,

@@ -7,7 +7,7 @@ import torch
 from doubles import SyntheticCandidates
 from sglang_spec.errors import SpecError
 from sglang_spec.tree import AcceptanceProfile, TreePolicy, sequoia_plan
-from sglang_spec.tree.draft import DraftSources
+from sglang_spec.tree.proposal import DraftSources
 
 PROFILE = AcceptanceProfile.from_obj({"rank_acceptance": [[0.55, 0.2, 0.1, 0.05], [0.45, 0.2, 0.1]]})
 

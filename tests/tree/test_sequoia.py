@@ -10,7 +10,7 @@ import pytest
 from paths import DATA_DIR
 from sglang_spec.errors import SpecError
 from sglang_spec.tree import AcceptanceProfile, TokenTree, choose_tree_size, sequoia_plan, sequoia_table
-from sglang_spec.tree.cost_model import CostCurve
+from sglang_spec.costs import CostCurve
 
 MAX_NODES = 12  # budget <= 11
 MAX_LEVELS = 7  # depth <= 6

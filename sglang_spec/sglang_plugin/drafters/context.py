@@ -15,7 +15,7 @@ import torch
 
 from sglang_spec.sglang_plugin.drafters.base import ServedDrafter
 from sglang_spec.sglang_plugin.metrics import SourceMetrics
-from sglang_spec.tree.draft import DraftTree
+from sglang_spec.tree.proposal import DraftTree
 from sglang_spec.tree.drafter import TreeDrafter
 from sglang_spec.tree.policies import TreePolicy
 

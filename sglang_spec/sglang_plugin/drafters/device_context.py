@@ -1,6 +1,6 @@
 """``lookup`` and ``hybrid`` trees grown on the device (``--speculative-tree-context-on device``): the host builder's
 trees from each request's device token history (``device_history``), the head's rounds as padded beams, padded
-and encoded there, with no host read in the draft step (``kernels/lookup_tree``, ``kernels/hybrid_tree``).
+and encoded there, with no host read in the draft step (``device_trees/lookup``, ``device_trees/hybrid``).
 
 Learning is deferred to the device: a verify's accepted paths are queued with a CUDA event and observed once the
 device has finished them (``observe_outcome`` never waits for it).
@@ -13,9 +13,9 @@ from typing import Any, Sequence
 
 import torch
 
-from sglang_spec.kernels.hybrid_tree import (HybridGrowth, HybridShape, HybridTrees, SourceEstimates,
+from sglang_spec.device_trees.hybrid import (HybridGrowth, HybridShape, HybridTrees, SourceEstimates,
                                              build_hybrid_trees, hybrid_draft_trees)
-from sglang_spec.kernels.lookup_tree import (LookupTrees, NgramMatch, build_lookup_trees, lookup_draft_trees,
+from sglang_spec.device_trees.lookup import (LookupTrees, NgramMatch, build_lookup_trees, lookup_draft_trees,
                                              lookup_estimates)
 from sglang_spec.kernels.ngram_match import ngram_match, ngram_match_reference
 from sglang_spec.sglang_plugin.drafters.base import DraftCall, SGLangDraft, VerifyOutcome
@@ -115,7 +115,7 @@ def _device_contexts(worker: Any, forward_batch: Any, reqs: Sequence[Any], draft
 def device_lookup_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any],
                                 drafter: DeviceContextDrafter) -> SGLangDraft:
     """``draft_forward`` for a ``lookup`` server with --speculative-tree-context-on device: the batch's trees grown
-    on the device (``kernels/lookup_tree``, the host builder's trees) from the requests' device histories, padded
+    on the device (``device_trees/lookup``, the host builder's trees) from the requests' device histories, padded
     and encoded there; the host reads nothing (the requests new to their rows are written from host lists).
     The caller has had the drafter observe what the device has finished accepting."""
     tokens, lengths, match = _device_contexts(worker, forward_batch, reqs, drafter)
@@ -138,7 +138,7 @@ def device_lookup_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[
 def device_hybrid_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any],
                                 drafter: DeviceContextDrafter) -> SGLangDraft:
     """``draft_forward`` for a ``hybrid`` server with --speculative-tree-context-on device: the batch's trees grown
-    on the device (``kernels/hybrid_tree``, the host builder's trees), the head's rounds run as the host path runs
+    on the device (``device_trees/hybrid``, the host builder's trees), the head's rounds run as the host path runs
     them (``forward_beams``: a round's nodes are its beams, each beam's KV column given its parent's history
     first), padded and encoded there, with no host read. Every head level the policy allows runs (a request
     whose tree stops asking gets its slots masked), so the step's shape is fixed. A request whose head

@@ -1,4 +1,4 @@
-"""Each request's committed tokens on the device, for ``lookup`` trees grown there (``kernels/lookup_tree``): the
+"""Each request's committed tokens on the device, for ``lookup`` trees grown there (``device_trees/lookup``): the
 prompt and the output, the root last, in the row of SGLang's ``req_to_token`` table the request holds.
 
 Written twice, never read on the host:

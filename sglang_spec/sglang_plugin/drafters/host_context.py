@@ -1,6 +1,6 @@
 """``HostContextDrafter``: ``lookup`` and ``hybrid`` trees built on the host inside SGLang's EAGLE v2 draft step.
 
-Each request's tree is grown by the reference decoder's builder (``tree/hybrid.BestFirstBuilder``: the context's
+Each request's tree is grown by the reference decoder's builder (``tree/best_first.BestFirstBuilder``: the context's
 n-gram continuations and the MTP head's top-k under one budget, ranked by the calibrated per-source counts), on
 the host. The builders of all the batch's requests advance in lock-step: each head round's nodes (all at one
 depth, at most W a request) become the beams of one SGLang draft forward, run exactly as the plugin's own loop
@@ -36,9 +36,9 @@ from sglang_spec.sglang_plugin.drafters.padding import pad_to_budget
 from sglang_spec.sglang_plugin.level_costs import LevelCosts
 from sglang_spec.sglang_plugin.metrics import SourceMetrics
 from sglang_spec.tree.candidates import Candidates
-from sglang_spec.tree.draft import DraftTree
+from sglang_spec.tree.proposal import DraftTree
 from sglang_spec.tree.encode_sglang import encode_sglang_draft
-from sglang_spec.tree.hybrid import BestFirstBuilder, BestFirstRounds
+from sglang_spec.tree.best_first import BestFirstBuilder, BestFirstRounds
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
 
@@ -71,7 +71,7 @@ class HostContextDrafter(ContextDrafter):
     their accept is observed, and tree auto's level prices.
 
     Priced levels (tree auto: ``level_costs``): each draft prices a head level at the batch's measured costs, and a
-    request's builder runs one only where its predicted gain pays (``tree/hybrid``); the draft records how many
+    request's builder runs one only where its predicted gain pays (``tree/best_first``); the draft records how many
     rounds it ran and their seconds (``rounds``, ``rounds_seconds``: each round ends with the host reading its
     candidates, so its time is the device's too) for the step's observer."""
 

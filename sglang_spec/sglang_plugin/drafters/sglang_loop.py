@@ -7,26 +7,12 @@ ancestors only, as the reference decoder's drafts do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from sglang_spec.sglang_plugin.drafters.base import DraftCall, SGLangDraft, ServedDrafter
 from sglang_spec.sglang_plugin.drafters.beam_selection import ancestry_permutation
 from sglang_spec.sglang_plugin.drafters.beams import permute_kv
-from sglang_spec.sglang_plugin.state import SGLANG_LOOP_STEP
-
-
-@dataclass(frozen=True, eq=False)
-class SGLangLoopStep:
-    """One draft step of SGLang's loop: step_locs [steps, bs * W] (each step's draft KV slots), the draft KV pool,
-    ``steps`` draft steps, whether beams keep exact ancestry."""
-
-    step_locs: torch.Tensor
-    pool: Any
-    steps: int
-    exact_ancestry: bool
+from sglang_spec.sglang_plugin.state import SGLANG_LOOP_STEP, SGLangLoopStep
 
 
 class SGLangLoopDrafter(ServedDrafter):

@@ -24,7 +24,7 @@ from sglang_spec.sglang_plugin.options import (
     validate_requested,
     validate_speculative,
 )
-from sglang_spec.sglang_plugin.state import TREE_POOL, options_of
+from sglang_spec.sglang_plugin.state import TREE_POOL, attach_options, options_of
 
 PLUGIN_PACKAGE = "sglang_spec.sglang_plugin"
 # our draft model classes, by the architecture name a draft folder's config.json gives (imported on first use)
@@ -44,6 +44,7 @@ def from_cli_args_after(result, cls, args):
         options = from_namespace(args)
         if options is not None:
             apply_to_server_args(options, result)
+            attach_options(result, options)
     except SpecError as error:
         raise StartupError(error) from None
     return result
@@ -70,6 +71,7 @@ class EngineServerArgs:
                 apply_to_server_args(options, server_args)
             except SpecError as error:
                 raise StartupError(error) from None
+            attach_options(server_args, options)
         return server_args
 
 

@@ -1,5 +1,5 @@
-"""``kernels/lookup_tree``: the device growth of ``lookup`` trees gives, for every request of a batch, the tree the
-host builder (``tree/hybrid.BestFirstBuilder``, what the reference decoder and the plugin grow) gives: same
+"""``device_trees/lookup``: the device growth of ``lookup`` trees gives, for every request of a batch, the tree the
+host builder (``tree/best_first.BestFirstBuilder``, what the reference decoder and the plugin grow) gives: same
 nodes, same order, same reaches. Estimates are drawn from a few values, so reach ties (broken by node id) are
 common, and histories copy spans, so trees branch and run deep."""
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_spec.kernels.lookup_tree import build_lookup_trees, lookup_estimates
+from sglang_spec.device_trees.lookup import build_lookup_trees, lookup_estimates
 from sglang_spec.kernels.ngram_match import ngram_match, ngram_match_reference
-from sglang_spec.tree.draft import DraftSources
-from sglang_spec.tree.hybrid import build_best_first
+from sglang_spec.tree.proposal import DraftSources
+from sglang_spec.tree.best_first import build_best_first
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.profile import SourceCounts
@@ -38,7 +38,8 @@ def batch_inputs(histories: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor
 
 
 def host_tree(policy: TreePolicy, history: list[int], counts: SourceCounts):
-    draft = build_best_first(policy, history[-1], DraftSources(context=NgramIndex(history, policy.max_ngram)), counts)
+    draft = build_best_first(policy.best_first_shape(), history[-1],
+                             DraftSources(context=NgramIndex(history, policy.max_ngram)), counts)
     return draft
 
 
@@ -100,7 +101,7 @@ def test_a_context_without_repeats_gives_the_root_alone():
 
 def test_the_draft_trees_read_back_are_the_host_builders():
     """What the plugin's calibration observes: the host builder's DraftTree, cells and estimates included."""
-    from sglang_spec.kernels.lookup_tree import lookup_draft_trees
+    from sglang_spec.device_trees.lookup import lookup_draft_trees
 
     rng = np.random.default_rng(11)
     counts = tied_counts(rng, 8)

@@ -1,13 +1,12 @@
-"""What one speculative step costs, and the (budget, depth) whose expected accept length buys the most time per token.
-
-One definition of a step's cost, used by ``sglang-spec generate --auto``, ``bench/acceptance.py``'s predictions and
-the docs. A step with a tree of n = budget + 1 nodes (root included) and depth d costs
+"""What one speculative step costs, and what it buys: the one cost type (``CostCurve``, and ``CostTable`` of curves by
+batch size) and the one predicted speedup, used by the reference decoder's ``--auto``, the plugin's tree auto and
+the benchmarks' predictions. A step with a tree of n = budget + 1 nodes (root included) and depth d costs
 
     step_seconds(costs, n, d) = verify(n) + d * draft_level + step_overhead
 
 * ``verify(n)``: one target forward over the n tree tokens (measured; linear between measured sizes).
 * ``d * draft_level``: a depth-d tree costs d head forwards in our decoder (``decode/decoder.py``,
-  ``mtp/drafter.py``). The root's children need none: they come from the last row of the previous step's commit
+  ``mtp/expansion.py``). The root's children need none: they come from the last row of the previous step's commit
   forward. Expanding tree levels 1 .. d-1 takes one batched forward each (chain, eagle and sequoia grow level by
   level; specexec's best-first rounds may take more), and the commit forward (the head over the accepted pairs,
   which also drafts the next root's children) is the d-th. A depth-1 tree thus costs one head forward per step.
@@ -25,14 +24,10 @@ that is this formula with ``step_overhead = draft_level``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
-
-import numpy as np
+from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError, brief
 from sglang_spec.files import finite_number
-from sglang_spec.tree.profile import AcceptanceProfile
-from sglang_spec.tree.sequoia import sequoia_table
 
 
 @dataclass(frozen=True)
@@ -129,66 +124,40 @@ def predicted_speedup(costs: CostCurve, accept_length: float, nodes: int, depth:
 
 
 @dataclass(frozen=True)
-class TreeSizeChoice:
-    """budget = 0 means "do not speculate". ``expected_accept_length`` includes the bonus token."""
+class CostTable:
+    """Step costs by batch size: ``curves[b]`` is a batch of b requests' ``CostCurve`` (its verify[n] = one target
+    forward over n tokens a request, b requests; its ``baseline_token`` the batch's plain step). Read at any batch
+    size by interpolating each curve's times between the measured batch sizes (``at``)."""
 
-    budget: int
-    depth: int
-    expected_accept_length: float
-    time_per_token: float
-    speedup: float
+    curves: Mapping[int, CostCurve]
 
+    def __post_init__(self) -> None:
+        if not self.curves:
+            raise ValueError("a cost table needs at least one batch size")
+        sizes = {frozenset(curve.verify) for curve in self.curves.values()}
+        if len(sizes) != 1:
+            raise ValueError("every batch size's curve needs the same verify sizes")
 
-def choose_tree_size(
-    profile: AcceptanceProfile,
-    costs: CostCurve,
-    max_depth: int,
-    budgets: Sequence[int] | None = None,
-    allow_no_speculation: bool = True,
-    max_branch: int | None = None,
-) -> TreeSizeChoice:
-    """Best Sequoia tree size under a measured cost curve, by time per token = step_seconds / F(T).
+    def at(self, batch_size: int) -> CostCurve:
+        """The curve of a batch of ``batch_size`` requests (interpolated between measured sizes)."""
+        if batch_size in self.curves:
+            return self.curves[batch_size]
+        any_curve = next(iter(self.curves.values()))
 
-    budgets: candidate draft-node budgets (default: every measured verify size minus one, except 0); each needs a
-    measured verify time. Ties keep the first candidate in (budget, depth) order, as Sequoia's strict ``<`` does.
-    """
-    if 1 not in costs.verify:
-        raise SpecError("the cost curve needs the one-token (plain decoding) verify time, key 1")
-    if any(t <= 0 for t in costs.verify.values()) or costs.draft_level < 0 or costs.step_overhead < 0:
-        raise SpecError("verify times must be positive, draft and overhead times non-negative")
-    candidates = sorted(k - 1 for k in costs.verify if k > 1) if budgets is None else list(budgets)
-    for budget in candidates:
-        if budget + 1 not in costs.verify:
-            raise SpecError(f"no verify time measured for {budget + 1} tokens (budget {budget})")
-    base_time = costs.baseline_token
-    best = TreeSizeChoice(0, 0, 1.0, base_time, 1.0) if allow_no_speculation else None
-    if not candidates:
-        if best is None:
-            raise SpecError("no candidate budgets to choose from")
-        return best
-    max_nodes = max(candidates) + 1
-    for budget in candidates:
-        for depth in range(1, max_depth + 1):
-            table = sequoia_table(profile, max_nodes, depth + 1, max_branch=max_branch)
-            accept_length = table.best_value(budget + 1)
-            if not np.isfinite(accept_length) or accept_length <= 0:
-                continue
-            time_per_token = step_seconds(costs, budget + 1, depth) / accept_length
-            if best is None or time_per_token < best.time_per_token:
-                best = TreeSizeChoice(budget, depth, accept_length, time_per_token, base_time / time_per_token)
-    if best is None:
-        raise SpecError("no feasible tree for the given budgets and depth")
-    return best
+        def read(time_of) -> float:
+            return interpolate_seconds({size: time_of(curve) for size, curve in self.curves.items()}, batch_size)
 
+        verify = {tokens: read(lambda curve, tokens=tokens: curve.verify[tokens]) for tokens in any_curve.verify}
+        plain = None if any_curve.plain_token is None else read(lambda curve: curve.baseline_token)
+        return CostCurve(verify=verify, draft_level=read(lambda curve: curve.draft_level),
+                         step_overhead=read(lambda curve: curve.step_overhead), prefix=any_curve.prefix,
+                         device=any_curve.device, plain_token=plain)
 
-def choose_speculation(
-    profile: AcceptanceProfile, costs: CostCurve, max_depth: int = 8, min_speedup: float = 1.3
-) -> TreeSizeChoice:
-    """``--auto``: the Sequoia tree with the best predicted speedup, or budget 0 (plain decoding) when the best
-    predicted speedup is below ``min_speedup``: a margin for what the model leaves out. The model times the verify
-    forward alone, not the per-node host work of a real step (logits copy, verify rule, sampling), and on the
-    2-core CI CPU it over-predicted by up to 1.3x (docs/training.md), so smaller predicted gains are not trusted."""
-    choice = choose_tree_size(profile, costs, max_depth=max_depth)
-    if choice.budget > 0 and choice.speedup < min_speedup:
-        return TreeSizeChoice(0, 0, 1.0, costs.baseline_token, 1.0)
-    return choice
+    def describe(self) -> str:
+        """One log line: the largest verify over a plain step's forward, per batch size."""
+        parts = []
+        for size in sorted(self.curves):
+            curve = self.curves[size]
+            largest = max(curve.verify)
+            parts.append(f"{size}: {curve.verify[largest] / curve.verify[min(curve.verify)]:.2f}x")
+        return ", ".join(parts)

@@ -1,4 +1,4 @@
-"""``hybrid`` trees for a batch of requests grown on the device: the trees ``tree/hybrid.BestFirstBuilder`` grows
+"""``hybrid`` trees for a batch of requests grown on the device: the trees ``tree/best_first.BestFirstBuilder`` grows
 for the ``hybrid`` policy (the head's top-k and the context's copies under one budget), node for node and in its
 node order, from a device token history, with no host read: fixed shapes and a fixed number of rounds. The head's
 forwards come from a callback (``HeadExpand``), given each round's nodes as a padded tensor, so a server runs one
@@ -40,12 +40,12 @@ from typing import Callable
 
 import torch
 
-from sglang_spec.kernels.lookup_tree import (NgramMatch, best_order, compact_nodes, lookup_estimates, select_best,
+from sglang_spec.device_trees.lookup import (NgramMatch, best_order, compact_nodes, lookup_estimates, select_best,
                                              write_paths)
 from sglang_spec.kernels.ngram_match import ngram_match_reference
-from sglang_spec.tree.cost_model import CostCurve, step_seconds
-from sglang_spec.tree.draft import DraftTree
-from sglang_spec.tree.hybrid import node_cell, node_source, outcome_cells
+from sglang_spec.costs import CostCurve, step_seconds
+from sglang_spec.tree.proposal import DraftTree
+from sglang_spec.tree.best_first import node_cell, node_source, outcome_cells
 from sglang_spec.tree.profile import LOOKUP_RANKS, MTP_BINS, MTP_DEPTHS, SourceCounts
 from sglang_spec.tree.token_tree import TokenTree
 
@@ -435,7 +435,7 @@ class _Growth:
 def hybrid_draft_trees(trees: HybridTrees, counts: SourceCounts, rows: list[bool] | None = None
                        ) -> list[DraftTree | None]:
     """The host's ``DraftTree`` of each request (what ``TreeDrafter.observe`` learns from), read from ``trees``:
-    the tree, each node's sources, the cells its outcome counts in (``tree/hybrid``'s ``node_cell`` and
+    the tree, each node's sources, the cells its outcome counts in (``tree/best_first``'s ``node_cell`` and
     ``outcome_cells``, as ``BestFirstBuilder`` gives them) and the estimates it was grown with. ``rows``:
     the requests to read (None: all); the others are None."""
     names = ("tokens", "parents", "match_lengths", "lookup_ranks", "mtp_probs", "mtp_ranks", "estimates", "reach")

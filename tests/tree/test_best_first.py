@@ -10,8 +10,8 @@ import torch
 from doubles import SyntheticCandidates
 from sglang_spec.errors import SpecError
 from sglang_spec.tree.candidates import CandidateSource, Candidates
-from sglang_spec.tree.cost_model import CostCurve
-from sglang_spec.tree.draft import DraftSources
+from sglang_spec.costs import CostCurve
+from sglang_spec.tree.proposal import DraftSources
 from sglang_spec.tree.drafter import TreeDrafter
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy

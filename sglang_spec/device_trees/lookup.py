@@ -1,5 +1,5 @@
 """``lookup`` trees for a batch of requests grown on the device, from a device token history (the contexts) and
-the lookup estimates of ``SourceCounts``: the trees ``tree/hybrid.BestFirstBuilder`` grows for the ``lookup``
+the lookup estimates of ``SourceCounts``: the trees ``tree/best_first.BestFirstBuilder`` grows for the ``lookup``
 policy, node for node and in its node order, with no host read (fixed shapes and a fixed number of rounds, what a
 CUDA graph would need; no graph captures it yet).
 
@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from sglang_spec.kernels.ngram_match import NgramMatches, ngram_match_reference
-from sglang_spec.tree.draft import DraftTree
+from sglang_spec.tree.proposal import DraftTree
 from sglang_spec.tree.profile import SOURCE_LOOKUP, SourceCounts
 from sglang_spec.tree.token_tree import TokenTree
 

@@ -24,9 +24,9 @@ from sglang_spec.tree.batch import FlashInferIndptrs
 from sglang_spec.verify.relaxed import RelaxedAcceptance
 
 # relative: this folder installs as sglang_spec.kernels, and is type-checked from the checkout as `kernels`
-from . import kv_commit, tree_metadata, verify_accept
-from .tree_metadata import TreeMetadata
-from .verify_accept import AcceptMode, AcceptOutputs, MatchMode, RelaxedMode
+from sglang_spec.kernels import kv_commit, tree_metadata, verify_accept
+from sglang_spec.kernels.tree_metadata import TreeMetadata
+from sglang_spec.kernels.verify_accept import AcceptMode, AcceptOutputs, MatchMode, RelaxedMode
 
 
 @dataclass(frozen=True)

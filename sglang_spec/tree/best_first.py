@@ -33,7 +33,7 @@ batched head forward per round for all of them, and ``build_best_first`` is the 
 request's ``CandidateSource``. A round's nodes are all at one depth (the round's number): a node is expanded by
 the head once selected with its parent expanded, and since candidates only ever join the selection's
 competition, a node left out of one round's selection is never selected later. With a cost curve
-(what ``--auto`` gives these shapes) the budget is chosen per step by ``tree/cost_model.step_seconds``: the tree
+(what ``--auto`` gives these shapes) the budget is chosen per step by ``costs.step_seconds``: the tree
 prefix (the b best nodes, b = 0 meaning a plain step) with the least predicted time per token, and an MTP level
 is run only when its predicted gain pays for its forward (a gain the context's copies leave room for: on a
 copy-heavy step the head's deeper levels add little). A server passes each step's prices to the builder
@@ -43,34 +43,58 @@ copy-heavy step the head's deeper levels add little). A server passes each step'
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Generator, Sequence
+from dataclasses import dataclass
+from typing import Generator, Sequence
 
 from sglang_spec.tree.candidates import Candidates, GrowingTree
-from sglang_spec.tree.cost_model import CostCurve, step_seconds
-from sglang_spec.tree.draft import DraftSources, DraftTree
+from sglang_spec.costs import CostCurve, step_seconds
+from sglang_spec.tree.proposal import DraftSources, DraftTree
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.profile import SOURCE_LOOKUP, SOURCE_MTP, SourceCounts
 
-if TYPE_CHECKING:
-    from sglang_spec.tree.policies import TreePolicy
+
+
+@dataclass(frozen=True)
+class BestFirstShape:
+    """What a best-first tree may hold (``TreePolicy.best_first_shape`` for lookup and hybrid).
+
+    budget:       draft nodes at most (root excluded).
+    depth:        draft tokens on one path at most.
+    topk:         the head's candidates kept at an expanded node.
+    width:        nodes one head level expands at most (None: any).
+    lookup_width: distinct context continuations per node.
+    mtp_levels:   head levels below the root's children at most (0: the root's candidates only).
+    uses_head:    whether the head proposes at all (False: lookup).
+    costs:        a cost curve the step's size is chosen under (the planner), and a head level run only where it
+                  pays; None: always ``budget`` nodes and ``mtp_levels`` levels.
+    """
+
+    budget: int
+    depth: int
+    topk: int
+    width: int | None
+    lookup_width: int
+    mtp_levels: int
+    uses_head: bool
+    costs: CostCurve | None = None
 
 
 # one tree's growth: yields the nodes the head expands this round, is sent their Candidates, returns the tree
 BestFirstRounds = Generator[list[int], Candidates, DraftTree]
 
 
-def build_best_first(policy: TreePolicy, root_token: int, sources: DraftSources, counts: SourceCounts) -> DraftTree:
+def build_best_first(shape: BestFirstShape, root_token: int, sources: DraftSources, counts: SourceCounts) -> DraftTree:
     """The ``lookup`` / ``hybrid`` tree below ``root_token``; ``sources.context`` holds every verified token up to
     and including the root, ``sources.mtp`` the head (used by ``hybrid`` only)."""
     assert sources.context is not None, "best-first trees look the context up"
-    builder = BestFirstBuilder(policy, root_token, sources.context, counts)
+    builder = BestFirstBuilder(shape, root_token, sources.context, counts)
     rounds = builder.rounds()
     mtp = sources.mtp
     try:
         nodes = next(rounds)
         while True:
             assert mtp is not None, "hybrid trees expand nodes with the head"
-            nodes = rounds.send(mtp.expand(builder.tree, nodes, policy.effective_topk))
+            nodes = rounds.send(mtp.expand(builder.tree, nodes, shape.topk))
     except StopIteration as done:
         return done.value
 
@@ -101,13 +125,13 @@ class BestFirstBuilder:
     exact-ancestry drafting reads its parents, depths and tokens); per-node side lists hold what the sources
     said."""
 
-    def __init__(self, policy: TreePolicy, root_token: int, context: NgramIndex, calibration: SourceCounts,
+    def __init__(self, shape: BestFirstShape, root_token: int, context: NgramIndex, calibration: SourceCounts,
                  costs: CostCurve | None = None) -> None:
-        self.policy = policy
-        # this step's prices (a server's depend on the batch it drafts for); None: the policy's own curve, if any
-        self.costs = policy.costs if costs is None else costs
+        self.shape = shape
+        # this step's prices (a server's depend on the batch it drafts for); None: the shape's own curve, if any
+        self.costs = shape.costs if costs is None else costs
         self.context = context
-        self.uses_head = policy.uses_head
+        self.uses_head = shape.uses_head
         self.calibration = calibration
         self.tree = GrowingTree(root_token)
         self.tails: list[list[int]] = [[]]  # path tokens below the root
@@ -147,7 +171,7 @@ class BestFirstBuilder:
 
     def _lookup_expand(self, node: int) -> None:
         self.lookup_done.add(node)
-        for candidate in self.context.continuations(self.tails[node], self.policy.lookup_width):
+        for candidate in self.context.continuations(self.tails[node], self.shape.lookup_width):
             child = self._child(node, candidate.token)
             self.match[child], self.lookup_rank[child] = candidate.match_length, candidate.rank
             self._rate(child)
@@ -177,7 +201,7 @@ class BestFirstBuilder:
         descendants."""
         reach = self._reach()
         order = sorted(range(1, len(reach)), key=lambda node: (-reach[node], node))
-        width = self.policy.width
+        width = self.shape.width
         if width is None:
             return order[:count]
         parents = self.tree.parents
@@ -196,7 +220,7 @@ class BestFirstBuilder:
 
     def _grow_lookup(self, count: int) -> list[int]:
         """Expands every selected node with the (free) lookup until the selection stops changing."""
-        depth_limit = self.policy.depth
+        depth_limit = self.shape.depth
         while True:
             selected = self._best(count)
             todo = [node for node in [0, *selected] if node not in self.lookup_done and self.tree.depths[node] < depth_limit]
@@ -208,18 +232,18 @@ class BestFirstBuilder:
     def rounds(self) -> BestFirstRounds:
         """The growth (module doc): yields [0] (the root's head candidates, which come with the previous commit),
         then each head level's nodes (at most ``width``, best reach first); returns the tree."""
-        policy = self.policy
+        shape = self.shape
         costs = self.costs
         if self.uses_head:
             self._mtp_expand([0], (yield [0]))
-        selected = self._grow_lookup(policy.budget)
+        selected = self._grow_lookup(shape.budget)
         levels = 0
-        while self.uses_head and levels < policy.mtp_levels:
+        while self.uses_head and levels < shape.mtp_levels:
             # one depth a round (module doc); with a width, the nodes past it are never expanded by the head
             todo = [node for node in selected if node not in self.mtp_done and self.tree.depths[node] == levels + 1
-                    and levels + 1 < policy.depth and self.tree.parents[node] in self.mtp_done]
-            if policy.width is not None:
-                todo = todo[: policy.width]  # ``selected`` is best first
+                    and levels + 1 < shape.depth and self.tree.parents[node] in self.mtp_done]
+            if shape.width is not None:
+                todo = todo[: shape.width]  # ``selected`` is best first
             if not todo:
                 break
             if costs is not None and not self._level_pays(selected, todo, costs):
@@ -227,7 +251,7 @@ class BestFirstBuilder:
                 break
             self._mtp_expand(todo, (yield todo))
             levels += 1
-            selected = self._grow_lookup(policy.budget)
+            selected = self._grow_lookup(shape.budget)
         reach = self._reach()
         if costs is not None:
             selected = selected[: self._best_prefix([reach[node] for node in selected], costs)]
@@ -240,7 +264,7 @@ class BestFirstBuilder:
 
     def _best_prefix(self, reach: list[float], costs: CostCurve) -> int:
         """How many of the selected nodes (best first) give the least predicted time per token; 0 = a plain
-        step. Time per token = step_seconds / F, F = 1 + the kept nodes' reach (``tree/cost_model.py``)."""
+        step. Time per token = step_seconds / F, F = 1 + the kept nodes' reach (``costs.py``)."""
         forwards = self._head_forwards()
         best_count, best_time = 0, step_seconds(costs, 1, forwards)
         accept = 1.0

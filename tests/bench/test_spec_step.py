@@ -3,9 +3,11 @@ import pytest
 import torch
 
 from host_guard import HostAccessGuard
-from sglang_spec.kernels.step import SpecStep, StepConfig
+from paths import bench_module
 from sglang_spec.tree import TokenTree
 from sglang_spec.verify import RelaxedAcceptance
+
+SpecStep, StepConfig = bench_module("spec_step").SpecStep, bench_module("spec_step").StepConfig
 
 VOCAB, DIM, ROW, SLOTS = 48, 16, 8, 160
 

@@ -1,5 +1,5 @@
-"""``kernels/hybrid_tree``: the device growth of ``hybrid`` trees gives, for every request of a batch, the tree the
-host builder (``tree/hybrid.BestFirstBuilder``, what the reference decoder and the plugin grow) gives: same nodes,
+"""``device_trees/hybrid``: the device growth of ``hybrid`` trees gives, for every request of a batch, the tree the
+host builder (``tree/best_first.BestFirstBuilder``, what the reference decoder and the plugin grow) gives: same nodes,
 same order, same sources, same reaches (bit-equal), same head rounds, with a width bound or without, with a cost
 curve that prices head levels and cuts the tree, or without. The head is a stand-in whose candidates depend on the
 node's path only (the same on both sides); its small vocabulary makes it propose the context's tokens often, so
@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_spec.kernels.hybrid_tree import HybridShape, SourceEstimates, build_hybrid_trees, step_prices
+from sglang_spec.device_trees.hybrid import HybridShape, SourceEstimates, build_hybrid_trees, step_prices
 from sglang_spec.kernels.ngram_match import ngram_match, ngram_match_reference
 from sglang_spec.tree.candidates import Candidates, CandidateSource
-from sglang_spec.tree.cost_model import CostCurve
-from sglang_spec.tree.hybrid import BestFirstBuilder
+from sglang_spec.costs import CostCurve
+from sglang_spec.tree.best_first import BestFirstBuilder
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
 from sglang_spec.tree.profile import SOURCE_LOOKUP, SOURCE_MTP, SourceCounts
-from test_lookup_tree import batch_inputs, tied_counts
+from test_device_lookup_tree import batch_inputs, tied_counts
 from test_ngram_match import random_history
 
 HASH = 2**31
@@ -91,7 +91,7 @@ def random_costs(rng: np.random.Generator) -> CostCurve:
 
 
 def host_build(policy: TreePolicy, history: list[int], counts: SourceCounts, request: int, vocab: int):
-    builder = BestFirstBuilder(policy, history[-1], NgramIndex(history, policy.max_ngram), counts)
+    builder = BestFirstBuilder(policy.best_first_shape(), history[-1], NgramIndex(history, policy.max_ngram), counts)
     head = StandInHead(request, vocab)
     rounds = builder.rounds()
     try:
@@ -164,7 +164,7 @@ def test_device_trees_are_the_host_builders_trees(case):
 def test_the_draft_trees_read_back_are_the_host_builders():
     """What the plugin's calibration observes: the host builder's DraftTree, its cells (the same cells of the same
     counts) and estimates included; rows left out read as None."""
-    from sglang_spec.kernels.hybrid_tree import hybrid_draft_trees
+    from sglang_spec.device_trees.hybrid import hybrid_draft_trees
 
     rng = np.random.default_rng(13)
     counts = random_counts(rng, 8)

@@ -1,10 +1,12 @@
-"""The request set of ``test_parity_under_load.py``: every kind of /generate request, the bad bodies, the tree
-servers it runs (``POLICIES``), and the HTTP client pieces (refusals as answers, 32 concurrent requests, a stream
-closed early, a client that disconnects, waiting for an idle server).
+"""What the server tests and the GPU server checks hold a tree server to plain decoding with: every kind of /generate
+request and the bad bodies (``request_set``), the tree servers (``POLICIES``, ``tree_args``), the raw-text prompts
+whose continuation repeats their context, the accept lengths an answer reports, and the HTTP client pieces
+(refusals as answers, 32 concurrent requests, a stream closed early, a client that disconnects, waiting for an idle
+server).
 
-The plain server of conftest.py (``smollm2_plain_runs``) answers the set once, as the oracle, so it runs with the
-same ``--context-length`` as the tree servers (``PARITY_SERVER_ARGS``). ``bench/gpu_server_checks.py`` sends the
-same set to the same servers on a GPU.
+The plain server (``tests/sglang_server/conftest.py``, ``smollm2_plain_runs``) answers the set once, as the oracle,
+so it runs with the same ``--context-length`` as the tree servers (``PARITY_SERVER_ARGS``).
+``bench/gpu_server_checks.py`` sends the same set to the same servers on a GPU.
 """
 
 from __future__ import annotations
@@ -18,7 +20,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cpu_server_helpers import REPEAT_CONTEXT_PROMPTS, tree_args
+
+# Raw-text prompts whose continuation repeats their own context (code following a pattern, records extracted into
+# a format the prompt shows): what SGLang's NGRAM drafts from. Decoded greedily for REPEAT_NEW_TOKENS tokens.
+REPEAT_CONTEXT_PROMPTS = (
+    "class Person:\n    def get_name(self):\n        return self.name\n\n    def get_age(self):\n"
+    "        return self.age\n\n    def get_city(self):\n        return self.city\n\n    def get_email(self):\n",
+    "Alice Moreau lives in Paris. Bob Lindqvist lives in Stockholm. Carol Mendes lives in Lisbon.\n"
+    "As JSON:\n[{\"name\": \"Alice Moreau\", \"city\": \"Paris\"}, {\"name\": \"",
+    "- id: 101, status: shipped, total: 12.50\n- id: 102, status: pending, total: 8.75\n"
+    "- id: 103, status: shipped, total: 20.00\n\nThe same orders as a table:\n| id | status | total |\n",
+)
+REPEAT_NEW_TOKENS = 32
+
+
+def tree_args(policy: str, budget: int, depth: int, topk: int, profile: Path | None = None) -> list[str]:
+    args = ["--speculative-tree-policy", policy, "--speculative-tree-budget", str(budget),
+            "--speculative-tree-depth", str(depth)]
+    if policy != "chain":
+        args += ["--speculative-tree-topk", str(topk)]
+    if policy == "sequoia":
+        assert profile is not None
+        args += ["--speculative-acceptance-profile", str(profile)]
+    return args
+
+
+def accept_lengths(answers: list[dict]) -> list[int]:
+    """Per-verify-step accept lengths (accepted drafts + 1) from SGLang's per-request histograms: entry k of
+    ``spec_correct_drafts_histogram`` counts the steps that accepted k drafts."""
+    lengths: list[int] = []
+    for answer in answers:
+        histogram = answer["meta_info"].get("spec_correct_drafts_histogram") or []
+        for drafts, count in enumerate(histogram):
+            lengths += [drafts + 1] * int(count)
+    return lengths
+
 
 CONTEXT_LENGTH = 512  # every server of the parity test, and the plain oracle: the near-limit prompt is measured on it
 PARITY_SERVER_ARGS = ("--context-length", str(CONTEXT_LENGTH))

@@ -1,0 +1,72 @@
+"""The one chooser of how much a decode step verifies: ``plan_step``.
+
+A step verifies, for each request of the batch, a prefix of its best-first tree: its root and its best draft nodes
+(parents before children, each node's reach = the probability that the target accepts it and every ancestor, as the
+drafter's calibrated estimates give it). Verifying ``n`` tokens a request (root included) emits in expectation
+``1 + the sum of the reach of its n - 1 best nodes`` tokens for each request, and costs the step ``seconds(n)``.
+The plan is the size with the least predicted seconds per emitted token, under a cap on the step's time (which bounds the
+gap a streaming client sees between two chunks); ``n = 1`` is a plain step (the root alone: the target's next
+token), always allowed.
+
+The reference decoder asks it per step with its tree's own reach at batch 1 over every size (``tree.best_first``);
+the server asks it before each decode step with each request's predicted reach (its last tree's) over the verify
+sizes it can run (``sglang_plugin.planner``), so one chooser serves both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """tokens:            verify tokens a request this step (root included; 1: a plain step).
+    expected_tokens:      tokens the step is predicted to emit, the batch's total.
+    predicted_seconds:    the step's predicted time (``seconds(tokens)``).
+    nodes:                per request, the draft nodes it verifies (``min(tokens - 1, its tree's size)``)."""
+
+    tokens: int
+    expected_tokens: float
+    predicted_seconds: float
+    nodes: tuple[int, ...]
+
+    @property
+    def plain(self) -> bool:
+        return self.tokens == 1
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.predicted_seconds / self.expected_tokens
+
+
+def expected_tokens(reach: Sequence[Sequence[float]], tokens: int) -> float:
+    """The batch's expected emitted tokens when every request verifies ``tokens`` (root included): one each, plus
+    the reach of each request's best ``tokens - 1`` nodes."""
+    return math.fsum(1.0 + math.fsum(nodes[: tokens - 1]) for nodes in reach)
+
+
+def plan_step(reach: Sequence[Sequence[float]], seconds: Callable[[int], float], sizes: Sequence[int],
+              cap_seconds: float | None = None) -> StepPlan:
+    """The plan of one step for a batch of ``len(reach)`` requests.
+
+    reach:       per request, its draft nodes' reach, best first (a prefix of the list is a tree); may be empty.
+    seconds:     the step's predicted seconds when every request verifies ``n`` tokens (root included).
+    sizes:       the verify sizes the step may take (the plain step, 1, is always a candidate).
+    cap_seconds: a size whose predicted step is longer is not taken (None: no cap); the plain step always is.
+    Ties go to the smaller size."""
+    if not reach:
+        raise ValueError("a step plans at least one request")
+    best: StepPlan | None = None
+    for size in sorted({1, *sizes}):
+        if size < 1:
+            raise ValueError(f"verify sizes are whole numbers >= 1, got {size}")
+        time = seconds(size)
+        if size > 1 and cap_seconds is not None and time > cap_seconds:
+            continue
+        plan = StepPlan(size, expected_tokens(reach, size), time, tuple(min(size - 1, len(nodes)) for nodes in reach))
+        if best is None or plan.seconds_per_token < best.seconds_per_token:
+            best = plan
+    assert best is not None  # the plain step is always a candidate
+    return best
