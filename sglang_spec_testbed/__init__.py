@@ -165,9 +165,9 @@ def register() -> None:
         HookRegistry.register(target, hook, getattr(HookType, kind))
     patches.install_attributes()
     claim_amx_platform()
-    if os.environ.get(profile.PROFILE_ENV):
-        for target, name, kind in profile.HOOKS:
-            HookRegistry.register(target, getattr(profile, name), getattr(HookType, kind))
+    if os.environ.get(step_timing.PROFILE_ENV):
+        for target, name, kind in step_timing.HOOKS:
+            HookRegistry.register(target, getattr(step_timing, name), getattr(HookType, kind))
 
 
 def claim_amx_platform() -> None:
