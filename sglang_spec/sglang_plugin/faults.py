@@ -1,9 +1,10 @@
 """Faults in the plugin: how one is reported and recovered from, and the faults the tests raise on purpose.
 
-A fault in the plugin's draft or accept for one batch must not take SGLang's scheduler down: the draft's batch
+A fault in one of the plugin's hooks on a request or a batch must not take SGLang's server down: the draft's batch
 verifies a filler tree (``hooks.draft``), the accept's batch is accepted by SGLang's own path (``hooks.accept``),
-a fault in tree auto's choice gives a plain step (``hooks.auto``). Each is counted on ``/metrics`` and logged in
-one line (``accept_fault``; drafts: ``hooks.draft``).
+a fault in tree auto's choice gives a plain step (``hooks.auto``), the per-node penalties give SGLang's own
+(``hooks.accept``), a fault in the check of a request leaves it to SGLang's validation (``hooks.requests``). Each
+is counted on ``/metrics`` and logged in one line (``accept_fault``, ``plugin_fault``; drafts: ``hooks.draft``).
 
 The tests inject faults through launch_server with variables read once at start-up (``FaultInjection``); a
 served deployment sets none of them and its workers carry no injection state:
@@ -33,6 +34,8 @@ RECORD = "record"  # after the accept: the accepted paths handed to the context 
 OBSERVE = "observe"  # at the next draft: the context drafter learns from the paths (lookup / hybrid)
 COUNTS = "counts"  # per request, after the step: the per-position acceptance counts
 AUTO = "auto"  # --speculative-tree-auto: the step's choice and its timing
+PENALTIES = "penalties"  # a penalised verify batch's penalties per tree node (hooks.accept)
+REQUEST = "request_check"  # the tokenizer manager's check of a request (hooks.requests; counted in that process)
 
 FAULT_ENV = "SGLANG_SPEC_INJECT_DRAFT_FAULT"
 ACCEPT_FAULT_ENV = "SGLANG_SPEC_INJECT_ACCEPT_FAULT"
@@ -58,11 +61,17 @@ def accept_fault(stage: str, error: Exception, batch_size: int, outcome: str) ->
     """One fault in the plugin's accept (raised at ``stage``) that the caller recovers from as ``outcome`` says:
     counted (sglang_spec_accept_faults_total), one log line. While a CUDA graph is being captured it raises
     instead (a capture must fail, not record a fallback)."""
+    plugin_fault(stage, error, f"batch of {batch_size}", outcome, kind="accept fault")
+
+
+def plugin_fault(stage: str, error: Exception, subject: str, outcome: str, kind: str = "fault") -> None:
+    """One fault raised at ``stage`` of a plugin hook on ``subject`` ("batch of 3", "one request") that the caller
+    recovers from as ``outcome`` says: counted (sglang_spec_accept_faults_total{stage}), one line ``{kind} in
+    {stage}, {subject}: {outcome} (...)``. Raises ``error`` instead while a CUDA graph is being captured."""
     if capturing():
         raise error
     METRICS.record_accept_fault(stage, type(error).__name__)
-    log(f"accept fault in {stage}, batch of {batch_size}: {outcome} ({type(error).__name__}: {error}; "
-        f"sglang_spec_accept_faults_total)")
+    log(f"{kind} in {stage}, {subject}: {outcome} ({type(error).__name__}: {error}; sglang_spec_accept_faults_total)")
 
 
 @dataclass

@@ -19,8 +19,9 @@ batches the fused accept served (``outcome="fused"``) and those it left to SGLan
 
 ``sglang_spec_draft_faults_total{error}`` counts the batches whose draft raised inside the plugin and were verified
 without speculation instead (``hooks.draft.draft_forward_around``), by exception type;
-``sglang_spec_accept_faults_total{stage,error}`` the faults in the plugin's accept (``faults.accept_fault``), by
-stage (``faults``: accept, commit, record, observe, counts, auto) and exception type.
+``sglang_spec_accept_faults_total{stage,error}`` the faults in the plugin's accept and its other per-batch and
+per-request hooks (``faults.accept_fault``, ``faults.plugin_fault``), by stage (``faults``: accept, commit, record,
+observe, counts, auto, penalties; request_check, counted in the tokenizer manager's process) and exception type.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@
 | ``_ModelRegistry.resolve_model_cls`` / ``is_arch_supported`` | BEFORE | startup: our draft model classes (``draft_models``) |
 | ``attention_backend_setup._build_resolved_backend`` | AFTER | startup: ``--speculative-tree-mla-verify``'s back-end |
 | ``TokenizerManager.__init__`` | AFTER | startup: the context a tree server reserves: none where the model's positions hold the tree past it |
+| ``TokenizerManager._validate_one_request`` | AROUND | requests: an empty prompt refused (400, one line), not scheduled |
 | ``KVCacheConfigurator._build_req_to_token_pool``, ``allocation_sizing.get_req_to_token_extra_context_len`` | AROUND | startup: a tree server's req_to_token rows hold a decode step's draft slots past the context |
 | ``EagleDraftWorker.__init__`` | AFTER | draft: the worker's state and its drafter (chosen once); metrics |
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | draft: the draft KV pool can give every branch its own ancestry |
@@ -26,14 +27,16 @@
 | ``Req.update_spec_correct_drafts_histogram`` | AFTER | accept: per-position acceptance metrics |
 
 Every hot-path hook reads its settings from the worker's state (``state.WorkerState``, set at construction), never
-from globals. Start-up failures end the launch with one ``error:`` line.
+from globals. Start-up failures end the launch with one ``error:`` line. A fault in a hook on a request or a batch
+is counted, logged in one line and falls back to SGLang's own behaviour (``faults``); a request no forward can
+serve is refused in one line (``requests``).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from sglang_spec.sglang_plugin.hooks import accept, auto, draft, startup
+from sglang_spec.sglang_plugin.hooks import accept, auto, draft, requests, startup
 
 _WORKER = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
 _SPEC_WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
@@ -48,6 +51,8 @@ HOOKS: tuple[tuple[str, Callable, str], ...] = (
      startup.mla_tree_verify_backend_after, "AFTER"),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__", startup.tokenizer_manager_init_after,
      "AFTER"),
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+     requests.validate_one_request_around, "AROUND"),
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_req_to_token_pool",
      startup.build_req_to_token_pool_around, "AROUND"),
     ("sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len",
