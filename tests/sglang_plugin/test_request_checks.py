@@ -1,11 +1,13 @@
-"""The plugin's check of a request in SGLang's tokenizer manager (``hooks.requests``): an empty prompt is refused
-with one ``ValueError`` line (SGLang's routes answer it with 400) before SGLang schedules a 0-token prefill; a fault
-in the check leaves the request to SGLang's own validation, counted and logged in one line.
+"""The plugin's checks of a request before SGLang schedules it (``hooks.requests``): each request that killed the
+scheduler or got a 500 is refused with one ``ValueError`` line (SGLang's routes answer it with 400) and SGLang's own
+code is not reached; a fault in a check leaves the request to SGLang, counted and logged in one line. SGLang's real
+``GenerateReqInput`` is split through the hook.
 
 Through the real server (every route, plain and tree servers): ``tests/sglang_server/test_request_fuzz.py``."""
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +19,9 @@ from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
 
 pytestmark = pytest.mark.sglang
 
+VOCAB = 100
+MANAGER = SimpleNamespace(model_config=SimpleNamespace(vocab_size=VOCAB))
+
 
 @pytest.fixture
 def metrics(monkeypatch):
@@ -25,55 +30,105 @@ def metrics(monkeypatch):
     return counted
 
 
-def request(session_params=None):
-    """A GenerateReqInput of one prompt, as far as the check reads it."""
-    return SimpleNamespace(session_params=session_params)
+def request(session_params=None, sampling_params=None, return_logprob=False, top_logprobs_num=0, images=False):
+    """A GenerateReqInput of one prompt, as far as the checks read it."""
+    return SimpleNamespace(session_params=session_params, sampling_params=sampling_params or {},
+                           return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                           contains_mm_input=lambda: images)
 
 
-def sglangs_validation(calls):
-    def validate(manager, obj, input_ids):
-        calls.append(list(input_ids))
-    return validate
+def validate(obj, input_ids):
+    """The hook around SGLang's validation; returns what reached SGLang's (None: nothing did)."""
+    reached = []
+    hooks.validate_one_request_around(lambda manager, obj, ids: reached.append(ids), MANAGER, obj, input_ids)
+    return reached[0] if reached else None
 
 
-@pytest.mark.parametrize("input_ids", [[], ()])
-def test_an_empty_prompt_is_refused_in_one_line_before_sglangs_validation(input_ids):
-    calls = []
+@pytest.mark.parametrize("obj, input_ids, message", [
+    (request(), [], hooks.EMPTY_PROMPT),
+    (request(), (), hooks.EMPTY_PROMPT),
+    (request(), [5, VOCAB], f"input_ids holds token id {VOCAB}, outside this model's vocabulary [0, {VOCAB})"),
+    (request(), [-1, 5], f"input_ids holds token id -1, outside this model's vocabulary [0, {VOCAB})"),
+    (request(sampling_params={"top_k": 2**31}), [5], "top_k 2147483648 is past the largest SGLang's sampler holds"),
+    (request(return_logprob=True, top_logprobs_num=VOCAB + 1), [5], f"top_logprobs_num {VOCAB + 1} is more than"),
+    (request(sampling_params={"stop_regex": "(("}), [5], "stop_regex '((' is not a regular expression"),
+    (request(sampling_params={"stop_regex": ["a+", "[z"]}), [5], "stop_regex '[z' is not a regular expression"),
+])
+def test_what_sglang_cannot_serve_is_refused_in_one_line_before_its_validation(obj, input_ids, message):
     with pytest.raises(ValueError) as refused:
-        hooks.validate_one_request_around(sglangs_validation(calls), None, request(), input_ids)
-    assert str(refused.value) == hooks.EMPTY_PROMPT and "\n" not in hooks.EMPTY_PROMPT
-    assert calls == []
+        validate(obj, input_ids)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
 
 
-def test_a_prompt_of_one_token_and_an_embeddings_prompt_go_to_sglangs_validation():
-    calls = []
-    hooks.validate_one_request_around(sglangs_validation(calls), None, request(), [7])
-    hooks.validate_one_request_around(lambda manager, obj, ids: calls.append(ids), None, request(), None)
-    assert calls == [[7], None]
+@pytest.mark.parametrize("obj, input_ids", [
+    (request(), [0, VOCAB - 1]),
+    (request(), None),  # input_embeds
+    (request(images=True), [VOCAB + 7]),  # multimodal placeholder ids
+    (request(sampling_params={"top_k": 2**31 - 1, "stop_regex": ["a+", r"\d{2}"]}), [5]),
+    (request(return_logprob=True, top_logprobs_num=VOCAB), [5]),
+    (request(return_logprob=False, top_logprobs_num=VOCAB + 1), [5]),  # not asked for: never computed
+    (request(session_params={"id": "chat-1"}), []),  # the session's history supplies the prompt
+    (request(session_params=SimpleNamespace(id="chat-1")), []),
+])
+def test_what_sglang_can_serve_goes_to_its_validation(obj, input_ids):
+    assert validate(obj, input_ids) == input_ids
 
 
-def test_a_session_continuation_is_left_to_sglang():
-    """Its session's history supplies the prompt (SGLang's scheduler rejects one still empty after that)."""
-    assert hooks.refusal(request(session_params={"id": "chat-1"}), []) is None
-    assert hooks.refusal(request(session_params=SimpleNamespace(id="chat-1")), []) is None
-    assert hooks.refusal(request(session_params={"id": None}), []) == hooks.EMPTY_PROMPT
-
-
-def test_a_fault_in_the_check_leaves_the_request_to_sglang(monkeypatch, metrics, capsys):
-    calls = []
-    monkeypatch.setattr(hooks, "refusal", lambda obj, input_ids: 1 / 0)
-    hooks.validate_one_request_around(sglangs_validation(calls), None, request(), [])
-    assert calls == [[]]  # SGLang's own validation ran, as without the plugin
+def test_a_fault_in_a_check_leaves_the_request_to_sglang(monkeypatch, metrics, capsys):
+    monkeypatch.setattr(hooks, "refusal", lambda obj, input_ids, vocab_size: 1 / 0)
+    assert validate(request(), []) == []  # SGLang's own validation ran, as without the plugin
     assert metrics.accept_faults == {(REQUEST, "ZeroDivisionError"): 1}
     lines = [line for line in capsys.readouterr().err.splitlines() if "fault in" in line]
     assert lines == ["[sglang_spec] fault in request_check, one request: checked by SGLang's validation alone "
                      "(ZeroDivisionError: division by zero; sglang_spec_accept_faults_total)"]
 
 
-def test_the_hook_reaches_sglangs_tokenizer_manager(sglang_with_plugin):
-    import inspect
+# ---------------------------------------------------------------------------------------------- the split
+def split(body: dict):
+    """SGLang's GenerateReqInput of ``body``, split through the hook around its real normalization."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
 
+    obj = GenerateReqInput(**body)
+    hooks.normalize_around(GenerateReqInput.normalize_batch_and_arguments.__wrapped__, obj)
+    return obj
+
+
+GREEDY = {"max_new_tokens": 4, "temperature": 0}
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"text": ["a", "b"], "sampling_params": [GREEDY]}, "sampling_params holds 1 entries for 2 prompts"),
+    ({"input_ids": [[1], [2]], "sampling_params": [GREEDY] * 3}, "sampling_params holds 3 entries for 2 prompts"),
+    ({"text": "a", "sampling_params": [GREEDY]}, "sampling_params is a list for a single prompt"),
+    ({"text": "a", "sampling_params": []}, "the request's fields do not fit its prompts (IndexError"),
+    ({"input_embeds": [], "sampling_params": GREEDY}, "input_embeds is empty"),
+    ({"input_embeds": [[]], "sampling_params": GREEDY}, "input_embeds is empty"),
+    ({"text": ["a", "b"], "return_logprob": [True], "sampling_params": GREEDY},
+     "the request's fields do not fit its prompts (IndexError"),
+])
+def test_a_body_whose_fields_do_not_fit_its_prompts_is_refused_in_one_line(sglang_with_plugin, body, message):
+    with pytest.raises(ValueError) as refused:
+        split(body)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("body", [
+    {"text": ["a", "b"], "sampling_params": [GREEDY, GREEDY]},
+    {"text": "a", "sampling_params": [{**GREEDY, "n": 2}]},  # n > 1 makes a single prompt a batch of its samples
+    {"text": "a", "sampling_params": GREEDY},
+    {"input_ids": [[1], [2]], "return_logprob": [True, False]},
+])
+def test_a_body_that_fits_is_split_by_sglang(sglang_with_plugin, body):
+    obj = split(body)
+    assert obj.is_single or len(obj.rid) >= 2
+
+
+def test_the_hooks_reach_sglang(sglang_with_plugin):
+    from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-    hook = inspect.getclosurevars(TokenizerManager._validate_one_request).nonlocals.get("hook")
-    assert hook is hooks.validate_one_request_around
+    def hook_of(function):
+        return inspect.getclosurevars(function).nonlocals.get("hook")
+
+    assert hook_of(TokenizerManager._validate_one_request) is hooks.validate_one_request_around
+    assert hook_of(GenerateReqInput.normalize_batch_and_arguments) is hooks.normalize_around

@@ -9,7 +9,8 @@
 | ``_ModelRegistry.resolve_model_cls`` / ``is_arch_supported`` | BEFORE | startup: our draft model classes (``draft_models``) |
 | ``attention_backend_setup._build_resolved_backend`` | AFTER | startup: ``--speculative-tree-mla-verify``'s back-end |
 | ``TokenizerManager.__init__`` | AFTER | startup: the context a tree server reserves: none where the model's positions hold the tree past it |
-| ``TokenizerManager._validate_one_request`` | AROUND | requests: an empty prompt refused (400, one line), not scheduled |
+| ``GenerateReqInput.normalize_batch_and_arguments`` | AROUND | requests: per-prompt lists that do not fit the prompts refused (400, one line), not a 500 |
+| ``TokenizerManager._validate_one_request`` | AROUND | requests: a prompt no forward can serve refused (400, one line): empty, token ids outside the vocabulary, top_k or top logprobs past what the sampler holds |
 | ``KVCacheConfigurator._build_req_to_token_pool``, ``allocation_sizing.get_req_to_token_extra_context_len`` | AROUND | startup: a tree server's req_to_token rows hold a decode step's draft slots past the context |
 | ``EagleDraftWorker.__init__`` | AFTER | draft: the worker's state and its drafter (chosen once); metrics |
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | draft: the draft KV pool can give every branch its own ancestry |
@@ -51,6 +52,8 @@ HOOKS: tuple[tuple[str, Callable, str], ...] = (
      startup.mla_tree_verify_backend_after, "AFTER"),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__", startup.tokenizer_manager_init_after,
      "AFTER"),
+    ("sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments", requests.normalize_around,
+     "AROUND"),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
      requests.validate_one_request_around, "AROUND"),
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_req_to_token_pool",

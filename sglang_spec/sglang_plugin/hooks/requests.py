@@ -1,53 +1,169 @@
-"""Hooks of a request's admission in SGLang's tokenizer manager: what SGLang would hand its scheduler but no
-forward can serve is refused there, in one line, through SGLang's own error path.
+"""Hooks of a request's admission, before SGLang's tokenizer manager sends it to the scheduler: a request that no
+forward can serve, or that SGLang would fail on with an internal error, is refused in one line through SGLang's own
+error path (a ``ValueError``, which its routes answer with HTTP 400 and the message; a refused batch member aborts
+the members already sent). Every route goes through both hooks (``/generate`` one prompt or a batch,
+``/v1/completions``, ``/v1/chat/completions``, ``sgl.Engine``), on a plain server too: the plugin hooks SGLang
+whether or not the tree options are set.
 
-``TokenizerManager._validate_one_request`` sees every generate request of every route (``/generate`` one prompt or a
-batch, ``/v1/completions``, ``/v1/chat/completions``, ``sgl.Engine``) once its prompt is final: tokenized, chat
-template applied, multimodal placeholders expanded. A ``ValueError`` raised there is answered by SGLang's routes
-with HTTP 400 and its message, and a batch member's refusal aborts the members already sent. A plain server is
-guarded too: the plugin hooks SGLang whether or not the tree options are set.
+``GenerateReqInput.normalize_batch_and_arguments`` (``normalize_around``) splits a body into its prompts. Refused
+there (``shape_refusal``), each an ``IndexError`` / ``AttributeError`` and a 500 in SGLang 0.5.23:
 
-Refused:
+* a batch whose ``sampling_params`` list holds another number of entries than it has prompts;
+* a single prompt with a ``sampling_params`` list (one entry a prompt of a batch);
+* an empty ``input_embeds``.
+
+Any other ``IndexError`` / ``KeyError`` / ``TypeError`` of the split, or of taking a batch's prompts apart right
+after it (another per-prompt list too short), is the client's too: answered the same way, naming it.
+
+``TokenizerManager._validate_one_request`` (``validate_one_request_around``) sees each prompt once it is final:
+tokenized, chat template applied, multimodal placeholders expanded. Refused there (``refusal``):
 
 * an empty prompt (0 tokens: ``text: ""`` with a tokenizer that adds no BOS, a batch member ``""`` or ``[]``, a
-  completion's empty prompt). SGLang 0.5.23 schedules it as a 0-token prefill, which no attention or rotary kernel
-  is written for (on the CPU the scheduler died in the rotary embedding's reshape, and the server with it). A
-  request continuing a session (``session_params`` with an id) is left to SGLang: its history supplies the prompt.
+  completion's empty prompt): SGLang schedules a 0-token prefill, which no attention or rotary kernel is written
+  for (on the CPU the scheduler died in the rotary embedding's reshape, and the server with it). A request
+  continuing a session (``session_params`` with an id) is left to SGLang: its history supplies the prompt.
+* a prompt token id outside the model's vocabulary (SGLang checks only ``token_ids_logprob``'s): the prefill's
+  embedding lookup indexes past its table (on the CPU an ``IndexError`` killed the scheduler; a GPU's gather
+  reads out of bounds or asserts). Not checked for a multimodal request, whose placeholder ids the model's own
+  embedding routine replaces.
+* a ``top_k`` past 2**31 - 1: SGLang's batch of sampling settings holds top_k as int32, and the conversion raised
+  in the scheduler (the server died); any top_k from the vocabulary's size up samples from all of it.
+* more top logprobs a token than the vocabulary has (``top_logprobs_num``; the completions route's ``logprobs``)
+  with ``return_logprob``: the sampler's top-k over the vocabulary raised (the scheduler died).
+* a ``stop_regex`` that is no regular expression: SGLang's parse of it raised ``re.error`` (a 500).
 
-A fault in the check itself is counted and logged in one line (``faults.plugin_fault``) and the request goes on to
-SGLang's own validation, as without the plugin.
+A fault in a check itself is counted and logged in one line (``faults.plugin_fault``) and the request goes on to
+SGLang as without the plugin.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 from sglang_spec.sglang_plugin.faults import REQUEST, plugin_fault
 
+INT32_MAX = 2**31 - 1
 EMPTY_PROMPT = ("the prompt is empty (0 tokens): send at least one token of text or input_ids (in a batch, every "
                 "prompt)")
 
 
+# ---------------------------------------------------------------------------------------------- the split
+def normalize_around(original, obj, *args, **kwargs):
+    """SGLang's split of a generate request into its prompts, between the plugin's checks of the lists it indexes
+    (``shape_refusal``); a structural error of the split is the client's, refused in one line."""
+    _refuse_if(lambda: shape_refusal(obj), "split by SGLang alone")
+    try:
+        result = original(obj, *args, **kwargs)
+        if not obj.is_single:
+            for index in range(len(obj.rid)):  # what SGLang does next with a batch: each prompt taken apart
+                obj[index]
+    except (IndexError, KeyError, TypeError) as error:
+        raise ValueError(f"the request's fields do not fit its prompts ({type(error).__name__}: {error}): give each "
+                         f"per-prompt field as one value for all prompts, or a list of one a prompt") from None
+    _refuse_if(lambda: split_refusal(obj), "split by SGLang alone")
+    return result
+
+
+def shape_refusal(obj: Any) -> str | None:
+    """Why SGLang cannot split the generate request ``obj`` (a ``GenerateReqInput`` as parsed) into its prompts, or
+    None."""
+    embeds = getattr(obj, "input_embeds", None)
+    if obj.text is None and obj.input_ids is None and isinstance(embeds, list) and (not embeds or embeds[0] == []):
+        return "input_embeds is empty: give one embedding a prompt token"
+    prompts = obj.text if obj.text is not None else obj.input_ids
+    batch = isinstance(prompts, list) and (obj.text is not None or (bool(prompts) and isinstance(prompts[0], list)))
+    params = obj.sampling_params
+    if batch and isinstance(params, list) and len(params) != len(prompts):
+        return (f"sampling_params holds {len(params)} entries for {len(prompts)} prompts: give one a prompt, or one "
+                f"object for all")
+    return None
+
+
+def split_refusal(obj: Any) -> str | None:
+    """Why SGLang cannot serve the request ``obj`` as split (``normalize_batch_and_arguments`` done), or None."""
+    if obj.is_single and isinstance(obj.sampling_params, list):
+        return ("sampling_params is a list for a single prompt: send one object (a list holds one entry a prompt of "
+                "a batch)")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- one prompt
 def validate_one_request_around(original, manager, obj, input_ids, *args, **kwargs):
     """SGLang's validation of one request (a batch member), after the plugin's own (``refusal``)."""
-    try:
-        refused = refusal(obj, input_ids)
-    except Exception as error:  # the check must not refuse or fail a request it could not judge
-        plugin_fault(REQUEST, error, "one request", "checked by SGLang's validation alone")
-        refused = None
-    if refused is not None:
-        raise ValueError(refused)
+    _refuse_if(lambda: refusal(obj, input_ids, manager.model_config.vocab_size),
+               "checked by SGLang's validation alone")
     return original(manager, obj, input_ids, *args, **kwargs)
 
 
-def refusal(obj: Any, input_ids: Sequence[int] | None) -> str | None:
+def refusal(obj: Any, input_ids: Sequence[int] | None, vocab_size: int) -> str | None:
     """Why SGLang must not schedule the request ``obj`` (a ``GenerateReqInput`` or ``EmbeddingReqInput`` of one
-    prompt) whose final prompt is ``input_ids`` (None: given as ``input_embeds``), or None to let it through."""
-    if input_ids is None or len(input_ids) > 0:
+    prompt) whose final prompt is ``input_ids`` (None: given as ``input_embeds``) on a model of ``vocab_size``
+    embedding rows, or None to let it through."""
+    return (_prompt_refusal(obj, input_ids, vocab_size) or _sampling_refusal(_sampling_params(obj), vocab_size)
+            or _logprob_refusal(obj, vocab_size))
+
+
+def _prompt_refusal(obj: Any, input_ids: Sequence[int] | None, vocab_size: int) -> str | None:
+    if input_ids is None:
         return None
-    if _session_id(obj) is not None:
+    if len(input_ids) == 0:
+        return None if _session_id(obj) is not None else EMPTY_PROMPT
+    if _multimodal(obj):
         return None
-    return EMPTY_PROMPT
+    lowest, highest = min(input_ids), max(input_ids)
+    if lowest < 0 or highest >= vocab_size:
+        outside = lowest if lowest < 0 else highest
+        return (f"input_ids holds token id {outside}, outside this model's vocabulary [0, {vocab_size}): send the "
+                f"ids its tokenizer gives, or text")
+    return None
+
+
+def _sampling_refusal(params: dict, vocab_size: int) -> str | None:
+    top_k = params.get("top_k")
+    if isinstance(top_k, int) and top_k > INT32_MAX:
+        return (f"top_k {top_k} is past the largest SGLang's sampler holds ({INT32_MAX}): give at most the vocabulary's "
+                f"{vocab_size}, or -1 for all of it")
+    patterns = params.get("stop_regex")
+    for pattern in [patterns] if isinstance(patterns, str) else patterns if isinstance(patterns, list) else []:
+        if not isinstance(pattern, str):
+            continue
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            return f"stop_regex {pattern[:80]!r} is not a regular expression ({error}): fix it, or send stop strings"
+    return None
+
+
+def _logprob_refusal(obj: Any, vocab_size: int) -> str | None:
+    top = getattr(obj, "top_logprobs_num", None)
+    if getattr(obj, "return_logprob", False) and isinstance(top, int) and top > vocab_size:
+        return (f"top_logprobs_num {top} is more than this model's vocabulary of {vocab_size} tokens: ask for at most "
+                f"{vocab_size}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _refuse_if(check, outcome: str) -> None:
+    """Raises the refusal ``check()`` gives as a ``ValueError``; a check that itself raises is a plugin fault
+    (counted, one line) and refuses nothing (``outcome``: what becomes of the request)."""
+    try:
+        refused = check()
+    except Exception as error:  # a check must not refuse or fail a request it could not judge
+        plugin_fault(REQUEST, error, "one request", outcome)
+        return
+    if refused is not None:
+        raise ValueError(refused)
+
+
+def _sampling_params(obj: Any) -> dict:
+    params = getattr(obj, "sampling_params", None)
+    return params if isinstance(params, dict) else {}
+
+
+def _multimodal(obj: Any) -> bool:
+    contains = getattr(obj, "contains_mm_input", None)
+    return bool(contains()) if callable(contains) else False
 
 
 def _session_id(obj: Any) -> Any:
