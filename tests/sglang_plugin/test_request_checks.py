@@ -102,6 +102,8 @@ GREEDY = {"max_new_tokens": 4, "temperature": 0}
     ({"text": "a", "sampling_params": [GREEDY]}, "sampling_params is a list for a single prompt"),
     ({"text": "a", "sampling_params": []}, "the request's fields do not fit its prompts (IndexError"),
     ({"input_embeds": [], "sampling_params": GREEDY}, "input_embeds is empty"),
+    ({"text": "a", "sampling_params": {**GREEDY, "n": 2**63}}, "n = 9223372036854775808 samples a prompt is more"),
+    ({"text": ["a", "b"], "sampling_params": [GREEDY, {**GREEDY, "n": 1025}]}, "n = 1025 samples a prompt"),
     ({"input_embeds": [[]], "sampling_params": GREEDY}, "input_embeds is empty"),
     ({"text": ["a", "b"], "return_logprob": [True], "sampling_params": GREEDY},
      "the request's fields do not fit its prompts (IndexError"),
@@ -110,6 +112,16 @@ def test_a_body_whose_fields_do_not_fit_its_prompts_is_refused_in_one_line(sglan
     with pytest.raises(ValueError) as refused:
         split(body)
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_a_billion_samples_are_refused_before_sglang_expands_the_request():
+    """n copies of the request's state are made by SGLang's split itself (10**9: tens of GB), so the refusal comes
+    before it (checked on the body alone here: a broken check must not take the test's memory)."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(text="a", sampling_params={**GREEDY, "n": 10**9})
+    assert hooks.shape_refusal(obj).startswith(f"n = {10**9} samples a prompt is more than this server takes (1024)")
+    assert hooks.shape_refusal(GenerateReqInput(text="a", sampling_params={**GREEDY, "n": 1024})) is None
 
 
 @pytest.mark.parametrize("body", [
@@ -123,7 +135,55 @@ def test_a_body_that_fits_is_split_by_sglang(sglang_with_plugin, body):
     assert obj.is_single or len(obj.rid) >= 2
 
 
+# ---------------------------------------------------------------------------------------------- the HTTP body
+def parsed(path: str, body):
+    """The hook around SGLang's parse of an HTTP body at ``path``: the body, or the HTTPException raised."""
+    import asyncio
+
+    async def sglangs_parse(request):
+        return body
+
+    request = SimpleNamespace(scope={"path": path})
+    try:
+        return asyncio.run(hooks.request_json_around(sglangs_parse, request))
+    except Exception as error:  # fastapi's HTTPException
+        return error
+
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.mark.parametrize("path, body, message", [
+    (CHAT, [], "the body is a JSON array, not an object"),
+    ("/v1/completions", 42, "the body is a JSON number, not an object"),
+    (CHAT, {"messages": [], "response_format": "json"}, "response_format is a JSON string: give an object"),
+    (CHAT, {"response_format": {"type": "json_schema", "schema": [1]}}, "response_format.schema is a JSON array"),
+    (CHAT, {"response_format": {"type": "json_schema", "schema": {"properties": "strict"}}},
+     "response_format.schema.properties is a JSON string"),
+    (CHAT, {"response_format": {"type": "json_schema", "schema": {"properties": {"strict": 1}}}},
+     "response_format.schema.properties.strict is a JSON number"),
+])
+def test_an_openai_body_sglangs_request_model_cannot_read_is_refused_with_400(sglang_with_plugin, path, body,
+                                                                                message):
+    from fastapi import HTTPException
+
+    refused = parsed(path, body)
+    assert isinstance(refused, HTTPException) and refused.status_code == 400, refused
+    assert refused.detail.startswith(message) and "\n" not in refused.detail
+
+
+@pytest.mark.parametrize("path, body", [
+    (CHAT, {"messages": [], "response_format": {"type": "json_schema", "schema": {"properties": {"strict": {}}}}}),
+    (CHAT, {"response_format": None}),
+    ("/generate", []),  # SGLang's own contract check answers /generate
+    ("/v1/completions", {"prompt": "a"}),
+])
+def test_a_body_sglang_can_read_is_passed_on(sglang_with_plugin, path, body):
+    assert parsed(path, body) is body
+
+
 def test_the_hooks_reach_sglang(sglang_with_plugin):
+    from sglang.srt.entrypoints.http_server import ORJSONRequest
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
@@ -132,3 +192,4 @@ def test_the_hooks_reach_sglang(sglang_with_plugin):
 
     assert hook_of(TokenizerManager._validate_one_request) is hooks.validate_one_request_around
     assert hook_of(GenerateReqInput.normalize_batch_and_arguments) is hooks.normalize_around
+    assert hook_of(ORJSONRequest.json) is hooks.request_json_around

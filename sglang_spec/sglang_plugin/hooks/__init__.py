@@ -9,6 +9,7 @@
 | ``_ModelRegistry.resolve_model_cls`` / ``is_arch_supported`` | BEFORE | startup: our draft model classes (``draft_models``) |
 | ``attention_backend_setup._build_resolved_backend`` | AFTER | startup: ``--speculative-tree-mla-verify``'s back-end |
 | ``TokenizerManager.__init__`` | AFTER | startup: the context a tree server reserves: none where the model's positions hold the tree past it |
+| ``http_server.ORJSONRequest.json`` | AROUND | requests: an OpenAI completion body SGLang's request models cannot read (not an object) refused (400, one line), not a 500 |
 | ``GenerateReqInput.normalize_batch_and_arguments`` | AROUND | requests: per-prompt lists that do not fit the prompts refused (400, one line), not a 500 |
 | ``TokenizerManager._validate_one_request`` | AROUND | requests: a prompt no forward can serve refused (400, one line): empty, token ids outside the vocabulary, top_k or top logprobs past what the sampler holds |
 | ``KVCacheConfigurator._build_req_to_token_pool``, ``allocation_sizing.get_req_to_token_extra_context_len`` | AROUND | startup: a tree server's req_to_token rows hold a decode step's draft slots past the context |
@@ -52,6 +53,7 @@ HOOKS: tuple[tuple[str, Callable, str], ...] = (
      startup.mla_tree_verify_backend_after, "AFTER"),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__", startup.tokenizer_manager_init_after,
      "AFTER"),
+    ("sglang.srt.entrypoints.http_server.ORJSONRequest.json", requests.request_json_around, "AROUND"),
     ("sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments", requests.normalize_around,
      "AROUND"),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",

@@ -1,16 +1,25 @@
 """Hooks of a request's admission, before SGLang's tokenizer manager sends it to the scheduler: a request that no
 forward can serve, or that SGLang would fail on with an internal error, is refused in one line through SGLang's own
 error path (a ``ValueError``, which its routes answer with HTTP 400 and the message; a refused batch member aborts
-the members already sent). Every route goes through both hooks (``/generate`` one prompt or a batch,
+the members already sent). Every route goes through the last two hooks (``/generate`` one prompt or a batch,
 ``/v1/completions``, ``/v1/chat/completions``, ``sgl.Engine``), on a plain server too: the plugin hooks SGLang
 whether or not the tree options are set.
+
+``ORJSONRequest.json`` (``request_json_around``) parses an HTTP body for SGLang's routes. On the OpenAI completion
+routes, SGLang's request models read the body as an object in validators that run before their type checks, so a
+body that is not a JSON object (``[]``, ``42``), or a chat ``response_format`` (its ``schema``, the schema's
+``properties``) that is not one, raised ``AttributeError`` / ``TypeError`` in the parse: a 500. Refused there
+(``body_refusal``) with an ``HTTPException`` of 400, which SGLang answers with the message.
 
 ``GenerateReqInput.normalize_batch_and_arguments`` (``normalize_around``) splits a body into its prompts. Refused
 there (``shape_refusal``), each an ``IndexError`` / ``AttributeError`` and a 500 in SGLang 0.5.23:
 
 * a batch whose ``sampling_params`` list holds another number of entries than it has prompts;
 * a single prompt with a ``sampling_params`` list (one entry a prompt of a batch);
-* an empty ``input_embeds``.
+* an empty ``input_embeds``;
+* more than ``MAX_SAMPLES`` samples a prompt (``n``): SGLang expands the request into n copies of its state (ids,
+  settings, a request id each) before anything is scheduled, so a body of a few bytes with n = 10**9 exhausts the
+  host's memory, and one past 2**63 raised ``OverflowError`` (a 500). OpenAI's API takes at most 128.
 
 Any other ``IndexError`` / ``KeyError`` / ``TypeError`` of the split, or of taking a batch's prompts apart right
 after it (another per-prompt list too short), is the client's too: answered the same way, naming it.
@@ -43,9 +52,52 @@ from typing import Any, Sequence
 
 from sglang_spec.sglang_plugin.faults import REQUEST, plugin_fault
 
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
 INT32_MAX = 2**31 - 1
+MAX_SAMPLES = 1024  # samples a prompt (``n``) a request may ask for
 EMPTY_PROMPT = ("the prompt is empty (0 tokens): send at least one token of text or input_ids (in a batch, every "
                 "prompt)")
+
+
+# ---------------------------------------------------------------------------------------------- the HTTP body
+async def request_json_around(original, request, *args, **kwargs):
+    """An HTTP request's JSON body as SGLang parses it, after the plugin's check of its shape (``body_refusal``)."""
+    body = await original(request, *args, **kwargs)
+    refused = _refusal_of(lambda: body_refusal(request.scope.get("path", ""), body), "parsed by SGLang alone")
+    if refused is not None:
+        from fastapi import HTTPException
+
+        raise HTTPException(status_code=400, detail=refused)
+    return body
+
+
+def body_refusal(path: str, body: Any) -> str | None:
+    """Why SGLang's request model of the route at ``path`` cannot read the parsed JSON ``body``, or None."""
+    if path not in OPENAI_ROUTES:
+        return None
+    if not isinstance(body, dict):
+        return f"the body is a JSON {_json_type(body)}, not an object: send the request's fields as one JSON object"
+    response_format = body.get("response_format")
+    if path != "/v1/chat/completions" or not response_format:
+        return None
+    if not isinstance(response_format, dict):
+        return (f"response_format is a JSON {_json_type(response_format)}: give an object, such as "
+                f'{{"type": "json_object"}}')
+    schema = response_format.get("schema") if response_format.get("type") == "json_schema" else None
+    if schema and not isinstance(schema, dict):
+        return f"response_format.schema is a JSON {_json_type(schema)}: give a JSON schema object"
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    if isinstance(schema, dict) and "properties" in schema and not isinstance(properties, dict):
+        return f"response_format.schema.properties is a JSON {_json_type(properties)}: give an object"
+    strict = properties.get("strict") if isinstance(properties, dict) else None
+    if strict and not isinstance(strict, dict):
+        return f"response_format.schema.properties.strict is a JSON {_json_type(strict)}: give a schema object"
+    return None
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 # ---------------------------------------------------------------------------------------------- the split
@@ -71,9 +123,14 @@ def shape_refusal(obj: Any) -> str | None:
     embeds = getattr(obj, "input_embeds", None)
     if obj.text is None and obj.input_ids is None and isinstance(embeds, list) and (not embeds or embeds[0] == []):
         return "input_embeds is empty: give one embedding a prompt token"
+    params = obj.sampling_params
+    for entry in params if isinstance(params, list) else [params]:
+        samples = entry.get("n") if isinstance(entry, dict) else None
+        if isinstance(samples, int) and samples > MAX_SAMPLES:
+            return (f"n = {samples} samples a prompt is more than this server takes ({MAX_SAMPLES}): ask for fewer, "
+                    f"or send the prompt again")
     prompts = obj.text if obj.text is not None else obj.input_ids
     batch = isinstance(prompts, list) and (obj.text is not None or (bool(prompts) and isinstance(prompts[0], list)))
-    params = obj.sampling_params
     if batch and isinstance(params, list) and len(params) != len(prompts):
         return (f"sampling_params holds {len(params)} entries for {len(prompts)} prompts: give one a prompt, or one "
                 f"object for all")
@@ -145,15 +202,20 @@ def _logprob_refusal(obj: Any, vocab_size: int) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- helpers
 def _refuse_if(check, outcome: str) -> None:
-    """Raises the refusal ``check()`` gives as a ``ValueError``; a check that itself raises is a plugin fault
-    (counted, one line) and refuses nothing (``outcome``: what becomes of the request)."""
-    try:
-        refused = check()
-    except Exception as error:  # a check must not refuse or fail a request it could not judge
-        plugin_fault(REQUEST, error, "one request", outcome)
-        return
+    """Raises the refusal ``check()`` gives as a ``ValueError`` (``_refusal_of``)."""
+    refused = _refusal_of(check, outcome)
     if refused is not None:
         raise ValueError(refused)
+
+
+def _refusal_of(check, outcome: str) -> str | None:
+    """The refusal ``check()`` gives; a check that itself raises is a plugin fault (counted, one line) and refuses
+    nothing (``outcome``: what becomes of the request)."""
+    try:
+        return check()
+    except Exception as error:  # a check must not refuse or fail a request it could not judge
+        plugin_fault(REQUEST, error, "one request", outcome)
+        return None
 
 
 def _sampling_params(obj: Any) -> dict:
