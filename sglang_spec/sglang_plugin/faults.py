@@ -35,6 +35,8 @@ OBSERVE = "observe"  # at the next draft: the context drafter learns from the pa
 COUNTS = "counts"  # per request, after the step: the per-position acceptance counts
 AUTO = "auto"  # --speculative-tree-auto: the step's choice and its timing
 PENALTIES = "penalties"  # a penalised verify batch's penalties per tree node (hooks.accept)
+HEAD_FAULTS = "head_faults"  # the count of requests drafted from a non-finite head output (hooks.draft)
+HEAD_SKIP = "head_skip"  # the head's pass skipped where no tree reads it: SGLang's stub of its outputs (hooks.draft)
 REQUEST = "request_check"  # the tokenizer manager's check of a request (hooks.requests; counted in that process)
 
 FAULT_ENV = "SGLANG_SPEC_INJECT_DRAFT_FAULT"

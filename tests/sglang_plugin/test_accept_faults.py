@@ -16,8 +16,8 @@ import torch
 from doubles import plugin_worker_state
 from helpers import random_tree, targets_following_drafts
 from sglang_spec.sglang_plugin import faults as faults_module
-from sglang_spec.sglang_plugin.faults import (ACCEPT, ACCEPT_FAULT_ENV, AUTO, COMMIT, COUNTS, RECORD, AcceptFaults,
-                                              FaultInjection, InjectedFault)
+from sglang_spec.sglang_plugin.faults import (ACCEPT, ACCEPT_FAULT_ENV, AUTO, COMMIT, COUNTS, PENALTIES, RECORD,
+                                              AcceptFaults, FaultInjection, InjectedFault)
 from sglang_spec.sglang_plugin.hooks import accept as hooks
 from sglang_spec.sglang_plugin.hooks import auto as auto_hooks
 from sglang_spec.sglang_plugin.state import VERIFY_STEP, VerifyStep, attach, is_cold
@@ -214,6 +214,40 @@ def test_a_fault_in_the_bookkeeping_after_the_accept_leaves_the_result(monkeypat
     assert result is accepted
     assert metrics.accept_faults == {(RECORD, "ValueError"): 1}
     assert len(fault_lines(capsys)) == 1
+
+
+def test_a_fault_in_the_per_node_penalties_leaves_the_batch_to_sglangs_relaxed_ones(monkeypatch, metrics, capsys):
+    """The per-node penalties raise while being computed (on the host, before the logits are touched): SGLang's
+    eagle_sample runs on the logits as they were, with its own accumulated penalties in place."""
+    verify_input, batch, logits_output = greedy_batch()
+    additive = torch.zeros(3, VOCAB)
+    batch.sampling_info.acc_additive_penalties = additive
+    logits = logits_output.next_token_logits.clone()
+    seen = []
+
+    def sglang_eagle_sample(verify_input, batch, logits_output, *args, **kwargs):
+        seen.append((batch.sampling_info.acc_additive_penalties, logits_output.next_token_logits.clone()))
+        return "sglang's accept"
+
+    def broken(*args, **kwargs):
+        raise IndexError("a node past the tree")
+
+    monkeypatch.setattr(hooks, "tree_penalties", broken)
+    requests = [SimpleNamespace(sampling_params=SimpleNamespace(frequency_penalty=0.5, presence_penalty=0.0,
+                                                                repetition_penalty=1.0, min_new_tokens=0),
+                                output_ids=[1, 2]) for _ in range(3)]
+    batch.reqs = requests
+    token = VERIFY_STEP.set(VerifyStep(plugin_worker_state()))
+    try:
+        assert hooks._with_exact_penalties(sglang_eagle_sample, verify_input, batch, logits_output) == \
+            "sglang's accept"
+    finally:
+        VERIFY_STEP.reset(token)
+    (penalties, sampled_logits), = seen
+    assert penalties is additive and torch.equal(sampled_logits, logits)
+    assert metrics.accept_faults == {(PENALTIES, "IndexError"): 1}
+    lines = fault_lines(capsys)
+    assert len(lines) == 1 and "accept fault in penalties, batch of 3: penalised by SGLang's relaxed" in lines[0]
 
 
 def test_a_fault_in_the_acceptance_counts_leaves_the_request(monkeypatch, metrics, capsys, sglang_with_plugin):

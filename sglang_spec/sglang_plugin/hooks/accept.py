@@ -1,7 +1,8 @@
 """Hooks of the verify step (SGLang's ``EAGLEWorkerV2``): per-node penalties as plain decoding applies them, the
 fused accept and KV commit (``--speculative-tree-accept fused``, in or out of a CUDA graph), what the accept tells
 the drafter and the metrics, and each verify's committed tokens under the overlap scheduler. A fault in the
-plugin's accept gives SGLang's own accept for the batch (counted, one log line; ``faults``)."""
+plugin's accept gives SGLang's own accept for the batch, in its per-node penalties SGLang's relaxed ones, in the
+bookkeeping after the accept the batch's result as it is (counted, one log line; ``faults``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from sglang_spec.sglang_plugin.committed import CommittedOutputs
 from sglang_spec.sglang_plugin.drafters.base import VerifyOutcome
 from sglang_spec.sglang_plugin.drafters.beams import supports_row_permutation
-from sglang_spec.sglang_plugin.faults import (ACCEPT, COMMIT, COUNTS, OBSERVE, RECORD, FaultInjection,
+from sglang_spec.sglang_plugin.faults import (ACCEPT, COMMIT, COUNTS, OBSERVE, PENALTIES, RECORD, FaultInjection,
                                               FaultOnAnotherRank, accept_fault)
 from sglang_spec.sglang_plugin.fused_accept import (ACCEPT_KERNELS_ENV, TRITON_KERNELS, FusedAccept, KVCommit,
                                                     SGLangAccept, accept_kernels)
@@ -126,11 +127,34 @@ def _penalised(batch) -> bool:
 def _with_exact_penalties(original, verify_input, batch, logits_output, *args, **kwargs):
     """SGLang's eagle_sample, with a penalised batch's penalties applied per node first (``penalties``) and SGLang's
     relaxed ones (the root's, for every node) held back for the call. The fused accept never gets here with
-    penalties: it leaves such batches to SGLang's path."""
+    penalties: it leaves such batches to SGLang's path. A fault in the per-node penalties (computed on the host
+    before the logits are touched) leaves the batch to SGLang's relaxed ones, counted."""
     if not _penalised(batch):
         return original(verify_input, batch, logits_output, *args, **kwargs)
     info = batch.sampling_info
     logits = logits_output.next_token_logits
+    try:
+        exact = _exact_penalties(verify_input, batch, logits)
+        if exact is not None:
+            exact.apply(logits)
+    except Exception as error:
+        accept_fault(PENALTIES, error, len(batch.reqs), "penalised by SGLang's relaxed penalties (the root's, for "
+                                                        "every node)")
+        exact = None
+    if exact is None:  # a request's output not known whole (``committed``), or a fault: SGLang's relaxed penalties
+        return original(verify_input, batch, logits_output, *args, **kwargs)
+    saved = info.acc_additive_penalties, info.acc_scaling_penalties
+    info.acc_additive_penalties = info.acc_scaling_penalties = None
+    try:
+        return original(verify_input, batch, logits_output, *args, **kwargs)
+    finally:
+        info.acc_additive_penalties, info.acc_scaling_penalties = saved
+
+
+def _exact_penalties(verify_input, batch, logits: torch.Tensor):
+    """The batch's penalties per tree node (``penalties.TreePenalties``), None where a request's output is not
+    known whole."""
+    info = batch.sampling_info
     bs = len(batch.reqs)
     nodes = verify_input.draft_token_num
     additive = info.acc_additive_penalties
@@ -139,18 +163,9 @@ def _with_exact_penalties(original, verify_input, batch, logits_output, *args, *
     tokens = verify_input.draft_token.view(bs, nodes)
     step = VERIFY_STEP.get()
     outputs = _committed_outputs(batch, step.state.committed if step is not None else None, tokens[:, 0])
-    exact = tree_penalties([RequestPenalties.of(req, output) for req, output in zip(batch.reqs, outputs)], tokens,
-                           verify_input.retrieve_next_token, verify_input.retrieve_next_sibling, stop_tokens,
-                           logits.shape[-1])
-    if exact is None:  # a request's output not known whole (``committed``): SGLang's relaxed penalties
-        return original(verify_input, batch, logits_output, *args, **kwargs)
-    exact.apply(logits)
-    saved = info.acc_additive_penalties, info.acc_scaling_penalties
-    info.acc_additive_penalties = info.acc_scaling_penalties = None
-    try:
-        return original(verify_input, batch, logits_output, *args, **kwargs)
-    finally:
-        info.acc_additive_penalties, info.acc_scaling_penalties = saved
+    return tree_penalties([RequestPenalties.of(req, output) for req, output in zip(batch.reqs, outputs)], tokens,
+                          verify_input.retrieve_next_token, verify_input.retrieve_next_sibling, stop_tokens,
+                          logits.shape[-1])
 
 
 def _committed_outputs(batch, committed: CommittedOutputs | None, roots: torch.Tensor) -> list[list[int] | None]:

@@ -1,6 +1,10 @@
 """Hooks of the draft worker (SGLang's ``EagleDraftWorker``): its start-up builds the worker's state and chooses its
 drafter (``drafters.choose``); each draft step calls that drafter; a draft that raises verifies the filler tree for
-its batch (counted, one log line); the head's forwards are skipped where no tree reads them."""
+its batch (counted, one log line); the head's forwards are skipped where no tree reads them.
+
+Per batch, nothing of the plugin's raises into SGLang's scheduler: a fault in the draft gives the filler tree, in
+the drafter's learning the counts it had, in the head-fault count its step uncounted, in a skipped head pass's stub
+SGLang's own draft extend (each counted and logged in one line, ``faults``)."""
 
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ from sglang_spec.sglang_plugin.drafters.filler import filler_draft, filler_encod
 from sglang_spec.sglang_plugin.drafters.head_guard import ERROR as HEAD_FAULT
 from sglang_spec.sglang_plugin.drafters.head_guard import HeadGuard
 from sglang_spec.sglang_plugin.drafters.sglang_loop import keep_ancestry
-from sglang_spec.sglang_plugin.faults import (FAULT_ENV, OBSERVE, FaultInjection, FaultOnAnotherRank, InjectedFault,
-                                              accept_fault, capturing)
+from sglang_spec.sglang_plugin.faults import (FAULT_ENV, HEAD_FAULTS, HEAD_SKIP, OBSERVE, FaultInjection,
+                                              FaultOnAnotherRank, InjectedFault, accept_fault, capturing, plugin_fault)
 from sglang_spec.sglang_plugin.messages import StartupError, log
 from sglang_spec.sglang_plugin.metrics import METRICS, RANKS, SOURCES
 from sglang_spec.sglang_plugin.peers import Peers, attention_tp_rank, dp_attention
@@ -93,7 +97,11 @@ def draft_around(original, worker, batch, *args, **kwargs):
             worker.cuda_graph_runner = graph_runner
             state.draft_requests = None
     if drafter.guard is not None:
-        _report_head_faults(drafter.guard)
+        try:
+            _report_head_faults(drafter.guard)
+        except Exception as error:  # a count: the batch's draft stands
+            plugin_fault(HEAD_FAULTS, error, f"batch of {len(batch.reqs)}",
+                         "drafted; its requests' non-finite head outputs since the last read not counted")
     return verify_input
 
 
@@ -122,7 +130,11 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
         error = FaultOnAnotherRank("another tensor-parallel rank's draft of this batch faulted")
     if error is None:
         return drafted
-    state.drafter.forget_proposal()  # nothing was proposed: the accept teaches the counts nothing
+    try:
+        state.drafter.forget_proposal()  # nothing was proposed: the accept teaches the counts nothing
+    except Exception as forget_error:  # the counts may learn from the filler's accept: trees, never the output
+        accept_fault(OBSERVE, forget_error, forward_batch.batch_size, "its drafter kept the proposal the filler "
+                                                                      "replaced")
     METRICS.record_draft_fault(type(error).__name__)
     log(f"draft fault, batch of {forward_batch.batch_size} verified without speculation "
         f"({type(error).__name__}: {error}; sglang_spec_draft_faults_total)")
@@ -145,20 +157,27 @@ def _observe_accepted(drafter: ServedDrafter, state: WorkerState, batch_size: in
     what they learnt before it (they shape trees, never the output) and this batch drafts."""
     # with tensor parallelism every rank builds the same trees from the same counts: a fault on one rank alone
     # would leave its counts behind the others' (and a fault half-way, part-taught), so all keep what they had
-    before = drafter.learnt() if state.peers is not None else None
+    before = None
     failed = False
     try:
+        before = drafter.learnt() if state.peers is not None else None
         if state.faults is not None:
             state.faults.fire_accept(OBSERVE)
         drafter.observe_outcome()
     except Exception as error:
         failed = True
         accept_fault(OBSERVE, error, batch_size, "its drafter did not learn from the last accepted paths")
-    if before is not None and state.peers is not None and state.peers.any_rank(failed):
-        drafter.restore(before)
-        if not failed:
-            accept_fault(OBSERVE, FaultOnAnotherRank("another tensor-parallel rank's drafter did not learn"),
-                         batch_size, "its drafter did not learn from the last accepted paths, as on that rank")
+    if state.peers is None or not state.peers.any_rank(failed):
+        return
+    if not failed:
+        accept_fault(OBSERVE, FaultOnAnotherRank("another tensor-parallel rank's drafter did not learn"),
+                     batch_size, "its drafter did not learn from the last accepted paths, as on that rank")
+    if before is not None:  # None: the fault came before this rank learnt anything
+        try:
+            drafter.restore(before)
+        except Exception as error:
+            accept_fault(OBSERVE, error, batch_size, "its drafter's counts not restored (its trees may differ "
+                                                     "from the other ranks' until they agree again)")
 
 
 def _report_head_faults(guard: HeadGuard) -> None:
@@ -194,21 +213,30 @@ def _stub_draft_input(worker, batch_size: int) -> dict:
 
 
 def draft_extend_for_prefill_around(original, worker, batch, target_hidden_states, next_token_ids, *args, **kwargs):
-    if not head_free(worker):
-        return original(worker, batch, target_hidden_states, next_token_ids, *args, **kwargs)
-    from sglang.srt.speculative.eagle_info import EagleDraftInput
+    """A prefill's draft extend: the stub of its outputs where the head's pass is skipped (``head_free``); a fault
+    there runs SGLang's draft extend (the head's pass: more work, the same output)."""
+    try:
+        if head_free(worker):
+            from sglang.srt.speculative.eagle_info import EagleDraftInput
 
-    return EagleDraftInput(bonus_tokens=next_token_ids, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1,
-                           **_stub_draft_input(worker, batch.seq_lens.shape[0]))
+            return EagleDraftInput(bonus_tokens=next_token_ids, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1,
+                                   **_stub_draft_input(worker, batch.seq_lens.shape[0]))
+    except Exception as error:
+        plugin_fault(HEAD_SKIP, error, f"batch of {len(batch.reqs)}", "the head's pass over it ran")
+    return original(worker, batch, target_hidden_states, next_token_ids, *args, **kwargs)
 
 
 def draft_extend_for_decode_around(original, worker, batch, batch_output, *args, **kwargs):
-    if not head_free(worker):
-        return original(worker, batch, batch_output, *args, **kwargs)
-    # verify already set the bonus tokens, the one field a lookup draft or a plain step reads
-    for name, value in _stub_draft_input(worker, batch.seq_lens.shape[0]).items():
-        setattr(batch_output.next_draft_input, name, value)
-    return None
+    """A decode step's draft extend: as the prefill's (its stub: the next draft input's head fields)."""
+    try:
+        if head_free(worker):
+            # verify already set the bonus tokens, the one field a lookup draft or a plain step reads
+            for name, value in _stub_draft_input(worker, batch.seq_lens.shape[0]).items():
+                setattr(batch_output.next_draft_input, name, value)
+            return None
+    except Exception as error:  # a field set before the fault is set again by SGLang's draft extend
+        plugin_fault(HEAD_SKIP, error, f"batch of {len(batch.reqs)}", "the head's pass over it ran")
+    return original(worker, batch, batch_output, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- inside the loops

@@ -1,0 +1,141 @@
+"""Faults in the draft worker's hooks outside the draft itself fail safe, with SGLang's objects stood in: the
+head-fault count, the drafter forgetting a faulted proposal, the drafter's learning under tensor parallelism (its
+snapshot and its restore) and the stub of a skipped head pass. Each is counted and logged in one line, the batch
+goes on (a skipped head pass: SGLang's own draft extend runs), and nothing raises into SGLang's scheduler.
+
+The draft itself and the accept: ``test_hooked_draft_path.py``, ``test_accept_faults.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from doubles import plugin_worker_state
+from sglang_spec.sglang_plugin import faults as faults_module
+from sglang_spec.sglang_plugin.faults import HEAD_FAULTS, HEAD_SKIP, OBSERVE
+from sglang_spec.sglang_plugin.hooks import draft as hooks
+from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
+from sglang_spec.sglang_plugin.state import attach
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture
+def metrics(monkeypatch):
+    counted = AcceptanceMetrics()
+    monkeypatch.setattr(faults_module, "METRICS", counted)
+    monkeypatch.setattr(hooks, "METRICS", counted)
+    return counted
+
+
+def fault_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if "fault" in line]
+
+
+class Drafter:
+    """A drafter whose methods raise where asked (``broken``: method names); records what ran."""
+
+    eager = False
+    uses_head = True
+
+    def __init__(self, *broken: str, guard=None) -> None:
+        self.broken = set(broken)
+        self.guard = guard
+        self.ran: list[str] = []
+
+    def _run(self, name: str, value=None):
+        self.ran.append(name)
+        if name in self.broken:
+            raise RuntimeError(f"{name} broke")
+        return value
+
+    def draft(self, call):
+        return self._run("draft")
+
+    def learns(self) -> bool:
+        return True
+
+    def observe_outcome(self) -> None:
+        self._run("observe_outcome")
+
+    def forget_proposal(self) -> None:
+        self._run("forget_proposal")
+
+    def learnt(self) -> dict:
+        return self._run("learnt", {"cell": (1.0,)})
+
+    def restore(self, learnt) -> None:
+        self._run("restore")
+
+
+def test_a_fault_reading_the_head_fault_count_leaves_the_draft(metrics, capsys):
+    guard = SimpleNamespace(new_faults=lambda now: 1 / 0)
+    worker = SimpleNamespace()
+    attach(worker, plugin_worker_state(drafter=Drafter(guard=guard)))
+    batch = SimpleNamespace(reqs=[object(), object()])
+    assert hooks.draft_around(lambda worker, batch: "the draft", worker, batch) == "the draft"
+    assert metrics.accept_faults == {(HEAD_FAULTS, "ZeroDivisionError"): 1}
+    lines = fault_lines(capsys)
+    assert len(lines) == 1 and "fault in head_faults, batch of 2: drafted" in lines[0]
+
+
+def test_a_faulted_draft_whose_drafter_cannot_forget_still_verifies_the_filler(metrics, capsys):
+    drafter = Drafter("learnt", "draft", "forget_proposal")
+    worker = SimpleNamespace()
+    attach(worker, plugin_worker_state(drafter=drafter))
+    forward_batch = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False), batch_size=3,
+                                    spec_info=SimpleNamespace(bonus_tokens=torch.tensor([5, 6, 7])))
+    _, _, draft_tokens, _ = hooks.draft_forward_around(lambda *args: None, worker, forward_batch)
+    assert draft_tokens.shape[0] == 3  # the filler tree, one row a request
+    assert drafter.ran == ["observe_outcome", "draft", "forget_proposal"]
+    assert metrics.draft_faults == {"RuntimeError": 1}
+    assert metrics.accept_faults == {(OBSERVE, "RuntimeError"): 1}
+    lines = fault_lines(capsys)
+    assert len(lines) == 2 and "its drafter kept the proposal the filler replaced" in lines[0]
+    assert "verified without speculation (RuntimeError: draft broke" in lines[1]
+
+
+class OtherRankFaulted:
+    def any_rank(self, flag: bool) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("broken, ran, faults", [
+    # the snapshot raised: this rank learnt nothing, so it has nothing to restore
+    ("learnt", ["learnt"], 1),
+    # the peer faulted and this rank's restore raised: both counted, nothing raises
+    ("restore", ["learnt", "observe_outcome", "restore"], 2),
+])
+def test_under_tensor_parallelism_a_fault_around_the_drafters_learning_is_counted(metrics, capsys, broken, ran,
+                                                                                  faults):
+    drafter = Drafter(broken)
+    hooks._observe_accepted(drafter, SimpleNamespace(peers=OtherRankFaulted(), faults=None), 4)
+    assert drafter.ran == ran
+    assert sum(metrics.accept_faults.values()) == faults and {stage for stage, _ in metrics.accept_faults} == {OBSERVE}
+    assert len(fault_lines(capsys)) == faults
+
+
+@pytest.mark.parametrize("extend", ["prefill", "decode"])
+def test_a_fault_stubbing_a_skipped_head_pass_runs_sglangs_draft_extend(monkeypatch, metrics, capsys,
+                                                                        sglang_with_plugin, extend):
+    """A ``lookup`` server never runs the head's draft extend; where its stub raises, SGLang's draft extend runs
+    (the head's pass: more work, the same output)."""
+    worker = SimpleNamespace(topk=4, device="cpu")
+    drafter = Drafter()
+    drafter.uses_head = False
+    attach(worker, plugin_worker_state(drafter=drafter))
+    monkeypatch.setattr(hooks, "_stub_draft_input", lambda worker, size: {}[size])
+    batch = SimpleNamespace(reqs=[object()], seq_lens=torch.tensor([9]))
+    sglangs = []
+    if extend == "prefill":
+        result = hooks.draft_extend_for_prefill_around(lambda *args: sglangs.append(args) or "extended", worker,
+                                                       batch, None, torch.tensor([3]))
+    else:
+        result = hooks.draft_extend_for_decode_around(lambda *args: sglangs.append(args) or "extended", worker,
+                                                      batch, SimpleNamespace(next_draft_input=SimpleNamespace()))
+    assert result == "extended" and len(sglangs) == 1
+    assert metrics.accept_faults == {(HEAD_SKIP, "KeyError"): 1}
+    lines = fault_lines(capsys)
+    assert len(lines) == 1 and "fault in head_skip, batch of 1: the head's pass over it ran" in lines[0]
