@@ -24,7 +24,6 @@ MAX_NEW_TOKENS = 8
 MAX_PROMPTS = 3
 MAX_SAMPLES = 3
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
-DELIVERIES = ("whole", "close_stream", "hang_up")
 
 
 @dataclass(frozen=True)
@@ -73,88 +72,156 @@ BAD_SAMPLES = st.sampled_from([0, -1, 1025, 2**31, 2**63, 10**30, "2", 1.5, [], 
 BAD_NUMBERS = st.sampled_from([float("nan"), float("inf"), float("-inf"), -1.0, -1e308, 1e308, 1e-300, 0.0])
 
 
-def sometimes(good: st.SearchStrategy, bad: st.SearchStrategy = JSON_VALUES) -> st.SearchStrategy:
-    """``good`` about four draws in five, ``bad`` otherwise."""
-    return st.one_of(good, good, good, good, bad)
-
-
 UNICODE = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=24)
 SURROGATES = st.text(st.characters(categories=("Cs",)), min_size=1, max_size=2)
 WORDS = st.sampled_from(["Hello", "The capital of France is", "def add(a, b):\n    return", "1, 2, 3, 4,",
-                         "Write a haiku about rain.", "日本語で答えて: 空は", "🙂🙃 emoji", " ", "\n\n", "<|im_end|>"])
-TEXTS = st.one_of(WORDS, WORDS, UNICODE, st.just(""), SURROGATES, st.just("lorem ipsum " * 400))
-TOKEN_IDS = st.one_of(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
-                      st.lists(st.integers(0, VOCAB - 1), max_size=0),
-                      st.lists(st.one_of(st.integers(0, VOCAB - 1), HUGE_INTS), min_size=1, max_size=4),
-                      st.just([1] * 600))
+                         "Write a haiku about rain.", "日本語で答えて: 空は", "🙂🙃 emoji", " x", "\n\nQ:", "<|im_end|>"])
 
 
-# ---------------------------------------------------------------------------------------------- sampling
-def grammars() -> st.SearchStrategy:
-    return st.sampled_from([
-        {"regex": r"(Yes|No)\."}, {"regex": "(("}, {"json_schema": json.dumps({"type": "object"})},
-        {"json_schema": "{not json"}, {"ebnf": 'root ::= "a" | "b"'}, {"ebnf": "root ::= "},
-        {"stop_regex": r"\d"}, {"stop_regex": "[z"}, {"regex": ".*", "json_schema": "{}"},
-    ])
+class Fields:
+    """The strategies of one kind of body: ``hostile`` False, every field as its schema takes it (the body is
+    served, so a greedy one is compared with plain decoding); True, each field hostile about one draw in five and
+    the prompts empty, huge or unencodable at times."""
 
+    def __init__(self, hostile: bool) -> None:
+        self.hostile = hostile
+        good_texts = st.one_of(WORDS, WORDS, UNICODE.filter(str.strip))
+        self.texts = st.one_of(good_texts, st.just(""), SURROGATES, st.just("lorem ipsum " * 400)) if hostile \
+            else good_texts
+        good_ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
+        self.ids = st.one_of(good_ids, st.just([]), st.lists(st.one_of(st.integers(0, VOCAB - 1), HUGE_INTS),
+                                                             min_size=1, max_size=4), st.just([1] * 600)) if hostile \
+            else good_ids
 
-def sampling_params() -> st.SearchStrategy:
-    """One ``sampling_params`` object of /generate."""
-    optional = {
-        "top_p": sometimes(st.sampled_from([0.9, 1.0]), BAD_NUMBERS), "top_k": sometimes(st.sampled_from([1, 5, -1]),
-                                                                                         HUGE_INTS),
-        "min_p": sometimes(st.sampled_from([0.0, 0.05]), BAD_NUMBERS),
-        "frequency_penalty": sometimes(st.sampled_from([0.0, 0.8, -2.0, 2.0]), BAD_NUMBERS),
-        "presence_penalty": sometimes(st.sampled_from([0.0, 0.5]), BAD_NUMBERS),
-        "repetition_penalty": sometimes(st.sampled_from([1.0, 1.3, 0.01, 2.0]), BAD_NUMBERS),
-        "min_new_tokens": sometimes(st.integers(0, MAX_NEW_TOKENS), BAD_LENGTHS),
-        "stop": sometimes(st.one_of(WORDS, st.lists(WORDS, max_size=3), st.just([""]))),
-        "stop_token_ids": sometimes(st.lists(st.integers(0, VOCAB - 1), max_size=3), st.lists(HUGE_INTS, max_size=2)),
-        "ignore_eos": sometimes(st.booleans()), "skip_special_tokens": sometimes(st.booleans()),
-        "no_stop_trim": sometimes(st.booleans()), "n": sometimes(st.integers(1, MAX_SAMPLES), BAD_SAMPLES),
-        "logit_bias": sometimes(st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=2),
+    def field(self, good: st.SearchStrategy, bad: st.SearchStrategy = JSON_VALUES) -> st.SearchStrategy:
+        """``good``; in a hostile body ``bad`` about one draw in five."""
+        return st.one_of(good, good, good, good, bad) if self.hostile else good
+
+    # ------------------------------------------------------------------------------------------ /generate
+    def grammar(self) -> st.SearchStrategy:
+        good = [{"regex": r"(Yes|No)\."}, {"json_schema": json.dumps({"type": "object"})},
+                {"ebnf": 'root ::= "a" | "b"'}, {"stop_regex": r"\d"}]
+        bad = [{"regex": "(("}, {"json_schema": "{not json"}, {"ebnf": "root ::= "}, {"stop_regex": "[z"},
+               {"regex": ".*", "json_schema": "{}"}]
+        return st.sampled_from(good + bad if self.hostile else good)
+
+    def sampling_params(self) -> st.SearchStrategy:
+        """One ``sampling_params`` object of /generate."""
+        field = self.field
+        optional = {
+            "top_p": field(st.sampled_from([0.9, 1.0]), BAD_NUMBERS),
+            "top_k": field(st.sampled_from([1, 5, -1]), HUGE_INTS),
+            "min_p": field(st.sampled_from([0.0, 0.05]), BAD_NUMBERS),
+            "frequency_penalty": field(st.sampled_from([0.0, 0.8, -2.0, 2.0]), BAD_NUMBERS),
+            "presence_penalty": field(st.sampled_from([0.0, 0.5]), BAD_NUMBERS),
+            "repetition_penalty": field(st.sampled_from([1.0, 1.3, 0.5, 2.0]), BAD_NUMBERS),
+            "min_new_tokens": field(st.integers(0, MAX_NEW_TOKENS // 2), BAD_LENGTHS),
+            "stop": field(st.one_of(WORDS, st.lists(WORDS, max_size=3), st.just([""]))),
+            "stop_token_ids": field(st.lists(st.integers(0, VOCAB - 1), max_size=3), st.lists(HUGE_INTS, max_size=2)),
+            "ignore_eos": field(st.booleans()), "skip_special_tokens": field(st.booleans()),
+            "no_stop_trim": field(st.booleans()), "n": field(st.integers(1, MAX_SAMPLES), BAD_SAMPLES),
+            "logit_bias": field(st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=2),
                                 st.dictionaries(st.sampled_from(["-1", "49152", "x", "1e3"]), st.floats(), max_size=2)),
-        "sampling_seed": sometimes(st.integers(0, 2**31), HUGE_INTS),
-        "stream_interval": sometimes(st.integers(1, 4), HUGE_INTS),
-    }
-    required = {"max_new_tokens": sometimes(st.integers(0, MAX_NEW_TOKENS), BAD_LENGTHS),
-                "temperature": sometimes(st.sampled_from([0, 0, 0, 0.7, 1.0]), BAD_NUMBERS)}
-    params = st.fixed_dictionaries(required, optional=optional)
-    return st.one_of(params, params, params, params.flatmap(
-        lambda drawn: grammars().map(lambda grammar: {**drawn, **grammar})))
+            "sampling_seed": field(st.integers(0, 2**31), HUGE_INTS),
+            "stream_interval": field(st.integers(1, 4), HUGE_INTS),
+        }
+        required = {"max_new_tokens": field(st.integers(0, MAX_NEW_TOKENS), BAD_LENGTHS),
+                    "temperature": field(st.sampled_from([0, 0, 0, 0.7, 1.0]), BAD_NUMBERS)}
+        params = st.fixed_dictionaries(required, optional=optional)
+        return st.one_of(params, params, params, params.flatmap(
+            lambda drawn: self.grammar().map(lambda grammar: {**drawn, **grammar})))
 
+    def generate_body(self) -> st.SearchStrategy:
+        """A /generate body: one prompt or a batch (text, token ids; hostile: both, neither, embeddings, nested
+        lists), its sampling params (one object, a list of one a prompt; hostile: a list of any length), and the
+        logprob, stream and id fields."""
+        field, texts, ids = self.field, self.texts, self.ids
+        prompts = [st.fixed_dictionaries({"text": texts}), st.fixed_dictionaries({"input_ids": ids}),
+                   st.fixed_dictionaries({"text": st.lists(texts, min_size=1, max_size=MAX_PROMPTS)}),
+                   st.fixed_dictionaries({"input_ids": st.lists(ids, min_size=1, max_size=MAX_PROMPTS)})]
+        if self.hostile:
+            prompts += [st.fixed_dictionaries({"text": texts, "input_ids": ids}), st.just({}),
+                        st.fixed_dictionaries({"input_embeds": st.sampled_from([[], [[]], [[0.5] * 576]])}),
+                        st.fixed_dictionaries({"text": st.lists(st.lists(texts, max_size=2), max_size=2)})]
+        optional = {
+            "stream": field(st.booleans()), "return_logprob": field(st.booleans()),
+            "top_logprobs_num": field(st.integers(0, 5), HUGE_INTS),
+            "logprob_start_len": field(st.integers(-1, 0), HUGE_INTS),
+            "return_text_in_logprobs": field(st.booleans()),
+            "token_ids_logprob": field(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3),
+                                       st.lists(HUGE_INTS, max_size=2)),
+            "rid": field(st.text(st.characters(codec="ascii", categories=("Ll",)), min_size=1, max_size=4)),
+        }
+        if self.hostile:
+            optional["return_hidden_states"] = field(st.booleans())
 
-# ---------------------------------------------------------------------------------------------- the routes
-def generate_body() -> st.SearchStrategy:
-    """A /generate body: one prompt or a batch (text, token ids, both, neither, embeddings), its sampling params (one
-    object or a list), and the logprob, stream and id fields."""
-    prompt = st.one_of(
-        st.fixed_dictionaries({"text": TEXTS}), st.fixed_dictionaries({"input_ids": TOKEN_IDS}),
-        st.fixed_dictionaries({"text": st.lists(TEXTS, min_size=1, max_size=MAX_PROMPTS)}),
-        st.fixed_dictionaries({"input_ids": st.lists(TOKEN_IDS, min_size=1, max_size=MAX_PROMPTS)}),
-        st.fixed_dictionaries({"text": TEXTS, "input_ids": TOKEN_IDS}), st.just({}),
-        st.fixed_dictionaries({"input_embeds": st.sampled_from([[], [[]], [[0.5] * 576]])}),
-        st.fixed_dictionaries({"text": st.lists(st.lists(TEXTS, max_size=2), max_size=2)}),  # nested lists
-    )
-    optional = {
-        "stream": sometimes(st.booleans()), "return_logprob": sometimes(st.booleans()),
-        "top_logprobs_num": sometimes(st.integers(0, 5), HUGE_INTS),
-        "logprob_start_len": sometimes(st.integers(-1, 3), HUGE_INTS),
-        "return_text_in_logprobs": sometimes(st.booleans()),
-        "token_ids_logprob": sometimes(st.lists(st.integers(0, VOCAB - 1), max_size=3), st.lists(HUGE_INTS, max_size=2)),
-        "rid": sometimes(st.text(st.characters(codec="ascii", categories=("Ll",)), min_size=1, max_size=4)),
-        "return_hidden_states": sometimes(st.booleans()),
-    }
+        def with_params(prompt_fields: dict) -> st.SearchStrategy:
+            count = len(next(iter(prompt_fields.values()), [])) if _is_batch(prompt_fields) else 1
+            params = [self.sampling_params(), self.sampling_params()]
+            if count > 1:
+                params.append(st.lists(self.sampling_params(), min_size=count, max_size=count))  # one a prompt
+            if self.hostile:
+                params.append(st.lists(self.sampling_params(), max_size=MAX_PROMPTS + 1))  # whatever the count
+            return st.fixed_dictionaries({**{k: st.just(v) for k, v in prompt_fields.items()},
+                                          "sampling_params": st.one_of(*params)}, optional=optional)
 
-    def with_params(prompt_fields: dict) -> st.SearchStrategy:
-        count = len(next(iter(prompt_fields.values()), [])) if _is_batch(prompt_fields) else 1
-        params = st.one_of(sampling_params(), sampling_params(),
-                           st.lists(sampling_params(), min_size=count, max_size=count),  # one a prompt
-                           st.lists(sampling_params(), max_size=MAX_PROMPTS + 1))  # whatever the count
-        return st.fixed_dictionaries({**{k: st.just(v) for k, v in prompt_fields.items()}, "sampling_params": params},
-                                     optional=optional)
+        return st.one_of(*prompts).flatmap(with_params)
 
-    return prompt.flatmap(with_params)
+    # ------------------------------------------------------------------------------------------ OpenAI
+    def openai_sampling(self) -> dict:
+        field = self.field
+        formats = [{"type": "text"}, {"type": "json_object"},
+                   {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}]
+        if self.hostile:
+            formats += [{"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nonsense"}}},
+                        {"type": "?"}]
+        return {
+            "temperature": field(st.sampled_from([0, 0, 0, 0.7]), BAD_NUMBERS),
+            "top_p": field(st.sampled_from([0.9, 1.0]), BAD_NUMBERS), "top_k": field(st.sampled_from([1, -1]),
+                                                                                     HUGE_INTS),
+            "n": field(st.integers(1, MAX_SAMPLES), BAD_SAMPLES),
+            "stop": field(st.one_of(WORDS, st.lists(WORDS, max_size=3))),
+            "frequency_penalty": field(st.sampled_from([0.0, 0.8]), BAD_NUMBERS),
+            "presence_penalty": field(st.sampled_from([0.0, 0.5]), BAD_NUMBERS),
+            "seed": field(st.integers(0, 2**31), HUGE_INTS),
+            "stream": field(st.booleans()),
+            "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
+            "logit_bias": field(st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=2)),
+            "min_tokens": field(st.integers(0, 4), BAD_LENGTHS),
+            "response_format": field(st.sampled_from(formats)),
+        }
+
+    def completions_body(self) -> st.SearchStrategy:
+        field, texts, ids = self.field, self.texts, self.ids
+        prompts = [texts, st.lists(texts, min_size=1, max_size=MAX_PROMPTS), ids,
+                   st.lists(ids, min_size=1, max_size=MAX_PROMPTS)]
+        prompts += [st.just([]), JSON_VALUES] if self.hostile else []
+        return st.fixed_dictionaries(
+            {"model": field(st.just("default")), "prompt": st.one_of(*prompts),
+             "max_tokens": field(st.integers(1, MAX_NEW_TOKENS), BAD_LENGTHS | st.just(0))},
+            optional={**self.openai_sampling(), "echo": field(st.booleans()),
+                      "logprobs": field(st.integers(0, 5), HUGE_INTS), "suffix": field(WORDS)})
+
+    def chat_body(self) -> st.SearchStrategy:
+        field, texts = self.field, self.texts
+        parts = [st.fixed_dictionaries({"type": st.just("text"), "text": texts})]
+        if self.hostile:
+            parts += [st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries(
+                {"url": st.sampled_from(["data:x", "http://127.0.0.1:1/a.png"])})}), JSON_VALUES]
+        contents = [texts, texts, st.lists(st.one_of(*parts), min_size=1, max_size=3)]
+        contents += [st.none(), JSON_VALUES] if self.hostile else []
+        role = field(st.sampled_from(["user", "user", "system", "assistant"]), st.text(max_size=5) | st.just("tool"))
+        message = st.fixed_dictionaries({"role": role, "content": st.one_of(*contents)})
+        messages = st.lists(message, min_size=1, max_size=3).filter(lambda m: m[-1]["role"] != "system")
+        if self.hostile:
+            messages = st.one_of(messages, st.just([]), JSON_VALUES)
+        limit = field(st.integers(1, MAX_NEW_TOKENS), BAD_LENGTHS | st.just(0))
+        return st.fixed_dictionaries(
+            {"model": field(st.just("default")), "messages": messages},
+            optional={**self.openai_sampling(), "max_tokens": limit, "max_completion_tokens": limit,
+                      "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 5), HUGE_INTS),
+                      "continue_final_message": field(st.booleans())},
+        ).filter(lambda body: "max_tokens" in body or "max_completion_tokens" in body)  # SGLang's default: the context
 
 
 def _is_batch(prompt_fields: dict) -> bool:
@@ -162,66 +229,23 @@ def _is_batch(prompt_fields: dict) -> bool:
     return isinstance(value, list) and bool(value) and isinstance(value[0], (str, list))
 
 
-def _openai_sampling() -> dict:
-    return {
-        "temperature": sometimes(st.sampled_from([0, 0, 0, 0.7]), BAD_NUMBERS),
-        "top_p": sometimes(st.sampled_from([0.9, 1.0]), BAD_NUMBERS), "top_k": sometimes(st.sampled_from([1, -1]),
-                                                                                         HUGE_INTS),
-        "n": sometimes(st.integers(1, MAX_SAMPLES), BAD_SAMPLES),
-        "stop": sometimes(st.one_of(WORDS, st.lists(WORDS, max_size=3))),
-        "frequency_penalty": sometimes(st.sampled_from([0.0, 0.8]), BAD_NUMBERS),
-        "presence_penalty": sometimes(st.sampled_from([0.0, 0.5]), BAD_NUMBERS),
-        "seed": sometimes(st.integers(0, 2**31), HUGE_INTS),
-        "stream": sometimes(st.booleans()),
-        "stream_options": sometimes(st.fixed_dictionaries({"include_usage": st.booleans()})),
-        "logit_bias": sometimes(st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=2)),
-        "min_tokens": sometimes(st.integers(0, 4), BAD_LENGTHS),
-        "response_format": sometimes(st.sampled_from([
-            {"type": "text"}, {"type": "json_object"},
-            {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}},
-            {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nonsense"}}}, {"type": "?"}])),
-    }
-
-
-def completions_body() -> st.SearchStrategy:
-    prompt = st.one_of(TEXTS, st.lists(TEXTS, min_size=1, max_size=MAX_PROMPTS), TOKEN_IDS,
-                       st.lists(TOKEN_IDS, min_size=1, max_size=MAX_PROMPTS), st.just([]), JSON_VALUES)
-    return st.fixed_dictionaries(
-        {"model": sometimes(st.just("default")), "prompt": prompt,
-         "max_tokens": sometimes(st.integers(1, MAX_NEW_TOKENS), BAD_LENGTHS | st.just(0))},
-        optional={**_openai_sampling(), "echo": sometimes(st.booleans()),
-                  "logprobs": sometimes(st.integers(0, 5), HUGE_INTS), "suffix": sometimes(WORDS)})
-
-
-def chat_body() -> st.SearchStrategy:
-    part = st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": TEXTS}),
-                     st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries(
-                         {"url": st.sampled_from(["data:x", "http://127.0.0.1:1/a.png"])})}), JSON_VALUES)
-    content = st.one_of(TEXTS, TEXTS, st.lists(part, max_size=3), st.none(), JSON_VALUES)
-    role = sometimes(st.sampled_from(["user", "user", "system", "assistant", "tool"]), st.text(max_size=5))
-    message = st.fixed_dictionaries({"role": role, "content": content})
-    messages = st.one_of(st.lists(message, min_size=1, max_size=3), st.just([]), JSON_VALUES)
-    limit = sometimes(st.integers(1, MAX_NEW_TOKENS), BAD_LENGTHS | st.just(0))
-    return st.fixed_dictionaries(
-        {"model": sometimes(st.just("default")), "messages": messages},
-        optional={**_openai_sampling(), "max_tokens": limit, "max_completion_tokens": limit,
-                  "logprobs": sometimes(st.booleans()), "top_logprobs": sometimes(st.integers(0, 5), HUGE_INTS),
-                  "continue_final_message": sometimes(st.booleans())},
-    ).filter(lambda body: "max_tokens" in body or "max_completion_tokens" in body)  # SGLang's default: the context
-
-
 RAW_BODIES = st.sampled_from([b"", b"{", b"[]", b"null", b"42", b'"text"', b"\xff\xfe\x00", b'{"text": "a"' * 3,
                               b'{"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": NaN}}'])
 
 
+def bodies(fields: Fields) -> st.SearchStrategy:
+    """(route, body) of one kind (``fields``), /generate twice as often as each OpenAI route."""
+    routed = [st.tuples(st.just("/generate"), fields.generate_body()),
+              st.tuples(st.just("/generate"), fields.generate_body()),
+              st.tuples(st.just("/v1/completions"), fields.completions_body()),
+              st.tuples(st.just("/v1/chat/completions"), fields.chat_body())]
+    return st.one_of(*routed, st.tuples(st.sampled_from(ROUTES), RAW_BODIES)) if fields.hostile else st.one_of(*routed)
+
+
 def sends() -> st.SearchStrategy:
-    """One request to one of the routes, delivered whole most of the time."""
-    body = st.one_of(
-        st.tuples(st.just("/generate"), generate_body()), st.tuples(st.just("/generate"), generate_body()),
-        st.tuples(st.just("/v1/completions"), completions_body()),
-        st.tuples(st.just("/v1/chat/completions"), chat_body()),
-        st.tuples(st.sampled_from(ROUTES), RAW_BODIES),
-    )
+    """One request to one of the routes, a served body or a hostile one about as often, delivered whole most of the
+    time."""
+    body = st.one_of(bodies(Fields(hostile=False)), bodies(Fields(hostile=True)))
     delivery = st.one_of(st.just(("whole", 1, 0.0)), st.just(("whole", 1, 0.0)), st.just(("whole", 1, 0.0)),
                          st.tuples(st.just("close_stream"), st.integers(0, 3), st.just(0.0)),
                          st.tuples(st.just("hang_up"), st.just(1), st.sampled_from([0.0, 0.05, 0.3])))
