@@ -11,7 +11,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # imported inside functions on purpose: heavy or optional third-party packages (each place says why)
-OPTIONAL = ("transformers", "sglang", "triton", "matplotlib", "yaml", "prometheus_client", "flashinfer")
+OPTIONAL = ("transformers", "sglang", "triton", "matplotlib", "yaml", "prometheus_client", "flashinfer",
+            "fastapi")  # fastapi: sglang's HTTP layer, there only with sglang
 # the rows of the package diagram in docs/architecture.md, top first: a package imports only rows below its own
 LAYERS = (
     ("cli", "sglang_plugin"),

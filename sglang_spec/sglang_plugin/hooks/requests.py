@@ -65,7 +65,7 @@ async def request_json_around(original, request, *args, **kwargs):
     body = await original(request, *args, **kwargs)
     refused = _refusal_of(lambda: body_refusal(request.scope.get("path", ""), body), "parsed by SGLang alone")
     if refused is not None:
-        from fastapi import HTTPException
+        from fastapi import HTTPException  # sglang's HTTP layer: there only with sglang
 
         raise HTTPException(status_code=400, detail=refused)
     return body
