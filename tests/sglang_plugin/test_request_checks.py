@@ -193,3 +193,39 @@ def test_the_hooks_reach_sglang(sglang_with_plugin):
     assert hook_of(TokenizerManager._validate_one_request) is hooks.validate_one_request_around
     assert hook_of(GenerateReqInput.normalize_batch_and_arguments) is hooks.normalize_around
     assert hook_of(ORJSONRequest.json) is hooks.request_json_around
+
+
+# ---------------------------------------------------------------------------------------------- while decoding
+def grammar_request(min_new_tokens: int):
+    """A request whose grammar takes no further token (it admits only the end, which min_new_tokens forbids)."""
+    def accept_token(token):
+        raise ValueError(f"Tokens not accepted: {token}")
+
+    return SimpleNamespace(rid="r", to_finish=None, finished=lambda: False,
+                           sampling_params=SimpleNamespace(min_new_tokens=min_new_tokens),
+                           grammar=SimpleNamespace(accept_token=accept_token, is_terminated=lambda: False))
+
+
+@pytest.mark.parametrize("min_new_tokens, status", [(3, 400), (0, 500)])
+def test_a_grammar_ending_before_min_new_tokens_is_the_clients_abort(sglang_with_plugin, min_new_tokens, status):
+    """SGLang's own advance of the grammar (hooked) aborts the request; with min_new_tokens the abort is a 400 that
+    says why, any other grammar failure stays SGLang's 500."""
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+
+    for advance in ("decode", "prefill"):
+        request = grammar_request(min_new_tokens)
+        if advance == "decode":
+            SchedulerBatchResultProcessor._accept_grammar_tokens(SimpleNamespace(), request, [0])
+        else:
+            SchedulerBatchResultProcessor._apply_prefill_grammar(SimpleNamespace(), req=request, next_token_id=0)
+        assert request.to_finish.status_code == status, advance
+        if status == 400:
+            assert request.to_finish.message.startswith(
+                "the grammar ended the output before min_new_tokens (3) tokens, and min_new_tokens forbids")
+
+
+def test_a_fault_rewriting_a_grammar_abort_leaves_sglangs(monkeypatch, metrics, capsys):
+    monkeypatch.setattr(hooks, "client_grammar_abort", lambda request: 1 / 0)
+    assert hooks.grammar_abort_after(["kept"], None, grammar_request(3)) == ["kept"]
+    assert metrics.accept_faults == {(REQUEST, "ZeroDivisionError"): 1}
+    assert "its grammar abort left as SGLang's (500)" in capsys.readouterr().err

@@ -41,23 +41,30 @@ class Send:
     def encoded(self) -> bytes:
         return self.body if isinstance(self.body, bytes) else json.dumps(self.body).encode()
 
-    def greedy(self) -> bool:
-        """Whether every prompt of the body decodes greedily (temperature 0 or top_k 1), so a tree server's answer
-        must equal plain decoding's."""
+    def exact(self) -> bool:
+        """Whether a tree server's answer must equal plain decoding's: every prompt decodes greedily (temperature 0
+        or top_k 1), and none asks for ``ignore_eos`` under a grammar. (There SGLang's speculative decoding, its own
+        EAGLE too, ends the output where the grammar ends, while plain decoding goes on past the EOS.)"""
         body = self.body
         if not isinstance(body, dict):
             return True  # refused before any decoding: the refusals must be equal too
         if self.route == "/generate":
             params = body.get("sampling_params")
-            return all(_greedy(p) for p in (params if isinstance(params, list) else [params]))
-        return _greedy(body)
+            return all(_exact(p) for p in (params if isinstance(params, list) else [params]))
+        response_format = body.get("response_format")
+        structured = isinstance(response_format, dict) and response_format.get("type") in ("json_object", "json_schema")
+        return _exact({**body, "json_schema": True} if structured else body)
 
 
-def _greedy(params: Any) -> bool:
+GRAMMARS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+
+def _exact(params: Any) -> bool:
     if not isinstance(params, dict):
         return True  # refused
     temperature, top_k = params.get("temperature"), params.get("top_k")
-    return temperature == 0 or top_k == 1
+    grammar_past_eos = params.get("ignore_eos") is True and any(params.get(name) for name in GRAMMARS)
+    return (temperature == 0 or top_k == 1) and not grammar_past_eos
 
 
 # ---------------------------------------------------------------------------------------------- hostile values

@@ -13,6 +13,7 @@
 | ``GenerateReqInput.normalize_batch_and_arguments`` | AROUND | requests: per-prompt lists that do not fit the prompts refused (400, one line), not a 500 |
 | ``TokenizerManager._validate_one_request`` | AROUND | requests: a prompt no forward can serve refused (400, one line): empty, token ids outside the vocabulary, top_k or top logprobs past what the sampler holds |
 | ``KVCacheConfigurator._build_req_to_token_pool``, ``allocation_sizing.get_req_to_token_extra_context_len`` | AROUND | startup: a tree server's req_to_token rows hold a decode step's draft slots past the context |
+| ``SchedulerBatchResultProcessor._apply_prefill_grammar`` / ``_accept_grammar_tokens`` | AFTER | requests: a grammar that ends the output before ``min_new_tokens``: the client's abort (400, one line), not a 500 |
 | ``EagleDraftWorker.__init__`` | AFTER | draft: the worker's state and its drafter (chosen once); metrics |
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | draft: the draft KV pool can give every branch its own ancestry |
 | ``EagleDraftWorker.draft`` | AROUND | draft: an eager drafter sees the batch's requests; a guard's head faults counted |
@@ -43,6 +44,7 @@ from sglang_spec.sglang_plugin.hooks import accept, auto, draft, requests, start
 _WORKER = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
 _SPEC_WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
 _REGISTRY = "sglang.srt.models.registry._ModelRegistry"
+_RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 # (target, function, HookType name) for SGLang's HookRegistry
 HOOKS: tuple[tuple[str, Callable, str], ...] = (
     ("sglang.srt.server_args.ServerArgs.add_cli_args", startup.add_cli_args_after, "AFTER"),
@@ -58,6 +60,8 @@ HOOKS: tuple[tuple[str, Callable, str], ...] = (
      "AROUND"),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
      requests.validate_one_request_around, "AROUND"),
+    (f"{_RESULTS}._apply_prefill_grammar", requests.grammar_abort_after, "AFTER"),
+    (f"{_RESULTS}._accept_grammar_tokens", requests.grammar_abort_after, "AFTER"),
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_req_to_token_pool",
      startup.build_req_to_token_pool_around, "AROUND"),
     ("sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len",

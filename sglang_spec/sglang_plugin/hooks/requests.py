@@ -41,6 +41,10 @@ tokenized, chat template applied, multimodal placeholders expanded. Refused ther
   with ``return_logprob``: the sampler's top-k over the vocabulary raised (the scheduler died).
 * a ``stop_regex`` that is no regular expression: SGLang's parse of it raised ``re.error`` (a 500).
 
+One conflict shows only while decoding, in the scheduler: a grammar (``regex``, ``json_schema``, ``ebnf``) that
+ends the output before ``min_new_tokens``, whose penalty forbids the end there, so no token is left; SGLang aborts
+the request as its own error (500). ``grammar_abort_after`` makes that abort the client's (400, one line).
+
 A fault in a check itself is counted and logged in one line (``faults.plugin_fault``) and the request goes on to
 SGLang as without the plugin.
 """
@@ -198,6 +202,40 @@ def _logprob_refusal(obj: Any, vocab_size: int) -> str | None:
         return (f"top_logprobs_num {top} is more than this model's vocabulary of {vocab_size} tokens: ask for at most "
                 f"{vocab_size}")
     return None
+
+
+# ---------------------------------------------------------------------------------------------- while decoding
+GRAMMAR_FAILURE = "Grammar accept_token failed"  # the start of SGLang's abort message
+
+
+def grammar_abort_after(result, processor, *args, **kwargs):
+    """After SGLang advanced a request's grammar over its new tokens (a prefill's or a decode step's, speculative or
+    not): an abort because the grammar took no token, on a request whose ``min_new_tokens`` forbade the end the
+    grammar reached, is the client's (``client_grammar_abort``)."""
+    request = kwargs.get("req", args[0] if args else None)
+    try:
+        client_grammar_abort(request)
+    except Exception as error:  # its abort stays SGLang's
+        plugin_fault(REQUEST, error, "one request", "its grammar abort left as SGLang's (500)")
+    return result
+
+
+def client_grammar_abort(request: Any) -> None:
+    """``request.to_finish`` (SGLang's ``FINISH_ABORT``), where SGLang aborted ``request`` as a server error because
+    its grammar accepted no token and the request asks for ``min_new_tokens``, made a 400 that says so. Any other
+    grammar failure is left as SGLang's."""
+    finish = getattr(request, "to_finish", None)
+    if type(finish).__name__ != "FINISH_ABORT" or finish.status_code != 500:
+        return
+    if not str(finish.message).startswith(GRAMMAR_FAILURE):
+        return
+    floor = int(getattr(request.sampling_params, "min_new_tokens", 0) or 0)
+    if floor <= 0:
+        return
+    finish.message = (f"the grammar ended the output before min_new_tokens ({floor}) tokens, and min_new_tokens "
+                      f"forbids ending it there: lower min_new_tokens, or give a grammar that takes longer outputs")
+    finish.status_code = 400
+    finish.err_type = "BadRequestError"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
