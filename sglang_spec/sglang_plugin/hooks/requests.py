@@ -1,9 +1,9 @@
 """Hooks of a request's admission, before SGLang's tokenizer manager sends it to the scheduler: a request that no
 forward can serve, or that SGLang would fail on with an internal error, is refused in one line through SGLang's own
 error path (a ``ValueError``, which its routes answer with HTTP 400 and the message; a refused batch member aborts
-the members already sent). Every route goes through the last two hooks (``/generate`` one prompt or a batch,
-``/v1/completions``, ``/v1/chat/completions``, ``sgl.Engine``), on a plain server too: the plugin hooks SGLang
-whether or not the tree options are set.
+the members already sent). Every generate route goes through the split and the check of each prompt below
+(``/generate`` one prompt or a batch, ``/v1/completions``, ``/v1/chat/completions``, ``sgl.Engine``), on a plain
+server too: the plugin hooks SGLang whether or not the tree options are set.
 
 ``ORJSONRequest.json`` (``request_json_around``) parses an HTTP body for SGLang's routes. On the OpenAI completion
 routes, SGLang's request models read the body as an object in validators that run before their type checks, so a
