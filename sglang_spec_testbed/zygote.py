@@ -47,7 +47,7 @@ PRELOAD = (LAUNCHER_MODULE, "sglang.srt.entrypoints.http_server")
 # environment variables the bed reads only after the launcher's ``__main__`` starts (in the plugin's registration,
 # which SGLang runs there, or in the spawned scheduler): servers that differ in these alone share a zygote
 LATE_PREFIXES = ("SGLANG_SPEC_INJECT_", "PYTEST_")
-LATE_VARIABLES = frozenset({patches.OVERLAP_ENV, profile.PROFILE_ENV, profile.CPROFILE_ENV, THREADS_BIND_ENV,
+LATE_VARIABLES = frozenset({patches.OVERLAP_ENV, step_timing.PROFILE_ENV, step_timing.CPROFILE_ENV, THREADS_BIND_ENV,
                             ACCEPT_KERNELS_ENV})
 MAX_ZYGOTES = 2  # zygotes kept at once (each holds ~0.6 GB of imported modules); the least recently used goes
 POLL_S = 0.05  # ForkedProcess.wait: how often the zygote is asked

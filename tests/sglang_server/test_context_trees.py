@@ -58,7 +58,7 @@ def run(request, smollm2_cpu, server_logs, smollm2_prompts, repeat_prompts, tmp_
     steps_folder = tmp_path_factory.mktemp(f"steps-{name}")
     on_device = name.endswith("-device")
     extra = ["--speculative-tree-context-on", "device"] if on_device else []
-    with pytest.MonkeyPatch.context() as patch:  # the CPU bed's per-batch timings (cpu/profile.py)
+    with pytest.MonkeyPatch.context() as patch:  # the CPU bed's per-batch timings (sglang_spec_testbed/step_timing.py)
         patch.setenv("SGLANG_SPEC_CPU_PROFILE", str(steps_folder))
         if on_device or name.endswith("-overlap"):
             patch.setenv(OVERLAP_ENV, "1")
