@@ -46,7 +46,7 @@ DEFAULTS = {"budget": 8, "depth": 4, "topk": 4}
 OWN_LOOP_POLICIES = ("sequoia", "specexec")
 # attention backends whose target-verify and draft-decode paths take a tree (sglang-internals §9); MLA models
 # only fa3 / triton on a GPU. intel_amx is SGLang's CPU backend (QLEN_ONLY tree mask; the CPU bed's stand-in
-# also reads FULL_MASK, cpu/tree_mask.py), CPU only.
+# also reads FULL_MASK, sglang_spec_testbed/tree_mask.py), CPU only.
 MHA_TREE_BACKENDS = ("flashinfer", "fa3", "triton", "fa4")
 MLA_TREE_BACKENDS = ("fa3", "triton")
 CPU_TREE_BACKENDS = ("intel_amx",)
