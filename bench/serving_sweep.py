@@ -62,18 +62,20 @@ from sglang_spec.train.prompts import PromptSpec, humaneval_prompts, load_prompt
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = ["policy", "budget", "concurrency", "request_throughput", "output_throughput", "mean_ttft_ms",
-          "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "accept_length", "workload",
+          "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "p99_tpot_ms", "accept_length", "workload",
           "speedup_over_plain"]
 OUR_POLICIES = ("chain", "eagle", "sequoia", "specexec", "lookup", "hybrid")
 SGLANG_METHODS = ("sglang-chain", "sglang-tree", "sglang-ngram")
-AUTO = "auto"  # hybrid with --speculative-tree-auto: each step a tree or a plain step, by measured rates
+AUTO = "auto"  # hybrid with --speculative-tree-auto: each step's verify size planned for its batch
+AUTO_BATCH = "auto-batch"  # the same planner choosing only a plain step or the full tree for the whole batch
 LOOKUP_DEVICE = "lookup-device"  # lookup with --speculative-tree-context-on device
 HYBRID_DEVICE = "hybrid-device"  # hybrid with --speculative-tree-context-on device
 PLAIN_METHODS = ("plain", "plain-sync")  # no speculation: with SGLang's overlap scheduler, and without
-POLICIES = (*PLAIN_METHODS, *OUR_POLICIES, AUTO, LOOKUP_DEVICE, HYBRID_DEVICE, *SGLANG_METHODS)
+POLICIES = (*PLAIN_METHODS, *OUR_POLICIES, AUTO, AUTO_BATCH, LOOKUP_DEVICE, HYBRID_DEVICE, *SGLANG_METHODS)
 SGLANG_CHAIN_STEPS = 3  # SGLang's usual EAGLE chain for NEXTN: 3 steps, 4 verified tokens
 SGLANG_TREE_TOPK = 4
 SERVING_WORKLOADS = ("code", "extraction", "chat")
+MIXED = "mixed"  # the three arriving together: code, extraction and chat requests in turn
 WORKLOADS_DIR = REPO / "bench" / "workloads" / "serving"
 
 
@@ -95,8 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "children (default 2)")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--workloads", default=None,
-                        help="heldout, serving (code, extraction, chat), or a comma list of those three; "
-                             "default: heldout, or the domains of --prompts")
+                        help="heldout, serving (code, extraction, chat), or a comma list of those three and mixed "
+                             "(their requests in turn, arriving together); default: heldout, or the domains of "
+                             "--prompts")
     parser.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
                         help="your own prompts, one JSON object a line ({\"prompt\": ...} or {\"messages\": ...}, "
                              "optional \"domain\" = workload, default general; also a .txt file, one prompt a line)")
@@ -145,10 +148,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--prompts {args.prompts}: no such file")
     if args.workloads is not None:
         names = args.workloads.split(",")
-        known = ("heldout", "serving", *SERVING_WORKLOADS)
+        known = ("heldout", "serving", *SERVING_WORKLOADS, MIXED)
         if any(name not in known for name in names) or ("heldout" in names and len(names) > 1):
             parser.error(f"--workloads {args.workloads!r}: give heldout, serving, or a comma list of "
-                         f"{', '.join(SERVING_WORKLOADS)}")
+                         f"{', '.join((*SERVING_WORKLOADS, MIXED))}")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
     if args.prefill_threads is not None and (args.prefill_threads < 1 or args.cpu_model is None):
@@ -194,6 +197,8 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
         return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(budget + 1)]
     if policy == AUTO:
         return tree_arguments(args, "hybrid", budget, profile) + ["--speculative-tree-auto"]
+    if policy == AUTO_BATCH:
+        return tree_arguments(args, AUTO, budget, profile) + ["--speculative-tree-verify-sizes", f"1,{budget + 1}"]
     if policy in (LOOKUP_DEVICE, HYBRID_DEVICE):
         on_host = policy.removesuffix("-device")
         return tree_arguments(args, on_host, budget, profile) + ["--speculative-tree-context-on", "device"]
@@ -287,6 +292,9 @@ def serving_questions(workload: str) -> list[str]:
     distinct requests each. The first ones are the earlier, smaller sets in their order (code: HumanEval 150-163;
     extraction: six passages with one question each; chat: eight prompts), so runs with few prompts stay
     comparable with the earlier results."""
+    if workload == MIXED:  # a stream of all three: the requests of each in turn
+        streams = [serving_questions(name) for name in SERVING_WORKLOADS]
+        return [question for group in zip(*streams) for question in group][:DISTINCT_PROMPTS]
     if workload == "code":
         tasks = [*range(150, 164), *range(134, 150), 132, 133]  # 134+: never in the shipped heads' traffic
         return [spec.messages[0]["content"] for task in tasks for spec in humaneval_prompts(task, task)]
