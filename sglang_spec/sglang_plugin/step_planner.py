@@ -6,16 +6,19 @@ inputs this module keeps:
 
 * **What each size would emit.** Each request's predicted reach: the reach of its last tree's nodes, best first, as
   its drafter reported them (``ServedDrafter.drafted_reach``: lookup / hybrid on the host), scaled by how much the
-  served steps' accepted tokens exceeded or fell short of such predictions (``accept_scale``). A request its drafter
+  served steps' accepted tokens exceeded or fell short of such predictions (``accept_scale``). Where the plan keeps
+  a request plain its prediction would go stale, so before each step the drafter estimates, without a forward,
+  the reach of every request it knows nothing of and of the one whose prediction is oldest (``stale``). A request its drafter
   has not drafted yet, or a drafter that reports no reach (the head-only policies, trees grown on the device), takes
   the traffic's: a moving average over the requests' reports by rank, or the served steps' accepted drafts per
   request at the full size.
 * **What each size would cost.** The target's verify forward measured at start-up for each batch size and verify
   size (``CostTable``: SGLang's own dummy forward, ``step_costs``), scaled per batch-size bucket by what the served
-  plain steps took over it; a tree step adds the rest of the step (drafting, host work: per request, so it is one
-  moving average learnt from the tree steps of every batch size, times the batch), each served step moving it by
-  at most a factor ``MAX_MOVE``. The first step of each shape (batch bucket, size) also allocates for it, and a
-  new request's context index is built once: neither is counted.
+  plain steps took over it; a tree step adds the rest of the step (drafting, host work: per request, learnt from
+  the tree steps of every batch size, times the batch). The plain steps' correction is the median of the last
+  ``WINDOW`` served ones, the tree steps' the least (plain steps run whatever the plan, tree steps only where it
+  predicts they pay: their price is kept optimistic, so a slow spell cannot keep trees off for good). The first step of each shape (batch bucket, size) also allocates for it, and a new request's
+  context index is built once: neither is counted.
 
 A step is capped at ``cap`` times a plain step's predicted time (the gap a streaming client sees between chunks).
 The plan is one size for the whole batch (SGLang verifies a fixed number of tokens a request per step); a request
@@ -27,15 +30,15 @@ step whatever its local timings.
 from __future__ import annotations
 
 import json
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from sglang_spec.costs import CostTable, interpolate_seconds
 from sglang_spec.planner import SizeTable, StepPlan, choose_size, expected_tokens
 
-SMOOTHING = 0.3  # weight of the newest step in the moving averages (costs, the accept scale, the prior)
-MAX_MOVE = 2.0  # a served tree step moves the per-request extra cost by at most this factor either way
+SMOOTHING = 0.3  # weight of the newest step in the moving averages (the accept scale, the prior)
+WINDOW = 9  # served steps a cost correction is the median of (one slow step of a shared machine moves nothing)
 DEFAULT_CAP = 2.0  # a tree step's predicted time at most this many plain steps'
 ACCEPT_SCALE_RANGE = (0.25, 2.0)  # the accept scale is kept within this range (one odd step cannot flip the plan)
 SPARE_REQUESTS = 256  # per-request predictions kept beyond the batch's before finished requests are dropped
@@ -84,10 +87,11 @@ class StepPlanner:
     accepted_of: dict[str, float] = field(default_factory=dict)  # rid -> its accepted drafts a tree step (unranked)
     accepted_prior: float | None = None  # the traffic's accepted drafts a tree step (unranked drafters)
     accept_scale: float = 1.0  # served accepted drafts over predicted (moving average, within ACCEPT_SCALE_RANGE)
-    plain_scale: dict[int, float] = field(default_factory=dict)  # bucket -> served plain step / start-up forward
-    tree_extra: float | None = None  # a tree step's time beyond its verify, per request (moving average), s
+    plain_seen: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> recent served plain / forward
+    extra_seen: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # recent tree extra a request
     served: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, size) -> seconds, no start-up table
     chosen: Counter[int] = field(default_factory=Counter)  # steps by verify size
+    learnt_at: dict[str, int] = field(default_factory=dict)  # rid -> the step its reach was last learnt at
     log_path: str | None = None  # ``PLAN_LOG_ENV``: where every planned step is written, one JSON line each
 
     def __post_init__(self) -> None:
@@ -106,6 +110,18 @@ class StepPlanner:
         own = self.reach_of.get(rid, ())
         return [min(value * self.accept_scale, 1.0) for value in list(own) + self.prior[len(own):self.full - 1]]
 
+    @property
+    def tree_extra(self) -> float | None:
+        """A tree step's time beyond its verify, per request: the least of the recent served tree steps' (an
+        optimistic price: one slow tree step on a busy machine must not keep trees off for good, since only tree
+        steps can correct it)."""
+        return min(self.extra_seen) if self.extra_seen else None
+
+    def plain_scale(self, bucket: int) -> float:
+        """Served plain steps over the start-up forward, in a batch-size bucket (1.0 before any)."""
+        scale = _median(self.plain_seen.get(bucket, ()))
+        return 1.0 if scale is None else scale
+
     def seconds(self, batch_size: int, size: int) -> float:
         """A step's predicted time for ``batch_size`` requests verifying ``size`` tokens each."""
         bucket = batch_bucket(batch_size)
@@ -115,7 +131,7 @@ class StepPlanner:
             plain = self.served.get((bucket, 1), 1.0)
             return self.served.get((bucket, size), plain)
         curve = self.costs.at(batch_size)
-        verify = self.plain_scale.get(bucket, 1.0) * _verify_at(curve.verify, size)
+        verify = self.plain_scale(bucket) * _verify_at(curve.verify, size)
         return verify if size == 1 else verify + (self.tree_extra or 0.0) * batch_size
 
     def table(self, rids: Sequence[str]) -> SizeTable:
@@ -142,13 +158,9 @@ class StepPlanner:
         if self.costs is not None and not first:
             forward = _verify_at(self.costs.at(batch).verify, plan.tokens)
             if plan.plain:
-                self.plain_scale[bucket] = moving_average(self.plain_scale.get(bucket), seconds / forward)
+                self.plain_seen.setdefault(bucket, deque(maxlen=WINDOW)).append(seconds / forward)
             else:
-                verify = self.plain_scale.get(bucket, 1.0) * forward
-                extra = max(seconds - verify, 0.0) / batch
-                if self.tree_extra is not None and self.tree_extra > 0:
-                    extra = min(max(extra, self.tree_extra / MAX_MOVE), self.tree_extra * MAX_MOVE)
-                self.tree_extra = moving_average(self.tree_extra, extra)
+                self.extra_seen.append(max(seconds - self.plain_scale(bucket) * forward, 0.0) / batch)
         if plan.plain:
             return
         drafts = [max(int(length) - 1, 0) for length in accept_lens]
@@ -163,10 +175,20 @@ class StepPlanner:
                 self.accepted_prior = moving_average(self.accepted_prior, accepted)
         self._forget_finished(rids)
 
+    def stale(self, rids: Sequence[str]) -> list[str]:
+        """The requests whose prediction to refresh before this step: every one with none, and the one learnt the
+        longest ago."""
+        unknown = [rid for rid in rids if rid not in self.learnt_at]
+        known = [rid for rid in rids if rid in self.learnt_at]
+        oldest = min(known, key=lambda rid: self.learnt_at[rid]) if known else None
+        return unknown + ([oldest] if oldest is not None else [])
+
     def learn_reach(self, drafted: Mapping[str, Sequence[float]]) -> None:
-        """The reach of the trees just drafted (rid -> best first), as the drafter estimated them: each request's
-        prediction for its next step, and the traffic's by rank."""
+        """The reach of the trees just drafted or estimated (rid -> best first), as the drafter rated them: each
+        request's prediction for its next step, and the traffic's by rank."""
+        step = sum(self.chosen.values())
         for rid, reach in drafted.items():
+            self.learnt_at[rid] = step
             self.reach_of[rid] = tuple(reach)
             for rank, value in enumerate(reach[: self.full - 1]):
                 if rank < len(self.prior):
@@ -175,7 +197,7 @@ class StepPlanner:
                     self.prior.append(value)
 
     def _forget_finished(self, rids: Sequence[str]) -> None:
-        for held in (self.reach_of, self.accepted_of):
+        for held in (self.reach_of, self.accepted_of, self.learnt_at):
             if len(held) > len(rids) + SPARE_REQUESTS:
                 alive = set(rids)
                 for rid in [rid for rid in held if rid not in alive]:
@@ -188,13 +210,19 @@ class StepPlanner:
         record = {"batch": len(rids), "tokens": plan.tokens, "expected": round(plan.expected_tokens, 3),
                   "predicted_s": round(plan.predicted_seconds, 5), "served_s": round(seconds, 5),
                   "committed": list(accept_lens), "accept_scale": round(self.accept_scale, 3),
-                  "tree_extra_s": self.tree_extra, "plain_scale": self.plain_scale}
+                  "tree_extra_s": self.tree_extra,
+                  "plain_scale": {bucket: self.plain_scale(bucket) for bucket in self.plain_seen}}
         with open(self.log_path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
     def describe(self) -> str:
         """One log line: the steps taken by verify size so far."""
         return ", ".join(f"{size}: {count}" for size, count in sorted(self.chosen.items()))
+
+
+def _median(values: Iterable[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
 
 
 def _verify_at(verify: Mapping[int, float], size: int) -> float:

@@ -67,7 +67,7 @@ def test_served_steps_correct_the_costs_and_the_accept_scale():
                            [1 + 4])
     assert plan_state.tree_extra == pytest.approx(0.05, rel=1e-2)
     assert plan_state.seconds(4, FULL) - plan_state.seconds(4, 1) == pytest.approx(
-        0.05 * 4 + plan_state.plain_scale.get(4, 1.0) * (0.06 + 0.008 * 8 - 0.06), rel=1e-2)  # per request
+        0.05 * 4 + plan_state.plain_scale(4) * (0.06 + 0.008 * 8 - 0.06), rel=1e-2)  # per request
     assert plan_state.accept_scale == pytest.approx(4 / 7.2, rel=1e-2)
     assert sum(plan_state.predicted_reach("a")) == pytest.approx(4.0, rel=1e-2)
 
@@ -130,3 +130,12 @@ def test_two_ranks_with_different_timings_take_identical_steps(tmp_path):
     assert ranks[0]["chosen"] == ranks[1]["chosen"]
     assert len(set(ranks[0]["chosen"])) > 1  # the steps moved with the agreed timings
     assert ranks[0]["alone"] != ranks[1]["alone"]  # negative control: left to itself, each rank would differ
+
+
+def test_one_slow_step_of_a_shared_machine_moves_no_price():
+    plan_state = planner()
+    plain = StepPlan(1, 4.0, 0.06, (0,) * 4)
+    for seconds in [0.06] * 6 + [0.6] + [0.06] * 2:  # one step ten times as slow, among nine
+        plan_state.observe(plain, list("abcd"), seconds, [1] * 4)
+    assert plan_state.plain_scale(4) == pytest.approx(1.0)
+    assert plan_state.seconds(4, 1) == pytest.approx(0.06)

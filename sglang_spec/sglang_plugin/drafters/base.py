@@ -113,6 +113,12 @@ class ServedDrafter:
         until served trees teach it the traffic's; empty where the drafter reports no reach."""
         return []
 
+    def estimate_reach(self, requests: list[Any], budget: int) -> dict[str, list[float]]:
+        """rid -> the reach a tree would have now for each of ``requests``, best first, estimated without a forward
+        (host work only); empty where the drafter cannot. What keeps a request's prediction current while the
+        planner decodes it plainly."""
+        return {}
+
     def drafted_reach(self) -> dict[str, list[float]]:
         """rid -> the reach of the draft nodes of the tree it last drafted, best first (each request once: read
         after the step; empty where it reports none)."""

@@ -22,7 +22,7 @@ committed for it since the last step (with the overlap scheduler, its output ids
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -36,9 +36,9 @@ from sglang_spec.sglang_plugin.drafters.padding import pad_to_budget
 from sglang_spec.sglang_plugin.level_costs import LevelCosts
 from sglang_spec.sglang_plugin.metrics import SourceMetrics
 from sglang_spec.tree.candidates import Candidates
-from sglang_spec.tree.proposal import DraftTree
+from sglang_spec.tree.proposal import DraftSources, DraftTree
 from sglang_spec.tree.encode_sglang import encode_sglang_draft
-from sglang_spec.tree.best_first import BestFirstBuilder, BestFirstRounds
+from sglang_spec.tree.best_first import BestFirstBuilder, BestFirstRounds, build_best_first
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
 
@@ -106,6 +106,22 @@ class HostContextDrafter(ContextDrafter):
     def drafted_reach(self) -> dict[str, list[float]]:
         reach, self._reach = self._reach, {}
         return reach
+
+    def estimate_reach(self, requests: list[Any], budget: int) -> dict[str, list[float]]:
+        """Each request's lookup tree from its context as SGLang holds it (the output ids may lag a step under the
+        overlap scheduler: an estimate), merged with the head's likeliest chain as the counts rate it (a hybrid
+        tree holds both), the best ``budget`` reach values."""
+        shape = replace(self.drafter.policy.best_first_shape(), uses_head=False, budget=budget)
+        head_chain = self.prior_reach(budget) if self.uses_head else []
+        estimates = {}
+        for req in requests:
+            tokens = list(req.origin_input_ids_unpadded) + list(req.output_ids)
+            if not tokens:
+                continue
+            index = self.contexts.index(req.rid, tokens, tokens[-1])
+            lookup = build_best_first(shape, tokens[-1], DraftSources(context=index), self.drafter.counts)
+            estimates[req.rid] = sorted([*lookup.best_reach(), *head_chain], reverse=True)[:budget]
+        return estimates
 
     @property
     def setup_seconds(self) -> float:  # type: ignore[override]

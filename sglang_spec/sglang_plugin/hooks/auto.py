@@ -35,6 +35,7 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
             state.plan_group.agree(_empty_table(planner))
         return original(worker, batch, *args, **kwargs)
     rids = [request.rid for request in batch.reqs]
+    _refresh_predictions(planner, state, batch.reqs)
     plan = _plan(planner, state, rids)
     start = time.perf_counter()
     with _verify_size(worker, state, plan.tokens):
@@ -44,6 +45,19 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
     except Exception as error:  # the step's output stands; the planner learns nothing from it
         accept_fault(AUTO, error, len(rids), "decoded; tree auto did not learn from its time")
     return output
+
+
+def _refresh_predictions(planner: StepPlanner, state: WorkerState, requests: list) -> None:
+    """The drafter's estimates (no forward) for the requests whose prediction is missing or oldest; a fault
+    leaves the predictions as they were."""
+    if not planner.ranked:
+        return
+    try:
+        stale = set(planner.stale([request.rid for request in requests]))
+        planner.learn_reach(state.drafter.estimate_reach([request for request in requests if request.rid in stale],
+                                                         planner.full - 1))
+    except Exception as error:
+        accept_fault(AUTO, error, len(requests), "planned from the predictions it had")
 
 
 def _plan(planner: StepPlanner, state: WorkerState, rids: list[str]) -> StepPlan:
