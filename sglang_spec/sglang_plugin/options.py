@@ -371,10 +371,6 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
     if getattr(config, "enable_multi_layer_eagle", False):
         raise SpecError("--enable-multi-layer-eagle runs its own draft worker, which the tree options do not reach; "
                         "drop --enable-multi-layer-eagle or the --speculative-tree-* options")
-    if options.auto and str(getattr(config, "device", "cpu")) != "cpu" and _decode_graphs(config) != "disabled":
-        raise SpecError("--speculative-tree-auto's plain steps verify one token a request, which the decode CUDA "
-                        "graphs captured for the tree do not hold; add --cuda-graph-backend-decode disabled, or drop "
-                        "--speculative-tree-auto")
     if options.auto and int(getattr(config, "pp_size", 1) or 1) > 1:
         raise SpecError("--speculative-tree-auto agrees each step's size within one tensor-parallel group, and the "
                         "stages of a pipeline relay a draft shape fixed at start-up; run it with --pp-size 1, or "
@@ -391,12 +387,6 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
             f"width {width} and depth {steps} can produce (topk candidates a node, at most width expanded a "
             f"level); raise --speculative-tree-topk, -width or -depth, or lower the budget"
         )
-
-
-def _decode_graphs(config) -> str | None:
-    """The resolved decode CUDA graph backend (full, breakable, disabled), None when unset."""
-    graphs = getattr(getattr(config, "cuda_graph_config", None), "decode", None)
-    return getattr(graphs, "backend", None) or getattr(config, "cuda_graph_backend_decode", None)
 
 
 def validate_model(options: TreeServerOptions, is_dsa: bool) -> None:

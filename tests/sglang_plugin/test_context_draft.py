@@ -107,9 +107,9 @@ def test_what_the_counts_learnt_is_exported_once_by_cell_name():
 
 
 def test_tree_auto_runs_at_any_tensor_parallel_shape_and_is_refused_across_pipeline_stages():
-    """The ranks of a step agree on its plan (``peers.PlanGroup``): tensor parallelism and DP attention are served;
-    pipeline stages relay a fixed draft shape, so a pipeline is refused in one line (and so, until the planner's
-    sizes have graphs of their own, are decode CUDA graphs on a GPU)."""
+    """The ranks of a step agree on its plan (``peers.PlanGroup``): tensor parallelism and DP attention are served,
+    decode CUDA graphs too (each verify size has its own: ``verify_shapes``); pipeline stages relay a fixed draft
+    shape, so a pipeline is refused in one line."""
     from types import SimpleNamespace
 
     from sglang_spec.errors import SpecError
@@ -123,8 +123,7 @@ def test_tree_auto_runs_at_any_tensor_parallel_shape_and_is_refused_across_pipel
     with pytest.raises(SpecError, match="run it with --pp-size 1"):
         validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=eager, pp_size=2, **resolved))
     graphs = SimpleNamespace(decode=SimpleNamespace(backend="full"))
-    with pytest.raises(SpecError, match="add --cuda-graph-backend-decode disabled"):
-        validate_speculative(options, SimpleNamespace(device="cuda", cuda_graph_config=graphs, **resolved))
+    validate_speculative(options, SimpleNamespace(device="cuda", cuda_graph_config=graphs, tp_size=8, **resolved))
 
 
 class PeerFaulted:
