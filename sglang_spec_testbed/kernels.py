@@ -38,6 +38,8 @@ SUBMODULES = ("allreduce", "attention", "elementwise", "flash_attn", "gemm", "kv
               "quantization", "sampling", "spatial", "speculative", "top_k", "utils")
 
 
+ASKED: set[str] = set()  # every name asked of the module (``sgl_kernel.utils.x``), found or not: the import audit
+
 MODES = {"cpu": (STAND_INS, IMPORTED_ONLY, SUBMODULES),
          "cuda": (cuda_kernels.STAND_INS, cuda_kernels.IMPORTED_ONLY, cuda_kernels.SUBMODULES)}
 
@@ -75,6 +77,7 @@ class _Namespace(types.ModuleType):
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
+        ASKED.add(f"{self.__name__}.{name}")
         return resolve(name, self.mode)
 
 
@@ -102,7 +105,8 @@ def _module(name: str, mode: str) -> _Namespace:
 
 
 def install(mode: str = "cpu") -> None:
-    """Puts the fake ``sgl_kernel`` package (``mode``: cpu | cuda) in ``sys.modules`` and on ``torch.ops``."""
+    """Puts the fake ``sgl_kernel`` package (``mode``: cpu | cuda) in ``sys.modules`` and, for cpu, on
+    ``torch.ops``."""
     if mode not in MODES:
         raise SpecError(f"sgl_kernel stand-in mode {mode!r}: choose one of {', '.join(MODES)}")
     package = _module("sgl_kernel", mode)
@@ -112,4 +116,8 @@ def install(mode: str = "cpu") -> None:
         module = _module(f"sgl_kernel.{name}", mode)
         sys.modules[module.__name__] = module
         setattr(package, name, module)
-    torch.ops.sgl_kernel = _OpsNamespace(mode)  # type: ignore[attr-defined]
+    if mode == "cpu":
+        torch.ops.sgl_kernel = _OpsNamespace(mode)  # type: ignore[attr-defined]
+    # CUDA: ``torch.ops.sgl_kernel`` stays torch's empty namespace. SGLang calls none of it on the CUDA paths and
+    # probes it with ``hasattr`` before registering fakes for sgl-kernel's compiled ops (``register_fake_if_exists``):
+    # a name answered there would make torch.library look for an op that was never registered.
