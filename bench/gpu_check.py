@@ -111,6 +111,10 @@ class Check:
     def is_server(self) -> bool:
         return self.argv[0] == SERVER_SCRIPT
 
+    @property
+    def is_preflight(self) -> bool:
+        return self.argv[0] == PREFLIGHT_SCRIPT
+
 
 @dataclass
 class Outcome:
@@ -178,11 +182,32 @@ KERNEL_CHECKS = (
           ("bench/kernels.py", "--batch-sizes", "1,16,64", "--budgets", "8,32,128", "--repeats", "20"),
           ("bench/kernels.py", "--smoke"), (), 150),
 )
+PREFLIGHT_SCRIPT = "bench/gpu_server_preflight.py"
+
+
+def preflight_name(group: str) -> str:
+    return f"{group.replace('-', '_')}_preflight"
+
+
+def preflight_check(group: str) -> Check:
+    """A server group's first check (``bench/gpu_server_preflight.py``): the payload unpacked, the group's models
+    built, import / name / API / JIT gaps one line each, the stand-ins in CUDA graphs; every other check of the
+    group needs it passed."""
+    return Check(preflight_name(group), "what would keep SGLang's server from running here, one line each, before "
+                 "any server starts: the payload unpacked (.gpu-payload), the group's models built from seeds, the "
+                 "server's modules imported with the CUDA sgl_kernel stand-in, SGLang's JIT kernels built, the "
+                 "stand-ins against references and replayed in CUDA graphs",
+                 (PREFLIGHT_SCRIPT, "--group", group), (PREFLIGHT_SCRIPT, "--group", group, "--dry-run"), (), 240,
+                 group=group)
+
+
 SERVER_CHECKS = tuple(
-    Check(server.name, server.what, (SERVER_SCRIPT, server.name), (SERVER_SCRIPT, server.name, "--dry-run"),
-          gpu_server_checks.NEEDS, server.limit, group=server.group, after=server.oracle, gpus=server.gpus,
-          hopper=server.needs_hopper)
-    for server in gpu_server_checks.SERVER_CHECKS)
+    check for group in gpu_server_checks.SERVER_GROUPS for check in (
+        preflight_check(group.name),
+        *(Check(server.name, server.what, (SERVER_SCRIPT, server.name), (SERVER_SCRIPT, server.name, "--dry-run"),
+                gpu_server_checks.NEEDS, server.limit, group=server.group,
+                after=server.oracle or preflight_name(server.group), gpus=server.gpus, hopper=server.needs_hopper)
+          for server in gpu_server_checks.SERVER_CHECKS if server.group == group.name)))
 MLA_CHECKS = (
     Check("mla_tree_kernel",
           "the MLA tree kernel (kernels/mla_tree_attention.py) compiled for this GPU: random trees, prefixes and "
@@ -230,7 +255,8 @@ def child_environment(dry: bool) -> dict[str, str]:
     """The checks' environment: the checkout first on the path, unbuffered output, no hub; a GPU run compiles the
     kernels for CUDA (SGLANG_SPEC_TEST_GPU=1), a dry run hides the GPU and interprets them."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    site = [str(gpu_server_checks.SITE)] if not dry and gpu_server_checks.SITE.is_dir() else []  # the payload's
+    env["PYTHONPATH"] = os.pathsep.join(site + [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("SGLANG_SPEC_REQUIRE_SGLANG", None)  # without sglang its comparison tests skip instead of failing
     if dry:
@@ -298,7 +324,7 @@ def judge_script(check: Check, code: int, tail: list[str], out: Path) -> Outcome
         return Outcome("failed", tail[-1] if tail else f"exited with {code} and wrote no results", data=data)
     named = {"verify_cost": _verify_cost_detail, "greedy_identity": lambda d: d["detail"],
              "kernel_bench": _kernel_bench_detail, "mla_tree_verify_flashinfer": lambda d: d["detail"]}
-    summarize = named.get(check.name, lambda d: d["detail"] if check.is_server else "ran")
+    summarize = named.get(check.name, lambda d: d["detail"] if check.is_server or check.is_preflight else "ran")
     try:
         detail = summarize(data)
     except (KeyError, ValueError, TypeError) as error:  # the check passed; only its one-line summary broke
@@ -368,8 +394,18 @@ def skip_reason(check: Check, dry: bool, device: dict | None, outcomes: dict[str
     return None
 
 
+def use_site(dry: bool) -> None:
+    """Once a server group's preflight has unpacked the payload (``gpu_server_checks.SITE``), this process sees
+    its packages too: the next checks' needs are met from it."""
+    site = str(gpu_server_checks.SITE)
+    if not dry and gpu_server_checks.SITE.is_dir() and site not in sys.path:
+        sys.path.insert(0, site)
+        importlib.invalidate_caches()
+
+
 def run_check(check: Check, dry: bool, seconds_left: float, scratch: Path, device: dict | None = None,
               outcomes: dict[str, Outcome] | None = None, budget: float = BUDGET_SECONDS) -> Outcome:
+    use_site(dry)
     reason = skip_reason(check, dry, device, outcomes or {})
     if reason is not None:
         return Outcome("skipped", reason)
