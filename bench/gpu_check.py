@@ -197,7 +197,7 @@ def preflight_check(group: str) -> Check:
                  "any server starts: the payload unpacked (.gpu-payload), the group's models built from seeds, the "
                  "server's modules imported with the CUDA sgl_kernel stand-in, SGLang's JIT kernels built, the "
                  "stand-ins against references and replayed in CUDA graphs",
-                 (PREFLIGHT_SCRIPT, "--group", group), (PREFLIGHT_SCRIPT, "--group", group, "--dry-run"), (), 240,
+                 (PREFLIGHT_SCRIPT, "--group", group), (PREFLIGHT_SCRIPT, "--group", group, "--dry-run"), (), 300,
                  group=group)
 
 

@@ -11,9 +11,10 @@ SmolLM2's tokenizer does (``bench/gpu_server_payload.py``).
   SGLang draft (``sglang_plugin/export.py``). Drafts are almost never accepted: the shapes, graphs and timings of
   SmolLM2, not acceptance.
 * ``smollm2-random-k8``: the same architecture (``K8_OVERRIDES``: untied, wider initial weights), its output
-  head zero except ``ACTIVE`` rows, four random directions and their negatives: for any hidden state the best of a pair is positive, so greedy decoding picks
-  one of the eight tokens and a random head's draft (over the same head) is right about one time in four. What
-  the identity checks serve: trees are accepted, so the accepted paths, commits and bonus tokens are exercised.
+  head zero except ``ACTIVE`` rows, four random directions and their negatives: for any hidden state the best of a
+  pair is positive, so greedy decoding picks one of the eight tokens and a random head's draft (over the same
+  head) is right about one time in four. What the identity checks serve: trees are accepted, so the accepted
+  paths, commits and bonus tokens are exercised.
   Under a grammar the masked-in inactive tokens tie at logit 0 and both paths take the lowest id.
 * ``tiny-deepseek-random``: the tiny DeepSeek-V3 (MLA, MoE, one NEXTN layer: ``models/tiny_deepseek.py``) with
   seeded random weights and a ``DEEPSEEK_VOCAB``-token vocabulary (a random MTP layer is accepted often), no

@@ -2,7 +2,7 @@
 checkout, in one git-ignored folder (``.gpu-payload/``, the device tool's ``carry``), under the 64 MiB a call takes.
 
     python bench/gpu_server_payload.py                # builds .gpu-payload/ (wheels downloaded once into the cache)
-    python bench/gpu_server_payload.py --offline      # from the cache only (CI, the dry run): a missing wheel is one line
+    python bench/gpu_server_payload.py --offline      # cached wheels only (CI, the dry run); one missing: one line
     python bench/gpu_server_payload.py --install DIR  # on the machine: unpacks the payload into DIR (a site folder)
 
 Items (``ITEMS``; each a file of the folder, its size in ``manifest.json``):
@@ -190,7 +190,8 @@ def build(payload: Path = PAYLOAD, offline: bool = False, tokenizer: Path | None
     members = trim_sglang(found[SGLANG], payload / "sglang_trim.zip")
     headers = flashinfer_headers(payload / "flashinfer_headers.zip")
     tokenizer_files = tokenizer_zip(payload / "smollm2_tokenizer.zip", tokenizer)
-    manifest = {"items": item_bytes(payload), "wheels": sorted(path.name for path in (payload / "wheels").glob("*.whl")),
+    wheels = sorted(path.name for path in (payload / "wheels").glob("*.whl"))
+    manifest = {"items": item_bytes(payload), "wheels": wheels,
                 "sglang_wheel": found[SGLANG].name, "sglang_members": members, "flashinfer_headers": headers,
                 "tokenizer_files": tokenizer_files}
     (payload / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")

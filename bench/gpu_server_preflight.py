@@ -52,6 +52,7 @@ SERVER_MODULES = (
     "sglang_spec.sglang_plugin", "sglang_spec.sglang_plugin.hooks.startup", "sglang_spec.sglang_plugin.fused_accept",
     "sglang_spec.sglang_plugin.draft_models.llama_nextn",
 )
+AUDIT_SECONDS = 270  # the imports, JIT builds and graph replays, within the check's 300 s limit (bench/gpu_check.py)
 HIDDEN = ("flashinfer",)  # absent on the lent machines; hidden in the dry run
 PROBED = ("sgl_kernel.allreduce",)  # asked, absent on purpose: SGLang falls back (custom all-reduce -> NCCL)
 # a group's own gap, known before anything runs
@@ -182,11 +183,15 @@ def prepare(dry: bool, group: str, scratch: Path, notes: list[str]) -> tuple[lis
             notes.append(f"payload built from cached wheels: {sum(manifest['items'].values()) / 2**20:.1f} MiB")
         else:
             folder = payload.PAYLOAD
+        if not dry and installed_sglang() and not folder.exists():
+            raise payload.PayloadError(f"sglang {installed_sglang()} is installed here and no payload was carried")
         payload.install(folder, site, wheels=not dry)  # the dry run's Python is not the machine's 3.12
         tokenizer, headers = site / "smollm2_tokenizer", site / "flashinfer_headers"
     except payload.PayloadError as error:
-        if not dry:
+        if not dry and installed_sglang() != "0.5.23":
             gaps.append(f"payload: {error}")
+        elif not dry:
+            notes.append(f"sglang 0.5.23 installed; no payload unpacked ({error})")
         else:
             notes.append(f"payload not built here ({error}); the installed sglang is audited")
         site = None
@@ -200,6 +205,16 @@ def prepare(dry: bool, group: str, scratch: Path, notes: list[str]) -> tuple[lis
         except Exception as error:  # noqa: BLE001
             gaps.append(f"models: {type(error).__name__}: {str(error).splitlines()[0][:250]}")
     return gaps, site, headers
+
+
+def installed_sglang() -> str | None:
+    """The version of an sglang this process can import without the payload (None: none)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def models_gaps(group: str) -> list[str]:
@@ -227,9 +242,15 @@ def audit_environment(site: Path | None, headers: Path | None, dry: bool) -> dic
     return cuda_host.environment(env, headers)
 
 
-def run_audit(dry: bool, site: Path | None, headers: Path | None, out: Path) -> dict:
+def run_audit(dry: bool, site: Path | None, headers: Path | None, out: Path, log: Path) -> dict:
+    """Step 3 in a fresh process set up as a server's; its output goes to ``log``."""
     argv = [sys.executable, str(Path(__file__)), "--audit", str(out)] + ["--dry-run"] * dry
-    done = subprocess.run(argv, env=audit_environment(site, headers, dry), capture_output=True, text=True, timeout=420)
+    try:
+        done = subprocess.run(argv, env=audit_environment(site, headers, dry), capture_output=True, text=True,
+                              timeout=AUDIT_SECONDS)
+    except subprocess.TimeoutExpired:
+        return {"gaps": [f"the audit (imports, JIT builds, graph replays) ran past {AUDIT_SECONDS} s"]}
+    log.write_text(done.stdout + done.stderr)
     if not out.exists():
         tail = (done.stdout + done.stderr).strip().splitlines()
         return {"gaps": [f"the audit process exited with {done.returncode} and wrote nothing "
@@ -262,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                       if key in ("gaps", "sgl_kernel_names", "sglang", "jit_planned")}
             notes.append("the audit is server_preflight's, beside it in this dry run")
         else:
-            result = run_audit(args.dry_run, site, headers, Path(scratch) / "audit.json")
+            result = run_audit(args.dry_run, site, headers, Path(scratch) / "audit.json",
+                               args.out.with_suffix(".audit.log"))
     gaps += result.pop("gaps")
     if args.group in GROUP_GAPS:  # a gap where sgl-kernel is not installed; the dry run says what a GPU run would
         import importlib.util

@@ -35,7 +35,8 @@ def _randn(generator, device, *shape):
 
 def _rms(x, weight, gemma=False):
     x = x.double()
-    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * ((1 + weight.double()) if gemma else weight.double())
+    scale = (1 + weight.double()) if gemma else weight.double()
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
 
 
 def _fused(op, gemma):
@@ -79,7 +80,8 @@ CASES = (
          lambda x, w: (ops.rmsnorm(x, w, 1e-6),), lambda x, w: (_rms(x, w),)),
     Case("gemma_rmsnorm", lambda g, d: (_randn(g, d, ROWS, HIDDEN), _randn(g, d, HIDDEN)),
          lambda x, w: (ops.gemma_rmsnorm(x, w, 1e-6),), lambda x, w: (_rms(x, w, True),)),
-    Case("fused_add_rmsnorm", lambda g, d: (_randn(g, d, ROWS, HIDDEN), _randn(g, d, ROWS, HIDDEN), _randn(g, d, HIDDEN)),
+    Case("fused_add_rmsnorm",
+         lambda g, d: (_randn(g, d, ROWS, HIDDEN), _randn(g, d, ROWS, HIDDEN), _randn(g, d, HIDDEN)),
          *_fused(ops.fused_add_rmsnorm, False)),
     Case("gemma_fused_add_rmsnorm",
          lambda g, d: (_randn(g, d, ROWS, HIDDEN), _randn(g, d, ROWS, HIDDEN), _randn(g, d, HIDDEN)),

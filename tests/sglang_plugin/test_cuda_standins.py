@@ -1,7 +1,8 @@
 """The CUDA-mode ``sgl_kernel`` stand-in (``sglang_spec_testbed/cuda_kernels.py``) on CPU tensors: each op against a
 float64 (or SGLang's own Triton) reference, in place where sgl-kernel writes in place, with no host read or host
 data (what a CUDA graph could not capture); the mode's module resolves what SGLang imports and nothing else. The
-import of SGLang's CUDA server paths with it: ``bench/cuda_import_audit.py`` (tests/bench/test_gpu_server_payload.py)."""
+import of SGLang's CUDA server paths with it: ``bench/gpu_server_preflight.py`` (tests/bench/
+test_gpu_server_preflight.py)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def no_host_access(function, *args, **kwargs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gemma", [False, True])
 def test_rmsnorm_and_its_fused_add_equal_the_reference(dtype, gemma):
-    x, weight, residual = random(3, 5, 64, dtype=dtype), random(64, dtype=dtype, seed=1), random(3, 5, 64, dtype=dtype, seed=2)
+    x, weight = random(3, 5, 64, dtype=dtype), random(64, dtype=dtype, seed=1)
+    residual = random(3, 5, 64, dtype=dtype, seed=2)
     norm = cuda_kernels.gemma_rmsnorm if gemma else cuda_kernels.rmsnorm
     fused = cuda_kernels.gemma_fused_add_rmsnorm if gemma else cuda_kernels.fused_add_rmsnorm
     expected = rms_reference(x, weight, 1e-6, gemma)
