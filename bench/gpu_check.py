@@ -134,7 +134,7 @@ PYTEST = ("-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider")
 # the device growths' dry runs: the kernel's own test (interpreted) and the GPU test's skip, not the whole file
 # again (the test suite runs it)
 DRY_KERNEL_TESTS = "kernel_grows or gpu"
-STEP_TESTS = "tests/kernels/test_step.py"
+STEP_TESTS = "tests/bench/test_spec_step.py"
 SERVER_SCRIPT = "bench/gpu_server_checks.py"
 
 KERNEL_CHECKS = (
@@ -173,13 +173,13 @@ KERNEL_CHECKS = (
     Check("device_lookup",
           "lookup trees grown on the device (device_trees/lookup) with the compiled n-gram kernel against the CPU "
           "reference, and the draft step's device work (growth, padding, encoding) under torch's sync debug mode",
-          (*PYTEST, "tests/kernels/test_lookup_tree.py"),
-          (*PYTEST, "tests/kernels/test_lookup_tree.py", "-k", DRY_KERNEL_TESTS), ("pytest",), 120),
+          (*PYTEST, "tests/kernels/test_device_lookup_tree.py"),
+          (*PYTEST, "tests/kernels/test_device_lookup_tree.py", "-k", DRY_KERNEL_TESTS), ("pytest",), 120),
     Check("device_hybrid",
           "hybrid trees grown on the device (device_trees/hybrid) with the compiled n-gram kernel and a device head "
           "stand-in against the CPU reference, and the growth under torch's sync debug mode",
-          (*PYTEST, "tests/kernels/test_hybrid_tree.py"),
-          (*PYTEST, "tests/kernels/test_hybrid_tree.py", "-k", DRY_KERNEL_TESTS), ("pytest",), 120),
+          (*PYTEST, "tests/kernels/test_device_hybrid_tree.py"),
+          (*PYTEST, "tests/kernels/test_device_hybrid_tree.py", "-k", DRY_KERNEL_TESTS), ("pytest",), 120),
     Check("kernel_bench",
           "bench/kernels.py, reduced sweep (batch 1, 16, 64 x budget 8, 32, 128), CUDA-graph replays",
           ("bench/kernels.py", "--batch-sizes", "1,16,64", "--budgets", "8,32,128", "--repeats", "20"),
