@@ -118,7 +118,7 @@ def api_gaps() -> list[str]:
     if not hasattr(torch._C, "_construct_storage_from_data_pointer"):
         gaps.append(f"torch {torch.__version__} has no _construct_storage_from_data_pointer (weak_ref_tensor)")
     cuda = getattr(getattr(tl, "extra", None), "cuda", None)
-    for name in ("gdc_wait", "gdc_launch_dependents"):  # layers/attention/triton_ops/decode_attention.py
+    for name in ("gdc_wait", "gdc_launch_dependents"):  # sglang/kernels/ops/attention/decode_attention.py
         if cuda is None or not hasattr(cuda, name):
             gaps.append(f"triton {__import__('triton').__version__} has no tl.extra.cuda.{name} (Triton decode "
                         "attention)")
