@@ -142,7 +142,8 @@ def plain_run(run: Any, model: Any, requests: Requests) -> str:
     answers = plain_answers(server, requests)
     run.finish(server, launch, speculative=False)
     run.answers_path(run.check.name).write_text(json.dumps(answers))
-    text = f"answered {len(requests.heldout) * 4 + 1 + len(requests.repeat) + len(requests.cases)} requests"
+    sent = sum(len(answers[part]) for part in ("sampled", "heldout", "repeat", "alone", "batch8"))
+    text = f"answered {sent + len(requests.cases)} requests, each greedy one again alone with its top logprobs"
     if requests.cases:
         penalised = answers["parity"]["single"]["frequency_penalty"]
         if penalised.get("output_ids") == answers["parity"]["unpenalised"].get("output_ids"):
