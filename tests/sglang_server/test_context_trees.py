@@ -212,8 +212,8 @@ def test_tree_auto_plans_each_step_and_stays_identical(smollm2_cpu, server_logs,
     assert ("TARGET_VERIFY",) in modes and ("DECODE",) in modes, modes
     sizes = {int(float(size)): float(count) for size, count in
              re.findall(r'sglang_spec_planner_verify_tokens_bucket\{.*?le="([\d.]+)".*?\} ([\d.e+]+)', metrics)}
-    per_size = {size: count - sizes.get(previous, 0.0)
-                for previous, size in zip([0, *sorted(sizes)], sorted(sizes)) if size in sizes}
+    per_size = {size: sizes[size] - sizes.get(previous, 0.0)  # the histogram's buckets are cumulative
+                for previous, size in zip([0, *sorted(sizes)], sorted(sizes))}
     chosen = [size for size, count in per_size.items() if count > 0]
     assert 1 in chosen and len(chosen) >= 3, per_size  # plain steps, and more than one tree size
     predicted = float(re.search(r"sglang_spec_planner_predicted_seconds_total ([\d.e+-]+)", metrics).group(1))
