@@ -39,6 +39,7 @@ from sglang_spec.planner import SizeTable, StepPlan, choose_size, expected_token
 
 SMOOTHING = 0.3  # weight of the newest step in the moving averages (the accept scale, the prior)
 WINDOW = 9  # served steps a cost correction is the median of (one slow step of a shared machine moves nothing)
+TREE_PRICE_MEMORY = 128  # steps a served tree step's price is kept: then trees are tried again at their verify's
 DEFAULT_CAP = 2.0  # a tree step's predicted time at most this many plain steps'
 ACCEPT_SCALE_RANGE = (0.25, 2.0)  # the accept scale is kept within this range (one odd step cannot flip the plan)
 SPARE_REQUESTS = 256  # per-request predictions kept beyond the batch's before finished requests are dropped
@@ -88,7 +89,8 @@ class StepPlanner:
     accepted_prior: float | None = None  # the traffic's accepted drafts a tree step (unranked drafters)
     accept_scale: float = 1.0  # served accepted drafts over predicted (moving average, within ACCEPT_SCALE_RANGE)
     plain_seen: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> recent served plain / forward
-    extra_seen: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # recent tree extra a request
+    extra_seen: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))  # (step, tree extra a
+    # request) of recent tree steps
     served: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, size) -> seconds, no start-up table
     chosen: Counter[int] = field(default_factory=Counter)  # steps by verify size
     learnt_at: dict[str, int] = field(default_factory=dict)  # rid -> the step its reach was last learnt at
@@ -111,11 +113,18 @@ class StepPlanner:
         return [min(value * self.accept_scale, 1.0) for value in list(own) + self.prior[len(own):self.full - 1]]
 
     @property
+    def steps(self) -> int:
+        """Steps planned so far."""
+        return sum(self.chosen.values())
+
+    @property
     def tree_extra(self) -> float | None:
-        """A tree step's time beyond its verify, per request: the least of the recent served tree steps' (an
-        optimistic price: one slow tree step on a busy machine must not keep trees off for good, since only tree
-        steps can correct it)."""
-        return min(self.extra_seen) if self.extra_seen else None
+        """A tree step's time beyond its verify, per request: the least of the recent served tree steps' within the
+        last ``TREE_PRICE_MEMORY`` steps (None: none that recent). An optimistic price that expires: only tree steps
+        can correct it, so a slow spell of a busy machine must not keep trees off for good; where trees do not pay,
+        one is retried every ``TREE_PRICE_MEMORY`` steps."""
+        recent = [extra for step, extra in self.extra_seen if step > self.steps - TREE_PRICE_MEMORY]
+        return min(recent) if recent else None
 
     def plain_scale(self, bucket: int) -> float:
         """Served plain steps over the start-up forward, in a batch-size bucket (1.0 before any)."""
@@ -160,7 +169,7 @@ class StepPlanner:
             if plan.plain:
                 self.plain_seen.setdefault(bucket, deque(maxlen=WINDOW)).append(seconds / forward)
             else:
-                self.extra_seen.append(max(seconds - self.plain_scale(bucket) * forward, 0.0) / batch)
+                self.extra_seen.append((self.steps, max(seconds - self.plain_scale(bucket) * forward, 0.0) / batch))
         if plan.plain:
             return
         drafts = [max(int(length) - 1, 0) for length in accept_lens]
@@ -186,7 +195,7 @@ class StepPlanner:
     def learn_reach(self, drafted: Mapping[str, Sequence[float]]) -> None:
         """The reach of the trees just drafted or estimated (rid -> best first), as the drafter rated them: each
         request's prediction for its next step, and the traffic's by rank."""
-        step = sum(self.chosen.values())
+        step = self.steps
         for rid, reach in drafted.items():
             self.learnt_at[rid] = step
             self.reach_of[rid] = tuple(reach)

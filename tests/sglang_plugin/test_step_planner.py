@@ -139,3 +139,32 @@ def test_one_slow_step_of_a_shared_machine_moves_no_price():
         plan_state.observe(plain, list("abcd"), seconds, [1] * 4)
     assert plan_state.plain_scale(4) == pytest.approx(1.0)
     assert plan_state.seconds(4, 1) == pytest.approx(0.06)
+
+
+WINDOW_STEPS = 12
+
+
+def test_a_slow_spell_of_tree_steps_does_not_keep_trees_off_for_good():
+    """Tree steps served during a slow spell price trees out; plain steps alone cannot correct that price, so it
+    expires after TREE_PRICE_MEMORY steps and a tree is tried again (and kept, where it pays)."""
+    from sglang_spec.sglang_plugin.step_planner import TREE_PRICE_MEMORY
+
+    plan_state = planner()
+    plan_state.learn_reach({"copy": [0.9] * 8})
+    for _ in range(WINDOW_STEPS):  # a slow spell: every tree step takes a second
+        table = plan_state.table(["copy"])
+        tree = plan_state.choose(table, 1)
+        plan_state.observe(tree, ["copy"], 1.0 if not tree.plain else 0.06, [5] if not tree.plain else [1])
+    tried_again = None
+    for step in range(2 * TREE_PRICE_MEMORY):
+        plan = plan_state.choose(plan_state.table(["copy"]), 1)
+        if not plan.plain:
+            tried_again = step
+            break
+        plan_state.observe(plan, ["copy"], 0.06, [1])  # the machine is fast again
+    assert tried_again is not None and tried_again <= TREE_PRICE_MEMORY
+    # the negative control: with the price kept for good, no tree comes back
+    stuck = planner()
+    stuck.learn_reach({"copy": [0.9] * 8})
+    stuck.extra_seen.extend((10 ** 9, 1.0) for _ in range(3))
+    assert all(stuck.choose(stuck.table(["copy"]), 1).plain for _ in range(2 * TREE_PRICE_MEMORY))
