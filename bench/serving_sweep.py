@@ -58,6 +58,7 @@ from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec_testbed.linear import DRAFT_WEIGHT_DTYPES, DRAFT_WEIGHTS_ENV
 from sglang_spec_testbed.threads import PREFILL_THREADS_ENV
 from sglang_spec.sglang_plugin.options import default_depth
+from sglang_spec.sglang_plugin.step_planner import PLAN_LOG_ENV
 from sglang_spec.train.prompts import PromptSpec, humaneval_prompts, load_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "workload's figures for every server are taken within a minute or two of each other "
                              "instead of a whole round apart, and rounds cost no restarts (the servers learn and "
                              "keep state across rounds, as a deployment's do)")
+    parser.add_argument("--plan-logs", type=Path, default=None, metavar="DIR",
+                        help="every tree-auto server writes each planned step to DIR/<server>.jsonl "
+                             "(SGLANG_SPEC_PLAN_LOG; bench/planner_projection.py reads them)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     for policy in args.policies.split(","):
@@ -521,6 +525,22 @@ def print_table(rows: list[dict]) -> None:
               f"{row['accept_length'] or 1.0:>6.2f}{row['median_itl_ms'] or 0:>10.1f}{row['p99_itl_ms'] or 0:>10.1f}")
 
 
+def run_record(args, argv: list[str] | None, rows: list[dict]) -> dict:
+    """The JSON a sweep writes: its command (as typed, the script's path from the repository root), the machine it
+    ran on (no commit, no date: the results page shows what and where, git keeps when) and its rows."""
+    import platform
+
+    import sglang
+
+    given = sys.argv[1:] if argv is None else argv
+    model = f"CPU test bed, {args.cpu_model}" if args.cpu_model is not None else args.model_path
+    return {"command": "python bench/serving_sweep.py " + shlex.join(given),
+            "environment": {"device": f"{platform.machine()}, {os.cpu_count()} cores" + (
+                ", CPU" if args.cpu_model is not None else ""), "model": model, "sglang": sglang.__version__,
+                "python": platform.python_version()},
+            "rows": rows}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     policies = args.policies.split(",")
@@ -561,16 +581,21 @@ def main(argv=None) -> int:
     datasets: dict[str, Path | None] = dict(workload_datasets(args, scratch)) if args.dataset == "heldout" else \
         {args.dataset: None}
 
+    if args.plan_logs is not None:
+        args.plan_logs.mkdir(parents=True, exist_ok=True)
+
     def start(index: int, policy: str, budget: int) -> SGLangServer:
         """The started server of one method (SpecError naming it when it does not start)."""
         name, port = server_name(policy, budget), server_port(args, index)
+        plan_log = {} if args.plan_logs is None else {PLAN_LOG_ENV: str(args.plan_logs / f"{name}.jsonl")}
         if model is not None:
             launch = cpu_launch_args(model, port, speculative=policy not in PLAIN_METHODS,
                                      extra=tree_arguments(args, policy, budget, profile) + extra_server_args(args))
-            server = SGLangServer(launch, port, scratch / f"{name}.log", env=dict(os.environ, **bed_environment(args)))
+            server = SGLangServer(launch, port, scratch / f"{name}.log",
+                                  env=dict(os.environ, **bed_environment(args), **plan_log))
         else:
             launch = launch_command(args, policy, budget, profile, port)[3:]
-            server = SGLangServer(launch, port, scratch / f"{name}.log", env=dict(os.environ), cpu=False)
+            server = SGLangServer(launch, port, scratch / f"{name}.log", env=dict(os.environ, **plan_log), cpu=False)
         try:
             return server.start(timeout=args.start_timeout)
         except SpecError as error:
@@ -633,7 +658,7 @@ def main(argv=None) -> int:
     add_speedups(rows)
     print_table(rows)
     write_csv_and_plot(rows, args.out)
-    write_text_atomic(args.out.with_suffix(".json"), json.dumps(rows, indent=1) + "\n")
+    write_text_atomic(args.out.with_suffix(".json"), json.dumps(run_record(args, argv, rows), indent=1) + "\n")
     print(f"wrote {args.out}, {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
     return 0
 
