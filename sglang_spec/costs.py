@@ -143,14 +143,15 @@ class CostTable:
         if batch_size in self.curves:
             return self.curves[batch_size]
         any_curve = next(iter(self.curves.values()))
+        curves = self.curves.items()
 
-        def read(time_of) -> float:
-            return interpolate_seconds({size: time_of(curve) for size, curve in self.curves.items()}, batch_size)
+        def read(measured: dict[int, float]) -> float:
+            return interpolate_seconds(measured, batch_size)
 
-        verify = {tokens: read(lambda curve, tokens=tokens: curve.verify[tokens]) for tokens in any_curve.verify}
-        plain = None if any_curve.plain_token is None else read(lambda curve: curve.baseline_token)
-        return CostCurve(verify=verify, draft_level=read(lambda curve: curve.draft_level),
-                         step_overhead=read(lambda curve: curve.step_overhead), prefix=any_curve.prefix,
+        verify = {tokens: read({size: curve.verify[tokens] for size, curve in curves}) for tokens in any_curve.verify}
+        plain = None if any_curve.plain_token is None else read({size: c.baseline_token for size, c in curves})
+        return CostCurve(verify=verify, draft_level=read({size: c.draft_level for size, c in curves}),
+                         step_overhead=read({size: c.step_overhead for size, c in curves}), prefix=any_curve.prefix,
                          device=any_curve.device, plain_token=plain)
 
     def describe(self) -> str:

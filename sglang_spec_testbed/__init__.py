@@ -34,7 +34,7 @@ host's g++) run here unchanged, our plugin included:
   servers: ~6 s of each start saved).
 * ``served_models``: the architectures the bed serves, which SGLang's registry imports instead of all its models
   (``SGLANG_EXTERNAL_MODEL_PACKAGE``; about 3 s of each launch's 25 s here); any other model still loads.
-* ``profile``: with ``SGLANG_SPEC_CPU_PROFILE=<folder>``, the scheduler's per-batch timings (target and draft
+* ``step_timing``: with ``SGLANG_SPEC_CPU_PROFILE=<folder>``, the scheduler's per-batch timings (target and draft
   forwards, loop period) and optionally cProfile statistics of its decode steps (``bench/cpu_step_profile.py``).
 * ``threads``: every SGLang process on one OpenMP thread unless ``SGLANG_SPEC_CPU_THREADS=N`` says more, and with
   ``SGLANG_SPEC_CPU_PREFILL_THREADS=N`` prefills on N threads (decode steps keep the process's); for a machine of

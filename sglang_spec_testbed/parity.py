@@ -277,7 +277,7 @@ def comparable(answer: Any) -> Any:
     if "status" in answer:
         return answer
     meta = answer["meta_info"]
-    out = {"output_ids": answer["output_ids"], "text": answer["text"], "finish_reason": meta["finish_reason"],
+    out = {"output_ids": answer["output_ids"], "text": answer.get("text"), "finish_reason": meta["finish_reason"],
            "completion_tokens": meta["completion_tokens"]}
     if "output_token_logprobs" in meta:
         out["logprob_ids"] = [entry[1] for entry in meta["output_token_logprobs"]]

@@ -93,7 +93,7 @@ def top_p_renorm_prob(probs: torch.Tensor, top_p: torch.Tensor | float) -> torch
     ordered = torch.sort(probs.float(), dim=-1, descending=True).values
     mass_before = torch.cumsum(ordered, dim=-1) - ordered
     keep = mass_before < p[:, None]
-    keep[:, 0] = True
+    keep[:, 0].fill_(True)  # a scalar fill, no host tensor: capturable in a CUDA graph
     pivot = torch.where(keep, ordered, torch.full_like(ordered, float("inf"))).min(-1, keepdim=True).values
     kept = torch.where(probs.float() >= pivot, probs.float(), torch.zeros_like(probs, dtype=torch.float32))
     return kept / kept.sum(-1, keepdim=True)

@@ -19,24 +19,26 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool_
 HOST_DATA_OPS = ("aten.lift_fresh", "aten._to_copy")  # torch.tensor(python data); .to(device) copies
 
 
-def _culprit() -> str | None:
+def _culprit(roots: tuple[str, ...] = OURS) -> str | None:
     for frame in reversed(traceback.extract_stack()[:-2]):
         name = frame.filename
         if "/torch/" in name or name == __file__:
             continue
-        return f"{Path(name).name}:{frame.lineno}" if name.startswith(OURS) else None
+        return f"{Path(name).name}:{frame.lineno}" if name.startswith(roots) else None
     return None
 
 
 class HostAccessGuard(TorchDispatchMode):
-    def __init__(self, host_only: bool = False) -> None:
+    def __init__(self, host_only: bool = False, roots: tuple[str, ...] = OURS) -> None:
+        """``roots``: the folders (trailing slash) whose code is watched (default: ``sglang_spec/``)."""
         super().__init__()
         self.host_only = host_only
+        self.roots = roots
         self.events: list[str] = []
         self._originals: dict[str, object] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        where = _culprit()
+        where = _culprit(self.roots)
         if where and (not self.host_only or str(func).startswith(HOST_DATA_OPS)):
             self.events.append(f"{func} at {where}")
         return func(*args, **(kwargs or {}))
@@ -47,7 +49,7 @@ class HostAccessGuard(TorchDispatchMode):
             self._originals[name] = original
 
             def patched(tensor, *args, _name=name, _original=original, **kwargs):
-                where = _culprit()
+                where = _culprit(self.roots)
                 if where:
                     self.events.append(f"Tensor.{_name} at {where}")
                 return _original(tensor, *args, **kwargs)

@@ -43,7 +43,8 @@ class MLAPlanMetadata:
     kv_len_arr: torch.Tensor
 
     @classmethod
-    def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr) -> MLAPlanMetadata:
+    def csr(cls, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+            kv_len_arr: torch.Tensor) -> MLAPlanMetadata:
         return cls(qo_indptr, kv_indptr, kv_indices, kv_len_arr)
 
 
@@ -57,7 +58,8 @@ def merge_state_threads(heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return head_dim // vec * heads
 
 
-def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor):
+def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
+                s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v [S, H, D], s [S, H] float32 base-2 lse -> (merged v [S, H, D] in v_a's dtype, merged s [S, H] base 2).
     Fails where FlashInfer's launch fails: one block a row with every head in it, so more than 1024 threads
     (128 heads of 512 at DeepSeek-V3's widths, 32 lanes a head) is CUDA's invalid argument, as on a GPU."""
@@ -73,8 +75,10 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
 class BatchMLAPagedAttentionWrapper:
     """See the module docstring; the subset of FlashInfer's wrapper that MLA tree verify uses."""
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool = False, qo_indptr=None,
-                 kv_indptr=None, kv_indices=None, kv_len_arr=None, backend: str = "auto") -> None:
+    def __init__(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool = False,
+                 qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
+                 kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None,
+                 backend: str = "auto") -> None:
         self._use_cuda_graph = use_cuda_graph
         self._buffers = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
         if use_cuda_graph and any(buffer is None for buffer in self._buffers):
@@ -105,6 +109,8 @@ class BatchMLAPagedAttentionWrapper:
         kv_indices = metadata.kv_indices
         if self._use_cuda_graph:  # a captured graph reads the caller's buffers: the plan is copied into them
             qo_buffer, kv_indptr_buffer, kv_indices_buffer, kv_len_buffer = self._buffers
+            assert qo_buffer is not None and kv_indptr_buffer is not None and kv_indices_buffer is not None \
+                and kv_len_buffer is not None  # checked at construction
             qo_buffer[: batch + 1].copy_(metadata.qo_indptr)
             kv_indptr_buffer[: batch + 1].copy_(metadata.kv_indptr)
             kv_len_buffer[:batch].copy_(metadata.kv_len_arr)
@@ -116,8 +122,9 @@ class BatchMLAPagedAttentionWrapper:
                           page_size=page_size, causal=causal, sm_scale=sm_scale, lse_mode=lse_mode)
         self.plans += 1
 
-    def run(self, *, query, kv_cache, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            return_lse: bool = False):
+    def run(self, *, query: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self._plan is None:
             raise RuntimeError("run() before plan()")
         plan = self._plan

@@ -67,7 +67,7 @@ class SourceEstimates:
 
     @classmethod
     def of(cls, counts: SourceCounts, device: torch.device | str) -> SourceEstimates:
-        def table(cells) -> torch.Tensor:
+        def table(cells: list) -> torch.Tensor:
             return torch.tensor(cells, dtype=torch.float64, device=device)
         estimate = counts.estimate
         return cls(lookup=lookup_estimates(counts, device),
@@ -209,7 +209,7 @@ class _Growth:
         self.capacity = shape.node_capacity()
         columns = self.capacity + 1  # a spare last column takes the writes of candidates not made
 
-        def full(value, dtype=torch.int64) -> torch.Tensor:
+        def full(value: float, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.full((requests, columns), value, dtype=dtype, device=device)
 
         self.tokens, self.parents, self.depths = full(-1), full(-1), full(0)

@@ -17,7 +17,7 @@ FlashInfer's MLA back-end on a GPU, the bed's intel_amx on this CPU) and takes o
   tree mask's n x n blocks gathered into a static buffer, since SGLang's FULL_MASK tensor is rebuilt each step.
 
 Every other mode (prefill, decode, draft extend) is the base back-end's. FlashInfer itself is reached through a
-namespace: the real package on a GPU, the CPU twin (``cpu/flashinfer_mla``) on this CPU.
+namespace: the real package on a GPU, the CPU twin (``attention/flashinfer_mla``) on this CPU.
 """
 
 from __future__ import annotations

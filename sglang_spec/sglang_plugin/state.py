@@ -5,14 +5,13 @@
   start-up hook, completed by the target worker's.
 * ``VerifyStep``: what one verify step of a tree server carries from the worker's ``verify`` to the functions
   SGLang calls inside it.
-* The attributes the plugin sets on SGLang objects: only through this module (``attach``, ``attach_options``,
-  ``mark_cold``), one attribute name each, so a reader finds every one here:
+* The attributes the plugin sets on SGLang objects: only through this module (``attach``, ``attach_options``),
+  one attribute name each, so a reader finds every one here:
 
   | owner | attribute | value |
   |---|---|---|
   | ``ServerArgs`` | ``OPTIONS_ATTRIBUTE`` | ``TreeServerOptions`` (pickled into SGLang's subprocesses) |
   | ``EAGLEWorkerV2``, ``EagleDraftWorker`` | ``STATE_ATTRIBUTE`` | the worker's ``WorkerState`` |
-  | ``Req`` | ``STATE_ATTRIBUTE`` | ``RequestState`` |
 
 * The context variables SGLang's call structure leaves: each is set by a hook that has the worker or the batch,
   and read by a function SGLang calls without either; the comment beside each says which.
@@ -29,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from sglang_spec.sglang_plugin.batch_switch import BatchSwitches
     from sglang_spec.sglang_plugin.committed import CommittedOutputs
     from sglang_spec.sglang_plugin.drafters.base import ServedDrafter
     from sglang_spec.sglang_plugin.faults import FaultInjection
     from sglang_spec.sglang_plugin.fused_accept import FusedAccept, SGLangAccept
     from sglang_spec.sglang_plugin.options import TreeServerOptions
-    from sglang_spec.sglang_plugin.peers import Peers
+    from sglang_spec.sglang_plugin.peers import Peers, PlanGroup
+    from sglang_spec.sglang_plugin.step_planner import StepPlanner
+    from sglang_spec.sglang_plugin.verify_shapes import VerifyShapes
     from sglang_spec.tree.encode_sglang import SGLangDraftEncoding
 
 OPTIONS_ATTRIBUTE = "_sglang_spec_tree"
@@ -54,15 +54,16 @@ class WorkerState:
       filler:         the filler tree's SGLang encoding, one request's rows (``drafters.filler``).
       exact_ancestry: whether each beam keeps its own KV history (decided with the draft KV pool).
       peers:          the tensor-parallel ranks that verify each batch together, None with one rank.
+      plan_group:     the ranks that take one verify size each step (tree auto), None with one rank.
       faults:         injected faults (tests only, ``faults``), None on a served deployment.
     Set by the target worker's start-up (None where the server runs without them):
       fused:          the fused accept (``--speculative-tree-accept fused``).
       committed:      each verify's committed tokens, with the overlap scheduler (``committed``).
-      auto:           tree auto's decisions (``--speculative-tree-auto``), made before the first decode step.
+      auto:           tree auto's planner (``--speculative-tree-auto``), made before the first step.
+      shapes:         tree auto's verify sizes, each with SGLang's runtime state (made with the planner).
     Per step, set and cleared by the hooks that own them:
       draft_requests: the requests of the draft step in flight, in batch order (the draft hook).
-      head_skipped:   this batch runs without the head's forwards (tree auto's cold steps and prefills).
-      joining:        tree auto: the size of the decode batch the prefill being run joins (None: a decode batch).
+      step_budget:    draft nodes a request this step where the plan verifies a smaller tree (None: ``budget``).
     """
 
     options: TreeServerOptions
@@ -72,26 +73,19 @@ class WorkerState:
     verify_tokens: int
     filler: SGLangDraftEncoding
     peers: Peers | None = None
+    plan_group: PlanGroup | None = None
     faults: FaultInjection | None = None
     fused: FusedAccept | None = None
     committed: CommittedOutputs | None = None
-    auto: BatchSwitches | None = None
+    auto: StepPlanner | None = None
+    shapes: VerifyShapes | None = None
     draft_requests: list[Any] | None = None
-    head_skipped: bool = False
-    joining: int | None = None
+    step_budget: int | None = None
 
     @property
     def budget(self) -> int:
         """Draft nodes a request verifies (the root excluded)."""
         return self.verify_tokens - 1
-
-
-@dataclass
-class RequestState:
-    """cold: the request took a step without its head's forward (tree auto), so its head lacks KV for a position and
-    its tree steps no longer teach the accept length."""
-
-    cold: bool = False
 
 
 @dataclass(eq=False)
@@ -117,7 +111,7 @@ class VerifyStep:
 
 
 def attach(owner: Any, value: Any) -> Any:
-    """``value`` as the plugin's state of ``owner`` (a worker, a request); returns it."""
+    """``value`` as the plugin's state of ``owner`` (a worker); returns it."""
     setattr(owner, STATE_ATTRIBUTE, value)
     return value
 
@@ -134,18 +128,6 @@ def attach_options(server_args: Any, options: TreeServerOptions) -> None:
 def options_of(server_args: Any) -> TreeServerOptions | None:
     """The tree options a ServerArgs carries, None on a server without them."""
     return getattr(server_args, OPTIONS_ATTRIBUTE, None)
-
-
-def mark_cold(request: Any) -> None:
-    state = state_of(request)
-    if state is None:
-        state = attach(request, RequestState())
-    state.cold = True
-
-
-def is_cold(request: Any) -> bool:
-    state = state_of(request)
-    return state is not None and state.cold
 
 
 # set by the worker's verify; read by eagle_sample, the KV move and the verify graph's replay, which SGLang calls

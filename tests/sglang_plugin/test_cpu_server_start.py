@@ -1,4 +1,4 @@
-"""``SGLangServer.start`` (``cpu/server.py``) against stand-in launchers: it reads only what the log gained since
+"""``SGLangServer.start`` (``sglang_spec_testbed/server.py``) against stand-in launchers: it reads only what the log gained since
 its last poll, so a bind failure written in two pieces across polls must still be seen, and a launcher that dies
 is reported with its last error line; ``stop(wait=False)`` returns before the group has gone, and a thread ends it."""
 

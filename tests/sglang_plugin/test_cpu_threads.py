@@ -1,4 +1,4 @@
-"""The CPU bed's prefill threads (``cpu/threads.py``, ``SGLANG_SPEC_CPU_PREFILL_THREADS``): the variable's parsing,
+"""The CPU bed's prefill threads (``sglang_spec_testbed/threads.py``, ``SGLANG_SPEC_CPU_PREFILL_THREADS``): the variable's parsing,
 and which forwards the hook gives more threads. Through launch_server: ``tests/sglang_server/test_serving_sweep.py``
 (``--prefill-threads``)."""
 

@@ -16,7 +16,7 @@ from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 def test_late_variables_are_left_out_of_the_key_and_the_rest_kept():
     base = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
     late = {name: "1" for name in (FAULT_ENV, ACCEPT_FAULT_ENV, FAULT_RANK_ENV, HEAD_POISON_ENV,
-                                   patches.OVERLAP_ENV, profile.PROFILE_ENV, profile.CPROFILE_ENV, THREADS_BIND_ENV,
+                                   patches.OVERLAP_ENV, step_timing.PROFILE_ENV, step_timing.CPROFILE_ENV, THREADS_BIND_ENV,
                                    ACCEPT_KERNELS_ENV, "PYTEST_CURRENT_TEST")}
     assert zygote.import_key({**base, **late}) == zygote.import_key(base)
     # read by the bed's sitecustomize while a launcher starts (before the fork): a zygote of their own

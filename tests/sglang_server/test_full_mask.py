@@ -2,7 +2,7 @@
 
 On a CPU SGLang builds QLEN_ONLY tree masks (``n x n`` per request) and on a GPU FULL_MASK ones (``n x (prefix + n)``
 per request: the prefix's columns too), so without the switch the bed's server tests never reach the GPU's layout.
-With it, SGLang's ``default_tree_mask_mode()`` answers FULL_MASK (``cpu/tree_mask.py``): its workers build FULL_MASK
+With it, SGLang's ``default_tree_mask_mode()`` answers FULL_MASK (``sglang_spec_testbed/tree_mask.py``): its workers build FULL_MASK
 trees on their own path and the extend-attention stand-in reads them. Every policy of ours (chain, eagle, sequoia,
 specexec, hybrid, lookup, sequoia with the fused accept) runs FULL_MASK in the parity suite
 (test_parity_under_load.py: 32 concurrent mixed requests against plain decoding, and the same mask checks as

@@ -154,7 +154,7 @@ def test_accept_length_matches_the_reference_decoder(tree_run, smollm2_prompts, 
 
 def test_the_bed_packs_its_gemms_and_decodes_as_f_linear_does(smollm2_plain, smollm2_cpu, server_logs,
                                                               smollm2_prompts, monkeypatch):
-    """The CPU bed runs SGLang's linear layers and LM head on packed float32 weights (``cpu/linear.py``, the
+    """The CPU bed runs SGLang's linear layers and LM head on packed float32 weights (``sglang_spec_testbed/linear.py``, the
     target's and the draft's): the plain server's log says so, and a server on SGLang's own ``F.linear`` path
     (``SGLANG_SPEC_CPU_GEMM=linear``) decodes the held-out prompts to the same greedy tokens."""
     from sglang_spec.gemm.packed_linear import available_backends
