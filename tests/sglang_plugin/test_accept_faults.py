@@ -331,6 +331,9 @@ class StubPlanner:
     def learn_reach(self, drafted):
         pass
 
+    def __getattr__(self, name):  # the rest as the real planner has it
+        return getattr(self.inner, name)
+
 
 def decode_batch():
     return SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False),
