@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_spec.errors import SpecError
+from sglang_spec.sglang_plugin.messages import log
 
 OPTION = "--speculative-tree-traffic-log"
 ATTRIBUTE = "_sglang_spec_traffic_log"  # on ServerArgs: the path; on SGLang's RequestLogger: the TrafficLog
@@ -98,8 +99,6 @@ class TrafficLog:
             except OSError as error:
                 self.failed += 1
                 if self.failed == 1:
-                    from sglang_spec.sglang_plugin.messages import log
-
                     log(f"traffic log {self.path}: a request was not logged ({error.strerror or error}); the "
                         f"server goes on serving, later failures are counted only")
                 return False

@@ -36,6 +36,8 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -121,9 +123,7 @@ def probation_verdict(previous: HeadStats, candidate: HeadStats, probation_steps
 
 
 def fetch_text(url: str, path: str, timeout: float = 30.0) -> str:
-    import urllib.error
-    import urllib.request
-
+    """GET ``url + path`` as text, or one line saying why not."""
     try:
         with urllib.request.urlopen(url + path, timeout=timeout) as response:
             return response.read().decode()
