@@ -11,9 +11,10 @@ One loop, in its own process beside a running tree server (HTTP only; the server
    process (under ``torchrun`` with ``train_processes`` > 1; ``train_threads`` threads, ``train_nice`` niceness:
    off the serving cores' critical path where the machine has room).
 3. **Swap.** A candidate that is a head for the served model (type, sizes, feedback, the served draft vocabulary,
-   finite weights) goes into the running server through SGLang's weight update of the draft runner alone
-   (``swap_head``: generation paused in place, ``update_weights_from_tensor`` with selector ``draft``, resumed);
-   requests in flight finish across it.
+   finite weights) waits until the served head has served ``probation_steps`` verify steps of its own (the
+   baseline it is judged against), then goes into the running server through SGLang's weight update of the draft
+   runner alone (``swap_head``: generation paused in place, ``update_weights_from_tensor`` with selector
+   ``draft``, resumed); requests in flight finish across it.
 4. **Probation.** The swapped-in head serves ``probation_steps`` verify steps; its accept length (the server's
    per-head counters, ``sglang_spec_head_*``) below ``(1 - margin)`` times the previous head's over its own
    serving rolls it back: the previous head's weights go back in the same way. Either way one line says so,
