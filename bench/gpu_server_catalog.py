@@ -103,11 +103,10 @@ SERVER_CHECKS = (
       # most telling first (a group short of time skips its last checks); sequoia before the fused accept, whose
       # seeded sampled answers are held to sequoia's
       for name in ("sequoia", "sequoia-fused", "specexec", "hybrid", "hybrid-device", "lookup", "chain", "eagle")),
-    # the load-aware planner's check replaces this one's refusal half once --speculative-tree-auto allows decode
-    # CUDA graphs (gpu_server_runs.auto_run says where)
-    ServerCheck("server_tree_auto", "server", AUTO, "--speculative-tree-auto: refused in one line with decode CUDA "
-                "graphs; served eagerly (--cuda-graph-backend-decode disabled) over hybrid 12/5, its start-up cost "
-                "table logged, greedy against server_plain", policy="hybrid", oracle="server_plain", limit=180),
+    ServerCheck("server_tree_auto", "server", AUTO, "--speculative-tree-auto over hybrid 12/5 with decode CUDA "
+                "graphs: every verify size's graph state captured at start-up, the planner's steps replayed from "
+                "them (sizes chosen counted from /metrics), greedy against server_plain at batch 1, 4 and 8 and 32 "
+                "concurrent requests", policy="hybrid", oracle="server_plain", limit=180),
     ServerCheck("mla_plain", "server-mla", PLAIN, "plain decoding of the tiny DeepSeek-V3 (MLA, MoE): the oracle of "
                 "this group", limit=150, model="tiny-deepseek-random"),
     *(_policy_check(f"mla_{name.replace('-', '_')}", "server-mla", name, "mla_plain", model="tiny-deepseek-random",

@@ -99,9 +99,13 @@ def build_smollm2(out: Path, tokenizer_dir: Path, k8: bool, tiny: bool) -> Path:
         active_head(model, active_token_ids(tokenizer_dir), SEED + 10)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    for file in tokenizer_dir.iterdir():
-        if file.is_file():
-            shutil.copy(file, out / file.name)
+    # the tokenizer's files only: ``tokenizer_dir`` may be a whole model folder (the dry run's SmolLM2), whose
+    # config and weights would replace the ones just saved
+    from gpu_server_payload import TOKENIZER_FILES
+
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
     import torch
 
     with torch.random.fork_rng():

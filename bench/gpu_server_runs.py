@@ -220,44 +220,35 @@ def _judge_tree(run: Any, findings: list[Finding], answers: dict[str, Any], metr
 
 
 def auto_run(run: Any, model: Any, requests: Requests) -> str:
-    """The refusal under graphs (GPU only), then the eager server."""
-    from sglang_spec.errors import SpecError
-
+    """--speculative-tree-auto with decode CUDA graphs: each verify size's graph state captured at start-up
+    (``verify_shapes``), the planner's steps replayed from them; greedy held to plain decoding, the sizes the
+    planner chose counted from /metrics, graph replays and per-step times as ``policy_run`` records them."""
     check = run.check
-    refusal = "--speculative-tree-auto's plain steps verify one token a request"
-    text = ""
-    # >>> the load-aware planner's check plugs in here. --speculative-tree-auto is being reworked into a per-step
-    # planner that allows decode CUDA graphs; once it does, this launch must start instead of being refused: then
-    # serve ``tree_answers`` on it with graphs on, hold them to plain decoding (``compare_with_oracle``), count the
-    # graph replays and per-step times (``record_steps``) as ``policy_run`` does, and drop the eager half below.
-    if not run.cpu_bed:
-        try:
-            server, launch = run.server("auto-graphs", True, model, extra=("--speculative-tree-auto",))
-        except SpecError:
-            log = Path(run.launches[-1].log).read_text(errors="replace")
-            if refusal not in log:
-                run.problems.append(f"the launch with graphs failed, but not with the refusal ({last_error_line(log)})")
-            text = "refused in one line with decode CUDA graphs; "
-        else:
-            run.finish(server, launch, speculative=True)
-            run.problems.append("--speculative-tree-auto started with decode CUDA graphs (it must be refused)")
     oracle = run.load_answers(check.oracle or "")
-    server, launch = run.server("auto-eager", True, model, extra=("--speculative-tree-auto",), eager=True)
-    answers = shared_answers(server, requests)
-    log = run.finish(server, launch, speculative=True, eager=True)
-    table = re.search(r"tree auto: verify forward of .*", log)
+    server, launch = run.server("auto-graphs", True, model, extra=("--speculative-tree-auto",))
+    answers = tree_answers(server, requests)
+    metrics = server.request("/metrics")
+    log = run.finish(server, launch, speculative=True)
+    table = re.search(r"tree auto: verify sizes .*", log)
     if table is None:
-        run.problems.append("no start-up cost table in the log ('tree auto: verify forward of ...')")
+        run.problems.append("no start-up table in the log ('tree auto: verify sizes ...')")
     else:
         run.data["cost_table"] = table.group(0)
+        if not run.cpu_bed and "graphs captured" not in table.group(0):
+            run.problems.append("the verify sizes' runtime states hold no captured graphs")
+    buckets = {float(size): float(count) for size, count in re.findall(
+        r'sglang_spec_planner_verify_tokens_bucket\{[^}]*le="([\d.]+)"[^}]*\} ([\d.e+]+)', metrics)}
+    chosen, previous = {}, 0.0
+    for size in sorted(buckets):  # the histogram's buckets are cumulative
+        if buckets[size] > previous:
+            chosen[int(size)] = buckets[size] - previous
+        previous = buckets[size]
+    run.data["planned_sizes"] = chosen
+    if not chosen:
+        run.problems.append("the planner planned no decode step (sglang_spec_planner_verify_tokens is empty)")
     findings = compare_with_oracle(run, answers, oracle)
-    summary = summarize(findings)
-    run.data["comparison"] = summary
-    if summary["counts"]["differs"]:
-        run.problems.append(f"{summary['counts']['differs']} answers differ from plain decoding")
-    accepted = accept_summary(answers["heldout"] + answers["repeat"])
-    run.data["accept_length"] = accepted
-    return (text + f"eager: {describe(summary['counts'])}; accept length {accepted['mean']:.2f}; "
+    sizes = ", ".join(f"{size}: {count:.0f}" for size, count in chosen.items())
+    return (_judge_tree(run, findings, answers, metrics, None) + f"; steps by verify size {sizes or 'none'}; "
             + record_steps(run, launch, answers, True))
 
 

@@ -289,6 +289,22 @@ def copy_ceiling_body(results: Path) -> str:
                         table(["workload", *drafters], [[w, *(cell.get((w, d)) for d in drafters)] for w in workloads])])
 
 
+def planner_projection_body(results: Path) -> str:
+    name = "planner_projection.json"
+    data = load(results, name)
+    about = ("**A projection, not a measurement.** What the step planner would choose at DeepSeek-R1's verify cost "
+             f"on an H200 (the `verify_cost` GPU check's dense, MoE and head pieces composed to 61 layers, from "
+             f"`{data['costs']}`) with the tokens a request committed at each verify size as served through "
+             f"`launch_server` on the CPU bed (its plan logs), the step cap {data['cap']:g} plain steps. Drafting "
+             "and host work on a GPU are left out, so the figures bound what the verify cost and the served "
+             "acceptance allow.")
+    rows = [[workload, row["batch"], row["size"], f2(row["tokens_per_step"]), f1(row["step_ms"]), x(row["speedup"])]
+            for workload, projected in data["workloads"].items() for row in projected]
+    return "\n\n".join([about, run_lines(data, results, name, [name]),
+                        table(["workload", "batch", "verify size", "tokens / request / step", "step ms",
+                               "projected x plain"], rows)])
+
+
 # ------------------------------------------------------------------------------------------------ heads
 
 
@@ -423,6 +439,7 @@ def sections(results: Path) -> list[Section]:
         ("Hybrid trees against prompt lookup in the reference decoder", "hybrid.json", hybrid_body),
         ("Context tree depth", "hybrid_shapes.json", hybrid_shapes_body),
         ("Copy ceiling of the serving prompts", "copy_ceiling.json", copy_ceiling_body),
+        ("Planner at R1's shape on an H200: a projection", "planner_projection.json", planner_projection_body),
         ("Head acceptance sweep", "acceptance.json", acceptance_body),
         ("Head quality on every held-out task", "head-quality.json", head_quality_body),
     ):

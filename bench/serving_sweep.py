@@ -58,22 +58,25 @@ from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec_testbed.linear import DRAFT_WEIGHT_DTYPES, DRAFT_WEIGHTS_ENV
 from sglang_spec_testbed.threads import PREFILL_THREADS_ENV
 from sglang_spec.sglang_plugin.options import default_depth
+from sglang_spec.sglang_plugin.step_planner import PLAN_LOG_ENV
 from sglang_spec.train.prompts import PromptSpec, humaneval_prompts, load_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = ["policy", "budget", "concurrency", "request_throughput", "output_throughput", "mean_ttft_ms",
-          "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "accept_length", "workload",
+          "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "p99_tpot_ms", "accept_length", "workload",
           "speedup_over_plain"]
 OUR_POLICIES = ("chain", "eagle", "sequoia", "specexec", "lookup", "hybrid")
 SGLANG_METHODS = ("sglang-chain", "sglang-tree", "sglang-ngram")
-AUTO = "auto"  # hybrid with --speculative-tree-auto: each step a tree or a plain step, by measured rates
+AUTO = "auto"  # hybrid with --speculative-tree-auto: each step's verify size planned for its batch
+AUTO_BATCH = "auto-batch"  # the same planner choosing only a plain step or the full tree for the whole batch
 LOOKUP_DEVICE = "lookup-device"  # lookup with --speculative-tree-context-on device
 HYBRID_DEVICE = "hybrid-device"  # hybrid with --speculative-tree-context-on device
 PLAIN_METHODS = ("plain", "plain-sync")  # no speculation: with SGLang's overlap scheduler, and without
-POLICIES = (*PLAIN_METHODS, *OUR_POLICIES, AUTO, LOOKUP_DEVICE, HYBRID_DEVICE, *SGLANG_METHODS)
+POLICIES = (*PLAIN_METHODS, *OUR_POLICIES, AUTO, AUTO_BATCH, LOOKUP_DEVICE, HYBRID_DEVICE, *SGLANG_METHODS)
 SGLANG_CHAIN_STEPS = 3  # SGLang's usual EAGLE chain for NEXTN: 3 steps, 4 verified tokens
 SGLANG_TREE_TOPK = 4
 SERVING_WORKLOADS = ("code", "extraction", "chat")
+MIXED = "mixed"  # the three arriving together: code, extraction and chat requests in turn
 WORKLOADS_DIR = REPO / "bench" / "workloads" / "serving"
 
 
@@ -95,8 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "children (default 2)")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--workloads", default=None,
-                        help="heldout, serving (code, extraction, chat), or a comma list of those three; "
-                             "default: heldout, or the domains of --prompts")
+                        help="heldout, serving (code, extraction, chat), or a comma list of those three and mixed "
+                             "(their requests in turn, arriving together); default: heldout, or the domains of "
+                             "--prompts")
     parser.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
                         help="your own prompts, one JSON object a line ({\"prompt\": ...} or {\"messages\": ...}, "
                              "optional \"domain\" = workload, default general; also a .txt file, one prompt a line)")
@@ -134,6 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "workload's figures for every server are taken within a minute or two of each other "
                              "instead of a whole round apart, and rounds cost no restarts (the servers learn and "
                              "keep state across rounds, as a deployment's do)")
+    parser.add_argument("--plan-logs", type=Path, default=None, metavar="DIR",
+                        help="every tree-auto server writes each planned step to DIR/<server>.jsonl "
+                             "(SGLANG_SPEC_PLAN_LOG; bench/planner_projection.py reads them)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     for policy in args.policies.split(","):
@@ -145,10 +152,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--prompts {args.prompts}: no such file")
     if args.workloads is not None:
         names = args.workloads.split(",")
-        known = ("heldout", "serving", *SERVING_WORKLOADS)
+        known = ("heldout", "serving", *SERVING_WORKLOADS, MIXED)
         if any(name not in known for name in names) or ("heldout" in names and len(names) > 1):
             parser.error(f"--workloads {args.workloads!r}: give heldout, serving, or a comma list of "
-                         f"{', '.join(SERVING_WORKLOADS)}")
+                         f"{', '.join((*SERVING_WORKLOADS, MIXED))}")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
     if args.prefill_threads is not None and (args.prefill_threads < 1 or args.cpu_model is None):
@@ -194,6 +201,8 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
         return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(budget + 1)]
     if policy == AUTO:
         return tree_arguments(args, "hybrid", budget, profile) + ["--speculative-tree-auto"]
+    if policy == AUTO_BATCH:
+        return tree_arguments(args, AUTO, budget, profile) + ["--speculative-tree-verify-sizes", f"1,{budget + 1}"]
     if policy in (LOOKUP_DEVICE, HYBRID_DEVICE):
         on_host = policy.removesuffix("-device")
         return tree_arguments(args, on_host, budget, profile) + ["--speculative-tree-context-on", "device"]
@@ -287,6 +296,9 @@ def serving_questions(workload: str) -> list[str]:
     distinct requests each. The first ones are the earlier, smaller sets in their order (code: HumanEval 150-163;
     extraction: six passages with one question each; chat: eight prompts), so runs with few prompts stay
     comparable with the earlier results."""
+    if workload == MIXED:  # a stream of all three: the requests of each in turn
+        streams = [serving_questions(name) for name in SERVING_WORKLOADS]
+        return [question for group in zip(*streams) for question in group][:DISTINCT_PROMPTS]
     if workload == "code":
         tasks = [*range(150, 164), *range(134, 150), 132, 133]  # 134+: never in the shipped heads' traffic
         return [spec.messages[0]["content"] for task in tasks for spec in humaneval_prompts(task, task)]
@@ -513,6 +525,22 @@ def print_table(rows: list[dict]) -> None:
               f"{row['accept_length'] or 1.0:>6.2f}{row['median_itl_ms'] or 0:>10.1f}{row['p99_itl_ms'] or 0:>10.1f}")
 
 
+def run_record(args, argv: list[str] | None, rows: list[dict]) -> dict:
+    """The JSON a sweep writes: its command (as typed, the script's path from the repository root), the machine it
+    ran on (no commit, no date: the results page shows what and where, git keeps when) and its rows."""
+    import platform
+
+    import sglang
+
+    given = sys.argv[1:] if argv is None else argv
+    model = f"CPU test bed, {args.cpu_model}" if args.cpu_model is not None else args.model_path
+    return {"command": "python bench/serving_sweep.py " + shlex.join(given),
+            "environment": {"device": f"{platform.machine()}, {os.cpu_count()} cores" + (
+                ", CPU" if args.cpu_model is not None else ""), "model": model, "sglang": sglang.__version__,
+                "python": platform.python_version()},
+            "rows": rows}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     policies = args.policies.split(",")
@@ -553,16 +581,21 @@ def main(argv=None) -> int:
     datasets: dict[str, Path | None] = dict(workload_datasets(args, scratch)) if args.dataset == "heldout" else \
         {args.dataset: None}
 
+    if args.plan_logs is not None:
+        args.plan_logs.mkdir(parents=True, exist_ok=True)
+
     def start(index: int, policy: str, budget: int) -> SGLangServer:
         """The started server of one method (SpecError naming it when it does not start)."""
         name, port = server_name(policy, budget), server_port(args, index)
+        plan_log = {} if args.plan_logs is None else {PLAN_LOG_ENV: str(args.plan_logs / f"{name}.jsonl")}
         if model is not None:
             launch = cpu_launch_args(model, port, speculative=policy not in PLAIN_METHODS,
                                      extra=tree_arguments(args, policy, budget, profile) + extra_server_args(args))
-            server = SGLangServer(launch, port, scratch / f"{name}.log", env=dict(os.environ, **bed_environment(args)))
+            server = SGLangServer(launch, port, scratch / f"{name}.log",
+                                  env=dict(os.environ, **bed_environment(args), **plan_log))
         else:
             launch = launch_command(args, policy, budget, profile, port)[3:]
-            server = SGLangServer(launch, port, scratch / f"{name}.log", env=dict(os.environ), cpu=False)
+            server = SGLangServer(launch, port, scratch / f"{name}.log", env=dict(os.environ, **plan_log), cpu=False)
         try:
             return server.start(timeout=args.start_timeout)
         except SpecError as error:
@@ -625,7 +658,7 @@ def main(argv=None) -> int:
     add_speedups(rows)
     print_table(rows)
     write_csv_and_plot(rows, args.out)
-    write_text_atomic(args.out.with_suffix(".json"), json.dumps(rows, indent=1) + "\n")
+    write_text_atomic(args.out.with_suffix(".json"), json.dumps(run_record(args, argv, rows), indent=1) + "\n")
     print(f"wrote {args.out}, {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
     return 0
 

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # DeepSeek-R1 on one node of 8 GPUs with MTP tree speculation (R1's own MTP layer drafts the tree).
 #
-#   ./launch_deepseek_r1_8gpu.sh            # a SpecExec tree: best-first per request, needs no profile
+#   ./launch_deepseek_r1_8gpu.sh            # hybrid trees (the MTP head's branches and the context's copies),
+#                                           # each step's size planned for the batch
 #
-# Sequoia's static tree needs an acceptance profile. Measure it on the running server's own traffic (the plugin
-# counts per-depth, per-rank acceptance with --enable-metrics; R1 is never loaded outside the server), then
-# relaunch with it (the later --speculative-tree-policy wins):
+# The trees rank their candidates by per-source counts the server learns online. Measure a profile on the running
+# server's own traffic (the plugin counts per-depth, per-rank and per-source acceptance with --enable-metrics; R1
+# is never loaded outside the server), then relaunch with it, so a fresh server starts from what this one learnt:
 #
 #   sglang-spec calibrate --from-server http://127.0.0.1:30000 --out r1-profile.json
-#   ./launch_deepseek_r1_8gpu.sh --speculative-tree-policy sequoia --speculative-acceptance-profile r1-profile.json
+#   ./launch_deepseek_r1_8gpu.sh --speculative-acceptance-profile r1-profile.json
 #
 # The counters run from the server's start, warm-up included; `sglang-spec calibrate --from-server URL --update
 # r1-profile.json --out new.json` refreshes a profile and keeps its other sections.
@@ -19,18 +20,23 @@
 # The cascade needs an unquantized KV cache. On Hopper, --attention-backend fa3 alone verifies MLA trees too: drop
 # --speculative-tree-mla-verify and --speculative-draft-attention-backend then.
 #
-# Load: --speculative-tree-auto (a tree or a plain step per batch, by measured rates) is refused at --tp-size > 1,
-# since each rank would decide from its own timings; at TP 8 the tree is fixed whatever the load, so pick the budget
-# for the concurrency you serve (docs/sglang-plugin.md, "Tuning").
+# Load: --speculative-tree-auto plans every decode step for the running batch: how many of each request's best tree
+# nodes to verify (a plain step under load), from each request's tree, a cost table SGLang's own dummy forward
+# measures at start-up for every batch size and verify size, and the served steps; the 8 ranks agree on each plan.
+# --speculative-tree-step-cap bounds a tree step at that many plain steps' time (the longest gap a streaming client
+# sees). Each verify size gets its own CUDA graphs (SGLang's adaptive runtime states); /metrics shows the sizes
+# chosen (sglang_spec_planner_verify_tokens) and the predicted against the served step time.
 #
 # Not run by this project on a GPU (docs/gpu-validation.md): the MLA cascade passed below the server on an H200;
-# the server itself has not run there. The tests check every flag here against SGLang's parser.
+# the server itself, and the planner's per-size graphs, have not run there (scripts/gpu_check.sh --group planner
+# checks them on a lent GPU). The tests check every flag here against SGLang's parser.
 set -euo pipefail
 MODEL=${MODEL:-deepseek-ai/DeepSeek-R1}
 python -m sglang.launch_server \
     --model-path "$MODEL" --tp-size 8 --trust-remote-code \
-    --speculative-algorithm NEXTN --speculative-tree-policy specexec \
-    --speculative-tree-budget 15 --speculative-tree-depth 4 --speculative-tree-topk 4 \
+    --speculative-algorithm NEXTN --speculative-tree-policy hybrid \
+    --speculative-tree-budget 15 --speculative-tree-depth 8 --speculative-tree-topk 4 \
+    --speculative-tree-auto --speculative-tree-step-cap 2 \
     --attention-backend flashinfer --speculative-tree-mla-verify flashinfer \
     --speculative-draft-attention-backend fa3 --page-size 1 \
     --enable-metrics --reasoning-parser deepseek-r1 \

@@ -3,12 +3,11 @@
 # request by the head's cumulative draft probability, 8 draft tokens, no acceptance profile needed.
 #
 #   ./launch_small_mtp_1gpu.sh
-#   ./launch_small_mtp_1gpu.sh --speculative-tree-auto --cuda-graph-backend-decode disabled
+#   ./launch_small_mtp_1gpu.sh --speculative-tree-auto
 #
-# The second form decides per decode step, from rates measured per batch size, whether the running batch drafts
-# the tree or decodes plainly, so under load it falls back to plain steps. It needs one rank (TP 1) and eager
-# decoding: its plain steps verify one token a request, which the decode CUDA graphs captured for the tree do not
-# hold. With --enable-metrics, `sglang-spec calibrate --from-server http://127.0.0.1:30000 --out profile.json`
+# The second form plans every decode step for the running batch: the whole tree or a plain step (SpecExec's trees
+# grown on the device are verified whole; lookup / hybrid trees can also be cut to a smaller verify size), so under
+# load it falls back to plain steps. Each verify size gets its own decode CUDA graphs. With --enable-metrics, `sglang-spec calibrate --from-server http://127.0.0.1:30000 --out profile.json`
 # measures a profile for --speculative-tree-policy sequoia --speculative-acceptance-profile profile.json.
 #
 # Not run by this project on a GPU (docs/gpu-validation.md); the tests check every flag here against SGLang's

@@ -1,16 +1,16 @@
-"""The one chooser of how much a decode step verifies: ``plan_step``.
+"""The one chooser of how much a decode step verifies: ``plan_step`` (and ``choose_size`` under it).
 
 A step verifies, for each request of the batch, a prefix of its best-first tree: its root and its best draft nodes
-(parents before children, each node's reach = the probability that the target accepts it and every ancestor, as the
-drafter's calibrated estimates give it). Verifying ``n`` tokens a request (root included) emits in expectation
-``1 + the sum of the reach of its n - 1 best nodes`` tokens for each request, and costs the step ``seconds(n)``.
-The plan is the size with the least predicted seconds per emitted token, under a cap on the step's time (which bounds the
-gap a streaming client sees between two chunks); ``n = 1`` is a plain step (the root alone: the target's next
-token), always allowed.
+(parents before children; a node's reach is the probability that the target accepts it and every ancestor, as
+the drafter's calibrated estimates give it). Verifying ``n`` tokens a request (root included) emits in expectation
+``1 + the reach of its n - 1 best nodes`` tokens for each request, and costs the step ``seconds(n)``. The plan is
+the size with the least predicted seconds per emitted token, under a cap on the step's time (which bounds the gap a
+streaming client sees between two chunks); ``n = 1`` is a plain step (the root alone: the target's next token),
+always allowed.
 
 The reference decoder asks it per step with its tree's own reach at batch 1 over every size (``tree.best_first``);
-the server asks it before each decode step with each request's predicted reach (its last tree's) over the verify
-sizes it can run (``sglang_plugin.planner``), so one chooser serves both.
+the server asks it before each decode step with each request's predicted reach over the verify sizes it can run,
+the ranks of a tensor-parallel group agreeing on its inputs first (``sglang_plugin.step_planner``): one chooser.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 class StepPlan:
     """tokens:            verify tokens a request this step (root included; 1: a plain step).
     expected_tokens:      tokens the step is predicted to emit, the batch's total.
-    predicted_seconds:    the step's predicted time (``seconds(tokens)``).
+    predicted_seconds:    the step's predicted time.
     nodes:                per request, the draft nodes it verifies (``min(tokens - 1, its tree's size)``)."""
 
     tokens: int
@@ -41,10 +41,45 @@ class StepPlan:
         return self.predicted_seconds / self.expected_tokens
 
 
+@dataclass(frozen=True)
+class SizeTable:
+    """What each verify size would give the batch: ``sizes`` (ascending, 1 first), and for each the batch's
+    ``expected`` emitted tokens and the step's predicted ``seconds``. The inputs the ranks of a group agree on."""
+
+    sizes: tuple[int, ...]
+    expected: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+
 def expected_tokens(reach: Sequence[Sequence[float]], tokens: int) -> float:
     """The batch's expected emitted tokens when every request verifies ``tokens`` (root included): one each, plus
     the reach of each request's best ``tokens - 1`` nodes."""
     return math.fsum(1.0 + math.fsum(nodes[: tokens - 1]) for nodes in reach)
+
+
+def size_table(reach: Sequence[Sequence[float]], seconds: Callable[[int], float], sizes: Sequence[int]) -> SizeTable:
+    """The table of every size in ``sizes`` (the plain step, 1, always included) for a batch whose requests' draft
+    nodes have ``reach`` (per request, best first: a prefix of the list is a tree; may be empty)."""
+    if not reach:
+        raise ValueError("a step plans at least one request")
+    ordered = tuple(sorted({1, *sizes}))
+    if ordered[0] < 1:
+        raise ValueError(f"verify sizes are whole numbers >= 1, got {ordered[0]}")
+    return SizeTable(ordered, tuple(expected_tokens(reach, size) for size in ordered),
+                     tuple(seconds(size) for size in ordered))
+
+
+def choose_size(table: SizeTable, cap_seconds: float | None = None) -> tuple[int, float, float]:
+    """(size, expected tokens, predicted seconds) of the size with the least seconds per token; a size whose step
+    is predicted longer than ``cap_seconds`` is not taken, the plain step always is. Ties go to the smaller size."""
+    best: tuple[int, float, float] | None = None
+    for size, expected, time in zip(table.sizes, table.expected, table.seconds):
+        if size > 1 and cap_seconds is not None and time > cap_seconds:
+            continue
+        if best is None or time / expected < best[2] / best[1]:
+            best = (size, expected, time)
+    assert best is not None  # the plain step is always a candidate
+    return best
 
 
 def plan_step(reach: Sequence[Sequence[float]], seconds: Callable[[int], float], sizes: Sequence[int],
@@ -54,19 +89,6 @@ def plan_step(reach: Sequence[Sequence[float]], seconds: Callable[[int], float],
     reach:       per request, its draft nodes' reach, best first (a prefix of the list is a tree); may be empty.
     seconds:     the step's predicted seconds when every request verifies ``n`` tokens (root included).
     sizes:       the verify sizes the step may take (the plain step, 1, is always a candidate).
-    cap_seconds: a size whose predicted step is longer is not taken (None: no cap); the plain step always is.
-    Ties go to the smaller size."""
-    if not reach:
-        raise ValueError("a step plans at least one request")
-    best: StepPlan | None = None
-    for size in sorted({1, *sizes}):
-        if size < 1:
-            raise ValueError(f"verify sizes are whole numbers >= 1, got {size}")
-        time = seconds(size)
-        if size > 1 and cap_seconds is not None and time > cap_seconds:
-            continue
-        plan = StepPlan(size, expected_tokens(reach, size), time, tuple(min(size - 1, len(nodes)) for nodes in reach))
-        if best is None or plan.seconds_per_token < best.seconds_per_token:
-            best = plan
-    assert best is not None  # the plain step is always a candidate
-    return best
+    cap_seconds: a size whose predicted step is longer is not taken (None: no cap); the plain step always is."""
+    size, expected, time = choose_size(size_table(reach, seconds, sizes), cap_seconds)
+    return StepPlan(size, expected, time, tuple(min(size - 1, len(nodes)) for nodes in reach))

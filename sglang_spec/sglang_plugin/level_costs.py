@@ -2,26 +2,20 @@
 each batch size, measured on served tree steps, as the cost curve with which the tree builder decides whether a
 level pays (``tree/best_first.BestFirstBuilder._level_pays``; no sglang import here).
 
-SGLang verifies a fixed number of tokens a request whatever the tree (``drafters.padding.pad_to_budget``), so a tree
-step's cost does not depend on its nodes, only on its head forwards: one per level the builders asked for, and the
-draft extend that drafts the next root's children (the commit forward the builder charges as one more). A served
-tree step of batch b that ran r rounds, t seconds in all, and took s seconds gives a round's price t / r and the
-rest of the step s - t: the curve is flat in the node count (trees are padded) at (rest - round), with
-``draft_level`` the round, so ``step_seconds`` of the step's own forwards is s again. Moving averages per
-batch-size bucket; a bucket without a round and a rest measured has no curve (the policy's ``mtp_levels`` run, as
-without tree auto).
-
-On the CPU bed, extraction at one request (#19's concurrency 1): the fixed hybrid trees accepted 2.41 tokens a step
-over six prompts with one head level and with three, and one prompt's step took 60.6 against 70.4 ms
-(``docs/results/serving_sweep.md``, fifteenth session).
+A served tree step of batch b that ran r head rounds, t seconds of them, and took s seconds in all gives a round's
+price t / r and the rest of the step s - t. The curve is flat in the node count (the step's verify size is the
+planner's, already chosen) at (rest - round), with ``draft_level`` the round, so ``step_seconds`` of the step's own
+forwards is s again; the commit forward (the draft extend, which drafts the next root's children) is inside the
+rest, and the builder charges it as one more round. Moving averages per batch-size bucket; a bucket without a round
+and a rest measured has no curve (the policy's ``mtp_levels`` run).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sglang_spec.sglang_plugin.batch_switch import batch_bucket, moving_average
 from sglang_spec.costs import CostCurve
+from sglang_spec.sglang_plugin.step_planner import batch_bucket, moving_average
 
 # the curve's verify time is the same for any node count up to this (past its largest size a curve grows)
 FLAT_UP_TO = 1 << 20
@@ -29,7 +23,7 @@ FLAT_UP_TO = 1 << 20
 
 @dataclass
 class LevelCosts:
-    """Seconds per batch-size bucket (``batch_switch.batch_bucket``), moving averages over served tree steps."""
+    """Seconds per batch-size bucket (``step_planner.batch_bucket``), moving averages over served tree steps."""
 
     round_seconds: dict[int, float] = field(default_factory=dict)  # one head round over the batch's beams
     rest_seconds: dict[int, float] = field(default_factory=dict)  # a tree step besides its head rounds
@@ -40,8 +34,8 @@ class LevelCosts:
         ``rounds_seconds`` of it."""
         bucket = batch_bucket(batch_size)
         if rounds > 0:
-            _average(self.round_seconds, bucket, rounds_seconds / rounds)
-        _average(self.rest_seconds, bucket, max(step_seconds - rounds_seconds, 0.0))
+            self.round_seconds[bucket] = moving_average(self.round_seconds.get(bucket), rounds_seconds / rounds)
+        self.rest_seconds[bucket] = moving_average(self.rest_seconds.get(bucket), max(step_seconds - rounds_seconds, 0.0))
 
     def curve(self, batch_size: int) -> CostCurve | None:
         """This batch size's prices for the builder, or None while its bucket lacks a measurement."""
@@ -59,7 +53,3 @@ class LevelCosts:
         return (f"a head round {1e3 * self.round_seconds[bucket]:.1f} ms against {1e3 * self.rest_seconds[bucket]:.1f}"
                 f" ms for the rest of a tree step")
 
-
-def _average(averages: dict[int, float], bucket: int, seconds: float) -> None:
-    previous = averages.get(bucket)
-    averages[bucket] = seconds if previous is None else moving_average(previous, seconds)

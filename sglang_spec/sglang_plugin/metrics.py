@@ -23,6 +23,12 @@ swaps since launch (0: the launch head), ``sglang_spec_head_swaps_total{head}`` 
 ``sglang_spec_head_accepted_drafts_total{head}`` count the verify steps drafted with each head and their accepted
 drafts: 1 + accepted / steps is a head's mean accept length. The launch head is labelled ``0``.
 
+With ``--speculative-tree-auto``, ``sglang_spec_planner_verify_tokens`` (a histogram, one observation per request
+per decode step) gives the verify size the planner chose, ``sglang_spec_planner_plain_requests_total`` over
+``sglang_spec_planner_requests_total`` the share of requests it decoded plainly, and
+``sglang_spec_planner_{predicted,served}_seconds_total`` its predicted against its served step time
+(``PlannerMetrics``).
+
 ``sglang_spec_draft_faults_total{error}`` counts the batches whose draft raised inside the plugin and were verified
 without speculation instead (``hooks.draft.draft_forward_around``), by exception type;
 ``sglang_spec_accept_faults_total{stage,error}`` the faults in the plugin's accept (``faults.accept_fault``), by
@@ -186,6 +192,56 @@ class AcceptanceMetrics:
 
 
 METRICS = AcceptanceMetrics()
+
+
+class PlannerMetrics:
+    """Tree auto's choices (host counts; Prometheus once enabled, attention-TP rank 0 with ``--enable-metrics``):
+    ``steps`` by verify size, requests decoded in all and plainly, predicted and served step seconds."""
+
+    def __init__(self) -> None:
+        self.steps: Counter[int] = Counter()
+        self.requests = 0
+        self.plain_requests = 0
+        self.predicted_seconds = 0.0
+        self.served_seconds = 0.0
+        self._prometheus: tuple[Any, ...] | None = None
+
+    def enable_prometheus(self) -> None:
+        if self._prometheus is not None:
+            return
+        from prometheus_client import Counter as PrometheusCounter
+        from prometheus_client import Histogram
+
+        self._prometheus = (
+            Histogram("sglang_spec_planner_verify_tokens", "verify tokens a request per decode step (root included)",
+                      buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)),
+            PrometheusCounter("sglang_spec_planner_requests", "requests decoded under tree auto, one per step"),
+            PrometheusCounter("sglang_spec_planner_plain_requests", "requests the planner decoded plainly"),
+            PrometheusCounter("sglang_spec_planner_predicted_seconds", "the planned steps' predicted seconds"),
+            PrometheusCounter("sglang_spec_planner_served_seconds", "the planned steps' served seconds"),
+        )
+
+    def record(self, tokens: int, requests: int, predicted: float, served: float) -> None:
+        """One decode step: ``requests`` requests each verified ``tokens``; predicted and served seconds."""
+        if not METRICS.counting:
+            return
+        self.steps[tokens] += 1
+        self.requests += requests
+        self.plain_requests += requests if tokens == 1 else 0
+        self.predicted_seconds += predicted
+        self.served_seconds += served
+        if self._prometheus is not None:
+            histogram, total, plain, predicted_total, served_total = self._prometheus
+            for _ in range(requests):
+                histogram.observe(tokens)
+            total.inc(requests)
+            if tokens == 1:
+                plain.inc(requests)
+            predicted_total.inc(predicted)
+            served_total.inc(served)
+
+
+PLANS = PlannerMetrics()
 
 
 # ------------------------------------------------------------------------------------------- per-rank acceptance

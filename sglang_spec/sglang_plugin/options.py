@@ -18,6 +18,12 @@ arguments), attached to its ServerArgs, checked against the resolved configurati
                                          keeps each request's history on the device and grows, pads and encodes
                                          the trees there, the head's rounds included, with no host read in the
                                          draft step (``device_history``)
+    --speculative-tree-auto              each decode step verifies the size the planner chooses for its batch
+                                         (``step_planner``); with it:
+    --speculative-tree-verify-sizes S    the verify sizes a step may take, a comma list of tokens a request
+                                         (default: every size on a CPU, a few tiers on a GPU; "1,N" with N the
+                                         full tree is the whole batch on or off)
+    --speculative-tree-step-cap C        a tree step's predicted time at most C plain steps' (default 2)
 
 This module imports no sglang; the checks that need resolved values take a view of the ServerArgs.
 """
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -37,6 +43,8 @@ from sglang_spec.tree.profile import AcceptanceProfile
 
 TREE_ALGORITHMS = ("EAGLE", "NEXTN")
 DEFAULTS = {"budget": 8, "depth": 4, "topk": 4}
+DEFAULT_STEP_CAP = 2.0  # --speculative-tree-step-cap: a tree step's predicted time at most this many plain steps'
+
 # specexec's default width is the most beams that can grow (``draft_loop.specexec_width``): SpecExec expands
 # every node of its best-``budget`` set with children, and levels get wide (held-out HumanEval 130-133, shipped
 # SmolLM2 head, K = 4, depth 5-6: up to 12 / 20 / 47 nodes on one level at budgets 16 / 32 / 64), but a node ranked
@@ -57,7 +65,7 @@ BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefill_atte
 KEYWORDS = ("speculative_tree_policy", "speculative_tree_budget", "speculative_tree_depth", "speculative_tree_topk",
             "speculative_tree_width", "speculative_acceptance_profile", "speculative_tree_accept",
             "speculative_tree_auto", "speculative_tree_mtp_levels", "speculative_tree_mla_verify",
-            "speculative_tree_context_on")
+            "speculative_tree_context_on", "speculative_tree_verify_sizes", "speculative_tree_step_cap")
 ACCEPT_CHOICES = ("sglang", "fused")
 # --speculative-tree-mla-verify: the target's MLA tree verify as a cascade on FlashInfer (``mla_tree_backend``)
 MLA_VERIFY_CHOICES = ("flashinfer",)
@@ -73,7 +81,9 @@ TARGET_BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefi
 class TreeServerOptions:
     """policy, budget (draft nodes), depth (draft steps), topk (K, children per expanded node), width (W, SGLang's
     speculative_eagle_topk: nodes expanded per level), profile_path (sequoia), accept (who accepts: sglang or
-    fused), auto (each step a tree or a plain step, by measured rates per batch size: ``batch_switch``), mtp_levels
+    fused), auto (each step's verify size chosen by the planner: ``step_planner``), verify_sizes (the sizes it may
+    choose, tokens a request; None: the default for the device), step_cap (a tree step at most this many plain
+    steps' predicted time), mtp_levels
     (hybrid: head forwards below the root's children; None = the policy's default), mla_verify (None: the
     attention back-end's own verify; "flashinfer": the MLA cascade of ``mla_tree_backend``), context_on (lookup /
     hybrid: their trees grown on the host or on the device)."""
@@ -89,6 +99,14 @@ class TreeServerOptions:
     mtp_levels: int | None = None
     mla_verify: str | None = None
     context_on: str = "host"
+    verify_sizes: tuple[int, ...] | None = None
+    step_cap: float = DEFAULT_STEP_CAP
+
+    @property
+    def grows_any_size(self) -> bool:
+        """Whether its drafter grows trees of any budget a step (lookup / hybrid on the host), so the planner may
+        verify sizes between a plain step and the full tree."""
+        return self.uses_context and self.context_on == "host"
 
     @property
     def own_loop(self) -> bool:
@@ -167,9 +185,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="lookup / hybrid: grow their trees on the host (default) or on the device, from a token "
                             "history kept there, with no host read in the draft step")
     group.add_argument("--speculative-tree-auto", action="store_true", default=None,
-                       help="each decode step of the running batch drafts the tree or decodes plainly, whichever "
-                            "the batch size's recent steps delivered more tokens a second with (turns speculation "
-                            "off under load)")
+                       help="each decode step verifies the tree size a planner chooses for the running batch (the "
+                            "most expected tokens a second from each request's tree and the measured costs; a plain "
+                            "step under load), the same on every rank")
+    group.add_argument("--speculative-tree-verify-sizes", default=None, metavar="S",
+                       help="with --speculative-tree-auto: the verify sizes a step may take, a comma list of tokens a "
+                            "request, root included, 1 and the full tree (budget + 1) among them (default: every "
+                            "size on a CPU, a few tiers on a GPU)")
+    group.add_argument("--speculative-tree-step-cap", type=float, default=None, metavar="C",
+                       help=f"with --speculative-tree-auto: a tree step's predicted time at most C plain steps' "
+                            f"(bounds the gap between streamed chunks; default {DEFAULT_STEP_CAP:g})")
 
 
 def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
@@ -228,12 +253,39 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
     context_on = values.get("speculative_tree_context_on") or "host"
     if context_on not in CONTEXT_ON_CHOICES:
         raise SpecError(f"--speculative-tree-context-on takes {' or '.join(CONTEXT_ON_CHOICES)}, got {context_on!r}")
-    if context_on == "device" and (policy not in CONTEXT_POLICY_NAMES or auto):
-        raise SpecError("--speculative-tree-context-on device grows lookup and hybrid trees without "
-                        "--speculative-tree-auto (auto's sizing and pricing run on the host); use "
-                        "--speculative-tree-policy lookup or hybrid without --speculative-tree-auto, or drop it")
-    return TreeServerOptions(policy, budget, depth, topk, width, profile_path, accept, bool(auto), mtp_levels,
-                             mla_verify, context_on)
+    if context_on == "device" and policy not in CONTEXT_POLICY_NAMES:
+        raise SpecError("--speculative-tree-context-on device grows lookup and hybrid trees; use "
+                        "--speculative-tree-policy lookup or hybrid, or drop it")
+    options = TreeServerOptions(policy, budget, depth, topk, width, profile_path, accept, bool(auto), mtp_levels,
+                                mla_verify, context_on)
+    return _with_plan_options(options, values)
+
+
+def _with_plan_options(options: TreeServerOptions, values: Mapping[str, Any]) -> TreeServerOptions:
+    """``--speculative-tree-verify-sizes`` and ``--speculative-tree-step-cap``, checked against the tree."""
+    sizes_text, cap = values.get("speculative_tree_verify_sizes"), values.get("speculative_tree_step_cap")
+    for given, flag in ((sizes_text, "--speculative-tree-verify-sizes"), (cap, "--speculative-tree-step-cap")):
+        if given is not None and not options.auto:
+            raise SpecError(f"{flag} sets what --speculative-tree-auto chooses from; add --speculative-tree-auto or "
+                            f"drop {flag}")
+    full = options.budget + 1
+    sizes = None
+    if sizes_text is not None:
+        words = [word.strip() for word in str(sizes_text).split(",") if word.strip()]
+        if not words or not all(word.isdigit() for word in words):
+            raise SpecError(f"--speculative-tree-verify-sizes takes whole numbers separated by commas, got "
+                            f"{sizes_text!r}")
+        sizes = tuple(sorted({int(word) for word in words}))
+        if sizes[0] != 1 or sizes[-1] != full:
+            raise SpecError(f"--speculative-tree-verify-sizes must run from 1 (a plain step) to {full} (the full "
+                            f"tree: budget + 1), got {sizes_text!r}")
+        if len(sizes) > 2 and not options.grows_any_size:
+            raise SpecError("--speculative-tree-verify-sizes between 1 and the full tree need trees grown to any "
+                            "size a step (lookup / hybrid on the host); give 1,{full} or use those policies"
+                            .replace("{full}", str(full)))
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 1.0):
+        raise SpecError(f"--speculative-tree-step-cap takes a number of plain steps >= 1, got {cap!r}")
+    return replace(options, verify_sizes=sizes, step_cap=DEFAULT_STEP_CAP if cap is None else float(cap))
 
 
 def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | None, given: int | None) -> int:
@@ -276,8 +328,7 @@ def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | 
 
 def default_depth(policy: str, budget: int) -> int:
     """``--speculative-tree-depth`` when unset: the budget for context trees (copies run as deep as the budget lets
-    them: SmolLM2 at budget 15, the reference bench's code / extraction prompts, accept length 5.33 / 4.17 at depth
-    8 against 6.35 / 4.75 at 15, ``bench/hybrid_shapes.py``), ``DEFAULTS['depth']`` for head trees."""
+    them; ``bench/hybrid_shapes.py`` measures the shapes), ``DEFAULTS['depth']`` for head trees."""
     return budget if policy in CONTEXT_POLICY_NAMES else DEFAULTS["depth"]
 
 
@@ -320,15 +371,10 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
     if getattr(config, "enable_multi_layer_eagle", False):
         raise SpecError("--enable-multi-layer-eagle runs its own draft worker, which the tree options do not reach; "
                         "drop --enable-multi-layer-eagle or the --speculative-tree-* options")
-    if options.auto and str(getattr(config, "device", "cpu")) != "cpu" and _decode_graphs(config) != "disabled":
-        raise SpecError("--speculative-tree-auto's plain steps verify one token a request, which the decode CUDA "
-                        "graphs captured for the tree do not hold; add --cuda-graph-backend-decode disabled, or drop "
-                        "--speculative-tree-auto")
-    ranks = [name for name in ("tp_size", "pp_size") if int(getattr(config, name, 1) or 1) > 1]
-    if options.auto and (ranks or getattr(config, "enable_dp_attention", False)):
-        raise SpecError("--speculative-tree-auto decides each step from the timings of its own rank, which ranks "
-                        "that step together could disagree on; run it with --tp-size 1 --pp-size 1 and without "
-                        "--enable-dp-attention (--dp-size replicas are fine), or drop it")
+    if options.auto and int(getattr(config, "pp_size", 1) or 1) > 1:
+        raise SpecError("--speculative-tree-auto agrees each step's size within one tensor-parallel group, and the "
+                        "stages of a pipeline relay a draft shape fixed at start-up; run it with --pp-size 1, or "
+                        "drop it")
     width, steps = config.speculative_eagle_topk, config.speculative_num_steps
     if options.uses_context:
         return  # any tree within its width fits SGLang's encoding (checked with the options); fillers fill the rest
@@ -341,12 +387,6 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
             f"width {width} and depth {steps} can produce (topk candidates a node, at most width expanded a "
             f"level); raise --speculative-tree-topk, -width or -depth, or lower the budget"
         )
-
-
-def _decode_graphs(config) -> str | None:
-    """The resolved decode CUDA graph backend (full, breakable, disabled), None when unset."""
-    graphs = getattr(getattr(config, "cuda_graph_config", None), "decode", None)
-    return getattr(graphs, "backend", None) or getattr(config, "cuda_graph_backend_decode", None)
 
 
 def validate_model(options: TreeServerOptions, is_dsa: bool) -> None:

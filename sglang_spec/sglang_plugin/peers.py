@@ -1,4 +1,4 @@
-"""The ranks that run one batch together, and what they must agree on.
+"""The ranks that run one batch (or one step) together, and what they must agree on.
 
 Under tensor parallelism (and DP attention's attention-TP groups) every rank of a group drafts, verifies and
 accepts the same batch; the verify forward's all-reduces add up every rank's part of the same tokens. So where a
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from sglang_spec.planner import SizeTable
 
 
 @dataclass(frozen=True)
@@ -68,3 +70,31 @@ def dp_attention() -> bool:
     from sglang.srt.layers.dp_attention import is_dp_attention_enabled
 
     return bool(is_dp_attention_enabled())
+
+
+@dataclass(frozen=True)
+class PlanGroup:
+    """The ranks that take one verify size each step: the whole tensor-parallel group, which under DP attention spans
+    every DP group too (their MLP runs all their tokens together). Every rank calls ``agree`` once per
+    forward_batch_generation call, prefills and idle batches included (with an empty table), so the calls pair
+    up; the result is the same on every rank: the batch's expected tokens summed over the group (a constant factor
+    under plain tensor parallelism, where every rank holds the same batch), each size's seconds the slowest rank's."""
+
+    cpu_group: Any
+
+    @classmethod
+    def of_worker(cls) -> PlanGroup | None:
+        from sglang.srt.runtime_context import get_parallel
+
+        try:
+            group = get_parallel().tp_group
+        except RuntimeError:  # parallel state not published (single-process tests): the only rank
+            return None
+        return cls(group.cpu_group) if group.world_size > 1 else None
+
+    def agree(self, table: SizeTable) -> SizeTable:
+        expected = torch.tensor(table.expected, dtype=torch.float64)
+        seconds = torch.tensor(table.seconds, dtype=torch.float64)
+        torch.distributed.all_reduce(expected, op=torch.distributed.ReduceOp.SUM, group=self.cpu_group)
+        torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX, group=self.cpu_group)
+        return SizeTable(table.sizes, tuple(expected.tolist()), tuple(seconds.tolist()))

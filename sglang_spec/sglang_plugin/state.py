@@ -5,15 +5,14 @@
   start-up hook, completed by the target worker's.
 * ``VerifyStep``: what one verify step of a tree server carries from the worker's ``verify`` to the functions
   SGLang calls inside it.
-* The attributes the plugin sets on SGLang objects: only through this module (``attach``, ``attach_options``,
-  ``mark_cold``), one attribute name each, so a reader finds every one here:
+* The attributes the plugin sets on SGLang objects: only through this module (``attach``, ``attach_options``),
+  one attribute name each, so a reader finds every one here:
 
   | owner | attribute | value |
   |---|---|---|
   | ``ServerArgs`` | ``OPTIONS_ATTRIBUTE`` | ``TreeServerOptions`` (pickled into SGLang's subprocesses) |
   | ``ServerArgs``, ``RequestLogger`` | ``traffic_log.ATTRIBUTE`` | the traffic log's path; its writer |
   | ``EAGLEWorkerV2``, ``EagleDraftWorker`` | ``STATE_ATTRIBUTE`` | the worker's ``WorkerState`` |
-  | ``Req`` | ``STATE_ATTRIBUTE`` | ``RequestState`` |
 
 * The context variables SGLang's call structure leaves: each is set by a hook that has the worker or the batch,
   and read by a function SGLang calls without either; the comment beside each says which.
@@ -30,13 +29,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
-    from sglang_spec.sglang_plugin.batch_switch import BatchSwitches
     from sglang_spec.sglang_plugin.committed import CommittedOutputs
     from sglang_spec.sglang_plugin.drafters.base import ServedDrafter
     from sglang_spec.sglang_plugin.faults import FaultInjection
     from sglang_spec.sglang_plugin.fused_accept import FusedAccept, SGLangAccept
     from sglang_spec.sglang_plugin.options import TreeServerOptions
-    from sglang_spec.sglang_plugin.peers import Peers
+    from sglang_spec.sglang_plugin.peers import Peers, PlanGroup
+    from sglang_spec.sglang_plugin.step_planner import StepPlanner
+    from sglang_spec.sglang_plugin.verify_shapes import VerifyShapes
     from sglang_spec.tree.encode_sglang import SGLangDraftEncoding
 
 OPTIONS_ATTRIBUTE = "_sglang_spec_tree"
@@ -66,11 +66,13 @@ class WorkerState:
       filler:         the filler tree's SGLang encoding, one request's rows (``drafters.filler``).
       exact_ancestry: whether each beam keeps its own KV history (decided with the draft KV pool).
       peers:          the tensor-parallel ranks that verify each batch together, None with one rank.
+      plan_group:     the ranks that take one verify size each step (tree auto), None with one rank.
       faults:         injected faults (tests only, ``faults``), None on a served deployment.
     Set by the target worker's start-up (None where the server runs without them):
       fused:          the fused accept (``--speculative-tree-accept fused``).
       committed:      each verify's committed tokens, with the overlap scheduler (``committed``).
-      auto:           tree auto's decisions (``--speculative-tree-auto``), made before the first decode step.
+      auto:           tree auto's planner (``--speculative-tree-auto``), made before the first step.
+      shapes:         tree auto's verify sizes, each with SGLang's runtime state (made with the planner).
     The head served (``swap_head``, at every in-place update of the draft's weights, ``hooks.swap``):
       head_version:   swaps since launch (0: the launch head); what the acceptance estimates were made with.
       head_label:     the served head's label (``LAUNCH_HEAD`` at launch).
@@ -78,8 +80,7 @@ class WorkerState:
                       between steps: whatever estimates acceptance from served steps resets there.
     Per step, set and cleared by the hooks that own them:
       draft_requests: the requests of the draft step in flight, in batch order (the draft hook).
-      head_skipped:   this batch runs without the head's forwards (tree auto's cold steps and prefills).
-      joining:        tree auto: the size of the decode batch the prefill being run joins (None: a decode batch).
+      step_budget:    draft nodes a request this step where the plan verifies a smaller tree (None: ``budget``).
     """
 
     options: TreeServerOptions
@@ -89,13 +90,14 @@ class WorkerState:
     verify_tokens: int
     filler: SGLangDraftEncoding
     peers: Peers | None = None
+    plan_group: PlanGroup | None = None
     faults: FaultInjection | None = None
     fused: FusedAccept | None = None
     committed: CommittedOutputs | None = None
-    auto: BatchSwitches | None = None
+    auto: StepPlanner | None = None
+    shapes: VerifyShapes | None = None
     draft_requests: list[Any] | None = None
-    head_skipped: bool = False
-    joining: int | None = None
+    step_budget: int | None = None
     head_version: int = 0
     head_label: str = LAUNCH_HEAD
     head_swapped: list[Callable[[HeadSwap], None]] = field(default_factory=list)
@@ -116,14 +118,6 @@ class WorkerState:
         for callback in self.head_swapped:
             callback(swap)
         return swap
-
-
-@dataclass
-class RequestState:
-    """cold: the request took a step without its head's forward (tree auto), so its head lacks KV for a position and
-    its tree steps no longer teach the accept length."""
-
-    cold: bool = False
 
 
 @dataclass(eq=False)
@@ -149,7 +143,7 @@ class VerifyStep:
 
 
 def attach(owner: Any, value: Any) -> Any:
-    """``value`` as the plugin's state of ``owner`` (a worker, a request); returns it."""
+    """``value`` as the plugin's state of ``owner`` (a worker); returns it."""
     setattr(owner, STATE_ATTRIBUTE, value)
     return value
 
@@ -166,18 +160,6 @@ def attach_options(server_args: Any, options: TreeServerOptions) -> None:
 def options_of(server_args: Any) -> TreeServerOptions | None:
     """The tree options a ServerArgs carries, None on a server without them."""
     return getattr(server_args, OPTIONS_ATTRIBUTE, None)
-
-
-def mark_cold(request: Any) -> None:
-    state = state_of(request)
-    if state is None:
-        state = attach(request, RequestState())
-    state.cold = True
-
-
-def is_cold(request: Any) -> bool:
-    state = state_of(request)
-    return state is not None and state.cold
 
 
 # set by the worker's verify; read by eagle_sample, the KV move and the verify graph's replay, which SGLang calls

@@ -1,39 +1,52 @@
 """``--speculative-tree-auto``'s start-up costs: the target's verify forward SGLang would run for a decode batch,
-timed per batch size before the first decode step (sglang imported here only).
+timed per batch size and verify size before the first step (sglang imported here only).
 
 SGLang's own dummy forward (the one its warm-up and kernel autotune run: ``_dummy_run`` on the target's eager
 runner, TARGET_VERIFY mode with the speculative custom mask) is timed for each batch size 1, 2, 4, ... up to
-``--max-running-requests`` at two shapes: the tree's tokens per request (a tree step's verify) and one token per
-request (what a plain step verifies). A dummy batch has a tiny context and no draft work; ``batch_switch`` scales
-these timings by what served steps then take, so the table gives the shape of the cost over batch sizes and the
-live steps its level.
+``--max-running-requests`` at the verify sizes the planner may choose (tokens a request, root included). A dummy
+batch has a tiny context and no draft work; the planner scales these timings by what served steps then take
+(``step_planner``), so the table gives the shape of the cost over batch and verify sizes and the served steps its
+level.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
+from typing import Sequence
 
 import torch
 
-from sglang_spec.sglang_plugin.batch_switch import StepCosts
+from sglang_spec.costs import CostCurve, CostTable
 
-REPEATS = 2  # timed runs per shape (the fastest is kept: the others met noise)
+REPEATS = 3  # rounds over every shape (each shape's fastest run is kept: the others met noise)
 MAX_MEASURED_BATCH = 256
 
 
-def measure_step_costs(worker) -> StepCosts:
-    """Time the target's verify forward at 1 and ``speculative_num_draft_tokens`` tokens per request for every
-    power-of-two batch size up to the server's running-request cap (``MAX_MEASURED_BATCH`` at most)."""
+def measure_step_costs(worker, sizes: Sequence[int]) -> CostTable:
+    """The target's verify forward for every power-of-two batch size up to the server's running-request cap
+    (``MAX_MEASURED_BATCH`` at most), at the powers of two among ``sizes`` (tokens a request) and their largest:
+    the planner reads the sizes between linearly."""
     runner = worker.target_worker.model_runner
     cap = min(int(worker.server_args.max_running_requests or MAX_MEASURED_BATCH), MAX_MEASURED_BATCH)
-    sizes = [1 << k for k in range(cap.bit_length()) if 1 << k <= cap]
-    if sizes[-1] != cap:
-        sizes.append(cap)
-    tokens = int(worker.speculative_num_draft_tokens)
-    tree = _time_batches(runner, sizes, tokens)
-    plain = _time_batches(runner, sizes, 1)
-    return StepCosts(plain=dict(zip(sizes, plain)), tree=dict(zip(sizes, tree)), tokens=tokens)
+    batches = [1 << k for k in range(cap.bit_length()) if 1 << k <= cap]
+    if batches[-1] != cap:
+        batches.append(cap)
+    measured = sorted({size for size in sizes if size & (size - 1) == 0} | {max(sizes)})
+    seconds = {size: [float("inf")] * len(batches) for size in measured}
+    for _ in range(REPEATS):  # rounds over every shape: a slow spell of a shared machine lands on all of them
+        for size in measured:
+            seconds[size] = [min(old, new) for old, new in zip(seconds[size], _time_batches(runner, batches, size))]
+    # a forward of more tokens or more requests never takes less: the envelope keeps noise from inverting them
+    for size, previous in zip(measured[1:], measured):
+        seconds[size] = [max(time, below) for time, below in zip(seconds[size], seconds[previous])]
+    for size in measured:
+        seconds[size] = list(itertools.accumulate(seconds[size], max))
+    curves = {batch: CostCurve(verify={size: seconds[size][row] for size in seconds}, draft_level=0.0,
+                               step_overhead=0.0, prefix=0, device=str(runner.device))
+              for row, batch in enumerate(batches)}
+    return CostTable(curves)
 
 
 def _time_batches(runner, sizes: list[int], tokens_per_request: int) -> list[float]:
@@ -43,14 +56,11 @@ def _time_batches(runner, sizes: list[int], tokens_per_request: int) -> list[flo
         eager._dummy_run(batch_size=sizes[0], buffers=buffers)  # untimed: first-call work (allocations, kernels)
         seconds = []
         for size in sizes:
-            runs = []
-            for _ in range(REPEATS):
-                _synchronize(runner.device)
-                start = time.perf_counter()
-                eager._dummy_run(batch_size=size, buffers=buffers)
-                _synchronize(runner.device)
-                runs.append(time.perf_counter() - start)
-            seconds.append(min(runs))
+            _synchronize(runner.device)
+            start = time.perf_counter()
+            eager._dummy_run(batch_size=size, buffers=buffers)
+            _synchronize(runner.device)
+            seconds.append(time.perf_counter() - start)
     return seconds
 
 

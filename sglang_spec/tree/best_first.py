@@ -33,8 +33,8 @@ batched head forward per round for all of them, and ``build_best_first`` is the 
 request's ``CandidateSource``. A round's nodes are all at one depth (the round's number): a node is expanded by
 the head once selected with its parent expanded, and since candidates only ever join the selection's
 competition, a node left out of one round's selection is never selected later. With a cost curve
-(what ``--auto`` gives these shapes) the budget is chosen per step by ``costs.step_seconds``: the tree
-prefix (the b best nodes, b = 0 meaning a plain step) with the least predicted time per token, and an MTP level
+(what ``--auto`` gives these shapes) the budget is chosen per step by the planner (``planner.plan_step``): the
+tree prefix (the b best nodes, b = 0 meaning a plain step) with the least predicted time per token, and an MTP level
 is run only when its predicted gain pays for its forward (a gain the context's copies leave room for: on a
 copy-heavy step the head's deeper levels add little). A server passes each step's prices to the builder
 (``costs``): there a head round's price depends on the batch it runs for.
@@ -48,6 +48,7 @@ from typing import Generator, Sequence
 
 from sglang_spec.tree.candidates import Candidates, GrowingTree
 from sglang_spec.costs import CostCurve, step_seconds
+from sglang_spec.planner import plan_step
 from sglang_spec.tree.proposal import DraftSources, DraftTree
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.profile import SOURCE_LOOKUP, SOURCE_MTP, SourceCounts
@@ -263,17 +264,11 @@ class BestFirstBuilder:
         return self.mtp_forwards + 1 if self.uses_head else 0
 
     def _best_prefix(self, reach: list[float], costs: CostCurve) -> int:
-        """How many of the selected nodes (best first) give the least predicted time per token; 0 = a plain
-        step. Time per token = step_seconds / F, F = 1 + the kept nodes' reach (``costs.py``)."""
+        """How many of the selected nodes (best first) the step verifies: the planner's choice for this one request
+        over every size, the step's head forwards charged to each (``planner.plan_step``); 0 = a plain step."""
         forwards = self._head_forwards()
-        best_count, best_time = 0, step_seconds(costs, 1, forwards)
-        accept = 1.0
-        for count, value in enumerate(reach, start=1):
-            accept += value
-            time_per_token = step_seconds(costs, count + 1, forwards) / accept
-            if time_per_token < best_time:
-                best_count, best_time = count, time_per_token
-        return best_count
+        plan = plan_step([reach], lambda tokens: step_seconds(costs, tokens, forwards), range(1, len(reach) + 2))
+        return plan.tokens - 1
 
     def _level_pays(self, selected: list[int], todo: list[int], costs: CostCurve) -> bool:
         """Whether one more head level is predicted to lower the time per token. What it adds below an expanded

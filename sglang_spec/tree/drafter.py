@@ -13,6 +13,7 @@ One drafter serves every request of a decoder or server, so what one request tea
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from sglang_spec.errors import SpecError
@@ -35,13 +36,20 @@ class TreeDrafter:
         """This step's tree below ``root_token`` (the last verified token)."""
         return self.policy.build(root_token, sources, self.counts)
 
-    def propose_rounds(self, root_token: int, context: NgramIndex, costs: CostCurve | None = None) -> BestFirstBuilder:
+    def propose_rounds(self, root_token: int, context: NgramIndex, costs: CostCurve | None = None,
+                       budget: int | None = None, depth: int | None = None) -> BestFirstBuilder:
         """The same tree as ``propose`` for lookup / hybrid, as a builder its caller drives round by round
         (``builder.rounds()``), for callers that batch the head's forwards across requests (the SGLang plugin).
-        ``costs``: this step's prices, in place of the policy's curve (a head level runs only where it pays)."""
+        ``costs``: this step's prices, in place of the policy's curve (a head level runs only where it pays);
+        ``budget``, ``depth``: this step's draft nodes and levels at most, where below the policy's (a planned
+        smaller tree)."""
         if not self.policy.uses_context:
             raise SpecError(f"{self.policy.name} trees are not grown round by round from a context")
-        return BestFirstBuilder(self.policy.best_first_shape(), root_token, context, self.counts, costs)
+        shape = self.policy.best_first_shape()
+        if budget is not None or depth is not None:
+            shape = replace(shape, budget=min(budget or shape.budget, shape.budget),
+                            depth=min(depth or shape.depth, shape.depth))
+        return BestFirstBuilder(shape, root_token, context, self.counts, costs)
 
     def observe(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
         """Counts the outcome of every child offered at a node of the accepted path (``accepted_nodes``: the

@@ -47,6 +47,15 @@ class DraftTree:
     mtp_forwards: int
     expected_accept_length: float
 
+    def best_reach(self) -> list[float]:
+        """The draft nodes' reach (the probability the target accepts the node and every ancestor: the product of
+        the estimates on its path), best first: what the planner weighs a prefix of this tree by."""
+        parents = self.tree.parents.tolist()
+        reach = [1.0] * len(parents)
+        for node in range(1, len(parents)):  # parents first
+            reach[node] = reach[parents[node]] * self.estimates[node]
+        return sorted(reach[1:], reverse=True)
+
     @classmethod
     def root_only(cls, root_token: int) -> DraftTree:
         """A plain step's tree: the root alone (the target's next token, nothing drafted)."""

@@ -20,7 +20,7 @@ from sglang_spec.sglang_plugin.faults import (ACCEPT, ACCEPT_FAULT_ENV, AUTO, CO
                                               FaultInjection, InjectedFault)
 from sglang_spec.sglang_plugin.hooks import accept as hooks
 from sglang_spec.sglang_plugin.hooks import auto as auto_hooks
-from sglang_spec.sglang_plugin.state import VERIFY_STEP, VerifyStep, attach, is_cold
+from sglang_spec.sglang_plugin.state import VERIFY_STEP, VerifyStep, attach
 from sglang_spec.sglang_plugin.fused_accept import FusedAccept
 from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
 from sglang_spec.tree import encode_sglang_verify
@@ -237,77 +237,107 @@ def test_a_fault_while_a_cuda_graph_is_captured_still_raises(monkeypatch, metric
 
 
 class AutoWorker:
-    """EAGLEWorkerV2 as --speculative-tree-auto's hook reads it: the step count during the step tells a plain step
-    (0 draft steps, SGLang's own path) from a tree step."""
+    """EAGLEWorkerV2 as --speculative-tree-auto's hook reads it: the step count and verify-token count during the
+    step tell a plain step (0 draft steps, SGLang's own path) from a smaller tree and the full one."""
 
-    def __init__(self, switches) -> None:
+    def __init__(self, planner) -> None:
         from sglang_spec.sglang_plugin.options import TreeServerOptions
+        from sglang_spec.sglang_plugin.verify_shapes import VerifyShapes, level_steps
 
         self.state = attach(self, plugin_worker_state(TreeServerOptions("hybrid", 12, 5, 4, 6, auto=True),
-                                                      auto=switches))
+                                                      auto=planner))
         self.speculative_num_steps, self.speculative_num_draft_tokens = 5, 13
-        self.draft_worker = SimpleNamespace(speculative_num_steps=5, speculative_num_draft_tokens=13)
-        self.target_worker = SimpleNamespace(forward_batch_generation=lambda **kwargs: None)
-        self.steps_seen: list[int] = []
+        self.draft_worker = SimpleNamespace(speculative_num_steps=5, speculative_num_draft_tokens=13,
+                                            draft_runner=SimpleNamespace(), _rebuild_topk1_chain_buffers=lambda: None)
+        self.target_worker = SimpleNamespace(forward_batch_generation=lambda **kwargs: None,
+                                             model_runner=SimpleNamespace(attn_backend=13))
+
+        def runtime_state(size: int) -> SimpleNamespace:  # SGLang's SpecRuntimeState of one verify size
+            return SimpleNamespace(speculative_num_steps=level_steps(5, size), speculative_num_draft_tokens=size,
+                                   draft_attn_backend=size, cuda_graph_runner=None, target_attn_backend=size,
+                                   target_graph_runner=None, draft_extend_attn_backend=None,
+                                   cuda_graph_runner_for_draft_extend=None)
+
+        self.state.shapes = VerifyShapes(self, 13, 5, {size: runtime_state(size) for size in (1, 6, 13)}, graphs=False)
+        self.seen: list[tuple[int, int, int | None]] = []
 
     def step(self, worker, batch):
-        self.steps_seen.append(worker.speculative_num_steps)
+        self.seen.append((worker.speculative_num_steps, worker.speculative_num_draft_tokens, self.state.step_budget))
+        # the size's attention backend is the target's and the draft's for the step
+        assert worker.target_worker.model_runner.attn_backend == worker.speculative_num_draft_tokens
         return SimpleNamespace(accept_lens=torch.tensor([1, 1]))
 
 
-@pytest.mark.parametrize("broken", ["decide", "observe"])
+class StubPlanner:
+    """A planner that picks ``size`` and raises where told (``broken``: table, choose or observe)."""
+
+    def __init__(self, size: int, broken: str | None = None) -> None:
+        from sglang_spec.sglang_plugin.step_planner import StepPlanner
+
+        self.inner = StepPlanner(None, (1, 6, 13), 13)
+        self.size, self.broken = size, broken
+        self.sizes = self.inner.sizes
+
+    def table(self, rids):
+        if self.broken == "table":
+            raise KeyError("bucket")
+        return self.inner.table(rids)
+
+    def choose(self, table, batch_size):
+        from sglang_spec.planner import StepPlan
+
+        if self.broken == "choose":
+            raise KeyError("bucket")
+        return StepPlan(self.size, 2.0 * batch_size, 0.1, (self.size - 1,) * batch_size)
+
+    def observe(self, *args):
+        if self.broken == "observe":
+            raise KeyError("bucket")
+
+    def learn_reach(self, drafted):
+        pass
+
+    def __getattr__(self, name):  # the rest as the real planner has it
+        return getattr(self.inner, name)
+
+
+def decode_batch():
+    return SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False),
+                           is_extend_in_batch=False, reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b")])
+
+
+@pytest.mark.parametrize("size, seen", [(1, (0, 1, None)), (6, (5, 6, 5)), (13, (5, 13, None))])
+def test_the_planned_size_is_the_steps_and_only_its(metrics, size, seen):
+    """A plain step runs SGLang's 0-step path; a smaller tree sets SGLang's verify tokens and the drafter's budget for
+    the step; the full tree runs as configured; everything is restored after."""
+    worker = AutoWorker(StubPlanner(size))
+    auto_hooks.forward_batch_generation_around(worker.step, worker, decode_batch())
+    assert worker.seen == [seen]
+    assert (worker.speculative_num_steps, worker.speculative_num_draft_tokens, worker.state.step_budget) == (5, 13,
+                                                                                                          None)
+    assert worker.target_worker.model_runner.attn_backend == 13  # the full tree's state again
+    assert not metrics.accept_faults
+
+
+@pytest.mark.parametrize("broken", ["table", "choose", "observe"])
 def test_a_tree_auto_fault_decodes_the_batch(metrics, capsys, broken):
-    """decide raises: the batch takes SGLang's own plain step (0 draft steps); observe raises: the step's output
-    stands and the switch learns nothing from it."""
-
-    class Switches:
-        def decide(self, size, rids=None, warm=None):
-            if broken == "decide":
-                raise KeyError("bucket")
-            return "tree"
-
-        def observe(self, *args, **kwargs):
-            if broken == "observe":
-                raise KeyError("bucket")
-
-    worker = AutoWorker(Switches())
-    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False),
-                            is_extend_in_batch=False, reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b")])
-    output = auto_hooks.forward_batch_generation_around(worker.step, worker, batch)
+    """The plan's table raises: the step is planned without this rank's inputs (a plain step here); choosing raises:
+    SGLang's own plain step (0 draft steps); observe raises: the step's output stands and the planner learns
+    nothing from it."""
+    worker = AutoWorker(StubPlanner(13, broken))
+    output = auto_hooks.forward_batch_generation_around(worker.step, worker, decode_batch())
     assert output.accept_lens.tolist() == [1, 1]
-    assert worker.steps_seen == ([0] if broken == "decide" else [5]) and worker.speculative_num_steps == 5
+    steps = worker.seen[0][0]
+    assert steps == (0 if broken == "choose" else 5) and worker.speculative_num_steps == 5
     assert metrics.accept_faults == {(AUTO, "KeyError"): 1}
     lines = fault_lines(capsys)
-    assert len(lines) == 1 and ("plain step" in lines[0] if broken == "decide" else "did not learn" in lines[0])
+    expected = {"table": "without this rank's inputs", "choose": "plain step", "observe": "did not learn"}[broken]
+    assert len(lines) == 1 and expected in lines[0]
 
 
-@pytest.mark.parametrize("admit", ["cold", "warm", "broken"])
-def test_a_prompt_prefill_joining_a_cold_batch_skips_the_heads_pass(metrics, capsys, admit):
-    """Tree auto's cold admission: where the switch admits the prompts cold, the prefill runs with the head's draft
-    extend stubbed (``WorkerState.head_skipped`` while it runs) and its requests are marked cold; warm, or where the switch
-    raises (a fault, counted), the head's pass runs and nothing is marked."""
-
-    class Switches:
-        cold_admissions = 0
-
-        def admit(self, requests, batch_size):
-            if admit == "broken":
-                raise KeyError("bucket")
-            self.cold_admissions += requests if admit == "cold" else 0
-            return admit == "cold"
-
-        def predicted_speedup(self, batch_size, floor=False):
-            return 0.25
-
-    seen = []
-    worker = AutoWorker(Switches())
-    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True, is_idle=lambda: False),
-                            is_extend_in_batch=False, reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b")])
-    worker.state.joining = 16
-    auto_hooks.forward_batch_generation_around(lambda worker, batch: seen.append(worker.state.head_skipped), worker,
-                                               batch)
-    assert seen == [admit == "cold"] and not worker.state.head_skipped
-    assert [is_cold(request) for request in batch.reqs] == [admit == "cold"] * 2
-    assert metrics.accept_faults == ({(AUTO, "KeyError"): 1} if admit == "broken" else {})
-    lines = fault_lines(capsys)
-    assert len(lines) == (admit == "broken") and all("prefilled with the head's pass" in line for line in lines)
+def test_a_prefill_goes_through_untouched(metrics):
+    worker = AutoWorker(StubPlanner(6))
+    prefill = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True, is_idle=lambda: False),
+                              is_extend_in_batch=False, reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b")])
+    auto_hooks.forward_batch_generation_around(worker.step, worker, prefill)
+    assert worker.seen == [(5, 13, None)] and not metrics.accept_faults

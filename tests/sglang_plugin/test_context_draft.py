@@ -106,7 +106,10 @@ def test_what_the_counts_learnt_is_exported_once_by_cell_name():
     assert len(metrics.added) == 1
 
 
-def test_tree_auto_is_refused_where_decode_graphs_are_captured_or_ranks_could_disagree():
+def test_tree_auto_runs_at_any_tensor_parallel_shape_and_is_refused_across_pipeline_stages():
+    """The ranks of a step agree on its plan (``peers.PlanGroup``): tensor parallelism and DP attention are served,
+    decode CUDA graphs too (each verify size has its own: ``verify_shapes``); pipeline stages relay a fixed draft
+    shape, so a pipeline is refused in one line."""
     from types import SimpleNamespace
 
     from sglang_spec.errors import SpecError
@@ -114,17 +117,13 @@ def test_tree_auto_is_refused_where_decode_graphs_are_captured_or_ranks_could_di
 
     options = from_values({"speculative_tree_policy": "hybrid", "speculative_tree_auto": True})
     resolved = dict(speculative_algorithm="NEXTN", speculative_eagle_topk=options.width, speculative_num_steps=4)
-    graphs = SimpleNamespace(decode=SimpleNamespace(backend="full"))
-    with pytest.raises(SpecError, match="add --cuda-graph-backend-decode disabled"):
-        validate_speculative(options, SimpleNamespace(device="cuda", cuda_graph_config=graphs, **resolved))
     eager = SimpleNamespace(decode=SimpleNamespace(backend="disabled"))
-    validate_speculative(options, SimpleNamespace(device="cuda", cuda_graph_config=eager, **resolved))
-    validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=graphs, **resolved))
-    # each rank decides from its own timings: ranks of one model could disagree
-    for ranks in ({"tp_size": 2}, {"pp_size": 2}, {"dp_size": 2, "enable_dp_attention": True}):
-        with pytest.raises(SpecError, match="run it with --tp-size 1 --pp-size 1 and without --enable-dp-attention"):
-            validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=graphs, **ranks, **resolved))
-    validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=graphs, dp_size=2, **resolved))
+    for ranks in ({"tp_size": 2}, {"tp_size": 4, "dp_size": 2, "enable_dp_attention": True}, {"dp_size": 2}):
+        validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=eager, **ranks, **resolved))
+    with pytest.raises(SpecError, match="run it with --pp-size 1"):
+        validate_speculative(options, SimpleNamespace(device="cpu", cuda_graph_config=eager, pp_size=2, **resolved))
+    graphs = SimpleNamespace(decode=SimpleNamespace(backend="full"))
+    validate_speculative(options, SimpleNamespace(device="cuda", cuda_graph_config=graphs, tp_size=8, **resolved))
 
 
 class PeerFaulted:

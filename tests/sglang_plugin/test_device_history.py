@@ -69,8 +69,8 @@ def test_the_draft_step_reads_nothing_on_the_host():
 
 @pytest.mark.parametrize("values, message", [
     ({"speculative_tree_policy": "specexec"}, "grows lookup and hybrid trees"),
-    ({"speculative_tree_policy": "lookup", "speculative_tree_auto": True}, "grows lookup and hybrid trees"),
-    ({"speculative_tree_policy": "hybrid", "speculative_tree_auto": True}, "grows lookup and hybrid trees"),
+    ({"speculative_tree_policy": "hybrid", "speculative_tree_auto": True, "speculative_tree_verify_sizes": "1,5,9"},
+     "need trees grown to any size a step"),
     ({"speculative_tree_policy": "lookup", "speculative_tree_context_on": "gpu"}, "takes host or device"),
 ])
 def test_device_growth_is_refused_where_it_does_not_serve(values, message):
@@ -85,3 +85,7 @@ def test_the_option_reaches_the_servers_options():
     assert from_values({"speculative_tree_policy": "lookup"}).context_on == "host"
     hybrid = from_values({"speculative_tree_policy": "hybrid", "speculative_tree_context_on": "device"})
     assert hybrid is not None and hybrid.context_on == "device"
+    # tree auto plans a device server's steps whole: a plain step or the full tree
+    planned = from_values({"speculative_tree_policy": "hybrid", "speculative_tree_context_on": "device",
+                           "speculative_tree_auto": True, "speculative_tree_budget": 12})
+    assert planned is not None and planned.auto and not planned.grows_any_size

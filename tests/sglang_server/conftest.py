@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS,
-                               running_server)
+                               TINY_NEW_TOKENS, running_server)
 from optional_packages import require_sglang
 from sglang_spec_testbed.parity import PARITY_SERVER_ARGS, plain_oracle
 from sglang_spec_testbed.server import CpuModel, prepare_model
@@ -68,3 +68,21 @@ def smollm2_plain_runs(smollm2_cpu, server_logs, smollm2_prompts) -> dict:
 def smollm2_plain(smollm2_plain_runs) -> list[list[int]]:
     """Greedy output of SGLang's server without speculation on the held-out prompts."""
     return smollm2_plain_runs["heldout"]
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts() -> list[list[int]]:
+    """Toy-language prompts from the tiny model's own language, with branching successors: drafts miss often
+    enough that acceptance is a measurement, not a constant."""
+    from sglang_spec.models.tiny_deepseek import TINY_DEEPSEEK_CONFIG
+    from sglang_spec.models.toy_language import ToyLanguage
+
+    return ToyLanguage(TINY_DEEPSEEK_CONFIG["vocab_size"], seed=999).sample(4, 10).tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_plain(tiny_cpu, server_logs, tiny_prompts) -> list[list[int]]:
+    """Greedy output (TINY_NEW_TOKENS) of one tensor-parallel rank without speculation on ``tiny_prompts``."""
+    with running_server(tiny_cpu, server_logs, "tiny-plain", speculative=False) as server:
+        greedy = server.generate(tiny_prompts, {"temperature": 0, "max_new_tokens": TINY_NEW_TOKENS})
+    return [answer["output_ids"] for answer in greedy]

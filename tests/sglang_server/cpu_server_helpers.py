@@ -15,6 +15,9 @@ from sglang_spec_testbed.server import CpuModel, PortTaken, SGLangServer, cpu_la
 
 START_TIMEOUT = float(os.environ.get("SGLANG_SPEC_SERVER_TIMEOUT", "240"))
 SMOLLM2_NEW_TOKENS = 40  # greedy tokens per held-out prompt in the SmolLM2 end-to-end tests
+TINY_NEW_TOKENS = 32  # greedy tokens per toy-language prompt in the tiny DeepSeek-V3 tests
+
+
 @contextlib.contextmanager
 def running_server(model: CpuModel, logs: Path, name: str, extra: Sequence[str] = (),
                    speculative: bool = True) -> Iterator[SGLangServer]:

@@ -257,7 +257,9 @@ def test_servers_together_start_once_on_their_own_ports_and_take_each_workload_b
     else:
         assert events == [("start", 31000), ("bench code", 31000), ("bench chat", 31000), ("stop", 31000)] * 4
         assert not any("--sleep-on-idle" in server.args for server in started)
-    rows = json.loads((tmp_path / "s.json").read_text())
+    record = json.loads((tmp_path / "s.json").read_text())
+    assert record["command"].startswith("python bench/serving_sweep.py ") and "commit" not in record["environment"]
+    rows = record["rows"]
     assert {(row["policy"], row["workload"]) for row in rows} == {
         (policy, workload) for policy in ("plain", "plain-sync") for workload in ("code", "chat")}
     assert all(len(row["output_throughput_rounds"]) == 2 for row in rows)

@@ -33,21 +33,13 @@ PENALIZED = {"temperature": 0, "max_new_tokens": 8, "frequency_penalty": 0.5}
 
 
 @pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    """Toy-language prompts from the tiny model's own language, with branching successors: drafts miss often
-    enough that acceptance is a measurement, not a constant."""
-    from sglang_spec.models.tiny_deepseek import TINY_DEEPSEEK_CONFIG
-    from sglang_spec.models.toy_language import ToyLanguage
-
-    language = ToyLanguage(TINY_DEEPSEEK_CONFIG["vocab_size"], seed=999)
-    return language.sample(4, 10).tolist()
+def prompts(tiny_prompts) -> list[list[int]]:
+    return tiny_prompts
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_cpu, server_logs, prompts):
-    with running_server(tiny_cpu, server_logs, "tiny-plain", speculative=False) as server:
-        greedy = server.generate(prompts, {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS})
-    return [answer["output_ids"] for answer in greedy]
+def plain(tiny_plain) -> list[list[int]]:
+    return tiny_plain
 
 
 @dataclass(frozen=True)

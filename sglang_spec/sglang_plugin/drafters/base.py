@@ -25,6 +25,7 @@ import torch
 
 from sglang_spec.sglang_plugin.committed import CommittedOutputs
 from sglang_spec.sglang_plugin.drafters.head_guard import HeadGuard
+from sglang_spec.sglang_plugin.level_costs import LevelCosts
 
 # SGLang's draft outputs, what its EagleDraftWorker.draft_forward returns: parent_list [bs, W * (steps - 1) + 1],
 # top_scores_index [bs, budget], draft_tokens [bs, budget] (int64; the UNO encoding, ``tree.encode_sglang``) and
@@ -39,12 +40,17 @@ class DraftCall:
     worker:        the EagleDraftWorker.
     forward_batch: its ForwardBatch (``batch_size`` requests, ``spec_info`` the previous commit's draft input).
     requests:      the ScheduleBatch's requests in batch order; None inside a draft-graph capture.
+    budget:        draft nodes each request's tree holds this step (SGLang verifies budget + 1 tokens a request:
+                   the server's budget, or the planner's smaller tree).
+    steps:         SGLang's draft steps this step (a tree's depth at most; below the server's with a smaller tree).
     sglang_loop:   SGLang's own draft_forward for this call (no arguments).
     """
 
     worker: Any
     forward_batch: Any
     requests: list[Any] | None
+    budget: int
+    steps: int
     sglang_loop: Callable[[], Any]
 
 
@@ -76,6 +82,13 @@ class ServedDrafter:
                drafters of the plugin's own rounds always copy ancestry, SGLang's loop only with this set).
     reads_outputs: its trees read each request's committed output on the host, so with the overlap scheduler
                (whose output ids lag a step) it is given every verify's committed tokens (``use_outputs``).
+    reports_reach: it grows trees of any budget (``DraftCall.budget``) and reports its nodes' reach
+               (``drafted_reach``), so the planner can verify a smaller tree and weigh each request's own.
+    setup_seconds: what the last draft spent on one-time work (a new request's context index), not a step's
+               recurring cost (the planner leaves it out of the step's time).
+    level_costs, rounds, rounds_seconds, priced_out: the prices of the head's levels under tree auto, the rounds
+               the last draft ran and their seconds, and how many trees left a level out (a host context drafter's;
+               None / 0 for the others).
     """
 
     eager: bool = False
@@ -83,12 +96,34 @@ class ServedDrafter:
     guard: HeadGuard | None = None
     exact_ancestry: bool = False
     reads_outputs: bool = False
+    reports_reach: bool = False
+    setup_seconds: float = 0.0
+    level_costs: LevelCosts | None = None
+    rounds: int = 0
+    rounds_seconds: float = 0.0
+    priced_out: int = 0
 
     def use_outputs(self, outputs: CommittedOutputs) -> None:
         """With the overlap scheduler: where each request's lagging output ids are completed from."""
 
     def draft(self, call: DraftCall) -> SGLangDraft:
         raise NotImplementedError
+
+    def prior_reach(self, budget: int) -> list[float]:
+        """A reach by rank for requests nothing is known of yet (best first, at most ``budget``): the planner's prior
+        until served trees teach it the traffic's; empty where the drafter reports no reach."""
+        return []
+
+    def estimate_reach(self, requests: list[Any], budget: int) -> dict[str, list[float]]:
+        """rid -> the reach a tree would have now for each of ``requests``, best first, estimated without a forward
+        (host work only); empty where the drafter cannot. What keeps a request's prediction current while the
+        planner decodes it plainly."""
+        return {}
+
+    def drafted_reach(self) -> dict[str, list[float]]:
+        """rid -> the reach of the draft nodes of the tree it last drafted, best first (each request once: read
+        after the step; empty where it reports none)."""
+        return {}
 
     def learns(self) -> bool:
         """Whether ``record_outcome`` / ``observe_outcome`` teach it anything (the context drafters)."""

@@ -46,6 +46,20 @@ class ContextDrafter(ServedDrafter):
     def learns(self) -> bool:
         return True
 
+    def prior_reach(self, budget: int) -> list[float]:
+        """A chain of the likeliest candidates by depth, as the counts rate them: at each depth the better of the
+        head's top-1 and a two-token context copy (what a tree holds at least of that depth), reach their
+        product."""
+        counts = self.drafter.counts
+        reach, product = [], 1.0
+        for depth in range(1, min(budget, self.drafter.policy.depth) + 1):
+            candidates = [counts.estimate(counts.lookup_cell(2, 0))]
+            if self.uses_head:
+                candidates.append(counts.estimate(counts.mtp_top1_cell(depth)))
+            product *= max(candidates)
+            reach.append(product)
+        return reach
+
     def learnt(self) -> dict[str, tuple[float, ...]]:
         """What the counts hold now (and what of it was exported), for ``restore``: a few dozen cells."""
         cells = {name: tuple(cell) for name, cell in self.drafter.counts.named_cells().items()}

@@ -22,7 +22,7 @@ committed for it since the last step (with the overlap scheduler, its output ids
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -36,19 +36,21 @@ from sglang_spec.sglang_plugin.drafters.padding import pad_to_budget
 from sglang_spec.sglang_plugin.level_costs import LevelCosts
 from sglang_spec.sglang_plugin.metrics import SourceMetrics
 from sglang_spec.tree.candidates import Candidates
-from sglang_spec.tree.proposal import DraftTree
+from sglang_spec.tree.proposal import DraftSources, DraftTree
 from sglang_spec.tree.encode_sglang import encode_sglang_draft
-from sglang_spec.tree.best_first import BestFirstBuilder, BestFirstRounds
+from sglang_spec.tree.best_first import BestFirstBuilder, BestFirstRounds, build_best_first
 from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
 
 
 @dataclass
 class RequestContexts:
-    """rid -> an n-gram index over the request's committed tokens (prompt + output, the root included)."""
+    """rid -> an n-gram index over the request's committed tokens (prompt + output, the root included);
+    ``built_seconds``: the time spent building indexes from scratch (new requests) since it was last reset."""
 
     max_ngram: int
     indexes: dict[str, NgramIndex] = field(default_factory=dict)
+    built_seconds: float = 0.0
 
     def index(self, rid: str, committed: Sequence[int], root: int) -> NgramIndex:
         """The request's index, extended to ``committed`` (prompt + output ids as SGLang holds them), which must
@@ -58,7 +60,10 @@ class RequestContexts:
             tokens.append(root)
         index = self.indexes.get(rid)
         if index is None or len(index) > len(tokens) or index.tokens != tokens[: len(index)]:
+            start = time.perf_counter()
             index = self.indexes[rid] = NgramIndex(max_ngram=self.max_ngram)
+            index.extend(tokens)
+            self.built_seconds += time.perf_counter() - start
         index.extend(tokens[len(index):])
         return index
 
@@ -76,11 +81,13 @@ class HostContextDrafter(ContextDrafter):
     candidates, so its time is the device's too) for the step's observer."""
 
     reads_outputs = True
+    reports_reach = True
 
     def __init__(self, policy: TreePolicy, steps: int, budget: int, metrics: SourceMetrics | None = None) -> None:
         super().__init__(policy, steps, budget, metrics)
         self.contexts = RequestContexts(policy.max_ngram)
         self.proposed: list[DraftTree] = []
+        self._reach: dict[str, list[float]] = {}  # rid -> its last tree's reach, best first, until read
         self._outcome: tuple[list[DraftTree], torch.Tensor, int] | None = None
         self.outputs: CommittedOutputs | None = None  # set with the overlap scheduler (its output ids lag a step)
         self.level_costs: LevelCosts | None = None  # set under tree auto: head levels priced per batch size
@@ -91,10 +98,35 @@ class HostContextDrafter(ContextDrafter):
     def draft(self, call: DraftCall) -> SGLangDraft:
         assert call.requests is not None, "host-built trees are drafted eagerly, never in a draft graph capture"
         try:
-            return context_draft_forward(call.worker, call.forward_batch, call.requests, self)
+            return context_draft_forward(call.worker, call.forward_batch, call.requests, self, call.budget, call.steps)
         finally:
             if self.outputs is not None:
                 self.outputs.report_first_unknown()
+
+    def drafted_reach(self) -> dict[str, list[float]]:
+        reach, self._reach = self._reach, {}
+        return reach
+
+    def estimate_reach(self, requests: list[Any], budget: int) -> dict[str, list[float]]:
+        """Each request's lookup tree from its context as SGLang holds it (the output ids may lag a step under the
+        overlap scheduler: an estimate), merged with the head's likeliest chain as the counts rate it (a hybrid
+        tree holds both), the best ``budget`` reach values."""
+        shape = replace(self.drafter.policy.best_first_shape(), uses_head=False, budget=budget)
+        head_chain = self.prior_reach(budget) if self.uses_head else []
+        estimates = {}
+        for req in requests:
+            tokens = list(req.origin_input_ids_unpadded) + list(req.output_ids)
+            if not tokens:
+                continue
+            index = self.contexts.index(req.rid, tokens, tokens[-1])
+            lookup = build_best_first(shape, tokens[-1], DraftSources(context=index), self.drafter.counts)
+            estimates[req.rid] = sorted([*lookup.best_reach(), *head_chain], reverse=True)[:budget]
+        return estimates
+
+    @property
+    def setup_seconds(self) -> float:  # type: ignore[override]
+        """The last draft's time building new requests' context indexes."""
+        return self.contexts.built_seconds
 
     def use_outputs(self, outputs: CommittedOutputs) -> None:
         self.outputs = outputs
@@ -123,14 +155,16 @@ class HostContextDrafter(ContextDrafter):
         self._observe(trees, accept_index, verify_tokens)
 
 
-def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any],
-                          drafter: HostContextDrafter) -> SGLangDraft:
+def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], drafter: HostContextDrafter,
+                          budget: int, steps: int) -> SGLangDraft:
     """``draft_forward`` for ``worker`` (an EagleDraftWorker) over ``reqs`` (the ScheduleBatch's requests, in
-    batch order): SGLang's (parent_list, top_scores_index, draft_tokens, draft_probs=None). The caller has had the
-    drafter observe the last accepted paths (``HostContextDrafter.observe_outcome``)."""
+    batch order), each tree of at most ``budget`` draft nodes and ``steps`` levels, padded to the budget: SGLang's (parent_list,
+    top_scores_index, draft_tokens, draft_probs=None). The caller has had the drafter observe the last accepted
+    paths (``HostContextDrafter.observe_outcome``)."""
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
 
     drafter.rounds, drafter.rounds_seconds = 0, 0.0
+    drafter.contexts.built_seconds = 0.0
     policy = drafter.drafter.policy
     width = worker.topk
     topk = policy.effective_topk
@@ -153,7 +187,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any],
     for row, req in enumerate(reqs):
         index = drafter.contexts.index(req.rid, drafter.committed_tokens(req, kv_lengths[row], roots[row]),
                                        roots[row])
-        builder = drafter.drafter.propose_rounds(roots[row], index, costs)
+        builder = drafter.drafter.propose_rounds(roots[row], index, costs, budget, steps)
         builders.append(builder)
         rounds.append(builder.rounds())
         _advance(rounds, trees, pending, row, None)
@@ -163,10 +197,10 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any],
         _advance(rounds, trees, pending, row, Candidates(root_candidates.tokens[row: row + 1],
                                                            root_candidates.probs[row: row + 1]))
 
-    step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, batch, width, drafter.steps)
+    step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, batch, width, steps)
     beam_of: list[dict[int, int]] = [{0: 0} for _ in range(batch)]  # node -> its beam in the last forward
     state = spec_info.hidden_states
-    for step in range(1, drafter.steps):
+    for step in range(1, steps):
         if not pending:
             break
         start = time.perf_counter()
@@ -193,8 +227,9 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any],
     assert all(tree is not None for tree in trees)
     drafter.priced_out += sum(builder.priced_out for builder in builders)
     drafter.proposed = [tree for tree in trees if tree is not None]
-    padded = [pad_to_budget(tree.tree, drafter.budget, width, drafter.steps) for tree in drafter.proposed]
-    encoding = encode_sglang_draft(padded, width, drafter.steps)
+    drafter._reach = {req.rid: tree.best_reach() for req, tree in zip(reqs, drafter.proposed)}
+    padded = [pad_to_budget(tree.tree, budget, width, steps) for tree in drafter.proposed]
+    encoding = encode_sglang_draft(padded, width, steps)
     return (encoding.parent_list.to(device), encoding.top_scores_index.to(device),
             encoding.draft_tokens.to(device), None)
 

@@ -14,11 +14,10 @@
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | draft: the draft KV pool can give every branch its own ancestry |
 | ``EagleDraftWorker.draft`` | AROUND | draft: an eager drafter sees the batch's requests; a guard's head faults counted |
 | ``EagleDraftWorker.draft_forward`` | AROUND | draft: the server's drafter; a draft that raises: the filler tree for that batch (counted, one log line) |
-| ``EagleDraftWorker._draft_extend_for_prefill`` / ``_for_decode`` | AROUND | draft: skipped where no tree reads the head (lookup; tree auto's cold steps) |
+| ``EagleDraftWorker._draft_extend_for_prefill`` / ``_for_decode`` | AROUND | draft: skipped where no tree reads the head (lookup) |
 | ``spec_utils.select_top_k_tokens`` | AROUND | draft: SGLang's loop (chain, eagle) with exact ancestry by KV column copy |
 | ``LogitsMetadata.from_forward_batch`` | AFTER | draft: the plugin's loop computes the head's logits for the beams that can grow only |
-| ``Scheduler.run_batch`` | BEFORE | auto: the decode batch a prefill joins |
-| ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | auto: a tree, plain or cold step per decode batch, timed |
+| ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | auto: each decode step's verify size, planned for the batch, run and timed |
 | ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | accept: the worker's fused accept and committed outputs; the verify step's state |
 | ``eagle_utils.eagle_sample`` | AROUND | accept: penalties per node; the fused accept or SGLang's; the accept to the drafter and the counts |
 | ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | accept: the fused path's KV moved by our kernel |
@@ -63,7 +62,6 @@ HOOKS: tuple[tuple[str, Callable, str], ...] = (
     (f"{_WORKER}._draft_extend_for_decode", draft.draft_extend_for_decode_around, "AROUND"),
     ("sglang.srt.speculative.spec_utils.select_top_k_tokens", draft.select_top_k_tokens_around, "AROUND"),
     ("sglang.srt.layers.logits_processor.LogitsMetadata.from_forward_batch", draft.logits_metadata_after, "AFTER"),
-    ("sglang.srt.managers.scheduler.Scheduler.run_batch", auto.scheduler_run_batch_before, "BEFORE"),
     (f"{_SPEC_WORKER}.forward_batch_generation", auto.forward_batch_generation_around, "AROUND"),
     (f"{_SPEC_WORKER}.__init__", accept.eagle_worker_init_after, "AFTER"),
     (f"{_SPEC_WORKER}.verify", accept.verify_around, "AROUND"),

@@ -1,180 +1,188 @@
-"""Hooks of ``--speculative-tree-auto``: each decode step of the running batch is a tree step, a plain step (SGLang's
-own 0-step path: the root alone verified, the head's KV kept warm by the draft extend) or a cold one (the
-target's DECODE forward, SGLang's draft-extend stub), as ``batch_switch`` decides; every decode step is timed with
-the tokens it emitted. A prefill whose requests join a batch that is cold by prediction skips the head's pass over
-their prompts. A fault in the decision gives a plain step (exact whatever the switch)."""
+"""Hooks of ``--speculative-tree-auto``: before each decode step the planner chooses how many tokens every request
+verifies (``step_planner``), the ranks of the group agreeing on its inputs; the step runs at that size (1: SGLang's
+own plain step, the target's DECODE forward with the head's draft extend kept warm; the full tree: as configured;
+between: the drafter grows and SGLang verifies a smaller tree) and is timed with the tokens it emitted. A fault in
+the plan gives a plain step (exact whatever the planner)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
-from sglang_spec.sglang_plugin.batch_switch import COLD, PLAIN, TREE, BatchSwitches
+from sglang_spec.planner import SizeTable, StepPlan
 from sglang_spec.sglang_plugin.faults import AUTO, accept_fault
 from sglang_spec.sglang_plugin.messages import log
-from sglang_spec.sglang_plugin.state import WorkerState, is_cold, mark_cold, state_of
+from sglang_spec.sglang_plugin.metrics import PLANS
+from sglang_spec.sglang_plugin.state import WorkerState, state_of
 from sglang_spec.sglang_plugin.step_costs import measure_step_costs
-
-
-def scheduler_run_batch_before(scheduler, batch, *args, **kwargs):
-    """Before a prompt prefill, the size of the decode batch its requests will join (``WorkerState.joining``)."""
-    state: WorkerState | None = state_of(scheduler.draft_worker) if scheduler.draft_worker is not None else None
-    if state is None or not state.options.auto:
-        return None
-    joins = None
-    if batch.forward_mode.name == "EXTEND":  # a prompt prefill (not mixed with decode rows, not split)
-        joins = scheduler.running_batch.batch_size() + batch.batch_size() + len(scheduler.waiting_queue)
-        joins = min(joins, scheduler.max_running_requests or joins)
-    state.joining = joins
-    return None
+from sglang_spec.sglang_plugin.step_planner import PLAN_LOG_ENV, StepPlanner, default_sizes
+from sglang_spec.sglang_plugin.verify_shapes import VerifyShapes
 
 
 def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
-    """A decode batch: the switch's kind of step, timed; a prefill: admitted warm or cold (``_admit``)."""
+    """A decode batch: the planner's step, run and timed; any other batch: as it is (the group's ranks still meet
+    once, so their agreements pair up)."""
     state: WorkerState | None = state_of(worker)
-    if state is None or not state.options.auto or batch.forward_mode.is_idle():
+    if state is None or not state.options.auto:
         return original(worker, batch, *args, **kwargs)
-    if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
-        return _admit(original, state, worker, batch, *args, **kwargs)
     if state.auto is None:
-        state.auto = _start_switches(worker)
-    switches = state.auto
-    size = len(batch.reqs)
-    try:
-        warm = sum(1 for request in batch.reqs if not is_cold(request))
-        kind = switches.decide(size, [request.rid for request in batch.reqs], warm=warm)
-    except Exception as error:  # SGLang's own plain step (the head's KV kept warm): exact whatever the switch
-        accept_fault(AUTO, error, size, "decoded by a plain step")
-        kind = PLAIN
-    start = time.perf_counter()
-    if kind != TREE:
-        with _zero_steps(worker, state, cold=kind == COLD):
-            output = original(worker, batch, *args, **kwargs)
-    else:
-        output = original(worker, batch, *args, **kwargs)
-    try:
-        _observe_step(switches, batch, kind, output, start, state)
-    except Exception as error:  # the step's output stands; the switch learns nothing from it
-        accept_fault(AUTO, error, size, "decoded; tree auto did not learn from its time")
-    return output
-
-
-def _admit(original, state: WorkerState, worker, batch, *args, **kwargs):
-    """A prefill under tree auto: where the decode batch its requests join (``WorkerState.joining``) is cold by
-    prediction (``BatchSwitches.admit``), it runs without the head's draft extend (SGLang's stub of the next draft
-    input, as for a ``lookup`` server) and its requests are cold from the start. Only a prompt prefill (EXTEND: no
-    decode rows mixed in, see ``scheduler_run_batch_before``) goes cold; a later chunk of a cold prompt may run
-    the head again, the request stays cold."""
-    switches = state.auto
-    joins = state.joining
-    cold = False
-    if switches is not None and joins is not None:
-        try:
-            cold = switches.admit(len(batch.reqs), joins)
-        except Exception as error:  # the head's pass runs: warm, as without tree auto
-            accept_fault(AUTO, error, len(batch.reqs), "prefilled with the head's pass")
-    if not cold:
+        state.auto = _start_planner(worker, state)
+    planner = state.auto
+    decode = not (batch.forward_mode.is_idle() or batch.forward_mode.is_extend() or batch.is_extend_in_batch)
+    if not decode:
+        if state.plan_group is not None:
+            state.plan_group.agree(_empty_table(planner))
         return original(worker, batch, *args, **kwargs)
-    assert switches is not None and joins is not None
-    state.head_skipped = True
-    try:
+    rids = [request.rid for request in batch.reqs]
+    _refresh_predictions(planner, state, batch.reqs)
+    plan = _plan(planner, state, rids)
+    start = time.perf_counter()
+    with _verify_size(worker, state, plan.tokens):
         output = original(worker, batch, *args, **kwargs)
-    finally:
-        state.head_skipped = False
-    for request in batch.reqs:  # no head KV for the prompt: its tree steps teach the accept length nothing
-        mark_cold(request)
-    if switches.cold_admissions == len(batch.reqs):
-        log(f"tree auto: prompts joining a batch of {joins} skip the head's pass (cold: trees predicted at "
-            f"{switches.predicted_speedup(joins, floor=True):.2f}x there)")
+    try:
+        _observe_step(planner, state, plan, rids, output, start)
+    except Exception as error:  # the step's output stands; the planner learns nothing from it
+        accept_fault(AUTO, error, len(rids), "decoded; tree auto did not learn from its time")
     return output
 
 
-def _observe_step(switches: BatchSwitches, batch, kind: str, output, start: float, state: WorkerState) -> None:
-    """Tree auto's bookkeeping of a decoded step: its time per emitted token, the cold marks, and (a tree step
-    of a host context server) the prices of its head levels."""
-    size = len(batch.reqs)
+def _refresh_predictions(planner: StepPlanner, state: WorkerState, requests: list) -> None:
+    """The drafter's estimates (no forward) for the requests whose prediction is missing or oldest; a fault
+    leaves the predictions as they were."""
+    if not planner.ranked:
+        return
+    try:
+        stale = set(planner.stale([request.rid for request in requests]))
+        planner.learn_reach(state.drafter.estimate_reach([request for request in requests if request.rid in stale],
+                                                         planner.full - 1))
+    except Exception as error:
+        accept_fault(AUTO, error, len(requests), "planned from the predictions it had")
+
+
+def _plan(planner: StepPlanner, state: WorkerState, rids: list[str]) -> StepPlan:
+    """The step's plan, agreed by the group. A fault in the plan (this rank's) is a plain step's table from this
+    rank, so the group still meets once and every rank takes the same step."""
+    try:
+        table = planner.table(rids)
+    except Exception as error:
+        accept_fault(AUTO, error, len(rids), "its plan priced without this rank's inputs")
+        table = _empty_table(planner)
+    if state.plan_group is not None:
+        table = state.plan_group.agree(table)
+    try:
+        return planner.choose(table, len(rids))
+    except Exception as error:  # SGLang's own plain step (the head's KV kept warm): exact whatever the plan
+        accept_fault(AUTO, error, len(rids), "decoded by a plain step")
+        return StepPlan(1, float(len(rids)), 0.0, (0,) * len(rids))
+
+
+def _empty_table(planner: StepPlanner) -> SizeTable:
+    """What a rank with no decode step (or a failed plan) brings to the group's agreement: nothing."""
+    zeros = (0.0,) * len(planner.sizes)
+    return SizeTable(planner.sizes, zeros, zeros)
+
+
+def _observe_step(planner: StepPlanner, state: WorkerState, plan: StepPlan, rids: list[str], output,
+                  start: float) -> None:
+    """The planner's bookkeeping of a decoded step: its time and tokens, the reach of the trees just drafted, a
+    host drafter's head-level prices, the metrics."""
     accept_lens = output.accept_lens.tolist()  # reads the step's result: the time below is the step's own
     seconds = time.perf_counter() - start
-    level_costs = getattr(state.drafter, "level_costs", None)
-    if kind == TREE and level_costs is not None:
-        _price_levels(state.drafter, size, seconds)
-    rids = [request.rid for request in batch.reqs]
-    warm = {rid: accept_lens[index] for index, (rid, request) in enumerate(zip(rids, batch.reqs))
-            if not is_cold(request)}
-    message = switches.observe(size, kind != TREE, seconds, sum(accept_lens), rids=rids, request_tokens=warm)
-    if kind == COLD:
-        for request in batch.reqs:  # its head now lacks KV for this position: its tree steps teach nothing
-            mark_cold(request)
-    if message is not None:
-        log(message)
+    # a new request's context index is built once: not a cost the step's size repeats
+    setup = 0.0 if plan.plain else state.drafter.setup_seconds
+    planner.observe(plan, rids, seconds - setup, accept_lens)
+    if not plan.plain:
+        planner.learn_reach(state.drafter.drafted_reach())
+        _price_levels(state, len(rids), seconds)
+    PLANS.record(plan.tokens, len(rids), plan.predicted_seconds, seconds)
+    if planner.log_path is not None:
+        planner.write_log(plan, rids, seconds, accept_lens)
 
 
-def _price_levels(drafter, size: int, seconds: float) -> None:
-    """A tree step's time and its head rounds' into the host drafter's level prices (logged once, when trees
-    first leave a level out)."""
-    costs = drafter.level_costs
-    priced_out = drafter.priced_out
-    costs.observe(size, seconds, drafter.rounds, drafter.rounds_seconds)
+def _price_levels(state: WorkerState, size: int, seconds: float) -> None:
+    """A tree step's time and its head rounds' into a host drafter's level prices (logged once, when trees first
+    leave a level out)."""
+    costs = state.drafter.level_costs
+    if costs is None:
+        return
+    priced_out = state.drafter.priced_out
+    costs.observe(size, seconds, state.drafter.rounds, state.drafter.rounds_seconds)
     if priced_out and not costs.logged:
         costs.logged = True
         log(f"tree auto: head levels priced at batch {size} ({costs.describe(size)}): trees leave a level out "
             f"where its predicted gain does not pay ({priced_out} so far)")
 
 
-def _start_switches(worker) -> BatchSwitches:
-    """Tree auto's state, with the target's verify forward timed per batch size (before the first decode step)."""
+def _start_planner(worker, state: WorkerState) -> StepPlanner:
+    """The planner, with the target's verify forward timed per batch size and verify size (before the first
+    step)."""
+    full = worker.speculative_num_draft_tokens
+    ranked = state.drafter.reports_reach
+    sizes = state.options.verify_sizes or default_sizes(full, str(worker.device) == "cpu", ranked)
+    planner = StepPlanner(None, sizes, full, state.options.step_cap, ranked=ranked,
+                          prior=state.drafter.prior_reach(full - 1), log_path=os.environ.get(PLAN_LOG_ENV) or None)
+    # a head swapped in place (adapt): the planner's acceptance follows the head served, from the drafter's prior
+    state.head_swapped.append(lambda swap: planner.head_swapped(state.drafter.prior_reach(full - 1)))
     start = time.perf_counter()
+    state.shapes = VerifyShapes.build(worker, planner.sizes)
     try:
-        costs = measure_step_costs(worker)
-    except Exception as error:  # a backend whose dummy forward fails: the switch still measures served steps
-        log(f"tree auto: start-up costs not measured ({type(error).__name__}: {error}); deciding from served steps")
-        return BatchSwitches()
-    log(f"tree auto: verify forward of {costs.tokens} tokens a request over 1, by batch size: {costs.describe()} "
-        f"(measured in {time.perf_counter() - start:.1f} s)")
-    return BatchSwitches(costs=costs)
+        planner.costs = measure_step_costs(worker, planner.sizes)
+    except Exception as error:  # a backend whose dummy forward fails: the planner prices sizes from served steps
+        log(f"tree auto: start-up costs not measured ({type(error).__name__}: {error}); pricing from served steps")
+        return planner
+    log(f"tree auto: verify sizes {', '.join(map(str, planner.sizes))} ({len(state.shapes.states)} runtime states"
+        f"{', graphs captured' if state.shapes.graphs else ''}); the largest over a plain step's forward, by batch "
+        f"size: {planner.costs.describe()} (measured in {time.perf_counter() - start:.1f} s)")
+    return planner
 
 
 @contextlib.contextmanager
-def _zero_steps(worker, state: WorkerState, cold: bool = False):
-    """SGLang's drafting-disabled state for one step: 0 draft steps, 1 verified token (its trivial verify input),
-    on the worker and its draft worker, restored after; the target's forward runs in DECODE mode (``_as_decode``:
-    a one-token TARGET_VERIFY costs more than a decode step). Warm, its hidden states feed the draft extend as a
-    verify's would; ``cold``: the draft extend is skipped (``WorkerState.head_skipped``: the stub of the next draft
-    input that SGLang's SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND gives every 0-step)."""
-    draft = worker.draft_worker
-    saved = (worker.speculative_num_steps, worker.speculative_num_draft_tokens, draft.speculative_num_steps,
-             draft.speculative_num_draft_tokens)
-    worker.speculative_num_steps = draft.speculative_num_steps = 0
-    worker.speculative_num_draft_tokens = draft.speculative_num_draft_tokens = 1
+def _verify_size(worker, state: WorkerState, tokens: int):
+    """The step verifies ``tokens`` a request under that size's SGLang runtime state (``verify_shapes``): the full
+    tree as configured, SGLang's own plain step (1), or a smaller tree with the drafter's budget to match
+    (``WorkerState.step_budget``), for this step only. A plain step without captured graphs runs the target's DECODE
+    forward (``_as_decode``: a one-token TARGET_VERIFY costs more than a decode step)."""
+    shapes = state.shapes
+    if shapes is None or tokens == shapes.full:
+        yield
+        return
+    saved = state.step_budget
+    state.step_budget = tokens - 1 if tokens > 1 else None
+    try:
+        with shapes.step(tokens), (_decode_forward(worker) if tokens == 1 and not shapes.graphs
+                                   else contextlib.nullcontext()):
+            yield
+    finally:
+        state.step_budget = saved
+
+
+@contextlib.contextmanager
+def _decode_forward(worker):
+    """A plain step's target forward as SGLang's DECODE forward (``_as_decode``), for this step only. Its hidden
+    states feed the draft extend as a verify's would, so the head's KV stays warm for the next tree."""
     target = worker.target_worker
-    # instance attributes over the methods for this step; deleting them shows the methods again
+    # an instance attribute over the method for this step; deleting it shows the method again
     forward = target.forward_batch_generation
-    target.forward_batch_generation = lambda **kwargs: forward(**_as_decode(keep_hidden=not cold, **kwargs))
-    skipped, state.head_skipped = state.head_skipped, cold
+    target.forward_batch_generation = lambda **kwargs: forward(**_as_decode(**kwargs))
     try:
         yield
     finally:
-        (worker.speculative_num_steps, worker.speculative_num_draft_tokens, draft.speculative_num_steps,
-         draft.speculative_num_draft_tokens) = saved
         del target.forward_batch_generation
-        state.head_skipped = skipped
 
 
-def _as_decode(forward_batch, is_verify: bool = False, keep_hidden: bool = True, **kwargs) -> dict:
+def _as_decode(forward_batch, is_verify: bool = False, **kwargs) -> dict:
     """A plain step's target forward as SGLang's DECODE forward, not a one-token TARGET_VERIFY: the same token
     (the previous bonus token, at position ``seq_len``) and KV slot, but the decode attention path (no tree
     mask, no extend kernels). DECODE counts the new token in ``seq_lens``; verify counts it through its
-    draft-token count. The logits come out the same, one row a request, and so do the hidden states with
-    ``keep_hidden`` (the capture mode verify asked for: the draft extend's input); without it none are captured
-    (a cold step's draft extend is stubbed)."""
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+    draft-token count. The logits come out the same, one row a request, and so do the hidden states (the capture
+    mode verify asked for: the draft extend's input)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     if is_verify and forward_batch.forward_mode.is_target_verify():
         size = forward_batch.batch_size
         forward_batch.forward_mode = ForwardMode.DECODE
         forward_batch.spec_info = None
-        if not keep_hidden:
-            forward_batch.capture_hidden_mode = CaptureHiddenMode.NULL
         forward_batch.seq_lens = forward_batch.seq_lens + 1
         if forward_batch.seq_lens_cpu is not None:
             forward_batch.seq_lens_cpu = forward_batch.seq_lens_cpu + 1

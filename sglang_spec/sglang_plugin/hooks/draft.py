@@ -19,8 +19,8 @@ from sglang_spec.sglang_plugin.drafters.sglang_loop import keep_ancestry
 from sglang_spec.sglang_plugin.faults import (FAULT_ENV, OBSERVE, FaultInjection, FaultOnAnotherRank, InjectedFault,
                                               accept_fault, capturing)
 from sglang_spec.sglang_plugin.messages import StartupError, log
-from sglang_spec.sglang_plugin.metrics import METRICS, RANKS, SOURCES
-from sglang_spec.sglang_plugin.peers import Peers, attention_tp_rank, dp_attention
+from sglang_spec.sglang_plugin.metrics import METRICS, PLANS, RANKS, SOURCES
+from sglang_spec.sglang_plugin.peers import Peers, PlanGroup, attention_tp_rank, dp_attention
 from sglang_spec.sglang_plugin.state import (LOGIT_ROWS, SGLANG_LOOP_STEP, WorkerState, attach, options_of,
                                              state_of)
 
@@ -40,6 +40,7 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
         raise StartupError(error) from None
     rank = attention_tp_rank()
     attach(worker, WorkerState(options, drafter, width, steps, budget + 1, filler, peers=Peers.of_worker(),
+                               plan_group=PlanGroup.of_worker() if options.auto else None,
                                faults=FaultInjection.from_environment(rank)))
     claim_acceptance_metrics(worker.server_args, rank)
     return result
@@ -53,6 +54,7 @@ def claim_acceptance_metrics(server_args, rank: int) -> bool:
     METRICS.counting = rank == 0
     if METRICS.counting and getattr(server_args, "enable_metrics", False):
         METRICS.enable_prometheus()
+        PLANS.enable_prometheus()  # tree auto's choices
         RANKS.enable(prometheus=True)  # per-(depth, rank) acceptance, once per step (calibrate --from-server)
         SOURCES.enable()  # per-source outcomes of lookup / hybrid trees (calibrate --from-server)
     return METRICS.counting
@@ -126,7 +128,9 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
     METRICS.record_draft_fault(type(error).__name__)
     log(f"draft fault, batch of {forward_batch.batch_size} verified without speculation "
         f"({type(error).__name__}: {error}; sglang_spec_draft_faults_total)")
-    return filler_draft(state.filler, forward_batch.batch_size, forward_batch.spec_info.bonus_tokens.device)
+    filler = state.filler if state.step_budget in (None, state.budget) else \
+        filler_encoding(state.step_budget, state.width, worker.speculative_num_steps)  # the plan's smaller tree
+    return filler_draft(filler, forward_batch.batch_size, forward_batch.spec_info.bonus_tokens.device)
 
 
 def _draft(original, worker, forward_batch, state: WorkerState, *args, **kwargs):
@@ -136,7 +140,8 @@ def _draft(original, worker, forward_batch, state: WorkerState, *args, **kwargs)
         return original(worker, forward_batch, *args, **kwargs)
     if drafter.learns():
         _observe_accepted(drafter, state, forward_batch.batch_size)
-    return drafter.draft(DraftCall(worker, forward_batch, requests,
+    budget = state.budget if state.step_budget is None else state.step_budget
+    return drafter.draft(DraftCall(worker, forward_batch, requests, budget, worker.speculative_num_steps,
                                    lambda: original(worker, forward_batch, *args, **kwargs)))
 
 
@@ -173,10 +178,9 @@ def _report_head_faults(guard: HeadGuard) -> None:
 # ---------------------------------------------------------------------------------------------- head forwards
 def head_free(worker) -> bool:
     """The head's forwards (the draft extend over a prompt and over each step's accepted tokens, which fill its KV
-    and give the next root's candidates) are skipped: always on a ``lookup`` server, whose trees never ask the head;
-    under tree auto for a cold batch (``WorkerState.head_skipped``)."""
+    and give the next root's candidates) are skipped on a ``lookup`` server, whose trees never ask the head."""
     state: WorkerState | None = state_of(worker)
-    return state is not None and (state.head_skipped or not state.drafter.uses_head)
+    return state is not None and not state.drafter.uses_head
 
 
 def _stub_draft_input(worker, batch_size: int) -> dict:

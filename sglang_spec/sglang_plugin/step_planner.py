@@ -1,0 +1,250 @@
+"""``--speculative-tree-auto``: before each decode step, how many tokens every request of the batch verifies (no sglang
+import here; the hooks that run the plan are ``hooks/auto.py``).
+
+The choice is the core planner's (``planner.choose_size``) over the verify sizes the server can run, from two
+inputs this module keeps:
+
+* **What each size would emit.** Each request's predicted reach: the reach of its last tree's nodes, best first, as
+  its drafter reported them (``ServedDrafter.drafted_reach``: lookup / hybrid on the host), scaled by how much the
+  served steps' accepted tokens exceeded or fell short of such predictions (``accept_scale``). Where the plan keeps
+  a request plain its prediction would go stale, so before each step the drafter estimates, without a forward,
+  the reach of every request it knows nothing of and of the one whose prediction is oldest (``stale``). A request its drafter
+  has not drafted yet, or a drafter that reports no reach (the head-only policies, trees grown on the device), takes
+  the traffic's: a moving average over the requests' reports by rank, or the served steps' accepted drafts per
+  request at the full size.
+* **What each size would cost.** The target's verify forward measured at start-up for each batch size and verify
+  size (``CostTable``: SGLang's own dummy forward, ``step_costs``), scaled per batch-size bucket by what the served
+  plain steps took over it; a tree step adds the rest of the step (drafting, host work: per request, learnt from
+  the tree steps of every batch size, times the batch). The plain steps' correction is the median of the last
+  ``WINDOW`` served ones, the tree steps' the least (plain steps run whatever the plan, tree steps only where it
+  predicts they pay: their price is kept optimistic, so a slow spell cannot keep trees off for good). The first step of each shape (batch bucket, size) also allocates for it, and a new request's
+  context index is built once: neither is counted.
+
+A step is capped at ``cap`` times a plain step's predicted time (the gap a streaming client sees between chunks).
+The plan is one size for the whole batch (SGLang verifies a fixed number of tokens a request per step); a request
+whose tree is smaller verifies filler nodes beside it. The ranks of a tensor-parallel group (and of every DP
+attention group) agree on the plan's inputs before choosing (``peers.PlanGroup``), so every rank takes the same
+step whatever its local timings.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from sglang_spec.costs import CostTable, interpolate_seconds
+from sglang_spec.planner import SizeTable, StepPlan, choose_size, expected_tokens
+
+SMOOTHING = 0.3  # weight of the newest step in the moving averages (the accept scale, the prior)
+WINDOW = 9  # served steps a cost correction is the median of (one slow step of a shared machine moves nothing)
+TREE_PRICE_MEMORY = 128  # steps a served tree step's price is kept: then trees are tried again at their verify's
+DEFAULT_CAP = 2.0  # a tree step's predicted time at most this many plain steps'
+ACCEPT_SCALE_RANGE = (0.25, 2.0)  # the accept scale is kept within this range (one odd step cannot flip the plan)
+SPARE_REQUESTS = 256  # per-request predictions kept beyond the batch's before finished requests are dropped
+GPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # verify sizes a GPU server captures graphs for
+PLAN_LOG_ENV = "SGLANG_SPEC_PLAN_LOG"  # a file: every planned step as a JSON line (read once, at start-up)
+
+
+def default_sizes(full: int, on_cpu: bool, ranked: bool) -> tuple[int, ...]:
+    """The verify sizes a server may take: every size up to its tree on a CPU (nothing is captured), the GPU tiers
+    below it on a GPU (each needs its own graphs), always 1 and the full tree; the plain step and the full tree only
+    for a drafter that reports no per-node reach (its trees cannot be cut)."""
+    if not ranked:
+        return tuple(sorted({1, full}))
+    sizes = range(1, full + 1) if on_cpu else [size for size in GPU_SIZES if size < full]
+    return tuple(sorted({1, *sizes, full}))
+
+
+def batch_bucket(batch_size: int) -> int:
+    """The next power of two at or above the batch size."""
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
+def moving_average(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+
+@dataclass
+class StepPlanner:
+    """The server's plan state.
+
+    costs:          start-up verify forwards (None: not measured; the served steps alone price the sizes).
+    sizes:          the verify sizes a step may take (tokens a request, root included), ascending, 1 and ``full``
+                    among them.
+    full:           the server's tree: budget + 1 tokens a request.
+    cap:            a tree step's predicted time at most ``cap`` plain steps'.
+    ranked:         whether the drafter reports per-node reach (lookup / hybrid on the host).
+    """
+
+    costs: CostTable | None
+    sizes: tuple[int, ...]
+    full: int
+    cap: float = DEFAULT_CAP
+    ranked: bool = True
+    reach_of: dict[str, tuple[float, ...]] = field(default_factory=dict)  # rid -> its last tree's reach, best first
+    prior: list[float] = field(default_factory=list)  # the traffic's reach by rank (moving averages)
+    accepted_of: dict[str, float] = field(default_factory=dict)  # rid -> its accepted drafts a tree step (unranked)
+    accepted_prior: float | None = None  # the traffic's accepted drafts a tree step (unranked drafters)
+    accept_scale: float = 1.0  # served accepted drafts over predicted (moving average, within ACCEPT_SCALE_RANGE)
+    plain_seen: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> recent served plain / forward
+    extra_seen: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))  # (step, tree extra a
+    # request) of recent tree steps
+    served: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, size) -> seconds, no start-up table
+    chosen: Counter[int] = field(default_factory=Counter)  # steps by verify size
+    learnt_at: dict[str, int] = field(default_factory=dict)  # rid -> the step its reach was last learnt at
+    log_path: str | None = None  # ``PLAN_LOG_ENV``: where every planned step is written, one JSON line each
+
+    def __post_init__(self) -> None:
+        if self.sizes[0] != 1 or self.full not in self.sizes or list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError(f"verify sizes must be ascending from 1 and include the tree's {self.full}: {self.sizes}")
+        if not self.cap >= 1.0:
+            raise ValueError(f"the step cap must be >= 1 plain step, got {self.cap}")
+
+    def head_swapped(self, prior: list[float]) -> None:
+        """A new head serves (``WorkerState.swap_head``): what was learnt of the old head's acceptance (each
+        request's reach and accepted drafts, the traffic's, the served accept scale) is forgotten, ``prior`` the
+        traffic's reach by rank again (the drafter's, after it forgot too); the costs stay."""
+        self.reach_of.clear()
+        self.prior = list(prior)
+        self.accepted_of.clear()
+        self.learnt_at.clear()
+        self.accepted_prior = None
+        self.accept_scale = 1.0
+
+    # -------------------------------------------------------------------------------------------- the plan
+    def predicted_reach(self, rid: str) -> list[float]:
+        """The request's draft nodes' predicted reach, best first: its drafter's estimates scaled by the served accept
+        scale (ranked drafters); its served accepted drafts at the full size (the others)."""
+        if not self.ranked:  # the whole tree or nothing: its served accepted drafts, at the full size
+            accepted = self.accepted_of.get(rid, self.accepted_prior if self.accepted_prior is not None else 1.0)
+            return [0.0] * (self.full - 2) + [accepted]
+        own = self.reach_of.get(rid, ())
+        return [min(value * self.accept_scale, 1.0) for value in list(own) + self.prior[len(own):self.full - 1]]
+
+    @property
+    def steps(self) -> int:
+        """Steps planned so far."""
+        return sum(self.chosen.values())
+
+    @property
+    def tree_extra(self) -> float | None:
+        """A tree step's time beyond its verify, per request: the least of the recent served tree steps' within the
+        last ``TREE_PRICE_MEMORY`` steps (None: none that recent). An optimistic price that expires: only tree steps
+        can correct it, so a slow spell of a busy machine must not keep trees off for good; where trees do not pay,
+        one is retried every ``TREE_PRICE_MEMORY`` steps."""
+        recent = [extra for step, extra in self.extra_seen if step > self.steps - TREE_PRICE_MEMORY]
+        return min(recent) if recent else None
+
+    def plain_scale(self, bucket: int) -> float:
+        """Served plain steps over the start-up forward, in a batch-size bucket (1.0 before any)."""
+        scale = _median(self.plain_seen.get(bucket, ()))
+        return 1.0 if scale is None else scale
+
+    def seconds(self, batch_size: int, size: int) -> float:
+        """A step's predicted time for ``batch_size`` requests verifying ``size`` tokens each."""
+        bucket = batch_bucket(batch_size)
+        if self.costs is None:
+            # unmeasured: a size not served yet is priced as the plain step (so it gets tried once); nothing served
+            # yet, every size alike (the most expected tokens win)
+            plain = self.served.get((bucket, 1), 1.0)
+            return self.served.get((bucket, size), plain)
+        curve = self.costs.at(batch_size)
+        verify = self.plain_scale(bucket) * _verify_at(curve.verify, size)
+        return verify if size == 1 else verify + (self.tree_extra or 0.0) * batch_size
+
+    def table(self, rids: Sequence[str]) -> SizeTable:
+        """What every size would give a batch of these requests (what the ranks of a group agree on)."""
+        reach = [self.predicted_reach(rid) for rid in rids]
+        batch = len(rids)
+        return SizeTable(self.sizes, tuple(expected_tokens(reach, size) for size in self.sizes),
+                         tuple(self.seconds(batch, size) for size in self.sizes))
+
+    def choose(self, table: SizeTable, batch_size: int) -> StepPlan:
+        """The plan for the (agreed) table."""
+        size, expected, seconds = choose_size(table, self.cap * table.seconds[0])
+        self.chosen[size] += 1
+        return StepPlan(size, expected, seconds, (size - 1,) * batch_size)
+
+    # -------------------------------------------------------------------------------------------- learning
+    def observe(self, plan: StepPlan, rids: Sequence[str], seconds: float, accept_lens: Sequence[int]) -> None:
+        """A served step of ``plan`` took ``seconds`` and each request committed ``accept_lens`` tokens (accepted
+        drafts + 1): its costs, and for a tree step how its accepted drafts compare with the prediction."""
+        batch = len(rids)
+        bucket = batch_bucket(batch)
+        first = (bucket, plan.tokens) not in self.served  # a shape's first step also allocates: not its price
+        self.served[bucket, plan.tokens] = moving_average(self.served.get((bucket, plan.tokens)), seconds)
+        if self.costs is not None and not first:
+            forward = _verify_at(self.costs.at(batch).verify, plan.tokens)
+            if plan.plain:
+                self.plain_seen.setdefault(bucket, deque(maxlen=WINDOW)).append(seconds / forward)
+            else:
+                self.extra_seen.append((self.steps, max(seconds - self.plain_scale(bucket) * forward, 0.0) / batch))
+        if plan.plain:
+            return
+        drafts = [max(int(length) - 1, 0) for length in accept_lens]
+        predicted = plan.expected_tokens - batch
+        if predicted > 0 and self.ranked:
+            ratio = sum(drafts) / predicted * self.accept_scale
+            low, high = ACCEPT_SCALE_RANGE
+            self.accept_scale = min(max(moving_average(self.accept_scale, ratio), low), high)
+        if not self.ranked and plan.tokens == self.full:
+            for rid, accepted in zip(rids, drafts):
+                self.accepted_of[rid] = moving_average(self.accepted_of.get(rid), accepted)
+                self.accepted_prior = moving_average(self.accepted_prior, accepted)
+        self._forget_finished(rids)
+
+    def stale(self, rids: Sequence[str]) -> list[str]:
+        """The requests whose prediction to refresh before this step: every one with none, and the one learnt the
+        longest ago."""
+        unknown = [rid for rid in rids if rid not in self.learnt_at]
+        known = [rid for rid in rids if rid in self.learnt_at]
+        oldest = min(known, key=lambda rid: self.learnt_at[rid]) if known else None
+        return unknown + ([oldest] if oldest is not None else [])
+
+    def learn_reach(self, drafted: Mapping[str, Sequence[float]]) -> None:
+        """The reach of the trees just drafted or estimated (rid -> best first), as the drafter rated them: each
+        request's prediction for its next step, and the traffic's by rank."""
+        step = self.steps
+        for rid, reach in drafted.items():
+            self.learnt_at[rid] = step
+            self.reach_of[rid] = tuple(reach)
+            for rank, value in enumerate(reach[: self.full - 1]):
+                if rank < len(self.prior):
+                    self.prior[rank] = moving_average(self.prior[rank], value)
+                else:
+                    self.prior.append(value)
+
+    def _forget_finished(self, rids: Sequence[str]) -> None:
+        for held in (self.reach_of, self.accepted_of, self.learnt_at):
+            if len(held) > len(rids) + SPARE_REQUESTS:
+                alive = set(rids)
+                for rid in [rid for rid in held if rid not in alive]:
+                    del held[rid]
+
+    def write_log(self, plan: StepPlan, rids: Sequence[str], seconds: float, accept_lens: Sequence[int]) -> None:
+        """One planned step as a JSON line in ``log_path``: batch, size, expected tokens, predicted and served
+        seconds, tokens each request committed, and the corrections the planner holds."""
+        assert self.log_path is not None
+        record = {"batch": len(rids), "tokens": plan.tokens, "expected": round(plan.expected_tokens, 3),
+                  "predicted_s": round(plan.predicted_seconds, 5), "served_s": round(seconds, 5),
+                  "committed": list(accept_lens), "accept_scale": round(self.accept_scale, 3),
+                  "tree_extra_s": self.tree_extra,
+                  "plain_scale": {bucket: self.plain_scale(bucket) for bucket in self.plain_seen}}
+        with open(self.log_path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def describe(self) -> str:
+        """One log line: the steps taken by verify size so far."""
+        return ", ".join(f"{size}: {count}" for size, count in sorted(self.chosen.items()))
+
+
+def _median(values: Iterable[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
+def _verify_at(verify: Mapping[int, float], size: int) -> float:
+    """The forward's time at ``size`` tokens a request, linear between measured sizes."""
+    return interpolate_seconds(dict(verify), size)

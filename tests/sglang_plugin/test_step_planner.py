@@ -1,0 +1,170 @@
+"""Tree auto's plan state (``sglang_plugin/step_planner``): each request's predicted reach, the start-up cost table
+corrected by the served steps, the cap; and two tensor-parallel ranks (gloo) with different local timings take
+the same step (``peers.PlanGroup``)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sglang_spec.costs import CostCurve, CostTable
+from sglang_spec.planner import StepPlan
+from sglang_spec.sglang_plugin.peers import PlanGroup
+from sglang_spec.sglang_plugin.step_planner import StepPlanner, default_sizes
+
+FULL = 9
+
+
+def cpu_like_table() -> CostTable:
+    """A compute-bound target: one request's verify grows a little with its tokens, sixteen requests' a lot."""
+    def curve(plain: float, per_token: float) -> CostCurve:
+        return CostCurve(verify={size: plain + per_token * (size - 1) for size in (1, 2, 4, 8, FULL)},
+                         draft_level=0.0, step_overhead=0.0, prefix=0, device="cpu")
+
+    return CostTable({1: curve(0.05, 0.002), 4: curve(0.06, 0.008), 16: curve(0.10, 0.05)})
+
+
+def planner(**fields) -> StepPlanner:
+    return StepPlanner(cpu_like_table(), tuple(range(1, FULL + 1)), FULL, **fields)
+
+
+def test_a_copy_heavy_request_gets_a_tree_and_a_crowded_chat_batch_a_plain_step():
+    plan_state = planner()
+    plan_state.learn_reach({"copy": [0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6], "chat": [0.3, 0.1, 0.05]})
+    alone = plan_state.choose(plan_state.table(["copy"]), 1)
+    assert alone.tokens == FULL  # cheap verification, every node pays
+    crowded = [f"chat-{index}" for index in range(16)]
+    plan_state.reach_of.update({rid: (0.3, 0.1, 0.05) for rid in crowded})
+    assert plan_state.choose(plan_state.table(crowded), 16).plain
+    # a request never drafted takes the traffic's reach by rank
+    assert plan_state.predicted_reach("new")[:2] == pytest.approx(plan_state.prior[:2])
+
+
+def test_the_cap_bounds_a_tree_step_against_a_plain_step():
+    plan_state = planner(cap=1.2)
+    plan_state.learn_reach({"copy": [0.99] * 8})
+    plan = plan_state.choose(plan_state.table(["copy"] * 4), 4)
+    assert 1 < plan.tokens < FULL and plan.predicted_seconds <= 1.2 * plan_state.seconds(4, 1)
+
+
+def test_served_steps_correct_the_costs_and_the_accept_scale():
+    plan_state = planner()
+    plan_state.learn_reach({"a": [0.9] * 8})
+    # plain steps take twice the start-up forward: the plain step's price doubles
+    plain = StepPlan(1, 1.0, 0.05, (0,))
+    for _ in range(30):
+        plan_state.observe(plain, ["a"], 0.10, [1])
+    assert plan_state.seconds(1, 1) == pytest.approx(0.10, rel=1e-3)
+    # tree steps take 0.05 s more than their (scaled) verify, and accept 4 drafts where 7.2 were predicted
+    for _ in range(30):
+        table = plan_state.table(["a"])
+        tree = StepPlan(FULL, table.expected[-1], table.seconds[-1], (8,))
+        plan_state.observe(tree, ["a"], plan_state.seconds(1, FULL) - (plan_state.tree_extra or 0) + 0.05,
+                           [1 + 4])
+    assert plan_state.tree_extra == pytest.approx(0.05, rel=1e-2)
+    assert plan_state.seconds(4, FULL) - plan_state.seconds(4, 1) == pytest.approx(
+        0.05 * 4 + plan_state.plain_scale(4) * (0.06 + 0.008 * 8 - 0.06), rel=1e-2)  # per request
+    assert plan_state.accept_scale == pytest.approx(4 / 7.2, rel=1e-2)
+    assert sum(plan_state.predicted_reach("a")) == pytest.approx(4.0, rel=1e-2)
+
+
+def test_a_drafter_without_reach_is_planned_whole_from_its_served_accepts():
+    assert default_sizes(FULL, on_cpu=True, ranked=False) == (1, FULL)
+    assert default_sizes(FULL, on_cpu=True, ranked=True) == tuple(range(1, FULL + 1))
+    assert default_sizes(64, on_cpu=False, ranked=True) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    plan_state = StepPlanner(cpu_like_table(), (1, FULL), FULL, ranked=False)
+    full = StepPlan(FULL, 3.0, 0.06, (8,))
+    for _ in range(20):
+        plan_state.observe(full, ["a"], 0.066, [4])
+    assert plan_state.predicted_reach("a")[-1] == pytest.approx(3.0, rel=1e-3)
+    assert plan_state.choose(plan_state.table(["a"]), 1).tokens == FULL
+    with pytest.raises(ValueError, match="include the tree's"):
+        StepPlanner(None, (1, 4), FULL)
+
+
+def test_without_a_start_up_table_each_size_is_tried_then_priced_as_served():
+    plan_state = StepPlanner(None, (1, FULL), FULL)
+    plan_state.learn_reach({"a": [0.2] * 8})
+    assert plan_state.choose(plan_state.table(["a"]), 1).tokens == FULL  # unpriced: as cheap as a plain step
+    plan_state.observe(StepPlan(FULL, 2.6, 0.0, (8,)), ["a"], 0.5, [1])
+    plan_state.observe(StepPlan(1, 1.0, 0.0, (0,)), ["a"], 0.05, [1])
+    assert plan_state.choose(plan_state.table(["a"]), 1).plain
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def rank_plans(rank: int, port: int, folder: str) -> None:
+    """Each rank's planner sees other step times (its own timings); both must take the same steps."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = PlanGroup(dist.group.WORLD)
+        plan_state = planner()
+        plan_state.learn_reach({rid: [0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05] for rid in "abcd"})
+        chosen = []
+        for step in range(12):
+            table = group.agree(plan_state.table(list("abcd")))
+            plan = plan_state.choose(table, 4)
+            chosen.append(plan.tokens)
+            # rank 1 is slow on tree steps, rank 0 on plain ones: alone they would plan differently
+            slow = (rank == 1) != plan.plain
+            plan_state.observe(plan, list("abcd"), (0.3 if slow else 0.05) * (1 + step % 3), [3, 2, 1, 4])
+        with open(f"{folder}/rank{rank}.json", "w") as handle:
+            json.dump({"chosen": chosen, "alone": plan_state.choose(plan_state.table(list("abcd")), 4).tokens},
+                      handle)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_with_different_timings_take_identical_steps(tmp_path):
+    torch.multiprocessing.spawn(rank_plans, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0]["chosen"] == ranks[1]["chosen"]
+    assert len(set(ranks[0]["chosen"])) > 1  # the steps moved with the agreed timings
+    assert ranks[0]["alone"] != ranks[1]["alone"]  # negative control: left to itself, each rank would differ
+
+
+def test_one_slow_step_of_a_shared_machine_moves_no_price():
+    plan_state = planner()
+    plain = StepPlan(1, 4.0, 0.06, (0,) * 4)
+    for seconds in [0.06] * 6 + [0.6] + [0.06] * 2:  # one step ten times as slow, among nine
+        plan_state.observe(plain, list("abcd"), seconds, [1] * 4)
+    assert plan_state.plain_scale(4) == pytest.approx(1.0)
+    assert plan_state.seconds(4, 1) == pytest.approx(0.06)
+
+
+WINDOW_STEPS = 12
+
+
+def test_a_slow_spell_of_tree_steps_does_not_keep_trees_off_for_good():
+    """Tree steps served during a slow spell price trees out; plain steps alone cannot correct that price, so it
+    expires after TREE_PRICE_MEMORY steps and a tree is tried again (and kept, where it pays)."""
+    from sglang_spec.sglang_plugin.step_planner import TREE_PRICE_MEMORY
+
+    plan_state = planner()
+    plan_state.learn_reach({"copy": [0.9] * 8})
+    for _ in range(WINDOW_STEPS):  # a slow spell: every tree step takes a second
+        table = plan_state.table(["copy"])
+        tree = plan_state.choose(table, 1)
+        plan_state.observe(tree, ["copy"], 1.0 if not tree.plain else 0.06, [5] if not tree.plain else [1])
+    tried_again = None
+    for step in range(2 * TREE_PRICE_MEMORY):
+        plan = plan_state.choose(plan_state.table(["copy"]), 1)
+        if not plan.plain:
+            tried_again = step
+            break
+        plan_state.observe(plan, ["copy"], 0.06, [1])  # the machine is fast again
+    assert tried_again is not None and tried_again <= TREE_PRICE_MEMORY
+    # the negative control: with the price kept for good, no tree comes back
+    stuck = planner()
+    stuck.learn_reach({"copy": [0.9] * 8})
+    stuck.extra_seen.extend((10 ** 9, 1.0) for _ in range(3))
+    assert all(stuck.choose(stuck.table(["copy"]), 1).plain for _ in range(2 * TREE_PRICE_MEMORY))

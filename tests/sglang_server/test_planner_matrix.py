@@ -1,0 +1,133 @@
+"""``--speculative-tree-auto`` across R1's deployment settings, through launch_server on this CPU: every pair of
+settings served together in at least one server (a pairwise cover), each server's greedy output identical to
+plain decoding's.
+
+Settings: tensor parallelism 1 or 2, DP attention 2 (``--tp-size 2 --dp-size 2 --enable-dp-attention``), SGLang's
+overlap scheduler on or off, page size 1 or 4, the ``lookup`` / ``hybrid`` / ``sequoia`` trees, SGLang's accept or
+the fused one, context trees grown on the host or on the device, SmolLM2 (one rank only: its 9 query heads do
+not split in two) and the tiny DeepSeek-V3 (MLA + MoE + NEXTN). ``pairwise_cover`` picks the servers; a unit
+test checks the cover (and that it fails on a cover that misses a pair).
+
+Not in the matrix: captured decode graphs (the bed serves without them; each verify size's graph state is
+SGLang's own ``SpecRuntimeState``, built here without a capture, and runs on a GPU in ``scripts/gpu_check.sh
+--group server``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Callable, Mapping, Sequence
+
+import pytest
+
+from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, TINY_NEW_TOKENS, running_server,
+                               tree_args)
+from sglang_spec_testbed.patches import OVERLAP_ENV
+
+FACTORS = {
+    "parallel": ("tp1", "tp2", "dp2"),
+    "loop": ("sync", "overlap"),
+    "page": ("1", "4"),
+    "policy": ("lookup", "hybrid", "sequoia"),
+    "model": ("smollm2", "tiny"),
+    "accept": ("sglang", "fused"),
+    "context": ("host", "device"),
+}
+PARALLEL_ARGS = {"tp1": [], "tp2": ["--tp-size", "2"], "dp2": ["--tp-size", "2", "--dp-size", "2",
+                                                              "--enable-dp-attention"]}
+BUDGET, DEPTH, TOPK = 6, 3, 2
+
+
+def servable(cell: Mapping[str, str]) -> bool:
+    """SmolLM2 runs on one rank; trees grown on the device are context trees (lookup / hybrid)."""
+    return (cell["model"] == "tiny" or cell["parallel"] == "tp1") and (
+        cell["context"] == "host" or cell["policy"] != "sequoia")
+
+
+def pairs_of(cell: Mapping[str, str]) -> set[tuple[tuple[str, str], tuple[str, str]]]:
+    return {((a, cell[a]), (b, cell[b])) for a, b in itertools.combinations(sorted(cell), 2)}
+
+
+def pairwise_cover(factors: Mapping[str, Sequence[str]], allowed: Callable[[Mapping[str, str]], bool]) -> list[dict]:
+    """Settings (one value per factor, each ``allowed``) that together hold every pair of values some allowed
+    setting holds: greedy, the setting covering the most pairs not yet covered first (ties: the earliest in the
+    factors' product order, so the cover is the same every run)."""
+    names = list(factors)
+    valid = [cell for cell in (dict(zip(names, values)) for values in itertools.product(*factors.values()))
+             if allowed(cell)]
+    uncovered = set().union(*(pairs_of(cell) for cell in valid))
+    cover = []
+    while uncovered:
+        best = max(valid, key=lambda cell: len(pairs_of(cell) & uncovered))
+        cover.append(best)
+        uncovered -= pairs_of(best)
+    return cover
+
+
+def missing_pairs(cover: Sequence[Mapping[str, str]], factors: Mapping[str, Sequence[str]],
+                  allowed: Callable[[Mapping[str, str]], bool]) -> set:
+    """The pairs some allowed setting holds that no setting of ``cover`` does."""
+    every = set().union(*(pairs_of(dict(zip(factors, values))) for values in itertools.product(*factors.values())
+                          if allowed(dict(zip(factors, values)))))
+    return every - set().union(*(pairs_of(cell) for cell in cover))
+
+
+COVER = pairwise_cover(FACTORS, servable)
+
+
+def cell_name(cell: Mapping[str, str]) -> str:
+    return "-".join(cell[name] for name in FACTORS)
+
+
+def test_the_servers_cover_every_pair_of_settings():
+    assert not missing_pairs(COVER, FACTORS, servable)
+    assert all(servable(cell) for cell in COVER) and len(COVER) <= 12
+    assert missing_pairs(COVER[:-1], FACTORS, servable)  # the last server covers a pair no other does
+
+
+def counter(metrics: str, name: str) -> float:
+    """A counter's value on /metrics, summed over its labels (0 when absent)."""
+    return sum(float(value) for value in re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([\d.e+]+)$", metrics, re.M))
+
+
+def launch_args(cell: Mapping[str, str], profile) -> list[str]:
+    args = tree_args(cell["policy"], BUDGET, DEPTH, TOPK, profile) + [
+        "--speculative-tree-auto", "--enable-metrics", "--speculative-tree-accept", cell["accept"],
+        "--page-size", cell["page"], *PARALLEL_ARGS[cell["parallel"]]]
+    if cell["policy"] != "sequoia":
+        args += ["--speculative-acceptance-profile", str(profile)]
+    if cell["context"] == "device":
+        args += ["--speculative-tree-context-on", "device"]
+    return args
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+@pytest.mark.parametrize("cell", COVER, ids=cell_name)
+def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, tiny_cpu, server_logs, smollm2_plain_runs,
+                                             tiny_prompts, tiny_plain):
+    """Greedy output equal to a one-rank plain server's; the planner planned the decode steps (its requests
+    counted on /metrics) and verified trees for some, with its start-up table logged; no rank logged a fault."""
+    smollm2 = cell["model"] == "smollm2"
+    model = smollm2_cpu if smollm2 else tiny_cpu
+    prompts = list(REPEAT_CONTEXT_PROMPTS) if smollm2 else tiny_prompts
+    tokens = REPEAT_NEW_TOKENS if smollm2 else TINY_NEW_TOKENS
+    expected = smollm2_plain_runs["repeat_context"] if smollm2 else [output[:tokens] for output in tiny_plain]
+    with pytest.MonkeyPatch.context() as patch:
+        if cell["loop"] == "overlap":
+            patch.setenv(OVERLAP_ENV, "1")
+        with running_server(model, server_logs, f"matrix-{cell_name(cell)}",
+                            launch_args(cell, smollm2_cpu.profile)) as server:
+            answers = server.generate(prompts, {"temperature": 0, "max_new_tokens": tokens}, timeout=300)
+            metrics = server.request("/metrics")
+            info = server.request("/server_info")
+    log = server.log_path.read_text(errors="replace")
+    assert [answer["output_ids"] for answer in answers] == expected
+    assert info["page_size"] == int(cell["page"])
+    assert info["disable_overlap_schedule"] is (cell["loop"] == "sync")
+    planned, plain = (counter(metrics, f"sglang_spec_planner_{name}_total") for name in ("requests", "plain_requests"))
+    assert 0 <= plain < planned, metrics[-1500:]  # trees were verified: plain decoding alone would match trivially
+    assert "tree auto: verify sizes" in log
+    faults = [line for line in log.splitlines() if re.match(r"\[sglang_spec\] \S+ fault", line)]
+    assert not faults, faults
