@@ -1,5 +1,5 @@
-"""Every GPU-only check of the project, for a CUDA machine: one results file, and one dated row per check appended
-to docs/gpu-validation.md.
+"""Every GPU-only check of the project, for a CUDA machine: one results file, and one row per check and device
+recorded in docs/gpu-validation.md (the latest result).
 
     scripts/gpu_check.sh                          # on a CUDA GPU: every group, each under 9 minutes
     scripts/gpu_check.sh --group kernels          # one group (a machine lent for 10-minute commands: one a command)
@@ -28,7 +28,7 @@ group's budget (each group fits a 10-minute command); checks are ordered so that
 and a check the budget no longer covers is skipped as out of time. ``--dry-run`` hides the GPU from every check
 (CUDA_VISIBLE_DEVICES=""), so kernels run under the Triton interpreter, the gpu-marked tests skip, the scripts take
 their tiny sizes and the server checks plan their servers without starting them; its results file goes to runs/
-and it appends no row to docs/gpu-validation.md (it prints the rows it would append). The results file is written
+and it leaves docs/gpu-validation.md as it is (it prints the rows it would record). The results file is written
 after every check (a run stopped half way keeps what finished) and keeps the checks of an earlier run of the same
 commit on the same device that this run did not repeat (one group a command, one file).
 """
@@ -448,19 +448,25 @@ def environment(dry: bool) -> dict:
                                   gpus=torch.cuda.device_count() if not dry else 0)}
 
 
-def docs_rows(env: dict, outcomes: dict[str, Outcome]) -> list[str]:
-    """One row per check that ran, in the validation log's columns: date | issue | device | what ran | result."""
+def docs_rows(record: str, env: dict, outcomes: dict[str, Outcome]) -> list[str]:
+    """One row per check that ran, in the validation record's columns: record | device | check | result
+    (``record``: the results file that holds the run's details)."""
     rows = []
     for check in (check for check in CHECKS if check.name in outcomes):
         outcome = outcomes[check.name]
-        cells = [env["date"], f"gpu check @ {env['commit'] or 'unknown commit'}", env["device"],
-                 f"`{check.name}`: {check.what}", f"**{outcome.status}** in {outcome.seconds:.0f} s: {outcome.detail}"]
+        cells = [record, env["device"], f"`{check.name}`", f"**{outcome.status}**: {outcome.detail}"]
         rows.append("| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |")
     return rows
 
 
+def row_key(row: str) -> tuple[str, str]:
+    """A record row's (device, check)."""
+    cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip())[1:-1]]
+    return (cells[1], cells[2]) if len(cells) >= 3 else ("", row)
+
+
 def check_log(docs: Path) -> str:
-    """The validation log's text, which must end with its log table (rows are appended there)."""
+    """The validation record's text, which must end with its record table (rows are kept there)."""
     text = read_text(docs, "validation log")
     lines = text.rstrip("\n").splitlines()
     if not lines or not lines[-1].startswith("|"):
@@ -469,9 +475,19 @@ def check_log(docs: Path) -> str:
     return text
 
 
-def append_rows(docs: Path, rows: list[str]) -> None:
-    """Appends ``rows`` to the log table that ends the file."""
-    write_text_atomic(docs, check_log(docs).rstrip("\n") + "\n" + "\n".join(rows) + "\n")
+def record_rows(docs: Path, rows: list[str]) -> None:
+    """Puts ``rows`` in the record table that ends the file: one row per device and check, the latest result (a
+    row of the same device and check is replaced where it stands; the others are added at the end)."""
+    lines = check_log(docs).rstrip("\n").splitlines()
+    start = len(lines)
+    while start > 0 and lines[start - 1].startswith("|"):
+        start -= 1
+    table = lines[start:]
+    header, body = table[:2], table[2:]
+    fresh = {row_key(row): row for row in rows}
+    body = [fresh.pop(row_key(row), row) for row in body]
+    body += [row for row in rows if row_key(row) in fresh]
+    write_text_atomic(docs, "\n".join(lines[:start] + header + body) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -599,14 +615,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== {check.name}: {outcome.status} ({outcome.seconds:.0f} s) {outcome.detail}", flush=True)
                 save()
     total = time.perf_counter() - started
-    rows = docs_rows(env, outcomes)
+    record = str(out.relative_to(GPU_RESULTS.parent)) if out.is_relative_to(GPU_RESULTS.parent) else out.name
+    rows = docs_rows(record, env, outcomes)
     if not args.dry_run:
-        append_rows(args.docs, rows)
+        record_rows(args.docs, rows)
     if args.dry_run:
-        print(f"\ndry run: no row appended to {args.docs}; a GPU run would append:")
+        print(f"\ndry run: {args.docs} left as it is; a GPU run would record:")
         print("\n".join(rows))
     else:
-        print(f"\nappended {len(rows)} rows to {args.docs}")
+        print(f"\nrecorded {len(rows)} rows in {args.docs}")
     print(f"results: {out}   ({total:.0f} s)")
     counts = collections.Counter(outcome.status for outcome in outcomes.values())
     print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")

@@ -65,6 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 FIELDS = ["policy", "budget", "concurrency", "request_throughput", "output_throughput", "mean_ttft_ms",
           "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "p99_tpot_ms", "accept_length", "workload",
           "speedup_over_plain"]
+MEASURED = FIELDS[3:FIELDS.index("workload")]  # the figures bench_serving reports, accept length last
 OUR_POLICIES = ("chain", "eagle", "sequoia", "specexec", "lookup", "hybrid")
 SGLANG_METHODS = ("sglang-chain", "sglang-tree", "sglang-ngram")
 AUTO = "auto"  # hybrid with --speculative-tree-auto: each step's verify size planned for its batch
@@ -363,7 +364,7 @@ def row_from_result(policy: str, budget: int, concurrency: int, result: dict, wo
     """One CSV row from bench_serving's JSON result line (accept length when the server reports it)."""
     budget = 0 if policy in PLAIN_METHODS else SGLANG_CHAIN_STEPS if policy == "sglang-chain" else budget
     return {"policy": policy, "budget": budget, "concurrency": concurrency,
-            **{name: result.get(name) for name in FIELDS[3:11]}, "workload": workload, "speedup_over_plain": None}
+            **{name: result.get(name) for name in MEASURED}, "workload": workload, "speedup_over_plain": None}
 
 
 def server_name(policy: str, budget: int) -> str:
@@ -389,7 +390,7 @@ def median_over_rounds(rows: list[dict]) -> list[dict]:
     merged = []
     for group in groups.values():
         row = dict(group[0])
-        for name in FIELDS[3:11]:
+        for name in MEASURED:
             values = [member[name] for member in group if member[name] is not None]
             row[name] = statistics.median(values) if values else None
         row["output_throughput_rounds"] = [member["output_throughput"] for member in group]

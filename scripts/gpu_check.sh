@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU-only check in one command, for a bare CUDA machine with this repository, PyTorch, Triton and numpy:
 #   scripts/gpu_check.sh              # on a GPU: under 9 minutes; results in docs/results/gpu-check.json and one
-#                                     # dated row per check appended to docs/gpu-validation.md
+#                                     # row per check recorded in docs/gpu-validation.md
 #   scripts/gpu_check.sh --dry-run    # anywhere: lists the checks and runs them on the CPU at tiny sizes
 # The server groups (--group server, server-mla, ...) on a machine without sglang need the payload beside the
 # checkout: `python bench/gpu_server_payload.py` here writes .gpu-payload/ (git-ignored), which the device call

@@ -53,8 +53,16 @@ class SizeTable:
 
 def expected_tokens(reach: Sequence[Sequence[float]], tokens: int) -> float:
     """The batch's expected emitted tokens when every request verifies ``tokens`` (root included): one each, plus
-    the reach of each request's best ``tokens - 1`` nodes."""
-    return math.fsum(1.0 + math.fsum(nodes[: tokens - 1]) for nodes in reach)
+    the reach of each request's best ``tokens - 1`` nodes. A request's sum runs from 1 in list order, as the device
+    trees' prefix choice sums it (``device_trees.hybrid``: a cumulative sum), so both choose the same prefix."""
+    return math.fsum(_running_sum(nodes[: tokens - 1]) for nodes in reach)
+
+
+def _running_sum(values: Sequence[float]) -> float:
+    total = 1.0
+    for value in values:
+        total += value
+    return total
 
 
 def size_table(reach: Sequence[Sequence[float]], seconds: Callable[[int], float], sizes: Sequence[int]) -> SizeTable:

@@ -44,7 +44,7 @@ def test_dry_run_passes_lists_every_check_and_appends_nothing(tmp_path):
     # on a CPU only the CUDA-graph capture of the step has nothing to run; everything else ran at tiny sizes
     assert [name for name, status in statuses.items() if status == "skipped"] == ["step_cuda_graph"]
     assert gpu_check.DOCS.read_bytes() == docs_before
-    assert "no row appended" in run.stdout
+    assert "left as it is" in run.stdout
 
 
 @pytest.mark.slow
@@ -99,20 +99,25 @@ def test_pytest_verdicts():
     assert judge(5, ["9 deselected in 1.0s"]).status == "failed"
 
 
-def test_rows_go_at_the_end_of_the_log_table_and_escape_pipes(tmp_path):
+def test_a_run_keeps_one_row_per_device_and_check_and_escapes_pipes(tmp_path):
     gpu_check = load_gpu_check()
     outcomes = {check.name: gpu_check.Outcome("passed", "a | b", seconds=3.0) for check in gpu_check.CHECKS}
-    env = {"date": "2026-01-01", "commit": "abc1234", "device": "NVIDIA X"}
-    rows = gpu_check.docs_rows(env, outcomes)
-    assert len(rows) == len(gpu_check.CHECKS) and all(row.count(" | ") == 4 for row in rows)
+    env = {"device": "NVIDIA X"}
+    rows = gpu_check.docs_rows("gpu-check.json", env, outcomes)
+    assert len(rows) == len(gpu_check.CHECKS) and all(row.count(" | ") == 3 and "a \\| b" in row for row in rows)
+    first = gpu_check.CHECKS[0].name
     docs = tmp_path / "log.md"
-    table = "| date | issue | device | what ran | result |\n|---|---|---|---|---|\n| old | | | | |\n"
-    docs.write_text("# log\n\n" + table + "\n")
-    gpu_check.append_rows(docs, rows)
-    assert docs.read_text().splitlines()[-len(rows) - 1:] == ["| old | | | | |", *rows]
+    kept = "| old.json | NVIDIA Y | `" + first + "` | **failed**: x |"
+    replaced = "| old.json | NVIDIA X | `" + first + "` | **failed**: x |"
+    docs.write_text("# log\n\n| record | device | check | result |\n|---|---|---|---|\n" + kept + "\n" + replaced + "\n")
+    gpu_check.record_rows(docs, rows)
+    table = docs.read_text().splitlines()[2:]
+    assert table[2:] == [kept, *rows]  # the other device's row kept; this device's replaced where it stood
+    gpu_check.record_rows(docs, rows)
+    assert docs.read_text().splitlines()[2:] == table  # a run again changes nothing
     docs.write_text("# log\n\nno table at the end\n")
     with pytest.raises(SpecError, match="does not end with its log table"):
-        gpu_check.append_rows(docs, rows)
+        gpu_check.record_rows(docs, rows)
 
 
 def test_groups_are_chosen_by_name_and_an_unknown_one_is_one_line(capsys):
