@@ -205,6 +205,36 @@ def sglang_trees_body(results: Path) -> str:
                         table(["budget", *policies], [[b, *(cells.get((b, p)) for p in policies)] for b in budgets])])
 
 
+def adapt_stream_body(results: Path) -> str:
+    name = "adapt_stream.json"
+    data = load(results, name)
+    arms = data["arms"]
+    about = (f"One stream of document-extraction requests over the Python reference ({data['stream']}, no shipped "
+             f"head trained on that domain), {data['max_new_tokens']} greedy tokens each, one at a time, through "
+             f"SGLang's server (SmolLM2-135M, `{' '.join(data['tree'])}`). `generic`: the shipped generic head, "
+             f"fixed; `adapt`: the same head at launch with `sglang-spec adapt {data['adapt_args']}` beside the "
+             f"server (it shares the CPU with it); `domain`: a head batch-trained beforehand from the generic one on "
+             f"{data['domain_prompts']} ({data['domain_steps']} steps), fixed. Accept length and tokens/s by quarter "
+             f"of the stream. Greedy output identical across the arms: "
+             f"{'yes' if data['greedy_identical'] else 'no'}.")
+    quarters = [quarter["requests"] for quarter in arms[0]["quarters"]]
+    rows = [[arm["arm"], *(f2(q["accept_length"]) for q in arm["quarters"]),
+             *(f1(q["tokens_per_second"]) for q in arm["quarters"]), f"{arm['wall_seconds']:.0f}"] for arm in arms]
+    parts = [about, run_lines(data, results, name, [name, "adapt_stream.png"]),
+             table(["arm", *(f"accept length, requests {q}" for q in quarters),
+                    *(f"tok/s, requests {q}" for q in quarters), "wall s"], rows)]
+    ratio = data.get("adapt_over_generic_last_quarter")
+    if ratio is not None:
+        parts.append(f"Last quarter: `adapt`'s accept length is {ratio:.2f}x the fixed generic head's.")
+    events = [event for arm in arms for event in arm.get("events", []) if event["event"] in ("swap", "keep",
+                                                                                            "rollback", "train")]
+    if events:
+        parts.append("What `adapt` did (seconds since it started, requests it had seen):\n\n" + "\n".join(
+            f"* {event['time']:.0f} s, {event['requests_seen']} requests: {event['message']}" for event in events))
+    parts.append("![accept length and tokens/s against requests served](adapt_stream.png)")
+    return "\n\n".join(parts)
+
+
 # ------------------------------------------------------------------------------------------------ reference decoder
 
 
@@ -436,6 +466,7 @@ def sections(results: Path) -> list[Section]:
            for name in serving_files(results)]
     for title, name, body in (
         ("Tree shapes through SGLang at equal budgets", "sglang_trees.json", sglang_trees_body),
+        ("A head that keeps learning while it serves", "adapt_stream.json", adapt_stream_body),
         ("Hybrid trees against prompt lookup in the reference decoder", "hybrid.json", hybrid_body),
         ("Context tree depth", "hybrid_shapes.json", hybrid_shapes_body),
         ("Copy ceiling of the serving prompts", "copy_ceiling.json", copy_ceiling_body),

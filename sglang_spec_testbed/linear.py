@@ -167,4 +167,36 @@ def init_lm_head_after(result, worker):
     return result
 
 
+def repack_model(model: torch.nn.Module) -> int:
+    """Packs again every weight of ``model`` that carries a pack, from the values it holds now, each in its pack's
+    dtype and backend; returns the number repacked. A weight SGLang updated in place keeps its tensor, so the pack
+    riding on it would go on multiplying by the old values."""
+    weights = [layer.weight for layer in _unquantized_linear_layers(model)]
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        weights.append(getattr(head, "weight", None))
+    count = 0
+    for weight in weights:
+        packed = getattr(weight, PACK_ATTRIBUTE, None)
+        if packed is None:
+            continue
+        delattr(weight, PACK_ATTRIBUTE)
+        pack(weight, packed.backend, packed.dtype)
+        count += 1
+    return count
+
+
+def weights_updated_after(result, updater, *args, **kwargs):
+    """After one of SGLang's in-place weight updates of a model runner (``WeightUpdater.update_weights_from_disk``,
+    ``update_weights_from_tensor``, ``load_weights_from_distributed``: each returns (success, message)): the runner's
+    packs made again from the new values, as SGLang's CPU engine packs again after a load."""
+    success = result[0] if isinstance(result, tuple) and result else False
+    if success:
+        count = repack_model(updater.get_model())
+        if count:
+            role = "draft" if getattr(updater.get_model_runner(), "is_draft_worker", False) else "target"
+            log(f"CPU bed: {count} weights of the {role} model packed again after a weight update")
+    return result
+
+
 STAND_INS = {"weight_packed_linear": weight_packed_linear}

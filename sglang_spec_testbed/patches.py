@@ -12,7 +12,8 @@
 * SGLang's CPU engine multiplies by weights it packed at load (``weight_packed_linear``), for bf16 and the like:
   ``linear`` packs the bed's float32 weights after ``ModelRunner.load_model`` and sends the linear layers' products
   to its stand-in of that op (the draft's own weights rounded to bfloat16 with ``SGLANG_SPEC_CPU_DRAFT_WEIGHTS``,
-  its token map's LM head once SGLang's draft worker has made it).
+  its token map's LM head once SGLang's draft worker has made it), and packs them again after SGLang updates a
+  runner's weights in place (``update_weights_from_*``: a hot-swapped draft head).
 * SGLang's dummy forward (warm-up, autotune; ``--speculative-tree-auto`` times it at start-up) asks the attention
   backend for the dummy batch's sequence length through the CUDA-graph name; the CPU backend answers only to its
   CPU-graph name, with the same value.
@@ -40,11 +41,15 @@ import os
 
 from sglang_spec_testbed import sampling
 from sglang_spec_testbed.linear import (  # noqa: F401 (HOOKS)
-    init_lm_head_after, linear_apply_around, load_model_after)
+    init_lm_head_after, linear_apply_around, load_model_after, weights_updated_after)
 from sglang_spec.sglang_plugin.messages import log
 
+_WEIGHT_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
 HOOKS = (
     ("sglang.srt.model_executor.model_runner.ModelRunner.load_model", "load_model_after", "AFTER"),
+    (f"{_WEIGHT_UPDATER}.update_weights_from_disk", "weights_updated_after", "AFTER"),
+    (f"{_WEIGHT_UPDATER}.update_weights_from_tensor", "weights_updated_after", "AFTER"),
+    (f"{_WEIGHT_UPDATER}.load_weights_from_distributed", "weights_updated_after", "AFTER"),
     ("sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply", "linear_apply_around", "AROUND"),
     ("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head", "init_lm_head_after", "AFTER"),
     ("sglang.srt.layers.rotary_embedding.factory.get_rope_cpu", "get_rope_cpu_around", "AROUND"),

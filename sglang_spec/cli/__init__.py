@@ -11,6 +11,7 @@ import sys
 import threading
 from typing import Any, Sequence
 
+from sglang_spec.cli import adapt as adapt_command
 from sglang_spec.cli import calibrate as calibrate_command
 from sglang_spec.cli import capture as capture_command
 from sglang_spec.cli import generate as generate_command
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_command.add_parser(subcommands)
     calibrate_command.add_parser(subcommands)
     capture_command.add_parser(subcommands)
+    adapt_command.add_parser(subcommands)
     return parser
 
 

@@ -79,6 +79,10 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help=f"dtype of the written head (bfloat16 halves it; loading casts back; default "
                         f"{defaults.save_dtype})")
+    parser.add_argument("--keep-draft-vocab", action="store_true",
+                        help="with --capture and --init: draft over the --init head's vocabulary, not the capture's "
+                        "most frequent tokens (a head swapped into a running server keeps its token map; "
+                        "`sglang-spec adapt` trains so)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     parser.add_argument("--force", action="store_true", help="overwrite --out and its training state")
     parser.add_argument("--allow-model-mismatch", action="store_true",
@@ -107,6 +111,9 @@ def _run(args: argparse.Namespace, world: World) -> int:
         raise SpecError(f"--batch-size {args.batch_size} is smaller than the {world.size} processes; give each "
                         f"at least one sequence")
     # everything that can be checked without the model first: a bad --out fails now, not after the teacher pass
+    if args.keep_draft_vocab and (args.capture is None or args.init is None):
+        raise SpecError("--keep-draft-vocab keeps the --init head's vocabulary when training from --capture; give "
+                        "both, or drop it")
     check_train_paths(args.out, args.resume, args.force)
     if args.resume:
         config, notes = resume_config(state_path_for(args.out), given)
@@ -142,7 +149,8 @@ def _run(args: argparse.Namespace, world: World) -> int:
     common = dict(init=init, resume=args.resume, force=args.force, progress=progress, metadata=metadata,
                   world=world)
     if args.capture is not None:
-        summary = train_head_from_capture(loaded, args.capture, config, args.out, **common)
+        summary = train_head_from_capture(loaded, args.capture, config, args.out,
+                                          keep_draft_vocab=args.keep_draft_vocab, **common)
     else:
         summary = train_head(loaded, records, config, args.out, **common)
     if not world.is_main:

@@ -90,6 +90,28 @@ def _read_safetensors(
     return metadata, tensors
 
 
+# head tensor name -> the name SGLang's Llama-family draft model loads (``sglang_plugin/draft_models/llama_nextn.py``;
+# the decoder layer keeps Hugging Face names under model.decoder.)
+LLAMA_DRAFT_RENAMES = {"enorm.weight": "model.enorm.weight", "hnorm.weight": "model.hnorm.weight",
+                       "eh_proj.weight": "model.eh_proj.weight",
+                       "shared_head_norm.weight": "model.shared_head_norm.weight"}
+
+
+def llama_draft_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The head file's tensors under the names SGLang's Llama-family draft model loads (float32), and its reduced
+    draft vocabulary (None: the full vocabulary). The shared embedding and output head are not among them."""
+    path = _head_file(path)
+    _, stored = _read_safetensors(path)
+    _check_finite(stored, str(path))
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in stored.items():
+        if name.startswith("block."):
+            tensors["model.decoder." + name[len("block."):]] = tensor.float()
+        elif name in LLAMA_DRAFT_RENAMES:
+            tensors[LLAMA_DRAFT_RENAMES[name]] = tensor.float()
+    return tensors, stored.get("draft_vocab")
+
+
 # header fields and the types they must have
 _HEADER_FIELDS = {"format": str, "target_model_type": str, "hidden_size": int, "vocab_size": int, "feedback": str}
 

@@ -21,22 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sglang_spec.errors import SpecError
 from sglang_spec.files import atomic_path, write_text_atomic
 from sglang_spec.models.target_shell import load_target_shell
-from sglang_spec.mtp.checkpoint import deepseek_mtp_state_dict, load_mtp_head, read_mtp_header
+from sglang_spec.mtp.checkpoint import (deepseek_mtp_state_dict, llama_draft_state_dict, load_mtp_head,
+                                       read_mtp_header)
 
 ARCHITECTURE = "LlamaForCausalLMNextN"
 FEEDBACK_KEY = "sglang_spec_feedback"
 TOKEN_MAP = "draft_vocab.pt"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                     "chat_template.jinja")
-# head tensor name -> SGLang draft-model name (the decoder layer keeps Hugging Face names under model.decoder.)
-_RENAMES = {"enorm.weight": "model.enorm.weight", "hnorm.weight": "model.hnorm.weight",
-            "eh_proj.weight": "model.eh_proj.weight", "shared_head_norm.weight": "model.shared_head_norm.weight"}
 
 
 @dataclass(frozen=True)
@@ -68,17 +65,7 @@ def export_llama_draft(head_path: str | Path, target_dir: str | Path, out_dir: s
     if header["hidden_size"] != config["hidden_size"] or header["vocab_size"] != config["vocab_size"]:
         raise SpecError(f"{head_path.name} was trained for another target (hidden size / vocabulary differ)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    draft_vocab = None
-    with safe_open(str(head_path), "pt") as handle:
-        for name in handle.keys():
-            tensor = handle.get_tensor(name)
-            if name == "draft_vocab":
-                draft_vocab = tensor
-            elif name.startswith("block."):
-                tensors["model.decoder." + name[len("block."):]] = tensor.float()
-            elif name in _RENAMES:
-                tensors[_RENAMES[name]] = tensor.float()
+    tensors, draft_vocab = llama_draft_state_dict(head_path)
     # the draft shares the target's embedding and head (SGLang binds them); its own head is untied
     draft_config = {**config, "architectures": [ARCHITECTURE], "num_hidden_layers": 1, "tie_word_embeddings": False,
                     "torch_dtype": "float32", FEEDBACK_KEY: header["feedback"]}

@@ -17,6 +17,12 @@ turns them into a profile's ``sources`` section).
 With ``--speculative-tree-accept fused``, ``sglang_spec_fused_accept_batches_total{outcome}`` counts the verify
 batches the fused accept served (``outcome="fused"``) and those it left to SGLang's own path, by reason.
 
+Per head (a draft head swapped in place, ``sglang-spec adapt``): ``sglang_spec_head_version`` is the number of
+swaps since launch (0: the launch head), ``sglang_spec_head_swaps_total{head}`` counts the swaps to each head label
+(a rollback swaps back to an earlier label), and ``sglang_spec_head_verify_steps_total{head}`` /
+``sglang_spec_head_accepted_drafts_total{head}`` count the verify steps drafted with each head and their accepted
+drafts: 1 + accepted / steps is a head's mean accept length. The launch head is labelled ``0``.
+
 With ``--speculative-tree-auto``, ``sglang_spec_planner_verify_tokens`` (a histogram, one observation per request
 per decode step) gives the verify size the planner chose, ``sglang_spec_planner_plain_requests_total`` over
 ``sglang_spec_planner_requests_total`` the share of requests it decoded plainly, and
@@ -40,6 +46,8 @@ from typing import Any
 
 import torch
 
+from sglang_spec.sglang_plugin.state import LAUNCH_HEAD
+
 MAX_POSITIONS = 64
 
 
@@ -52,6 +60,10 @@ class _AcceptanceCounters:
     accept_outcomes: Any  # labelled by outcome
     draft_faults: Any  # labelled by error
     accept_faults: Any  # labelled by stage and error
+    head_version: Any  # a gauge: swaps since launch
+    head_swaps: Any  # labelled by head
+    head_steps: Any  # labelled by head
+    head_accepted: Any  # labelled by head
 
 
 class AcceptanceMetrics:
@@ -62,6 +74,10 @@ class AcceptanceMetrics:
         self.accept_outcomes: Counter[str] = Counter()
         self.draft_faults: Counter[str] = Counter()
         self.accept_faults: Counter[tuple[str, str]] = Counter()
+        # the served head's label and, per label, (verify steps, accepted drafts) drafted with it
+        self.head = LAUNCH_HEAD
+        self.head_version = 0
+        self.by_head: dict[str, list[int]] = {LAUNCH_HEAD: [0, 0]}
         self._prometheus: _AcceptanceCounters | None = None
         # False on attention-TP ranks other than 0: they verify the same requests, and counting there too would
         # multiply every total by the TP size (set at worker start-up, hooks.draft.claim_acceptance_metrics)
@@ -75,10 +91,34 @@ class AcceptanceMetrics:
             self.steps += 1
             for position in range(1, num_correct_drafts + 1):
                 self.accepted[position] += 1
+            head = self.head
+            counts = self.by_head[head]
+            counts[0] += 1
+            counts[1] += num_correct_drafts
         if self._prometheus is not None:
             self._prometheus.steps.inc()
             for position in range(1, num_correct_drafts + 1):
                 self._prometheus.accepted.labels(position=str(position)).inc()
+            self._prometheus.head_steps.labels(head=head).inc()
+            if num_correct_drafts:
+                self._prometheus.head_accepted.labels(head=head).inc(num_correct_drafts)
+
+    def set_head(self, version: int, label: str) -> None:
+        """The draft head was swapped (``state.WorkerState.swap_head``): later steps count for ``label``."""
+        with self._lock:
+            self.head, self.head_version = label, version
+            self.by_head.setdefault(label, [0, 0])
+        if self._prometheus is not None and self.counting:
+            self._prometheus.head_version.set(version)
+            self._prometheus.head_swaps.labels(head=label).inc()
+            self._prometheus.head_steps.labels(head=label).inc(0)  # the head's lines exist from the swap on
+            self._prometheus.head_accepted.labels(head=label).inc(0)
+
+    def head_accept_length(self, label: str) -> float | None:
+        """The mean accept length of the steps drafted with head ``label`` (None before its first step)."""
+        with self._lock:
+            steps, accepted = self.by_head.get(label, (0, 0))
+        return 1.0 + accepted / steps if steps else None
 
     def record_accept(self, outcome: str) -> None:
         """One verify batch: served by the fused accept (``"fused"``) or by SGLang's, with the reason."""
@@ -124,6 +164,7 @@ class AcceptanceMetrics:
         if self._prometheus is not None:
             return
         from prometheus_client import Counter as PrometheusCounter
+        from prometheus_client import Gauge
 
         steps = PrometheusCounter("sglang_spec_tree_verify_steps_total", "verify steps, one per request per step")
         accepted = PrometheusCounter("sglang_spec_tree_accepted_drafts_total",
@@ -136,7 +177,19 @@ class AcceptanceMetrics:
         accept_faults = PrometheusCounter("sglang_spec_accept_faults_total",
                                           "faults in the plugin's accept, recovered (the batch accepted by SGLang's "
                                           "path, or its bookkeeping skipped)", ["stage", "error"])
-        self._prometheus = _AcceptanceCounters(steps, accepted, outcomes, faults, accept_faults)
+        # the scheduler's value (SGLang's registry is multiprocess: "livemax" keeps one line, the live ranks' max)
+        head_version = Gauge("sglang_spec_head_version", "draft head swaps since launch (0: the launch head)",
+                             multiprocess_mode="livemax")
+        head_swaps = PrometheusCounter("sglang_spec_head_swaps", "draft head swaps to each head label", ["head"])
+        head_steps = PrometheusCounter("sglang_spec_head_verify_steps", "verify steps drafted with each head",
+                                       ["head"])
+        head_accepted = PrometheusCounter("sglang_spec_head_accepted_drafts",
+                                          "accepted drafts of the verify steps drafted with each head", ["head"])
+        head_version.set(self.head_version)
+        head_steps.labels(head=self.head).inc(0)
+        head_accepted.labels(head=self.head).inc(0)
+        self._prometheus = _AcceptanceCounters(steps, accepted, outcomes, faults, accept_faults, head_version,
+                                               head_swaps, head_steps, head_accepted)
 
 
 METRICS = AcceptanceMetrics()

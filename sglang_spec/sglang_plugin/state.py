@@ -11,6 +11,7 @@
   | owner | attribute | value |
   |---|---|---|
   | ``ServerArgs`` | ``OPTIONS_ATTRIBUTE`` | ``TreeServerOptions`` (pickled into SGLang's subprocesses) |
+  | ``ServerArgs``, ``RequestLogger`` | ``traffic_log.ATTRIBUTE`` | the traffic log's path; its writer |
   | ``EAGLEWorkerV2``, ``EagleDraftWorker`` | ``STATE_ATTRIBUTE`` | the worker's ``WorkerState`` |
 
 * The context variables SGLang's call structure leaves: each is set by a hook that has the worker or the batch,
@@ -22,8 +23,8 @@ No sglang import here.
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -40,6 +41,17 @@ if TYPE_CHECKING:
 
 OPTIONS_ATTRIBUTE = "_sglang_spec_tree"
 STATE_ATTRIBUTE = "_sglang_spec"
+LAUNCH_HEAD = "0"  # the label of the head a server launched with
+
+
+@dataclass(frozen=True)
+class HeadSwap:
+    """The draft head a worker serves from now on: ``version`` counts the swaps since launch (1, 2, ...; a
+    rollback to an earlier head is a swap too), ``label`` names the head (the ``weight_version`` of SGLang's update
+    request, e.g. ``sglang-spec adapt``'s head number; the same label again for a head restored)."""
+
+    version: int
+    label: str
 
 
 @dataclass(eq=False)
@@ -61,6 +73,11 @@ class WorkerState:
       committed:      each verify's committed tokens, with the overlap scheduler (``committed``).
       auto:           tree auto's planner (``--speculative-tree-auto``), made before the first step.
       shapes:         tree auto's verify sizes, each with SGLang's runtime state (made with the planner).
+    The head served (``swap_head``, at every in-place update of the draft's weights, ``hooks.swap``):
+      head_version:   swaps since launch (0: the launch head); what the acceptance estimates were made with.
+      head_label:     the served head's label (``LAUNCH_HEAD`` at launch).
+      head_swapped:   callbacks ``(HeadSwap) -> None`` run after every swap, in order, on the scheduler's thread
+                      between steps: whatever estimates acceptance from served steps resets there.
     Per step, set and cleared by the hooks that own them:
       draft_requests: the requests of the draft step in flight, in batch order (the draft hook).
       step_budget:    draft nodes a request this step where the plan verifies a smaller tree (None: ``budget``).
@@ -81,11 +98,26 @@ class WorkerState:
     shapes: VerifyShapes | None = None
     draft_requests: list[Any] | None = None
     step_budget: int | None = None
+    head_version: int = 0
+    head_label: str = LAUNCH_HEAD
+    head_swapped: list[Callable[[HeadSwap], None]] = field(default_factory=list)
 
     @property
     def budget(self) -> int:
         """Draft nodes a request verifies (the root excluded)."""
         return self.verify_tokens - 1
+
+    def swap_head(self, label: str | None) -> HeadSwap:
+        """The one event of a head swap: the version moves on, the drafter forgets what it learnt of the old head
+        (``ServedDrafter.head_swapped``), then every ``head_swapped`` callback runs. ``label`` None: the version
+        number as the label."""
+        self.head_version += 1
+        self.head_label = str(self.head_version) if label is None else label
+        swap = HeadSwap(self.head_version, self.head_label)
+        self.drafter.head_swapped()
+        for callback in self.head_swapped:
+            callback(swap)
+        return swap
 
 
 @dataclass(eq=False)

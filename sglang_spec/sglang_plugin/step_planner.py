@@ -102,6 +102,17 @@ class StepPlanner:
         if not self.cap >= 1.0:
             raise ValueError(f"the step cap must be >= 1 plain step, got {self.cap}")
 
+    def head_swapped(self, prior: list[float]) -> None:
+        """A new head serves (``WorkerState.swap_head``): what was learnt of the old head's acceptance (each
+        request's reach and accepted drafts, the traffic's, the served accept scale) is forgotten, ``prior`` the
+        traffic's reach by rank again (the drafter's, after it forgot too); the costs stay."""
+        self.reach_of.clear()
+        self.prior = list(prior)
+        self.accepted_of.clear()
+        self.learnt_at.clear()
+        self.accepted_prior = None
+        self.accept_scale = 1.0
+
     # -------------------------------------------------------------------------------------------- the plan
     def predicted_reach(self, rid: str) -> list[float]:
         """The request's draft nodes' predicted reach, best first: its drafter's estimates scaled by the served accept

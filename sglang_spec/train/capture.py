@@ -126,6 +126,14 @@ def _shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
+def next_shard_index(manifest: CaptureManifest) -> int:
+    """The number of the next shard: past every shard the manifest names (a rolling window drops the oldest)."""
+    numbers = [int(entry.file[len("shard-"):-len(".safetensors")]) for entry in manifest.shards
+               if entry.file.startswith("shard-") and entry.file.endswith(".safetensors")
+               and entry.file[len("shard-"):-len(".safetensors")].isdigit()]
+    return max(numbers, default=-1) + 1
+
+
 def write_shard(path: Path, sequences: Sequence[CapturedSequence], dtype: torch.dtype) -> ShardEntry:
     """Writes ``sequences`` as one shard, atomically."""
     token_lengths = [len(sequence.tokens) for sequence in sequences]
@@ -217,7 +225,7 @@ class CaptureWriter:
         """Writes the buffered sequences as a new shard and names it in the manifest."""
         if not self.buffer:
             return
-        path = self.folder / _shard_name(len(self.manifest.shards))
+        path = self.folder / _shard_name(next_shard_index(self.manifest))
         entry = write_shard(path, self.buffer, DTYPES[self.manifest.dtype])
         self.manifest = CaptureManifest(**{**asdict(self.manifest), "shards": (*self.manifest.shards, entry)})
         write_json_atomic(self.folder / MANIFEST, self.manifest.to_json())

@@ -30,7 +30,7 @@ import json
 import math
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -307,6 +307,22 @@ def captured_data(loaded: LoadedModel, sequences: Sequence[CapturedSequence], co
                                      min(sequence.completion_start, length)))
         hidden.append(sequence.hidden[:length])
     return split_data(loaded, encoded, config), hidden
+
+
+def with_draft_vocab(data: TrainingData, draft_vocab: torch.Tensor | None, config: TrainConfig) -> TrainingData:
+    """``data`` drafting over ``draft_vocab`` (None: the full vocabulary), its coverage of the training rows'
+    completion tokens recomputed."""
+    if draft_vocab is None:
+        return replace(data, draft_vocab=None, draft_vocab_coverage=1.0)
+    draft_vocab = draft_vocab.detach().to("cpu", torch.int64)
+    if config.top_k_targets > len(draft_vocab):
+        raise SpecError(f"--top-k-targets {config.top_k_targets} exceeds the kept draft vocabulary of "
+                        f"{len(draft_vocab)} tokens; use at most {len(draft_vocab)}")
+    kept = set(draft_vocab.tolist())
+    completions = [token for row in data.train_rows
+                   for token in data.records[row].tokens[data.records[row].completion_start :]]
+    coverage = sum(token in kept for token in completions) / max(len(completions), 1)
+    return replace(data, draft_vocab=draft_vocab, draft_vocab_coverage=coverage)
 
 
 def load_or_build_teacher(
@@ -622,9 +638,12 @@ def train_head_from_capture(
     progress: bool = True,
     metadata: dict[str, Any] | None = None,
     world: World = World(),
+    keep_draft_vocab: bool = False,
 ) -> TrainSummary:
     """Trains an MTP head on the captured dataset in ``capture`` and writes it to ``out``. ``loaded`` needs only
-    the target's config, tokenizer, embedding and output head: a target shell (``models/target_shell.py``)."""
+    the target's config, tokenizer, embedding and output head: a target shell (``models/target_shell.py``).
+    ``keep_draft_vocab``: draft over ``init``'s vocabulary instead of the capture's most frequent tokens (a head
+    swapped into a running server must keep the token map it launched with)."""
     out, capture = Path(out), Path(capture)
     check_train_paths(out, resume, force)
     manifest = read_manifest(capture)
@@ -636,6 +655,10 @@ def train_head_from_capture(
                             f"{getattr(target, name)}; give the --model that was served")
     torch.manual_seed(config.seed)
     data, hidden = captured_data(loaded, list(iter_captured(capture)), config)
+    if keep_draft_vocab:
+        if init is None:
+            raise SpecError("--keep-draft-vocab keeps the --init head's draft vocabulary; give --init")
+        data = with_draft_vocab(data, init.draft_vocab, config)
     output_weight = loaded.model.get_output_embeddings().weight
     cache = teacher_from_capture(data, hidden, output_weight, config.top_k_targets, progress and world.is_main)
     return _fit_and_save(loaded, data, cache, config, out, init, resume, progress, metadata or {}, world)

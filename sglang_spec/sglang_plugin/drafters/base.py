@@ -12,7 +12,8 @@ A server's drafter is chosen once, at the draft worker's start-up, from its tree
 
 The context drafters learn online from the accepted paths, through the core's ``TreeDrafter`` (``observe``):
 ``record_outcome`` keeps a verify's accepted paths (``VerifyOutcome``: device tensors, no sync),
-``observe_outcome`` teaches them at the next draft.
+``observe_outcome`` teaches them at the next draft. A head swapped in place (``head_swapped``) makes them forget
+what they learnt of the old head.
 """
 
 from __future__ import annotations
@@ -144,3 +145,6 @@ class ServedDrafter:
 
     def restore(self, learnt: dict[str, tuple[float, ...]]) -> None:
         """Back to ``learnt``."""
+
+    def head_swapped(self) -> None:
+        """The head was swapped in place (``WorkerState.swap_head``): forget what was learnt of the old one."""

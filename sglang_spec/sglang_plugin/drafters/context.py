@@ -19,6 +19,9 @@ from sglang_spec.tree.proposal import DraftTree
 from sglang_spec.tree.drafter import TreeDrafter
 from sglang_spec.tree.policies import TreePolicy
 
+# the kinds of ``SourceCounts`` cells that rate the head's candidates (a swapped head starts them over)
+HEAD_CELLS = ("mtp", "mtp_top1", "both")
+
 
 class ContextDrafter(ServedDrafter):
     """lookup / hybrid, host or device: ``drafter`` (the core's TreeDrafter, with SGLang's width W as its bound),
@@ -31,6 +34,7 @@ class ContextDrafter(ServedDrafter):
         self.drafter = TreeDrafter(policy)
         self.metrics = metrics
         self._exported = {name: tuple(cell) for name, cell in self.drafter.counts.named_cells().items()}
+        self._prior = dict(self._exported)  # the counts before any served step (the profile's)
         self.steps = steps
         self.budget = budget
 
@@ -66,6 +70,16 @@ class ContextDrafter(ServedDrafter):
         for name, cell in self.drafter.counts.named_cells().items():
             cell[:] = learnt[name]
         self._exported = {name: learnt[f"exported:{name}"] for name in self._exported}
+
+    def head_swapped(self) -> None:
+        """The cells that rate the head (``mtp/*``, ``mtp_top1/*``, and ``both/*``, candidates the head and the
+        context agree on) go back to the profile's prior, with their export marks (what ``/metrics`` counted
+        stays counted); the proposal in flight was the old head's and teaches nothing."""
+        self.forget_proposal()
+        for name, cell in self.drafter.counts.named_cells().items():
+            if name.split("/", 1)[0] in HEAD_CELLS:
+                cell[:] = self._prior[name]
+                self._exported[name] = self._prior[name]
 
     def _observe(self, trees: Sequence[DraftTree | None], accept_index: torch.Tensor, verify_tokens: int) -> None:
         """Each tree's accepted path observed (a None tree, a request that verified the filler: nothing)."""

@@ -27,6 +27,8 @@
 | ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | accept: the fused path's KV moved by our kernel |
 | ``DecodeCudaGraphRunner.execute`` | AROUND | accept: fused under CUDA graphs: static tree links in, greedy accept out |
 | ``Req.update_spec_correct_drafts_histogram`` | AFTER | accept: per-position acceptance metrics |
+| ``TokenizerManager.__init__``, ``RequestLogger.log_finished_request`` | AFTER | adapt: finished requests' token ids to ``--speculative-tree-traffic-log`` |
+| ``SchedulerWeightUpdaterManager.update_weights_from_{tensor,distributed,disk}`` | AFTER | adapt: an update that reached the draft runner is a head swap (``WorkerState.swap_head``, metrics per head) |
 
 Every hot-path hook reads its settings from the worker's state (``state.WorkerState``, set at construction), never
 from globals. Start-up failures end the launch with one ``error:`` line. A fault in a hook on a request or a batch
@@ -38,12 +40,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from sglang_spec.sglang_plugin.hooks import accept, auto, draft, requests, startup
+from sglang_spec.sglang_plugin.hooks import accept, adapt, auto, draft, requests, startup
 
 _WORKER = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
 _SPEC_WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
 _REGISTRY = "sglang.srt.models.registry._ModelRegistry"
 _RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 # (target, function, HookType name) for SGLang's HookRegistry
 HOOKS: tuple[tuple[str, Callable, str], ...] = (
     ("sglang.srt.server_args.ServerArgs.add_cli_args", startup.add_cli_args_after, "AFTER"),
@@ -83,6 +86,11 @@ HOOKS: tuple[tuple[str, Callable, str], ...] = (
      accept.graph_execute_around, "AROUND"),
     ("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", accept.correct_drafts_after,
      "AFTER"),
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__", adapt.tokenizer_manager_init_after, "AFTER"),
+    ("sglang.srt.utils.request_logger.RequestLogger.log_finished_request", adapt.finished_request_after, "AFTER"),
+    (f"{_UPDATER}.update_weights_from_tensor", adapt.update_from_tensor_after, "AFTER"),
+    (f"{_UPDATER}.update_weights_from_distributed", adapt.update_from_distributed_after, "AFTER"),
+    (f"{_UPDATER}.update_weights_from_disk", adapt.update_from_disk_after, "AFTER"),
 )
 # (resolution step, wrapper) for SGLang's register_resolution_hook
 RESOLUTION_HOOKS: tuple[tuple[str, Callable], ...] = (

@@ -122,6 +122,8 @@ def _start_planner(worker, state: WorkerState) -> StepPlanner:
     sizes = state.options.verify_sizes or default_sizes(full, str(worker.device) == "cpu", ranked)
     planner = StepPlanner(None, sizes, full, state.options.step_cap, ranked=ranked,
                           prior=state.drafter.prior_reach(full - 1), log_path=os.environ.get(PLAN_LOG_ENV) or None)
+    # a head swapped in place (adapt): the planner's acceptance follows the head served, from the drafter's prior
+    state.head_swapped.append(lambda swap: planner.head_swapped(state.drafter.prior_reach(full - 1)))
     start = time.perf_counter()
     state.shapes = VerifyShapes.build(worker, planner.sizes)
     try:

@@ -25,6 +25,7 @@ from sglang_spec.sglang_plugin.options import (
     validate_speculative,
 )
 from sglang_spec.sglang_plugin.state import TREE_POOL, attach_options, options_of
+from sglang_spec.sglang_plugin import traffic_log
 
 PLUGIN_PACKAGE = "sglang_spec.sglang_plugin"
 # our draft model classes, by the architecture name a draft folder's config.json gives (imported on first use)
@@ -36,6 +37,7 @@ MLA_TREE_BACKEND_MODULE = "sglang_spec.sglang_plugin.mla_tree_backend"
 # ---------------------------------------------------------------------------------------------- options
 def add_cli_args_after(result, parser):
     add_arguments(parser)
+    traffic_log.add_arguments(parser)
     return result
 
 
@@ -45,6 +47,9 @@ def from_cli_args_after(result, cls, args):
         if options is not None:
             apply_to_server_args(options, result)
             attach_options(result, options)
+        path = traffic_log.checked_path(getattr(args, "speculative_tree_traffic_log", None))
+        if path is not None:
+            setattr(result, traffic_log.ATTRIBUTE, path)
     except SpecError as error:
         raise StartupError(error) from None
     return result

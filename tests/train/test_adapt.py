@@ -1,0 +1,146 @@
+"""``sglang-spec adapt``'s parts without a server: the guard's verdict, the per-head counters, the traffic log's tail
+(whole lines, rotation, text prompts), the rolling capture window, the checks a candidate head passes before it is
+swapped in, and the kept draft vocabulary of a training round. The loop through SGLang's real server is
+``tests/sglang_server/test_adapt_server.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from sglang_spec.errors import SpecError
+from sglang_spec.models.loading import shipped_head_path
+from sglang_spec.train.adapt import AdaptSettings, HeadStats, RollingCapture, ServedHead, probation_verdict
+from sglang_spec.train.capture import CaptureManifest, CapturedSequence, read_manifest
+from sglang_spec.train.live_traffic import TailPosition, TrafficTail
+from sglang_spec.train.server_counts import parse_head_counts
+
+
+def generic_head() -> Path:
+    return shipped_head_path("smollm2").with_name("smollm2-135m-instruct-generic.safetensors")
+
+
+# ------------------------------------------------------------------------------------------------------ the guard
+def test_the_verdict_waits_for_probation_then_rolls_back_a_head_that_accepts_less():
+    previous = HeadStats("0", 400, 200)  # accept length 1.5
+    assert probation_verdict(previous, HeadStats("1", 99, 0), 100, 0.05) is None  # still on probation
+    assert probation_verdict(previous, HeadStats("1", 100, 20), 100, 0.05) == "rollback"  # 1.2
+    assert probation_verdict(previous, HeadStats("1", 100, 46), 100, 0.05) == "keep"  # 1.46 >= 0.95 * 1.5
+    assert probation_verdict(previous, HeadStats("1", 100, 42), 100, 0.05) == "rollback"  # 1.42 < 1.425
+    assert probation_verdict(previous, HeadStats("1", 100, 80), 100, 0.0) == "keep"
+
+
+def test_settings_refuse_what_cannot_work():
+    with pytest.raises(SpecError, match="margin"):
+        AdaptSettings(margin=1.0)
+    with pytest.raises(SpecError, match="train-every"):
+        AdaptSettings(window=8, train_every=16)
+
+
+def test_per_head_counters_are_read_and_summed_over_processes():
+    text = "\n".join([
+        "# TYPE sglang_spec_head_verify_steps_total counter",
+        'sglang_spec_head_verify_steps_total{head="0"} 120.0',
+        'sglang_spec_head_verify_steps_total{head="0"} 30.0',
+        'sglang_spec_head_accepted_drafts_total{head="0"} 75.0',
+        'sglang_spec_head_verify_steps_total{head="3"} 10.0',
+        'sglang_spec_head_accepted_drafts_total{head="3"} 9.0',
+        'sglang_spec_head_version 2.0',
+    ])
+    assert parse_head_counts(text) == {"0": (150, 75), "3": (10, 9)}
+
+
+# ------------------------------------------------------------------------------------------------ the traffic tail
+def _line(rid: str, **fields) -> str:
+    return json.dumps({"rid": rid, "input_ids": [1, 2, 3], "text": None, "output_ids": [4, 5], "prompt_tokens": 3,
+                       "head": "0", **fields}) + "\n"
+
+
+def test_the_tail_reads_whole_lines_once_and_follows_a_rotation(tmp_path):
+    log = tmp_path / "traffic.jsonl"
+    tail = TrafficTail(log, encode=lambda text: [7] * len(text.split()))
+    assert tail.read() == []  # nothing served yet
+    log.write_text(_line("a") + _line("HEALTH_CHECK_x") + "not json\n" + _line("b")[:20])
+    assert [request.rid for request in tail.read()] == ["a"]
+    assert tail.skipped == 2
+    with open(log, "a") as handle:  # the half-written line completes
+        handle.write(_line("b")[20:] + _line("c", input_ids=None, text="two words", prompt_tokens=2))
+    requests = tail.read()
+    assert [(r.rid, r.prompt, r.output) for r in requests] == [("b", (1, 2, 3), (4, 5)), ("c", (7, 7), (4, 5))]
+    with open(log, "a") as handle:
+        handle.write(_line("d") + _line("e", input_ids=None, text="three words here", prompt_tokens=2))
+    os.replace(log, tmp_path / "traffic.jsonl.1")  # the server rotates
+    log.write_text(_line("f"))
+    # d before f; e's text does not give the ids the server counted: skipped
+    assert [request.rid for request in tail.read()] == ["d", "f"]
+    resumed = TrafficTail(log, encode=str.split, position=tail.position)
+    with open(log, "a") as handle:
+        handle.write(_line("g"))
+    assert [request.rid for request in resumed.read()] == ["g"]
+    assert TrafficTail(log, encode=str.split, position=TailPosition()).read(limit=1)[0].rid == "f"
+
+
+# ---------------------------------------------------------------------------------------------- rolling capture
+def _sequence(index: int, hidden_size: int = 8) -> CapturedSequence:
+    return CapturedSequence(f"r{index}", "served", torch.arange(6) + index, 2, torch.randn(5, hidden_size))
+
+
+def test_the_rolling_window_keeps_the_newest_sequences_and_deletes_older_shards(tmp_path):
+    manifest = CaptureManifest("toy", "llama", 8, 64, "float16")
+    capture = RollingCapture(tmp_path / "capture", manifest, window=6, shard_size=2)
+    for start in range(0, 12, 2):
+        capture.add([_sequence(start), _sequence(start + 1)])
+    kept = read_manifest(tmp_path / "capture")
+    assert kept.num_sequences == 6
+    assert [entry.file for entry in kept.shards] == ["shard-00003.safetensors", "shard-00004.safetensors",
+                                                     "shard-00005.safetensors"]
+    assert sorted(path.name for path in (tmp_path / "capture").glob("shard-*")) == [e.file for e in kept.shards]
+    assert capture.snapshot(tmp_path / "window") == 6
+    capture.add([_sequence(12), _sequence(13)])  # capture goes on; the snapshot a round trains on does not change
+    assert read_manifest(tmp_path / "window").num_sequences == 6
+    assert (tmp_path / "window" / "shard-00003.safetensors").exists()
+    assert not (tmp_path / "capture" / "shard-00003.safetensors").exists()
+
+
+# -------------------------------------------------------------------------------------------- candidate checks
+def _head_variant(path: Path, change) -> Path:
+    source = generic_head()
+    with safe_open(str(source), "pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(str(source))
+    metadata = change(tensors, metadata) or metadata
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+def test_a_candidate_must_be_a_head_for_the_served_model_and_token_map(tmp_path):
+    served = ServedHead.of(generic_head())
+    tensors = served.draft_tensors(generic_head())
+    assert "model.eh_proj.weight" in tensors and "model.decoder.self_attn.q_proj.weight" in tensors
+    assert not any("embed" in name or "lm_head" in name for name in tensors)  # the shared ones stay the target's
+
+    def other_vocabulary(tensors, metadata):
+        tensors["draft_vocab"] = tensors["draft_vocab"].flip(0)
+
+    def other_model(tensors, metadata):
+        header = json.loads(metadata["sglang_spec_mtp"])
+        return {**metadata, "sglang_spec_mtp": json.dumps({**header, "hidden_size": 64})}
+
+    def not_finite(tensors, metadata):
+        tensors["eh_proj.weight"][0, 0] = float("nan")
+
+    for change, message in ((other_vocabulary, "token map"), (other_model, "another model"),
+                            (not_finite, "NaN")):
+        with pytest.raises(SpecError, match=message):
+            served.draft_tensors(_head_variant(tmp_path / f"{change.__name__}.safetensors", change))
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(generic_head().read_bytes()[:1000])
+    with pytest.raises(SpecError) as error:
+        served.draft_tensors(damaged)
+    assert "\n" not in str(error.value)
