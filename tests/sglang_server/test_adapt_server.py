@@ -110,13 +110,11 @@ def test_the_guard_rolls_a_bad_head_back(adapt_server, smollm2_prompts, tmp_path
                "--offer", str(bad_head(tmp_path / "bad.safetensors")), "--verdicts", "1", "--probation-steps", "30",
                "--train-every", "64", "--window", "64", "--poll-seconds", "0.2"]
     adapt = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    labels: set[str] = set()
     try:
         for _ in range(40):  # the stream: the same prompts again and again until the verdict
             if adapt.poll() is not None:
                 break
-            answers = server.generate(smollm2_prompts[:2], request)
-            labels |= {answer["meta_info"]["weight_version"] for answer in answers}
+            server.generate(smollm2_prompts[:2], request)
         output, _ = adapt.communicate(timeout=120)
     finally:
         if adapt.poll() is None:
@@ -128,8 +126,8 @@ def test_the_guard_rolls_a_bad_head_back(adapt_server, smollm2_prompts, tmp_path
     assert verdicts[0]["accept_length"] < verdicts[0]["previous_accept_length"]
     assert len([line for line in output.splitlines() if "rolled back" in line]) == 1
     # after the verdict the launch head drafts again, at the launch head's accept length
-    offered = verdicts[0]["head"]
-    assert offered in labels
+    offered = verdicts[0]["head"]  # it drafted (its verdict may land inside a request, which then reports "0")
+    assert parse_head_counts(server.request("/metrics"))[offered][0] > 0
     after = server.generate(smollm2_prompts[:2], request)
     assert {answer["meta_info"]["weight_version"] for answer in after} == {"0"}
     assert accept_length(after) > verdicts[0]["accept_length"] + 0.2
