@@ -131,7 +131,9 @@ class Section:
 
 
 SERVING_LABELS = {"plain": "plain decoding", "plain-sync": "plain decoding, overlap loop off",
-                  "auto": "hybrid + `--speculative-tree-auto`", "sglang-tree": "SGLang's EAGLE tree (topk 4)",
+                  "auto": "hybrid + `--speculative-tree-auto`",
+                  "auto-batch": "the same planner, whole batch on or off (`--speculative-tree-verify-sizes 1,N`)",
+                  "sglang-tree": "SGLang's EAGLE tree (topk 4)",
                   "sglang-ngram": "SGLang's NGRAM", "sglang-chain": "SGLang's EAGLE chain"}
 SERVING_ABOUT = {
     "serving_sweep_c1.json": "One request at a time: tree auto (hybrid trees of 11 draft tokens, or a plain step "
@@ -139,12 +141,17 @@ SERVING_ABOUT = {
                              "loop.",
     "serving_sweep_c16.json": "Sixteen concurrent requests: the same servers under load, where a tree step costs "
                               "more than it gives and tree auto is meant to decode plainly.",
+    "serving_sweep_mixed_c4.json": "Four concurrent requests of a mixed stream (code, extraction and chat requests "
+                                   "arriving together): the per-step planner, which gives each request its own "
+                                   "tree size, against the same planner deciding for the whole batch at once.",
     "serving_sweep_peers.json": "One request at a time, 15 draft tokens each: the project's hybrid trees against "
                                 "SGLang's own EAGLE tree (topk 4, 4 steps) and NGRAM drafting, as a user would "
                                 "launch them.",
 }
 SERVING_TITLES = {"serving_sweep_c1.json": "Serving, one request: tree auto against plain decoding",
                   "serving_sweep_c16.json": "Serving, 16 requests: tree auto against plain decoding",
+                  "serving_sweep_mixed_c4.json": "Serving, 4 requests of a mixed stream: per-request plans against "
+                                                 "a batch-wide switch",
                   "serving_sweep_peers.json": "Serving, accept length against SGLang's own speculation"}
 SERVING_NOTE = ("SmolLM2-135M-Instruct and its shipped MTP head served by SGLang's `launch_server` on the CPU test "
                 "bed, SGLang's `bench_serving` client, greedy, on prompts no head was trained on (code: held-out "
@@ -168,6 +175,7 @@ def serving_body(name: str) -> Callable[[Path], str]:
         rows = load(results, name)
         if isinstance(rows, dict):
             rows = rows["rows"]
+        tpot = any(row.get("p99_tpot_ms") is not None for row in rows)  # older runs did not record it
         out = []
         for row in rows:
             rounds = row.get("speedup_over_plain_rounds") or []
@@ -175,14 +183,15 @@ def serving_body(name: str) -> Callable[[Path], str]:
             label = SERVING_LABELS.get(row["policy"], row["policy"])
             out.append([row.get("workload", ""), label, row["budget"], row["concurrency"],
                         f2(row["output_throughput"]), x(row.get("speedup_over_plain")), spread,
-                        f2(row["accept_length"]), f1(row.get("median_itl_ms")), f1(row.get("p99_itl_ms"))])
+                        f2(row["accept_length"]), f1(row.get("median_itl_ms")), f1(row.get("p99_itl_ms"))]
+                       + ([f1(row.get("p99_tpot_ms"))] if tpot else []))
         stem = name[:-len(".json")]
         rounds = max((len(row.get("output_throughput_rounds") or []) for row in rows), default=0)
         return "\n\n".join([
             SERVING_ABOUT.get(name, "A run of the serving sweep.") + (f" {rounds} rounds." if rounds > 1 else " One round."),
             run_lines(rows, results, name, [name, f"{stem}.csv", f"{stem}.png"]),
             table(["workload", "method", "draft tokens", "concurrency", "output tok/s", "x plain", "per round",
-                   "accept length", "p50 ITL ms", "p99 ITL ms"], out),
+                   "accept length", "p50 ITL ms", "p99 ITL ms", *(["p99 TPOT ms"] if tpot else [])], out),
         ])
 
     return body
@@ -548,6 +557,13 @@ def render_headline(results: Path = RESULTS, page: str = "docs/results/README.md
                 accept = f" (AL {auto['accept_length']:.2f})" if name.endswith("c1.json") else ""
                 cells.append(f"{workload} **{x(auto['speedup_over_plain'])}**{accept}")
             add(what, name, ", ".join(cells), SERVING_TITLES[name])
+    name = "serving_sweep_mixed_c4.json"
+    if (results / name).exists():
+        data = _rows(results, name)
+        auto, batch = (_pick(data, workload="mixed", policy=policy) for policy in ("auto", "auto-batch"))
+        add("SGLang server, 4 requests of a mixed stream: the per-step planner / the batch-wide switch over the "
+            "faster plain decoding", name, f"**{x(auto['speedup_over_plain'])}** / {x(batch['speedup_over_plain'])}",
+            SERVING_TITLES[name])
     name = "serving_sweep_peers.json"
     if (results / name).exists():
         data = _rows(results, name)
