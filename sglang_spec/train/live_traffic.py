@@ -107,9 +107,9 @@ class TrafficTail:
         if not isinstance(line, dict) or str(line.get("rid", "")).startswith(HEALTH_CHECK_PREFIX):
             return None
         output, prompt = line.get("output_ids"), line.get("input_ids")
-        if not _token_list(output):
+        if not isinstance(output, list) or not _token_list(output):
             return None
-        if not _token_list(prompt):
+        if not isinstance(prompt, list) or not _token_list(prompt):
             text = line.get("text")
             if not isinstance(text, str):
                 return None
