@@ -281,7 +281,9 @@ def comparable(answer: Any) -> Any:
            "completion_tokens": meta["completion_tokens"]}
     if "output_token_logprobs" in meta:
         out["logprob_ids"] = [entry[1] for entry in meta["output_token_logprobs"]]
-        out["top_logprob_ids"] = [[entry[1] for entry in top] for top in meta["output_top_logprobs"]]
+        # no top logprobs asked for, or no token (max_new_tokens 0): SGLang may leave the key out
+        tops = meta.get("output_top_logprobs")
+        out["top_logprob_ids"] = None if tops is None else [[entry[1] for entry in top] for top in tops]
     return out
 
 
