@@ -76,4 +76,8 @@ def test_the_hooks_reach_sglangs_callers(sglang_with_plugin):
     assert kv_cache_configurator.get_req_to_token_extra_context_len is allocation_sizing.get_req_to_token_extra_context_len
     assert hook_of(kv_cache_configurator.KVCacheConfigurator._build_req_to_token_pool) is \
         hooks.build_req_to_token_pool_around
-    assert hook_of(TokenizerManager.__init__) is hooks.tokenizer_manager_init_after
+    wrappers, layer = [], TokenizerManager.__init__  # another concern (adapt) hooks it too: each wrapper in turn
+    while layer is not None:
+        wrappers.append(hook_of(layer))
+        layer = getattr(layer, "__wrapped__", None)
+    assert hooks.tokenizer_manager_init_after in wrappers
