@@ -83,7 +83,7 @@ def test_a_fault_reading_the_head_fault_count_leaves_the_draft(metrics, capsys):
 
 def test_a_faulted_draft_whose_drafter_cannot_forget_still_verifies_the_filler(metrics, capsys):
     drafter = Drafter("learnt", "draft", "forget_proposal")
-    worker = SimpleNamespace()
+    worker = SimpleNamespace(speculative_num_steps=4)  # this step's draft steps (the plan's shape sets them)
     attach(worker, plugin_worker_state(drafter=drafter))
     forward_batch = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False), batch_size=3,
                                     spec_info=SimpleNamespace(bonus_tokens=torch.tensor([5, 6, 7])))

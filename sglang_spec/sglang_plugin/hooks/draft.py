@@ -141,7 +141,7 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
     log(f"draft fault, batch of {forward_batch.batch_size} verified without speculation "
         f"({type(error).__name__}: {error}; sglang_spec_draft_faults_total)")
     filler = state.filler if state.step_budget in (None, state.budget) else \
-        filler_encoding(state.step_budget, state.width, state.steps)  # the plan's smaller tree
+        filler_encoding(state.step_budget, state.width, worker.speculative_num_steps)  # the plan's smaller tree
     return filler_draft(filler, forward_batch.batch_size, forward_batch.spec_info.bonus_tokens.device)
 
 
@@ -153,7 +153,8 @@ def _draft(original, worker, forward_batch, state: WorkerState, *args, **kwargs)
     if drafter.learns():
         _observe_accepted(drafter, state, forward_batch.batch_size)
     budget = state.budget if state.step_budget is None else state.step_budget
-    return drafter.draft(DraftCall(worker, forward_batch, requests, budget, state.steps,
+    # the worker's draft steps, not ``state.steps``: a planned smaller tree's runtime state sets them for this step
+    return drafter.draft(DraftCall(worker, forward_batch, requests, budget, worker.speculative_num_steps,
                                    lambda: original(worker, forward_batch, *args, **kwargs)))
 
 
