@@ -91,6 +91,11 @@ def post_json(url: str, path: str, payload: dict[str, Any] | None, timeout: floa
         raise SpecError(f"{url}{path} answered something that is not JSON: {brief(body)}") from None
 
 
+class ChunkedPromptStates(SpecError):
+    """An answer with states for the last prefill chunk of its prompt only: SGLang split the prompt across steps
+    (a batch's prompts together past ``--chunked-prefill-size``); sent alone, a prompt under that size is whole."""
+
+
 def _hidden_rows(answer: dict[str, Any], prompt_length: int, prompt_id: str) -> torch.Tensor:
     """[P + N - 1, d] float32 from one answer's ``meta_info.hidden_states``."""
     meta = answer.get("meta_info") or {}
@@ -100,9 +105,14 @@ def _hidden_rows(answer: dict[str, Any], prompt_length: int, prompt_id: str) -> 
     prompt_states = states[0]
     if len(prompt_states) != prompt_length:
         cached = meta.get("cached_tokens")
-        raise SpecError(f"{prompt_id}: the server returned {len(prompt_states)} prompt hidden states for "
-                        f"{prompt_length} prompt tokens ({cached} were cached, and SGLang returns states only "
-                        f"for the tokens it computes); launch it with --disable-radix-cache for capturing")
+        if cached:
+            raise SpecError(f"{prompt_id}: the server returned {len(prompt_states)} prompt hidden states for "
+                            f"{prompt_length} prompt tokens ({cached} were cached, and SGLang returns states only "
+                            f"for the tokens it computes); launch it with --disable-radix-cache for capturing")
+        raise ChunkedPromptStates(f"{prompt_id}: the server returned {len(prompt_states)} prompt hidden states for "
+                                  f"{prompt_length} prompt tokens (it prefilled the prompt in chunks and returns "
+                                  f"states of the last chunk only); launch it with --chunked-prefill-size above "
+                                  f"{prompt_length}")
     try:
         return torch.tensor([*prompt_states, *states[1:]], dtype=torch.float32)
     except (TypeError, ValueError):
@@ -167,7 +177,15 @@ def capture_from_server(
             for index, answer in zip(batch, answers):
                 if not isinstance(answer, dict):
                     raise SpecError(f"{prompts[index].id}: the server's answer is not a JSON object")
-                sequence = to_sequence(prompts[index], encoded[index], answer)
+                try:
+                    sequence = to_sequence(prompts[index], encoded[index], answer)
+                except ChunkedPromptStates:
+                    if len(batch) == 1:
+                        raise
+                    # chunked beside the batch's other prompts: alone it is prefilled whole (or refused in one line)
+                    alone = post_json(url, "/generate", {**payload, "input_ids": [encoded[index]]}, timeout=3600)
+                    sequence = to_sequence(prompts[index], encoded[index], alone[0] if isinstance(alone, list)
+                                           and alone else alone)
                 if sequence is not None:
                     writer.add(sequence)
                     captured += 1

@@ -68,7 +68,9 @@ def test_bad_datasets_and_sequences_fail_in_one_line(tiny, tmp_path):
 
 class _FakeSGLang:
     """``/model_info`` and ``/generate`` as SGLang answers them with ``return_hidden_states``: the prompt's states,
-    then one per decode step. ``mode`` breaks one thing: "no_hidden", "cached" (a cached prompt prefix)."""
+    then one per decode step. ``mode`` breaks one thing: "no_hidden", "cached" (a cached prompt prefix),
+    "chunked" (a prompt sent with others prefilled in chunks: states of its last chunk only), "chunked_alone" (the
+    same for a prompt sent alone too)."""
 
     def __init__(self, model_type: str = "deepseek_v3", mode: str = "ok", new_tokens: int = 4):
         outer = self
@@ -81,7 +83,7 @@ class _FakeSGLang:
             def do_POST(self):
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append(payload)
-                self._send([outer.answer(ids) for ids in payload["input_ids"]])
+                self._send([outer.answer(ids, len(payload["input_ids"])) for ids in payload["input_ids"]])
 
             def _send(self, data):
                 body = json.dumps(data).encode()
@@ -97,14 +99,16 @@ class _FakeSGLang:
         self.httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
-    def answer(self, prompt: list[int]) -> dict:
+    def answer(self, prompt: list[int], batch: int = 1) -> dict:
         output = [(sum(prompt) + step) % 500 + 2 for step in range(self.new_tokens)]
         # row i of the states encodes its position, so the test can see they are stored in order
         rows = [[float(i)] * 64 for i in range(len(prompt) + len(output) - 1)]
         cached = 2 if self.mode == "cached" else 0  # SGLang computes (and returns) no state for cached tokens
         meta = {"finish_reason": {"type": "length"}, "cached_tokens": cached}
+        chunked = self.mode == "chunked_alone" or (self.mode == "chunked" and batch > 1)
+        first = cached or (2 if chunked else 0)  # SGLang returns the last prefill chunk's states only
         if self.mode != "no_hidden":
-            meta["hidden_states"] = [rows[cached : len(prompt)], *rows[len(prompt) :]]
+            meta["hidden_states"] = [rows[first : len(prompt)], *rows[len(prompt) :]]
         return {"output_ids": output, "meta_info": meta}
 
     def __enter__(self):
@@ -150,11 +154,23 @@ def test_capture_stores_prompt_answer_and_states_and_resumes(tmp_path, prompt_fi
         assert "was captured with sampling" in capsys.readouterr().err
 
 
+def test_a_prompt_chunked_beside_others_is_sent_again_alone(tmp_path, prompt_file, capsys):
+    with _FakeSGLang(mode="chunked") as server:
+        assert main(["capture", "--from-server", server.url, "--model", "tiny-deepseek", "--prompts",
+                     str(prompt_file), "--out", str(tmp_path / "capture"), "--batch-size", "2", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["captured"] == 4
+        assert [len(request["input_ids"]) for request in server.requests] == [2, 1, 1, 2, 1, 1]
+    stored = list(iter_captured(tmp_path / "capture"))
+    assert all(sequence.hidden[:, 0].tolist() == list(range(len(sequence.tokens) - 1)) for sequence in stored)
+
+
 @pytest.mark.parametrize("server_kind, message", [
     (dict(mode="no_hidden"), "launch it with --enable-return-hidden-states"),
     (dict(mode="cached"), "2 were cached, and SGLang returns states only for the tokens it computes); launch it "
                           "with --disable-radix-cache"),
     (dict(model_type="llama"), "serves a llama model, but tiny-deepseek is deepseek_v3"),
+    (dict(mode="chunked_alone"), "(it prefilled the prompt in chunks and returns states of the last chunk only); "
+                                 "launch it with --chunked-prefill-size above 7"),
 ])
 def test_a_server_that_cannot_be_captured_fails_in_one_line(tmp_path, prompt_file, capsys, server_kind, message):
     with _FakeSGLang(**server_kind) as server:
