@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from sglang_spec.sglang_plugin.state import LAUNCH_HEAD
+from sglang_spec.train.server_counts import LAUNCH_HEAD
 
 MAX_POSITIONS = 64
 

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from sglang_spec.train.server_counts import LAUNCH_HEAD
+
 if TYPE_CHECKING:
     from sglang_spec.sglang_plugin.committed import CommittedOutputs
     from sglang_spec.sglang_plugin.drafters.base import ServedDrafter
@@ -41,7 +43,6 @@ if TYPE_CHECKING:
 
 OPTIONS_ATTRIBUTE = "_sglang_spec_tree"
 STATE_ATTRIBUTE = "_sglang_spec"
-LAUNCH_HEAD = "0"  # the label of the head a server launched with
 
 
 @dataclass(frozen=True)

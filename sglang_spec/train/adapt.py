@@ -52,14 +52,14 @@ from sglang_spec.train.capture import MANIFEST, CaptureManifest, CaptureWriter, 
 from sglang_spec.train.live_traffic import (TailPosition, TrafficTail, capture_served, disk_free_bytes,
                                             position_from_json, position_to_json)
 from sglang_spec.train.server_capture import post_json
-from sglang_spec.train.server_counts import parse_head_counts, parse_rank_counts, rank_rows, subtract_counts
+from sglang_spec.train.server_counts import (LAUNCH_HEAD, parse_head_counts, parse_rank_counts, rank_rows,
+                                             subtract_counts)
 from sglang_spec.tree.policies import MAX_TOPK
 from sglang_spec.tree.profile import AcceptanceProfile
 from sglang_spec.tree.token_tree import MAX_DEPTH
 
 STATE_FILE = "adapt.json"
 EVENTS_FILE = "events.jsonl"
-LAUNCH_HEAD = "0"  # the label the plugin gives the head a server launched with (sglang_plugin/state.py)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
+LAUNCH_HEAD = "0"  # the head label of a server's launch head, before any swap (its /metrics and answers)
 HEAD_COUNTERS = ("sglang_spec_head_verify_steps_total", "sglang_spec_head_accepted_drafts_total")
 
 

@@ -11,7 +11,8 @@ from doubles import plugin_worker_state
 from sglang_spec.sglang_plugin.drafters.host_context import HostContextDrafter
 from sglang_spec.sglang_plugin.hooks import adapt
 from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
-from sglang_spec.sglang_plugin.state import LAUNCH_HEAD, HeadSwap, attach
+from sglang_spec.sglang_plugin.state import HeadSwap, attach
+from sglang_spec.train.server_counts import LAUNCH_HEAD
 from sglang_spec.sglang_plugin.traffic_log import TrafficLog, entry
 from sglang_spec.tree.policies import TreePolicy
 
