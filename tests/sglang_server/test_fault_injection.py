@@ -10,7 +10,8 @@
   skipped, the accept standing), counted and logged: the fused accept with the plugin's own loop (sequoia: the
   fused outputs written, then the fault; the KV commit stopped after its first layer buffer; the rank counts), the
   context drafter with SGLang's accept (hybrid: the rank counts, the drafter's observe of the accepted paths), and
-  chain, eagle, specexec (SGLang's loop under the plugin's hooks, and the own loop wider than topk) and lookup.
+  chain and specexec (SGLang's loop under the plugin's hooks, and the own loop wider than topk). Eagle's trees
+  take chain's path with a wider topk, lookup's the hybrid's without the head: neither adds a path of its own.
 
 Every server takes all of its kinds at once (one server per policy), so faults of different kinds meet in the
 same requests. Greedy output must stay plain decoding's, sampled requests must complete, and the server must
@@ -35,13 +36,12 @@ DRAFT_EVERY = 3  # every third draft raises
 POISON_EVERY = 5  # the plugin's own drafts: every fifth head forward returns NaN for the batch's first request
 # name -> (the accept's stages that server runs, whether its draft is the plugin's head forward: poisoned too)
 CONFIGS = {"sequoia-fused": (("accept", "commit", "record"), True), "hybrid": (("record", "observe"), True),
-           "chain": (("record",), False), "eagle": (("record",), False), "specexec": (("record",), False),
-           "lookup": (("record", "observe"), False)}
+           "chain": (("record",), False), "specexec": (("record",), False)}
 
 
 def server_options(name: str, profile) -> list[str]:
     """The tree options of server ``name``: sequoia (fused) and hybrid at 15/4/4, the others as the parity suite's
-    tree servers (``parity.POLICIES``: chain 7/7, eagle and specexec 15/4/4, lookup 12/5)."""
+    tree servers (``parity.POLICIES``: chain 7/7, specexec 15/4/4)."""
     if name == "sequoia-fused":
         return tree_args("sequoia", 15, 4, 4, profile) + ["--speculative-tree-accept", "fused"]
     if name == "hybrid":

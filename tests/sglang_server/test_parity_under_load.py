@@ -5,9 +5,11 @@ The oracle is the session's plain server (conftest.py ``smollm2_plain_runs``, no
 ``--context-length``), each request alone (``sglang_spec_testbed/parity.py``): greedy decoding, a stop string, max_new_tokens
 1 and 2, logprobs with top logprobs, a frequency penalty, a JSON schema, a regex, n = 2, ignore_eos (past an EOS),
 and a prompt within a tree's length of the context limit (7 free positions; every tree here verifies 8-16 tokens).
-Then one server per policy (chain, eagle, sequoia, specexec, hybrid, lookup, sequoia with the fused accept, and
-hybrid and sequoia with SGLang's overlap scheduler, the GPU's default loop, which SGLang turns off for speculative
-servers on a CPU: ``OVERLAP_ENV`` keeps it, and the requests' output ids then lag a step behind each tree), in
+Then one server per policy (chain, hybrid, lookup, sequoia with the fused accept, and hybrid and sequoia with
+SGLang's overlap scheduler, the GPU's default loop, which SGLang turns off for speculative servers on a CPU:
+``OVERLAP_ENV`` keeps it, and the requests' output ids then lag a step behind each tree; with
+``SGLANG_SPEC_PARITY_FULL=1`` also eagle, specexec and sequoia with SGLang's accept, whose trees take the same
+paths as sequoia's and chain's with other shapes), in
 the GPU's FULL_MASK tree-mask layout (``SGLANG_SPEC_CPU_TREE_MASK=full``; the log must show FULL_MASK masks built
 and read and no QLEN_ONLY one, as test_full_mask.py checks NGRAM's; the bed's other servers run the CPU's
 QLEN_ONLY), answers:
@@ -31,12 +33,6 @@ penalised request other greedy outputs when it shares batches with other request
 and one of those alone with ``--disable-overlap-schedule``); its answer alone, with SGLang's default overlap
 scheduler, is plain decoding's (the penalty over every earlier output token, checked against transformers), and
 is what a tree server must give, alone or batched.
-
-Time (default run, this 2-core machine): a server of 49-59 s a policy when the machine is quiet (a start of 23-33 s,
-the 32 requests 17-25 s, the aborts 4 s), the fused accept's too (the bed runs its kernels' pure-torch references;
-interpreted, the Triton ones took 85 s for the 32 requests); about 6.5 minutes for the seven. The oracle adds
-about 12 s of requests to the session's plain server. SGLANG_SPEC_PARITY_FULL=1 adds 8-10 s a server and a plain
-server.
 """
 
 from __future__ import annotations
@@ -81,6 +77,10 @@ from sglang_spec_testbed.tree_mask import TREE_MASK_ENV
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
 FULL = os.environ.get("SGLANG_SPEC_PARITY_FULL") == "1"
+# the suite's servers: one per path through the plugin (SGLang's loop, the own loop with the fused accept, context
+# trees with and without the head, the overlap loop); FULL adds the head's other tree shapes
+SERVED = list(POLICIES) if FULL else ["chain", "lookup", "hybrid", "sequoia-fused", "hybrid-overlap",
+                                      "sequoia-overlap"]
 
 
 @dataclass
@@ -168,7 +168,7 @@ def plain_concurrent(smollm2_cpu, server_logs, requests) -> Run:
     return run
 
 
-@pytest.fixture(scope="module", params=list(POLICIES))
+@pytest.fixture(scope="module", params=SERVED)
 def tree_run(request, smollm2_cpu, server_logs, requests, oracle) -> Run:
     """One server per policy, every phase against it once."""
     run = Run(request.param)

@@ -1,9 +1,10 @@
 """No request takes a server down: request bodies drawn by Hypothesis (``request_bodies``: the generate routes'
-schemas plus hostile values, streams closed early, clients that hang up) go to three servers that share this module
-(SmolLM2 + its shipped head, the parity tests' context of 512): plain decoding, ``hybrid`` with
-``--speculative-tree-auto``, and ``sequoia`` with ``--speculative-tree-accept fused``. After every body, on every
+schemas plus hostile values, streams closed early, clients that hang up) go to the servers that share this module
+(SmolLM2 + its shipped head, the parity tests' context of 512): plain decoding and ``hybrid`` with
+``--speculative-tree-auto --speculative-tree-accept fused`` (the planner, context and head trees, the fused accept);
+by hand (``SGLANG_SPEC_FUZZ_EXAMPLES`` set) also ``sequoia`` with the fused accept. After every body, on every
 server: an answer came (2xx or 4xx, never 5xx, within ``fuzz_client.ANSWER_TIMEOUT_S``), ``/health`` answers, and a
-body delivered whole gets the same status from all three; a greedy one the same outputs (``fuzz_client.outcome``;
+body delivered whole gets the same status from each; a greedy one the same outputs (``fuzz_client.outcome``;
 ``Send.exact`` says which bodies SGLang's speculative decoding itself answers otherwise).
 The servers' logs hold no traceback when they stop (``running_server``).
 
@@ -46,10 +47,12 @@ PASSED: set[tuple[str, str, bytes]] = set()  # (route, delivery, body) already p
 
 @pytest.fixture(scope="module")
 def servers(smollm2_cpu, server_logs):
-    """name -> port of the three servers, plain first."""
+    """name -> port of the servers, plain first."""
     launches = {PLAIN: (list(PARITY_SERVER_ARGS), False),
-                "hybrid-auto": (policy_args("hybrid", smollm2_cpu.profile) + ["--speculative-tree-auto"], True),
-                "sequoia-fused": (policy_args("sequoia-fused", smollm2_cpu.profile), True)}
+                "hybrid-auto-fused": (policy_args("hybrid", smollm2_cpu.profile)
+                                      + ["--speculative-tree-auto", "--speculative-tree-accept", "fused"], True)}
+    if LONG:
+        launches["sequoia-fused"] = (policy_args("sequoia-fused", smollm2_cpu.profile), True)
     with contextlib.ExitStack() as stack:
         yield {name: stack.enter_context(running_server(smollm2_cpu, server_logs, f"fuzz-{name}", args,
                                                         speculative=speculative)).port
@@ -158,7 +161,7 @@ def test_a_request_that_took_a_server_down_is_refused_in_one_line(servers, name)
 
 def test_a_body_that_fits_still_gets_its_answer(servers):
     """The checks refuse nothing they should not: a batch of two prompts with one sampling_params each, ids at the
-    vocabulary's edges, top logprobs, a valid stop_regex; the same answer from all three servers."""
+    vocabulary's edges, top logprobs, a valid stop_regex; the same answer from every server."""
     send = Send("/generate", {"input_ids": [[0, 5], [49151]], "return_logprob": True, "top_logprobs_num": 2,
                               "sampling_params": [GREEDY, {**GREEDY, "stop_regex": r"\d"}]})
     answers = send_to_all(servers, send)
