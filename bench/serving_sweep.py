@@ -74,6 +74,7 @@ LOOKUP_DEVICE = "lookup-device"  # lookup with --speculative-tree-context-on dev
 HYBRID_DEVICE = "hybrid-device"  # hybrid with --speculative-tree-context-on device
 PLAIN_METHODS = ("plain", "plain-sync")  # no speculation: with SGLang's overlap scheduler, and without
 POLICIES = (*PLAIN_METHODS, *OUR_POLICIES, AUTO, AUTO_BATCH, LOOKUP_DEVICE, HYBRID_DEVICE, *SGLANG_METHODS)
+TOGETHER_MEMORY_FRACTION = "0.9"  # the bed's servers started together: see extra_server_args
 SGLANG_CHAIN_STEPS = 3  # SGLang's usual EAGLE chain for NEXTN: 3 steps, 4 verified tokens
 SGLANG_TREE_TOPK = 4
 SERVING_WORKLOADS = ("code", "extraction", "chat")
@@ -237,12 +238,18 @@ def extra_server_args(args) -> list[str]:
     """``--server-args``, with SGLang's decode log every step unless they set its interval: SGLang adds a window's
     accepted tokens to the totals that /get_server_info reports only when it logs the window (every 40 decode steps
     by default), so a run of fewer steps reported no accept length and a longer one left its last window out. With
-    ``--servers-together`` every server also sleeps when idle (``--sleep-on-idle``)."""
+    ``--servers-together`` every server also sleeps when idle (``--sleep-on-idle``), and on the CPU bed each may
+    count the memory its peers hold as its own (``TOGETHER_MEMORY_FRACTION``): SGLang's CPU start-up refuses a
+    server when the memory others use exceeds ``1 - --mem-fraction-static``, though the bed's KV pool is capped
+    by ``--max-total-tokens``, not by that fraction."""
     extra = shlex.split(args.server_args)
     if not any(arg.split("=")[0] == "--decode-log-interval" for arg in extra):
         extra += ["--decode-log-interval", "1"]
     if args.servers_together and "--sleep-on-idle" not in extra:
         extra += ["--sleep-on-idle"]
+    if args.servers_together and args.cpu_model and not any(arg.split("=")[0] == "--mem-fraction-static"
+                                                            for arg in extra):
+        extra += ["--mem-fraction-static", TOGETHER_MEMORY_FRACTION]
     return extra
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import sglang_spec_testbed.server as cpu_server
-from sglang_spec_testbed.server import free_port
+from sglang_spec_testbed.server import free_port, option_value
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
@@ -232,7 +232,8 @@ def _bench_stand_in(command, env=None, stdout=None, stderr=None):
 def test_servers_together_start_once_on_their_own_ports_and_take_each_workload_back_to_back(
         together, tmp_path, monkeypatch):
     """``--servers-together``: every server starts once on its own port, sleeps when idle (an idle SGLang scheduler
-    spins a core, which would slow the server being measured), and each round runs one workload on every server in
+    spins a core, which would slow the server being measured), may take the memory its peers hold (the CPU bed's
+    start-up check would refuse the last ones), and each round runs one workload on every server in
     the round's rotated order before the next workload. Without it, one server at a time on ``--port``, all its
     workloads, restarted every round."""
     spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
@@ -254,9 +255,15 @@ def test_servers_together_start_once_on_their_own_ports_and_take_each_workload_b
                           ("bench code", 31001), ("bench code", 31000), ("bench chat", 31001), ("bench chat", 31000),
                           ("stop", 31000), ("stop", 31001)]
         assert all("--sleep-on-idle" in server.args for server in started)
+        # the bed's start-up memory check counts the peers' memory against each: the fraction lets them start
+        assert all(option_value(server.args, "--mem-fraction-static") == sweep.TOGETHER_MEMORY_FRACTION
+                   for server in started)
     else:
         assert events == [("start", 31000), ("bench code", 31000), ("bench chat", 31000), ("stop", 31000)] * 4
         assert not any("--sleep-on-idle" in server.args for server in started)
+        assert all(option_value(server.args, "--mem-fraction-static") == option_value(cpu_server.CPU_FLAGS,
+                                                                                     "--mem-fraction-static")
+                   for server in started)
     record = json.loads((tmp_path / "s.json").read_text())
     assert record["command"].startswith("python bench/serving_sweep.py ") and "commit" not in record["environment"]
     rows = record["rows"]
