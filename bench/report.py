@@ -144,17 +144,20 @@ SERVING_ABOUT = {
                               "more than it gives and tree auto is meant to decode plainly. "
                               "Measured with the batch-wide switch that the per-step planner replaced; not yet "
                               "measured again with the planner.",
-    "serving_sweep_mixed_c4.json": "Four concurrent requests of a mixed stream (code, extraction and chat requests "
-                                   "arriving together): the per-step planner, which gives each request its own "
-                                   "tree size, against the same planner deciding for the whole batch at once.",
+    "serving_sweep_mixed_c4.json": "Four concurrent requests of code, of extraction and of a mixed stream (code, "
+                                   "extraction and chat requests arriving together): the per-step planner (each "
+                                   "step one verify size, chosen from every request's predicted reach; each "
+                                   "request verifies its own best nodes) against the same planner choosing only a "
+                                   "plain step or the full tree, and against SGLang's own EAGLE tree and NGRAM, "
+                                   "all servers up together.",
     "serving_sweep_peers.json": "One request at a time, 15 draft tokens each: the project's hybrid trees against "
                                 "SGLang's own EAGLE tree (topk 4, 4 steps) and NGRAM drafting, as a user would "
                                 "launch them.",
 }
 SERVING_TITLES = {"serving_sweep_c1.json": "Serving, one request: tree auto against plain decoding",
                   "serving_sweep_c16.json": "Serving, 16 requests: tree auto against plain decoding",
-                  "serving_sweep_mixed_c4.json": "Serving, 4 requests of a mixed stream: per-request plans against "
-                                                 "a batch-wide switch",
+                  "serving_sweep_mixed_c4.json": "Serving, 4 requests: per-step plans against a plain-or-full "
+                                                 "switch and SGLang's own speculation",
                   "serving_sweep_peers.json": "Serving, accept length against SGLang's own speculation"}
 SERVING_NOTE = ("SmolLM2-135M-Instruct and its shipped MTP head served by SGLang's `launch_server` on the CPU test "
                 "bed, SGLang's `bench_serving` client, greedy, on prompts no head was trained on (code: held-out "
@@ -175,9 +178,8 @@ def serving_files(results: Path) -> list[str]:
 
 def serving_body(name: str) -> Callable[[Path], str]:
     def body(results: Path) -> str:
-        rows = load(results, name)
-        if isinstance(rows, dict):
-            rows = rows["rows"]
+        data = load(results, name)
+        rows = data["rows"] if isinstance(data, dict) else data  # older runs filed the rows alone
         tpot = any(row.get("p99_tpot_ms") is not None for row in rows)  # older runs did not record it
         out = []
         for row in rows:
@@ -192,7 +194,7 @@ def serving_body(name: str) -> Callable[[Path], str]:
         rounds = max((len(row.get("output_throughput_rounds") or []) for row in rows), default=0)
         return "\n\n".join([
             SERVING_ABOUT.get(name, "A run of the serving sweep.") + (f" {rounds} rounds." if rounds > 1 else " One round."),
-            run_lines(rows, results, name, [name, f"{stem}.csv", f"{stem}.png"]),
+            run_lines(data, results, name, [name, f"{stem}.csv", f"{stem}.png"]),
             table(["workload", "method", "draft tokens", "concurrency", "output tok/s", "x plain", "per round",
                    "accept length", "p50 ITL ms", "p99 ITL ms", *(["p99 TPOT ms"] if tpot else [])], out),
         ])
@@ -564,10 +566,12 @@ def render_headline(results: Path = RESULTS, page: str = "docs/results/README.md
     name = "serving_sweep_mixed_c4.json"
     if (results / name).exists():
         data = _rows(results, name)
-        auto, batch = (_pick(data, workload="mixed", policy=policy) for policy in ("auto", "auto-batch"))
-        add("SGLang server, 4 requests of a mixed stream: the per-step planner / the batch-wide switch over the "
-            "faster plain decoding", name, f"**{x(auto['speedup_over_plain'])}** / {x(batch['speedup_over_plain'])}",
-            SERVING_TITLES[name])
+        cells = []
+        for workload in _workloads(data):
+            auto, batch = (_pick(data, workload=workload, policy=policy) for policy in ("auto", "auto-batch"))
+            cells.append(f"{workload} **{x(auto['speedup_over_plain'])}** / {x(batch['speedup_over_plain'])}")
+        add("SGLang server, 4 requests: the per-step planner / the same planner choosing a plain step or the full "
+            "tree, over the faster plain decoding", name, ", ".join(cells), SERVING_TITLES[name])
     name = "serving_sweep_peers.json"
     if (results / name).exists():
         data = _rows(results, name)
