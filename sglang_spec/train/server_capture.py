@@ -184,8 +184,10 @@ def capture_from_server(
                         raise
                     # chunked beside the batch's other prompts: alone it is prefilled whole (or refused in one line)
                     alone = post_json(url, "/generate", {**payload, "input_ids": [encoded[index]]}, timeout=3600)
-                    sequence = to_sequence(prompts[index], encoded[index], alone[0] if isinstance(alone, list)
-                                           and alone else alone)
+                    alone = (alone or [None])[0] if isinstance(alone, list) else alone
+                    if not isinstance(alone, dict):
+                        raise SpecError(f"{prompts[index].id}: the server's answer is not a JSON object")
+                    sequence = to_sequence(prompts[index], encoded[index], alone)
                 if sequence is not None:
                     writer.add(sequence)
                     captured += 1
