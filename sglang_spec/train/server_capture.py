@@ -119,8 +119,10 @@ def _hidden_rows(answer: dict[str, Any], prompt_length: int, prompt_id: str) -> 
         raise SpecError(f"{prompt_id}: the server's hidden states are not a table of numbers") from None
 
 
-def to_sequence(spec: PromptSpec, prompt: list[int], answer: dict[str, Any]) -> CapturedSequence | None:
+def to_sequence(spec: PromptSpec, prompt: list[int], answer: Any) -> CapturedSequence | None:
     """The captured sequence of one answer (None for an empty answer: nothing to train on)."""
+    if not isinstance(answer, dict):
+        raise SpecError(f"{spec.id}: the server's answer is not a JSON object")
     meta = answer.get("meta_info") or {}
     finish = meta.get("finish_reason") or {}
     if isinstance(finish, dict) and finish.get("type") == "abort":
@@ -175,8 +177,6 @@ def capture_from_server(
             if len(answers) != len(batch):
                 raise SpecError(f"the server answered {len(answers)} of {len(batch)} requests")
             for index, answer in zip(batch, answers):
-                if not isinstance(answer, dict):
-                    raise SpecError(f"{prompts[index].id}: the server's answer is not a JSON object")
                 try:
                     sequence = to_sequence(prompts[index], encoded[index], answer)
                 except ChunkedPromptStates:
@@ -185,8 +185,6 @@ def capture_from_server(
                     # chunked beside the batch's other prompts: alone it is prefilled whole (or refused in one line)
                     alone = post_json(url, "/generate", {**payload, "input_ids": [encoded[index]]}, timeout=3600)
                     alone = (alone or [None])[0] if isinstance(alone, list) else alone
-                    if not isinstance(alone, dict):
-                        raise SpecError(f"{prompts[index].id}: the server's answer is not a JSON object")
                     sequence = to_sequence(prompts[index], encoded[index], alone)
                 if sequence is not None:
                     writer.add(sequence)
