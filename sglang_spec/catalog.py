@@ -20,18 +20,27 @@ from sglang_spec.train.build_tiny_deepseek import tiny_deepseek_dir
 BUILTIN_MODELS = ("smollm2", "tiny-deepseek")
 
 
-def resolve_model_path(name: str, progress: bool = True) -> tuple[str, Path]:
-    """(label, model folder) for a ``--model`` name, building a built-in model first if needed."""
-    if name == "smollm2":
-        return name, smollm2_dir(progress=progress)
-    if name == "tiny-deepseek":
-        return name, tiny_deepseek_dir(progress=progress)
+def model_label(name: str) -> str:
+    """The label of a ``--model`` name (a built-in model's name, a model folder's name), building nothing: what
+    a check against other inputs needs before the model is built or converted."""
+    if name in ("smollm2", "tiny-deepseek"):
+        return name
     path = Path(name)
     if path.is_dir() and (path / "config.json").exists():
-        return path.name, path
+        return path.name
     if path.exists():
         raise SpecError(f"{path} is not a model folder (no config.json)")
     raise SpecError(f"unknown model {name!r}: give a local model folder, or one of {', '.join(BUILTIN_MODELS)}")
+
+
+def resolve_model_path(name: str, progress: bool = True) -> tuple[str, Path]:
+    """(label, model folder) for a ``--model`` name, building a built-in model first if needed."""
+    label = model_label(name)
+    if name == "smollm2":
+        return label, smollm2_dir(progress=progress)
+    if name == "tiny-deepseek":
+        return label, tiny_deepseek_dir(progress=progress)
+    return label, Path(name)
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:

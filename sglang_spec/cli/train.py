@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sglang_spec.catalog import load_model, resolve_model_path
+from sglang_spec.catalog import load_model, model_label, resolve_model_path
 from sglang_spec.cli.parser import MAX_BATCH_SIZE, MAX_STEPS, integer, number, path_arg, seed, text_arg
 from sglang_spec.errors import SpecError
 from sglang_spec.models.loading import LoadedModel, load_head_for
@@ -181,12 +181,11 @@ def _from_capture(args: argparse.Namespace, progress: bool) -> tuple[LoadedModel
     manifest = read_manifest(args.capture)
     model = args.model or manifest.source.get("model_path") or manifest.model
     _check_init(args)
-    label, folder = resolve_model_path(model, progress=progress)
-    if args.model is None:
-        label = manifest.model
-    if label != manifest.model and not args.allow_model_mismatch:
+    label = manifest.model if args.model is None else model_label(model)
+    if label != manifest.model and not args.allow_model_mismatch:  # checked before the model is built
         raise SpecError(f"{args.capture} was captured from {manifest.model!r}, not {label!r}; pass "
                         f"--allow-model-mismatch to train on it anyway")
+    _, folder = resolve_model_path(model, progress=progress)
     # a GPU when there is one (untested here: this project's CI has none), else the CPU
     loaded = load_target_shell(label, folder, device=training_device())
     metadata = {"model": label, "capture": str(args.capture), "captured_sequences": manifest.num_sequences,
