@@ -46,7 +46,7 @@ from sglang_spec.sglang_plugin.mla_cascade import (
 from sglang_spec.attention import flashinfer_mla
 from sglang_spec.sglang_plugin.messages import log
 from sglang_spec.sglang_plugin.state import options_of
-from sglang_spec.tree.encode_sglang import TreeMaskMode
+from sglang_spec.tree.encode_sglang import TreeMaskMode, complete_tree_mask
 
 CPU_WORKSPACE_BYTES = 4096  # the CPU twin's wrappers keep their plan on the host: a token workspace
 
@@ -222,6 +222,8 @@ class MLATreeVerifyBackend(AttentionBackend):
     def _plan_eager(self, forward_batch) -> VerifyState:
         batch, tree_tokens, prefix_lens, prefix_host = self._verify_inputs(forward_batch)
         tree_mask, mode = self._tree_mask(forward_batch, batch, tree_tokens)
+        # a batch DP attention padded after the mask was built: the padding rows' cells, not reads past the mask
+        tree_mask = complete_tree_mask(tree_mask, mode, prefix_host.tolist(), [tree_tokens] * batch)
         plan = plan_tree_verify(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[:batch],
                                 prefix_lens, prefix_host, tree_tokens, self.page_size, mode)
         plan_prefix_wrapper(self.flashinfer, self.wrapper, plan, self.shape)

@@ -35,6 +35,45 @@ class TreeMaskMode(enum.IntEnum):
     QLEN_ONLY_BITPACKING = 2
 
 
+def tree_mask_cells(mode: TreeMaskMode, prefix_lens: Sequence[int], tree_lens: Sequence[int]) -> list[int]:
+    """Elements of each request's block in a tree mask of ``mode`` (blocks back to back): ``n x n`` (QLEN_ONLY),
+    ``n x (prefix + n)`` (FULL_MASK), ``n`` rows of packed bits (QLEN_ONLY_BITPACKING); prefix_lens, tree_lens:
+    [B] committed tokens and tree tokens of each request."""
+    if mode == TreeMaskMode.QLEN_ONLY:
+        return [int(new) * int(new) for new in tree_lens]
+    if mode == TreeMaskMode.FULL_MASK:
+        return [int(new) * (int(prefix) + int(new)) for prefix, new in zip(prefix_lens, tree_lens)]
+    return [int(new) for new in tree_lens]
+
+
+def complete_tree_mask(mask: torch.Tensor, mode: TreeMaskMode, prefix_lens: Sequence[int],
+                       tree_lens: Sequence[int]) -> torch.Tensor:
+    """``mask`` (flat, built in ``mode``) covering every request of a batch of B: as it is where it is long enough
+    (SGLang sizes some masks by an upper bound); completed with attend-everything cells where it covers the blocks
+    of a leading run of the requests (one at least) exactly, the rest being rows DP attention padded the verify
+    batch with after the mask was built (their outputs are dropped; SGLang's FlashInfer backend pads such a mask
+    the same way). Any other shortfall is a mask of another layout: ``ValueError``. Host lists in, no device
+    read."""
+    cells = tree_mask_cells(mode, prefix_lens, tree_lens)
+    needed, covered = sum(cells), 0
+    if mask.numel() >= needed:
+        return mask
+    for count in cells[:-1]:
+        covered += count
+        if covered == mask.numel():
+            filler = torch.full((needed - covered,), _attend_all(mode, mask), dtype=mask.dtype, device=mask.device)
+            return torch.cat([mask, filler])
+    raise ValueError(f"a {mode.name} tree mask for {list(tree_lens)} tree tokens after prefixes of "
+                     f"{list(prefix_lens)} has {needed} cells, got {mask.numel()}: built in another mode?")
+
+
+def _attend_all(mode: TreeMaskMode, mask: torch.Tensor) -> int | bool:
+    """A cell that lets its row attend everywhere: True, or every bit of a packed row."""
+    if mode != TreeMaskMode.QLEN_ONLY_BITPACKING:
+        return True
+    return -1 if mask.dtype.is_signed else (1 << (8 * mask.element_size())) - 1
+
+
 @dataclass(frozen=True, eq=False)
 class SGLangDraftEncoding:
     """Draft outputs for ``build_tree_kernel_efficient`` (n = num_verify_tokens = budget + 1 per request).

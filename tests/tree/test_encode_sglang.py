@@ -115,3 +115,33 @@ def test_conforms_to_sglangs_triton_build_tree_kernel(sglang_kernels, case, mode
     )
     for tree, back in zip(trees, decoded):
         assert back.parents.tolist() == tree.parents.tolist() and back.tokens.tolist() == tree.tokens.tolist()
+
+
+@pytest.mark.parametrize("mode", [TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK, TreeMaskMode.QLEN_ONLY_BITPACKING])
+def test_a_mask_built_before_dp_padding_is_completed_for_the_padding_rows(mode):
+    """DP attention pads a verify batch of one request to two after the mask was built: the real request's block
+    stays as built, the padding row's block lets it attend everywhere."""
+    from sglang_spec.tree.encode_sglang import complete_tree_mask, tree_mask_cells
+
+    built = encode_sglang_verify([UNO_EXAMPLE], seq_lens=[10], mode=mode).tree_mask
+    completed = complete_tree_mask(built, mode, prefix_lens=[10, 1], tree_lens=[7, 7])
+    cells = tree_mask_cells(mode, [10, 1], [7, 7])
+    assert completed.numel() == sum(cells) and completed.dtype == built.dtype
+    assert torch.equal(completed[:built.numel()], built)
+    padding = completed[built.numel():]
+    expected_fill = (1 << (8 * built.element_size())) - 1 if mode == TreeMaskMode.QLEN_ONLY_BITPACKING else True
+    assert padding.tolist() == [expected_fill] * cells[1]
+    # a mask long enough (SGLang sizes some by an upper bound) is the same tensor
+    assert complete_tree_mask(completed, mode, [10, 1], [7, 7]) is completed
+
+
+def test_a_mask_that_covers_no_leading_run_of_requests_is_refused():
+    """A QLEN_ONLY mask read as FULL_MASK falls short in the middle of a block: refused, not padded; and a missing
+    mask is never made attend-everything (that would let every tree token see its siblings)."""
+    from sglang_spec.tree.encode_sglang import complete_tree_mask
+
+    qlen = encode_sglang_verify([UNO_EXAMPLE, UNO_EXAMPLE], seq_lens=[10, 12], mode=TreeMaskMode.QLEN_ONLY).tree_mask
+    with pytest.raises(ValueError, match="built in another mode"):
+        complete_tree_mask(qlen, TreeMaskMode.FULL_MASK, [10, 12], [7, 7])
+    with pytest.raises(ValueError, match="built in another mode"):
+        complete_tree_mask(torch.zeros(0, dtype=torch.bool), TreeMaskMode.QLEN_ONLY, [10, 1], [7, 7])
