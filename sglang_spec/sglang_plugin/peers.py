@@ -78,7 +78,9 @@ class PlanGroup:
     every DP group too (their MLP runs all their tokens together). Every rank calls ``agree`` once per
     forward_batch_generation call, prefills and idle batches included (with an empty table), so the calls pair
     up; the result is the same on every rank: the batch's expected tokens summed over the group (a constant factor
-    under plain tensor parallelism, where every rank holds the same batch), each size's seconds the slowest rank's."""
+    under plain tensor parallelism, where every rank holds the same batch), each size's seconds the slowest rank's.
+    A tree step whose drafter prices head levels (plain tensor parallelism: the ranks hold one batch) meets once
+    more after it (``slowest``), so the prices, and the trees they shape, are the same on every rank."""
 
     cpu_group: Any
 
@@ -98,3 +100,10 @@ class PlanGroup:
         torch.distributed.all_reduce(expected, op=torch.distributed.ReduceOp.SUM, group=self.cpu_group)
         torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX, group=self.cpu_group)
         return SizeTable(table.sizes, tuple(expected.tolist()), tuple(seconds.tolist()))
+
+    def slowest(self, *seconds: float) -> tuple[float, ...]:
+        """Each of ``seconds`` as the group's slowest rank measured it (every rank calls this at the same point of
+        the same steps)."""
+        values = torch.tensor(seconds, dtype=torch.float64)
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=self.cpu_group)
+        return tuple(values.tolist())

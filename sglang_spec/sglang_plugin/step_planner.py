@@ -93,6 +93,7 @@ class StepPlanner:
     # request) of recent tree steps
     served: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, size) -> seconds, no start-up table
     chosen: Counter[int] = field(default_factory=Counter)  # steps by verify size
+    idle_steps: int = 0  # steps this rank ran with no request of its own at the group's size (DP attention)
     learnt_at: dict[str, int] = field(default_factory=dict)  # rid -> the step its reach was last learnt at
     log_path: str | None = None  # ``PLAN_LOG_ENV``: where every planned step is written, one JSON line each
 
@@ -166,6 +167,11 @@ class StepPlanner:
         size, expected, seconds = choose_size(table, self.cap * table.seconds[0])
         self.chosen[size] += 1
         return StepPlan(size, expected, seconds, (size - 1,) * batch_size)
+
+    def size_for(self, table: SizeTable) -> int:
+        """The verify size ``choose`` takes for the (agreed) table, not counted as a step: what a rank with no
+        request of its own runs beside the group's (a function of the agreed table alone, as on every rank)."""
+        return choose_size(table, self.cap * table.seconds[0])[0]
 
     # -------------------------------------------------------------------------------------------- learning
     def observe(self, plan: StepPlan, rids: Sequence[str], seconds: float, accept_lens: Sequence[int]) -> None:

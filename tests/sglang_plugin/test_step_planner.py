@@ -168,3 +168,51 @@ def test_a_slow_spell_of_tree_steps_does_not_keep_trees_off_for_good():
     stuck.learn_reach({"copy": [0.9] * 8})
     stuck.extra_seen.extend((10 ** 9, 1.0) for _ in range(3))
     assert all(stuck.choose(stuck.table(["copy"]), 1).plain for _ in range(2 * TREE_PRICE_MEMORY))
+
+
+def rank_beside_an_idle_one(rank: int, port: int, folder: str) -> None:
+    """Rank 0 decodes four requests; rank 1 is DP attention's idle rank (no request, an empty table). Both time
+    their steps differently; head-level prices are fed the group's slowest times (and, as a control, the rank's
+    own)."""
+    from sglang_spec.planner import SizeTable
+    from sglang_spec.sglang_plugin.level_costs import LevelCosts
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = PlanGroup(dist.group.WORLD)
+        plan_state = planner()
+        plan_state.learn_reach({rid: [0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05] for rid in "abcd"})
+        agreed, own = LevelCosts(), LevelCosts()
+        sizes = []
+        for step in range(10):
+            if rank == 0:
+                table = group.agree(plan_state.table(list("abcd")))
+                plan = plan_state.choose(table, 4)
+                plan_state.observe(plan, list("abcd"), 0.05 * (1 + step % 3) * plan.tokens, [3, 2, 1, 4])
+                sizes.append(plan.tokens)
+            else:
+                zeros = (0.0,) * len(plan_state.sizes)
+                sizes.append(plan_state.size_for(group.agree(SizeTable(plan_state.sizes, zeros, zeros))))
+            step_seconds, rounds_seconds = 0.1 * (1 + rank) * (1 + step % 2), 0.02 * (2 - rank)
+            own.observe(4, step_seconds, 2, rounds_seconds)
+            slowest_step, slowest_rounds = group.slowest(step_seconds, rounds_seconds)
+            agreed.observe(4, slowest_step, 2, slowest_rounds)
+        with open(f"{folder}/rank{rank}.json", "w") as handle:
+            json.dump({"sizes": sizes, "steps": plan_state.steps,
+                       "agreed": [agreed.round_seconds[4], agreed.rest_seconds[4]],
+                       "own": [own.round_seconds[4], own.rest_seconds[4]]}, handle)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_idle_rank_takes_the_groups_size_and_level_prices_agree(tmp_path):
+    """What DP attention needs of the ranks' head forwards: an idle rank runs the decoding ranks' verify size (its
+    draft's head forwards pair up with theirs), without counting a step of its own; head-level prices fed the
+    group's slowest times are the same on every rank (a rank's own times would not be)."""
+    torch.multiprocessing.spawn(rank_beside_an_idle_one, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0]["sizes"] == ranks[1]["sizes"] and len(set(ranks[0]["sizes"])) > 1
+    assert ranks[1]["steps"] == 0  # the idle rank planned no step of its own
+    assert ranks[0]["agreed"] == ranks[1]["agreed"]
+    assert ranks[0]["own"] != ranks[1]["own"]  # negative control

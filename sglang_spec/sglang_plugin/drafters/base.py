@@ -89,6 +89,8 @@ class ServedDrafter:
     level_costs, rounds, rounds_seconds, priced_out: the prices of the head's levels under tree auto, the rounds
                the last draft ran and their seconds, and how many trees left a level out (a host context drafter's;
                None / 0 for the others).
+    all_head_rounds: every draft runs the step's ``steps - 1`` head forwards, those its trees did not ask for over
+               dummy beams (``beams.pad_head_rounds``): set under DP attention, where the ranks' forwards pair up.
     """
 
     eager: bool = False
@@ -102,6 +104,7 @@ class ServedDrafter:
     rounds: int = 0
     rounds_seconds: float = 0.0
     priced_out: int = 0
+    all_head_rounds: bool = False
 
     def use_outputs(self, outputs: CommittedOutputs) -> None:
         """With the overlap scheduler: where each request's lagging output ids are completed from."""

@@ -93,3 +93,20 @@ def head_round(worker: Any, forward_batch: Any, step: int, tokens: torch.Tensor,
         permute_kv(worker.draft_runner.token_to_kv_pool, target, source)
     return forward_beams(worker, forward_batch, step, tokens.reshape(-1), state[hidden_rows], step_locs[step - 1],
                          topk)
+
+
+def pad_head_rounds(worker: Any, forward_batch: Any, done: int, steps: int, state: torch.Tensor,
+                    step_locs: torch.Tensor) -> int:
+    """The head rounds ``done + 1 .. steps - 1`` a draft's trees did not ask for, run over dummy beams (token 0,
+    each beam reading its own column), their output unread: under DP attention every rank of a step runs the same
+    ``steps - 1`` head forwards, because their DP gathers pair up across ranks and SGLang's idle ranks run that
+    many (``_draft_forward_idle``). ``state``: the last round's hidden states ([R * W, H]; the root's [R, H] when
+    ``done`` is 0). Returns the rounds run."""
+    batch, width = forward_batch.batch_size, worker.topk
+    device = state.device
+    tokens = torch.zeros(batch, width, dtype=torch.int64, device=device)
+    own_column = torch.arange(width, dtype=torch.int64, device=device).repeat(batch, 1)
+    for step in range(done + 1, steps):
+        output, _, _ = head_round(worker, forward_batch, step, tokens, own_column, state, step_locs, 1)
+        state = output.hidden_states
+    return max(steps - 1 - done, 0)

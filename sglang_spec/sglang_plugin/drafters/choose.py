@@ -21,7 +21,8 @@ def drafter_for(options: TreeServerOptions, width: int, steps: int, budget: int,
                 filler: SGLangDraftEncoding, dp_attention: bool = False) -> ServedDrafter:
     """The drafter of a server with ``options`` and SGLang's draft shape (``width`` beams, ``steps`` draft steps,
     ``budget`` verified nodes a request); ``filler``: the tree a guarded request verifies. Under DP attention the
-    logits processor gathers every rank's rows, so the head runs over all the beams (no live-row budget).
+    logits processor gathers every rank's rows, so the head runs over all the beams (no live-row budget), and a
+    context tree's draft runs every head level (the ranks' head forwards pair up).
     Raises ``SpecError`` (one line) where the options do not fit the shape."""
     if options.own_loop:
         loop = DraftLoop.build(width, options.topk, steps, options.draft_plan(), device,
@@ -29,13 +30,18 @@ def drafter_for(options: TreeServerOptions, width: int, steps: int, budget: int,
         return HeadLoopDrafter(loop, HeadGuard.build(filler, device))
     if options.uses_context:
         policy = options.tree_policy()
+        context: ServedDrafter
         if options.context_on == "device" and policy.uses_head:
-            return DeviceHybridDrafter(policy, steps, budget, HeadGuard.build(filler, device), SOURCES)
-        if options.context_on == "device":
-            return DeviceLookupDrafter(policy, steps, budget, SOURCES)
-        drafter = HostContextDrafter(policy, steps, budget, SOURCES)
-        if options.auto:  # head levels priced per batch size from the served steps (``level_costs``)
-            drafter.level_costs = LevelCosts()
-        return drafter
+            context = DeviceHybridDrafter(policy, steps, budget, HeadGuard.build(filler, device), SOURCES)
+        elif options.context_on == "device":
+            context = DeviceLookupDrafter(policy, steps, budget, SOURCES)
+        else:
+            context = HostContextDrafter(policy, steps, budget, SOURCES)
+            # head levels priced per batch size from the served steps (``level_costs``); not under DP attention,
+            # where every rank runs every level anyway (``all_head_rounds``): leaving one out saves nothing
+            if options.auto and not dp_attention:
+                context.level_costs = LevelCosts()
+        context.all_head_rounds = dp_attention
+        return context
     return SGLangLoopDrafter(width, steps)
 

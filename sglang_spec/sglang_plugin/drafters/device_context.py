@@ -19,7 +19,7 @@ from sglang_spec.device_trees.lookup import (LookupTrees, NgramMatch, build_look
                                              lookup_estimates)
 from sglang_spec.kernels.ngram_match import ngram_match, ngram_match_reference
 from sglang_spec.sglang_plugin.drafters.base import DraftCall, SGLangDraft, VerifyOutcome
-from sglang_spec.sglang_plugin.drafters.beams import head_round
+from sglang_spec.sglang_plugin.drafters.beams import head_round, pad_head_rounds
 from sglang_spec.sglang_plugin.drafters.context import ContextDrafter
 from sglang_spec.sglang_plugin.drafters.device_history import DeviceHistory
 from sglang_spec.sglang_plugin.drafters.head_guard import HeadGuard, finite_rows
@@ -141,7 +141,8 @@ def device_hybrid_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[
     on the device (``device_trees/hybrid``, the host builder's trees), the head's rounds run as the host path runs
     them (``forward_beams``: a round's nodes are its beams, each beam's KV column given its parent's history
     first), padded and encoded there, with no host read. Every head level the policy allows runs (a request
-    whose tree stops asking gets its slots masked), so the step's shape is fixed. A request whose head
+    whose tree stops asking gets its slots masked), so the step's shape is fixed; under DP attention the levels
+    past the policy's run over dummy beams too (``all_head_rounds``). A request whose head
     probabilities are not all finite verifies the filler tree (``head_guard``; not observed)."""
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
 
@@ -160,7 +161,7 @@ def device_hybrid_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[
     finite = finite_rows(root_probs, batch)
     step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, batch, width, drafter.steps)
     beams = torch.arange(width, device=device)
-    carried = {"state": spec_info.hidden_states, "finite": finite}
+    carried = {"state": spec_info.hidden_states, "finite": finite, "rounds": 0}
     beam_of: list[torch.Tensor] = []  # [R, C + 1]: each node's beam in the last head round (the root: 0)
 
     def head(level: int, nodes: torch.Tensor, growth: HybridGrowth) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +179,7 @@ def device_hybrid_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[
         output, topk_p, topk_index = head_round(worker, forward_batch, step, tokens, parent_beam, carried["state"],
                                                 step_locs, topk)
         carried["state"] = output.hidden_states
+        carried["rounds"] = step
         probs = topk_p.float().view(batch, width, topk)[:, :slots]
         carried["finite"] = carried["finite"] & torch.where(listed[..., None], torch.isfinite(probs), True).view(
             batch, -1).all(1)
@@ -188,6 +190,8 @@ def device_hybrid_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[
 
     trees = build_hybrid_trees(contexts, lengths, forward_batch.req_pool_indices.long(), root_index, root_probs,
                                head, SourceEstimates.of(drafter.drafter.counts, device), shape, match=match)
+    if drafter.all_head_rounds:
+        pad_head_rounds(worker, forward_batch, carried["rounds"], drafter.steps, carried["state"], step_locs)
     drafter.proposed_on_device = trees
     drafter.proposed_finite = carried["finite"]
     parents, tokens = pad_to_budget_device(trees.parents, trees.tokens, trees.num_nodes, drafter.budget, width,

@@ -29,7 +29,7 @@ import torch
 
 from sglang_spec.sglang_plugin.committed import CommittedOutputs, forget_finished
 from sglang_spec.sglang_plugin.drafters.base import DraftCall, SGLangDraft, VerifyOutcome
-from sglang_spec.sglang_plugin.drafters.beams import head_round
+from sglang_spec.sglang_plugin.drafters.beams import head_round, pad_head_rounds
 from sglang_spec.sglang_plugin.drafters.context import ContextDrafter
 from sglang_spec.sglang_plugin.drafters.head_guard import NonFiniteHeadOutput
 from sglang_spec.sglang_plugin.drafters.padding import pad_to_budget
@@ -223,6 +223,11 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
             count = len(nodes)
             _advance(rounds, trees, pending, row, Candidates(topk_index[row, :count], topk_p[row, :count]))
     assert not pending, "a tree asked for a head round deeper than SGLang drafts (its depth is the step count)"
+    if drafter.all_head_rounds and drafter.uses_head:
+        start = time.perf_counter()
+        padded_rounds = pad_head_rounds(worker, forward_batch, drafter.rounds, steps, state, step_locs)
+        drafter.rounds += padded_rounds
+        drafter.rounds_seconds += time.perf_counter() - start
 
     assert all(tree is not None for tree in trees)
     drafter.priced_out += sum(builder.priced_out for builder in builders)

@@ -22,7 +22,8 @@ from sglang_spec.sglang_plugin.verify_shapes import VerifyShapes
 
 def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
     """A decode batch: the planner's step, run and timed; any other batch: as it is (the group's ranks still meet
-    once, so their agreements pair up)."""
+    once, so their agreements pair up), an idle rank of a decode step (DP attention) at the size the group's plan
+    takes."""
     state: WorkerState | None = state_of(worker)
     if state is None or not state.options.auto:
         return original(worker, batch, *args, **kwargs)
@@ -31,9 +32,17 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
     planner = state.auto
     decode = not (batch.forward_mode.is_idle() or batch.forward_mode.is_extend() or batch.is_extend_in_batch)
     if not decode:
-        if state.plan_group is not None:
-            state.plan_group.agree(_empty_table(planner))
-        return original(worker, batch, *args, **kwargs)
+        if state.plan_group is None:
+            return original(worker, batch, *args, **kwargs)
+        table = state.plan_group.agree(_empty_table(planner))
+        if not (batch.forward_mode.is_idle() and not batch.is_extend_in_batch):
+            return original(worker, batch, *args, **kwargs)
+        # DP attention's idle rank beside decoding ones: the group's size, so its head forwards pair up with theirs
+        if not planner.idle_steps:
+            log("tree auto: a DP attention rank with no request steps at its group's verify sizes")
+        planner.idle_steps += 1
+        with _verify_size(worker, state, planner.size_for(table)):
+            return original(worker, batch, *args, **kwargs)
     rids = [request.rid for request in batch.reqs]
     _refresh_predictions(planner, state, batch.reqs)
     plan = _plan(planner, state, rids)
@@ -89,25 +98,30 @@ def _observe_step(planner: StepPlanner, state: WorkerState, plan: StepPlan, rids
     host drafter's head-level prices, the metrics."""
     accept_lens = output.accept_lens.tolist()  # reads the step's result: the time below is the step's own
     seconds = time.perf_counter() - start
+    rounds_seconds = state.drafter.rounds_seconds
+    if not plan.plain and state.drafter.level_costs is not None and state.plan_group is not None:
+        # level prices shape the trees, and the ranks of a group verify one tree a request: they price from the
+        # same times, the group's slowest (first, so a later fault on one rank cannot leave the others waiting)
+        seconds, rounds_seconds = state.plan_group.slowest(seconds, rounds_seconds)
     # a new request's context index is built once: not a cost the step's size repeats
     setup = 0.0 if plan.plain else state.drafter.setup_seconds
     planner.observe(plan, rids, seconds - setup, accept_lens)
     if not plan.plain:
         planner.learn_reach(state.drafter.drafted_reach())
-        _price_levels(state, len(rids), seconds)
+        _price_levels(state, len(rids), seconds, rounds_seconds)
     PLANS.record(plan.tokens, len(rids), plan.predicted_seconds, seconds)
     if planner.log_path is not None:
         planner.write_log(plan, rids, seconds, accept_lens)
 
 
-def _price_levels(state: WorkerState, size: int, seconds: float) -> None:
+def _price_levels(state: WorkerState, size: int, seconds: float, rounds_seconds: float) -> None:
     """A tree step's time and its head rounds' into a host drafter's level prices (logged once, when trees first
     leave a level out)."""
     costs = state.drafter.level_costs
     if costs is None:
         return
     priced_out = state.drafter.priced_out
-    costs.observe(size, seconds, state.drafter.rounds, state.drafter.rounds_seconds)
+    costs.observe(size, seconds, state.drafter.rounds, rounds_seconds)
     if priced_out and not costs.logged:
         costs.logged = True
         log(f"tree auto: head levels priced at batch {size} ({costs.describe(size)}): trees leave a level out "

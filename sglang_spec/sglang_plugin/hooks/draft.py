@@ -111,6 +111,10 @@ def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
     """The drafter's trees for the batch; a draft that raises verifies the filler tree for that batch instead. Under
     tensor parallelism the ranks agree first, so all fall back together."""
     state: WorkerState | None = state_of(worker)
+    if state is not None and forward_batch.forward_mode.is_idle() and not state.drafter.uses_head:
+        # DP attention's idle rank beside lookup trees: they run no head forward, so neither does it (SGLang's idle
+        # draft runs the steps' head forwards, whose DP gathers would wait for ranks that never join)
+        return None, None, None, None
     if state is None or forward_batch.forward_mode.is_idle():
         return original(worker, forward_batch, *args, **kwargs)
     faults = state.faults
