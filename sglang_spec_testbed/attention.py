@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_spec_testbed.tree_mask import first_use
-from sglang_spec.tree.encode_sglang import TreeMaskMode
+from sglang_spec.tree.encode_sglang import TreeMaskMode, complete_tree_mask, tree_mask_cells
 
 
 def _attend(queries, keys, values, scaling: float, logit_cap: float, allowed, tail=None) -> torch.Tensor:
@@ -166,17 +166,6 @@ def decode_attention_cpu(q, k_buffer, v_buffer, k_scale, v_scale, o, k_new, v_ne
         o[start:stop] = attended.to(o.dtype)
 
 
-def tree_mask_cells(mode: TreeMaskMode, prefixes: list[int], news: list[int]) -> list[int]:
-    """Cells of each request's block in a tree mask of ``mode`` (requests' blocks back to back): ``new x new``
-    (QLEN_ONLY) or ``new x (prefix + new)`` (FULL_MASK)."""
-    if mode == TreeMaskMode.QLEN_ONLY:
-        return [new * new for new in news]
-    if mode == TreeMaskMode.FULL_MASK:
-        return [new * (prefix + new) for prefix, new in zip(prefixes, news)]
-    raise NotImplementedError(f"the CPU extend-attention stand-in reads QLEN_ONLY or FULL_MASK tree masks, not "
-                              f"{mode.name}")
-
-
 def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_to_token, req_pool_indices,
                          seq_lens, extend_seq_lens, extend_start_loc, max_extend_len, scaling, logit_cap, is_cross,
                          sliding_window, encoder_lens, sinks, tree_mask, is_causal,
@@ -186,19 +175,34 @@ def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_t
     per-head keys that the latent cache does not hold). New tokens see each other causally, or through the tree
     mask in tree verify: ``tree_mask_mode`` QLEN_ONLY (``[sum n_b * n_b]``, row-major per request, the prefix
     always visible) or FULL_MASK (``[sum n_b * (prefix_b + n_b)]``, the prefix's columns read from the mask too).
-    A mask may be longer than its layout needs (SGLang sizes some by an upper bound); a shorter one is refused
-    (a mask built in another mode)."""
+    A mask may be longer than its layout needs (SGLang sizes some by an upper bound); one covering the leading
+    requests only is completed for the rows DP attention padded the batch with, as SGLang's GPU backends do
+    (``complete_tree_mask``); any other shorter one is refused (a mask built in another mode). Rows
+    ``req_pool_indices`` holds past the planned lengths (a batch padded after it was planned) are not attended,
+    their output rows zero."""
     _unsupported(is_cross, sinks)
     # host lists once, not a tensor read per request and field (a verify of one token a request is a plain step)
     rows, totals = req_pool_indices.tolist(), seq_lens.tolist()
     news, starts = extend_seq_lens.tolist(), extend_start_loc.tolist()
+    if len(rows) > len(totals):
+        # DP attention padded the batch after the backend planned it (a draft extend's metadata is set before its
+        # forward pads): as on a GPU backend, the planned requests are attended, the padding's rows (dropped
+        # after the forward) left zero
+        first_use("extend over a batch DP attention padded", None, f"{len(totals)} planned requests of {len(rows)}")
+        rows = rows[:len(totals)]
+        o[starts[-1] + news[-1] if rows else 0:] = 0
     cells: list[int] = []
     if tree_mask is not None:
+        if tree_mask_mode not in (TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK):
+            raise NotImplementedError(f"the CPU extend-attention stand-in reads QLEN_ONLY or FULL_MASK tree masks, "
+                                      f"not {tree_mask_mode.name}")
         prefixes = [int(total) - int(new) for total, new in zip(totals, news)]
-        cells = tree_mask_cells(tree_mask_mode, prefixes, [int(new) for new in news])
-        if tree_mask.numel() < sum(cells):
-            raise ValueError(f"a {tree_mask_mode.name} tree mask for extends of {news} tokens after prefixes of "
-                             f"{prefixes} has {sum(cells)} cells, got {tree_mask.numel()}: built in another mode?")
+        cells = tree_mask_cells(tree_mask_mode, prefixes, news)
+        built = tree_mask.numel()
+        tree_mask = complete_tree_mask(tree_mask, tree_mask_mode, prefixes, news)
+        if tree_mask.numel() > built:
+            first_use("completed for DP padding rows", tree_mask_mode,
+                      f"{len(rows)} requests, {built} of {sum(cells)} cells built")
     mask_offset = 0
     read = False
     for index, row in enumerate(rows):

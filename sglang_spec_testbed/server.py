@@ -293,20 +293,28 @@ class SGLangServer:
 
     # ------------------------------------------------------------------------------------------ requests
     def request(self, path: str, payload: dict[str, Any] | None = None, timeout: float = 600.0) -> Any:
-        """POST ``payload`` as JSON to ``path`` (GET when None); the decoded JSON answer, or the text."""
+        """POST ``payload`` as JSON to ``path`` (GET when None); the decoded JSON answer, or the text. A server
+        that does not answer within ``timeout`` raises ``TimeoutError`` with its log's last lines (a hung step's
+        last log lines are what tell a hang from a slow machine)."""
         data = None if payload is None else json.dumps(payload).encode()
         request = urllib.request.Request(self.url + path, data=data,
                                          headers={"Content-Type": "application/json"} if data else {})
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = response.read().decode()
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                body = response.read().decode()
+        except TimeoutError as error:
+            raise TimeoutError(f"{path} did not answer within {timeout:.0f} s; the server's log ends:\n"
+                               f"{self.log_tail(40)}") from error
         try:
             return json.loads(body)
         except json.JSONDecodeError:
             return body
 
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling_params: dict[str, Any],
-                 timeout: float = 600.0) -> list[dict[str, Any]]:
-        """One batched /generate call; ``prompts`` as text, or token ids. Returns SGLang's answers in order."""
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: dict[str, Any] | list[dict[str, Any]], timeout: float = 600.0
+                 ) -> list[dict[str, Any]]:
+        """One batched /generate call; ``prompts`` as text, or token ids; ``sampling_params`` for every prompt, or
+        one a prompt. Returns SGLang's answers in order."""
         key = "text" if isinstance(prompts[0], str) else "input_ids"
         answer = self.request("/generate", {key: list(prompts), "sampling_params": sampling_params},
                               timeout=timeout)

@@ -37,7 +37,7 @@ _DEFAULT_MODE = "sglang.srt.speculative.eagle_utils.default_tree_mask_mode"
 _AMX_INIT = "sglang.srt.layers.attention.intel_amx_backend.IntelAMXAttnBackend.__init__"
 _NGRAM_INIT = "sglang.srt.speculative.ngram_worker.NGRAMWorker.__init__"
 
-_first_uses: set[tuple[str, TreeMaskMode]] = set()  # (built / read, mode) already said in this process
+_first_uses: set[tuple[str, TreeMaskMode | None]] = set()  # (built / read, mode) already said in this process
 
 
 def mode_from_environment(environment=None) -> TreeMaskMode | None:
@@ -92,11 +92,12 @@ def ngram_worker_init_before(worker, *args, **kwargs):
     return None
 
 
-def first_use(what: str, mode: TreeMaskMode, detail: str) -> None:
+def first_use(what: str, mode: TreeMaskMode | None, detail: str) -> None:
     """One log line the first time this process builds (``what`` = "built") or reads ("read") a tree mask of
-    ``mode``."""
+    ``mode``, or meets another first (``mode`` None: "CPU bed: first {what} ({detail})")."""
     key = (what, mode)
     if key in _first_uses:
         return
     _first_uses.add(key)
-    log(f"CPU bed: first {mode.name} tree mask {what} ({detail})")
+    log(f"CPU bed: first {what} ({detail})" if mode is None else f"CPU bed: first {mode.name} tree mask {what} "
+                                                                  f"({detail})")

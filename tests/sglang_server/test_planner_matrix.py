@@ -37,6 +37,9 @@ FACTORS = {
 PARALLEL_ARGS = {"tp1": [], "tp2": ["--tp-size", "2"], "dp2": ["--tp-size", "2", "--dp-size", "2",
                                                               "--enable-dp-attention"]}
 BUDGET, DEPTH, TOPK = 6, 3, 2
+# the tiny model's requests end at different steps: under DP attention a rank decodes fewer requests than another
+# (SGLang pads its verify batch) and then none (an idle rank beside decoding ones), paths a hang once hid in
+TINY_LENGTHS = [8, TINY_NEW_TOKENS, 16, TINY_NEW_TOKENS]
 
 
 def servable(cell: Mapping[str, str]) -> bool:
@@ -108,18 +111,21 @@ def launch_args(cell: Mapping[str, str], profile) -> list[str]:
 def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, tiny_cpu, server_logs, smollm2_plain_runs,
                                              tiny_prompts, tiny_plain):
     """Greedy output equal to a one-rank plain server's; the planner planned the decode steps (its requests
-    counted on /metrics) and verified trees for some, with its start-up table logged; no rank logged a fault."""
+    counted on /metrics) and verified trees for some, with its start-up table logged; no rank logged a fault.
+    Under DP attention a rank decoded none beside a decoding one, and (where the head runs) fewer than another."""
     smollm2 = cell["model"] == "smollm2"
     model = smollm2_cpu if smollm2 else tiny_cpu
     prompts = list(REPEAT_CONTEXT_PROMPTS) if smollm2 else tiny_prompts
-    tokens = REPEAT_NEW_TOKENS if smollm2 else TINY_NEW_TOKENS
-    expected = smollm2_plain_runs["repeat_context"] if smollm2 else [output[:tokens] for output in tiny_plain]
+    lengths = [REPEAT_NEW_TOKENS] * len(prompts) if smollm2 else TINY_LENGTHS
+    expected = smollm2_plain_runs["repeat_context"] if smollm2 else [
+        output[:length] for output, length in zip(tiny_plain, lengths)]
     with pytest.MonkeyPatch.context() as patch:
         if cell["loop"] == "overlap":
             patch.setenv(OVERLAP_ENV, "1")
         with running_server(model, server_logs, f"matrix-{cell_name(cell)}",
                             launch_args(cell, smollm2_cpu.profile)) as server:
-            answers = server.generate(prompts, {"temperature": 0, "max_new_tokens": tokens}, timeout=300)
+            answers = server.generate(prompts, [{"temperature": 0, "max_new_tokens": length} for length in lengths],
+                                      timeout=300)
             metrics = server.request("/metrics")
             info = server.request("/server_info")
     log = server.log_path.read_text(errors="replace")
@@ -129,5 +135,9 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, tiny_cpu, server
     planned, plain = (counter(metrics, f"sglang_spec_planner_{name}_total") for name in ("requests", "plain_requests"))
     assert 0 <= plain < planned, metrics[-1500:]  # trees were verified: plain decoding alone would match trivially
     assert "tree auto: verify sizes" in log
+    if cell["parallel"] == "dp2":  # the DP attention paths the uneven lengths lead to were taken
+        assert "tree auto: a DP attention rank with no request steps at its group's verify sizes" in log
+        if cell["policy"] != "lookup":  # the head's draft extend runs every step, over a padded batch
+            assert "first extend over a batch DP attention padded" in log
     faults = [line for line in log.splitlines() if re.match(r"\[sglang_spec\] \S+ fault", line)]
     assert not faults, faults
