@@ -15,12 +15,10 @@ inputs this module keeps:
 * **What each size would cost.** The target's verify forward measured at start-up for each batch size and verify
   size (``CostTable``: SGLang's own dummy forward, ``step_costs``), scaled per batch-size bucket by what the served
   plain steps took over it; a tree step adds the rest of the step (drafting, host work: per request, learnt from
-  the tree steps of every batch size, times the batch). Each correction is the median of the last ``WINDOW``
-  served steps of its kind; the tree steps' expires after ``TREE_PRICE_MEMORY`` steps (plain steps run whatever
-  the plan, tree steps only where it predicts they pay, so only a tree step can correct their price: an expired
-  one lets trees be tried again, and a slow spell cannot keep them off for good). The first step of each shape
-  (batch bucket, size) also allocates for it, and a new request's context index is built once: neither is
-  counted.
+  the tree steps of every batch size, times the batch). The plain steps' correction is the median of the last
+  ``WINDOW`` served ones, the tree steps' the least (plain steps run whatever the plan, tree steps only where it
+  predicts they pay: their price is kept optimistic, so a slow spell cannot keep trees off for good). The first step of each shape (batch bucket, size) also allocates for it, and a new request's
+  context index is built once: neither is counted.
 
 A step is capped at ``cap`` times a plain step's predicted time (the gap a streaming client sees between chunks).
 The plan is one size for the whole batch (SGLang verifies a fixed number of tokens a request per step); a request
@@ -133,12 +131,12 @@ class StepPlanner:
 
     @property
     def tree_extra(self) -> float | None:
-        """A tree step's time beyond its verify, per request: the median of the recent served tree steps' within the
-        last ``TREE_PRICE_MEMORY`` steps (None: none that recent). What a typical tree step pays, so the step cap
-        holds typical tree steps, not the luckiest one. A price that expires: only tree steps can correct it, so a
-        slow spell of a busy machine must not keep trees off for good; where trees do not pay, one is retried
-        every ``TREE_PRICE_MEMORY`` steps."""
-        return _median(extra for step, extra in self.extra_seen if step > self.steps - TREE_PRICE_MEMORY)
+        """A tree step's time beyond its verify, per request: the least of the recent served tree steps' within the
+        last ``TREE_PRICE_MEMORY`` steps (None: none that recent). An optimistic price that expires: only tree steps
+        can correct it, so a slow spell of a busy machine must not keep trees off for good; where trees do not pay,
+        one is retried every ``TREE_PRICE_MEMORY`` steps."""
+        recent = [extra for step, extra in self.extra_seen if step > self.steps - TREE_PRICE_MEMORY]
+        return min(recent) if recent else None
 
     def plain_scale(self, bucket: int) -> float:
         """Served plain steps over the start-up forward, in a batch-size bucket (1.0 before any)."""

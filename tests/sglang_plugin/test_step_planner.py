@@ -141,22 +141,6 @@ def test_one_slow_step_of_a_shared_machine_moves_no_price():
     assert plan_state.seconds(4, 1) == pytest.approx(0.06)
 
 
-def test_a_tree_step_is_priced_at_what_a_typical_tree_step_pays():
-    """One lucky fast tree step among slow ones does not price trees: the plan (and its cap, the gap a streaming
-    client sees) weighs the typical tree step, where the luckiest one's price would take a tree."""
-    plan_state = planner(cap=1.5)
-    plan_state.learn_reach({rid: [0.9] * 8 for rid in "abcd"})
-    for extra in (0.004, 0.03, 0.03, 0.03, 0.03):
-        plan_state.extra_seen.append((plan_state.steps, extra))
-    assert plan_state.tree_extra == pytest.approx(0.03)
-    assert plan_state.choose(plan_state.table(list("abcd")), 4).plain
-    # the negative control: priced at the lucky step, a tree step passes the cap
-    lucky = planner(cap=1.5)
-    lucky.learn_reach({rid: [0.9] * 8 for rid in "abcd"})
-    lucky.extra_seen.append((lucky.steps, 0.004))
-    assert not lucky.choose(lucky.table(list("abcd")), 4).plain
-
-
 WINDOW_STEPS = 12
 
 
