@@ -38,7 +38,7 @@ PARALLEL_ARGS = {"tp1": [], "tp2": ["--tp-size", "2"], "dp2": ["--tp-size", "2",
                                                               "--enable-dp-attention"]}
 BUDGET, DEPTH, TOPK = 6, 3, 2
 # the tiny model's requests end at different steps: under DP attention a rank decodes fewer requests than another
-# (SGLang pads its verify batch) and then none (an idle rank beside decoding ones), paths a hang once hid in
+# (SGLang pads its verify batch) and then none (an idle rank beside decoding ones), and their collectives must pair
 TINY_LENGTHS = [8, TINY_NEW_TOKENS, 16, TINY_NEW_TOKENS]
 
 
