@@ -198,9 +198,9 @@ def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_t
                                       f"not {tree_mask_mode.name}")
         prefixes = [int(total) - int(new) for total, new in zip(totals, news)]
         cells = tree_mask_cells(tree_mask_mode, prefixes, news)
-        built = tree_mask.numel()
-        tree_mask = complete_tree_mask(tree_mask, tree_mask_mode, prefixes, news)
-        if tree_mask.numel() > built:
+        if tree_mask.numel() < sum(cells):  # the usual mask is whole: completed (or refused) only when short
+            built = tree_mask.numel()
+            tree_mask = complete_tree_mask(tree_mask, tree_mask_mode, prefixes, news)
             first_use("completed for DP padding rows", tree_mask_mode,
                       f"{len(rows)} requests, {built} of {sum(cells)} cells built")
     mask_offset = 0
