@@ -186,7 +186,8 @@ class SGLangServer:
         """``cpu``: run through the CPU harness (``server_environment``); False for a GPU host, where ``env``
         (default: this process's environment) is used as is. ``launcher``: ``exec`` starts ``python -m
         sglang.launch_server``; ``fork`` forks it from a process that has imported the launcher's modules under the
-        same environment (``zygote``: ~6 s less a start; the test suite's servers)."""
+        same environment, and SGLang's scheduler and detokenizer from it (``zygote``: about half a start saved; the
+        test suite's servers)."""
         if launcher not in LAUNCHERS:
             raise SpecError(f"launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
         self.launcher = launcher

@@ -4,11 +4,13 @@ Every ``python -m sglang.launch_server`` on this CPU spends 5-11 s importing tor
 line (a fifth of a start here; the test suite starts ~60 servers). A ``Zygote`` is a helper process, started with
 a server's environment, that imports the launcher's modules and then waits; each start forks it, and the child
 (in a session of its own, output to the server's log, the server's environment and arguments) runs
-``sglang.launch_server`` as ``__main__`` exactly as ``python -m`` does: SGLang's plugins load there, after the fork,
-and its scheduler and detokenizer are spawned as fresh interpreters as usual. So only the launcher's own imports
-are shared, and only between starts whose environments agree on everything read while importing
-(``import_key``); the variables the bed reads later (fault injection, the overlap loop, profiles, thread binding,
-the accept kernels) may differ.
+``sglang.launch_server`` as ``__main__`` exactly as ``python -m`` does: SGLang's plugins load there, after the fork.
+Its scheduler and detokenizer processes are forked from the launcher too (SGLang asks for ``spawn``; the launcher
+turns it into ``fork``, ``_fork_sglang_children``): they start with the modules the zygote imported (the HTTP
+server's imports take in the scheduler's) and the plugins the launcher loaded, instead of importing torch and sglang
+again (about half of a start here). Imports are shared only between starts whose environments agree on everything
+read while importing (``import_key``); the variables the bed reads later (fault injection, the overlap loop,
+profiles, thread binding, the accept kernels) may differ.
 
 ``SGLangServer(..., launcher="fork")`` uses it (the test suite's servers); benchmarks and users start
 ``python -m sglang.launch_server`` directly. The child is the zygote's, not the caller's: ``ForkedProcess`` gives
@@ -228,6 +230,7 @@ def _run_launcher(request: dict, channel: tuple[int, int], started: int) -> None
     module_file = importlib.util.find_spec(LAUNCHER_MODULE).origin
     sys.argv = [module_file, *request["args"]]
     sys.path[0] = request["cwd"]  # python -m puts the working directory first
+    _fork_sglang_children()
     code: int | str | None = 0
     try:
         runpy.run_module(LAUNCHER_MODULE, run_name="__main__", alter_sys=True)
@@ -240,6 +243,31 @@ def _run_launcher(request: dict, channel: tuple[int, int], started: int) -> None
         sys.stdout.flush()
         sys.stderr.flush()
     raise SystemExit(code)
+
+
+def _fork_sglang_children() -> None:
+    """In the launcher: SGLang's ``mp.set_start_method("spawn", force=True)`` chooses ``fork`` instead, so its
+    scheduler and detokenizer processes start from this launcher's imports. A spawned child starts with an
+    interpreter's default signal handlers; a forked one would inherit those SGLang's launcher installs before it
+    starts them (SIGCHLD, SIGQUIT: the launcher's process-tree clean-up), so each forked child gets the handlers
+    this launcher had before SGLang ran."""
+    import multiprocessing
+    import signal
+
+    fresh = {number: handler for number in signal.valid_signals()
+             if number not in (signal.SIGKILL, signal.SIGSTOP) and (handler := signal.getsignal(number)) is not None}
+
+    def restore_handlers() -> None:
+        for number, handler in fresh.items():
+            signal.signal(number, handler)
+
+    os.register_at_fork(after_in_child=restore_handlers)
+    choose = multiprocessing.set_start_method
+
+    def fork_for_spawn(method: str | None, force: bool = False) -> None:
+        choose("fork" if method == "spawn" else method, force=force)
+
+    multiprocessing.set_start_method = fork_for_spawn  # type: ignore[assignment]
 
 
 def _serve() -> None:

@@ -49,3 +49,30 @@ def test_a_forked_launch_fails_as_an_executed_one_does(tmp_path):
 def test_an_unknown_launcher_is_one_line(tmp_path):
     with pytest.raises(SpecError, match=r"^launcher 'spawn': choose one of exec, fork$"):
         server.SGLangServer([], 1, tmp_path / "log", launcher="spawn")
+
+
+def test_a_forked_launcher_forks_sglangs_children_with_fresh_signal_handlers():
+    """SGLang asks for ``spawn``; the launcher forks instead, and a forked child has the handlers the launcher had
+    before SGLang installed its own (a spawned child's: the interpreter's defaults)."""
+    import subprocess
+    import sys
+
+    program = """
+import multiprocessing, signal
+from sglang_spec_testbed import zygote
+zygote._fork_sglang_children()
+multiprocessing.set_start_method("spawn", force=True)
+signal.signal(signal.SIGCHLD, lambda *args: None)  # as SGLang's launcher does before it starts its children
+
+def report(queue):
+    queue.put((multiprocessing.get_start_method(), signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL))
+
+queue = multiprocessing.SimpleQueue()
+child = multiprocessing.Process(target=report, args=(queue,))
+child.start()
+child.join()
+print(*queue.get())
+"""
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["fork", "True"]

@@ -23,8 +23,9 @@ def running_server(model: CpuModel, logs: Path, name: str, extra: Sequence[str] 
                    speculative: bool = True) -> Iterator[SGLangServer]:
     """A launch_server on this CPU for the duration of the block; asserts its log shows no traceback. A port
     taken between ``free_port`` and the server's bind (a race with other processes) gets one more try. Forked from
-    a launcher that imported sglang once (``cpu/zygote.py``): the same launch, ~6 s less of it; stopped without
-    waiting for SGLang's shutdown (up to 5 s before it starts), which goes on beside the next test."""
+    a launcher that imported sglang once (``sglang_spec_testbed/zygote.py``): the same launch in half the time;
+    stopped without waiting for SGLang's shutdown (up to 5 s before it starts), which goes on beside the next
+    test."""
     for attempt in range(2):
         port = free_port()
         server = SGLangServer(cpu_launch_args(model, port, speculative=speculative, extra=extra), port,
