@@ -17,34 +17,59 @@ REPO = Path(__file__).resolve().parents[2]
 PAYLOAD_LIMIT = 64 * 2**20  # bytes that may travel with the repository to a bare GPU machine
 
 
-def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+def load_bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
     return module
 
 
+def load_gpu_check():
+    return load_bench_module("gpu_check")
+
+
+# the checks whose dry run is a test file the suite runs anyway (or a bench smoke run its own test makes): the
+# suite's dry run leaves them out; one test-based check (head_guard_cuda_graph) still runs through pytest there
+SUITE_RUNS_THEM = ("fused_accept_cuda_graph", "no_host_sync", "kernel_tests", "device_lookup", "device_hybrid",
+                   "kernel_bench", "mla_tree_kernel", "mla_tree_verify_flashinfer")
+
+
 @pytest.mark.slow
-def test_dry_run_passes_lists_every_check_and_appends_nothing(tmp_path):
+def test_dry_run_passes_lists_its_checks_and_appends_nothing(tmp_path):
+    """Every check but SUITE_RUNS_THEM, the server groups' preflights included: the ``server`` preflight's dry run
+    builds the payload's sglang, imports it with torch claiming a CUDA device and FlashInfer hidden, and resolves
+    every ``sgl_kernel`` name SGLang asks for (the rest of the preflight: tests/bench/test_gpu_server_preflight.py)."""
     gpu_check = load_gpu_check()
+    assert set(SUITE_RUNS_THEM) < {check.name for check in gpu_check.CHECKS}
+    chosen = [check for check in gpu_check.CHECKS if check.name not in SUITE_RUNS_THEM]
     docs_before = gpu_check.DOCS.read_bytes()
     out = tmp_path / "results.json"
     env = {**os.environ, "PYTHON": sys.executable}
-    run = subprocess.run([str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run([str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out), "--checks",
+                          ",".join(check.name for check in chosen)], env=env, capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     listing = run.stdout.split("\n\n", 1)[0]
-    for number, check in enumerate(gpu_check.CHECKS, 1):
+    for number, check in enumerate(chosen, 1):
         assert f"{number}. {check.name}: " in listing
     results = json.loads(out.read_text())
-    assert results["dry_run"] and [c["name"] for c in results["checks"]] == [c.name for c in gpu_check.CHECKS]
+    assert results["dry_run"] and [c["name"] for c in results["checks"]] == [c.name for c in chosen]
     statuses = {check["name"]: check["status"] for check in results["checks"]}
     assert set(statuses.values()) <= {"passed", "skipped"}
     # on a CPU only the CUDA-graph capture of the step has nothing to run; everything else ran at tiny sizes
     assert [name for name, status in statuses.items() if status == "skipped"] == ["step_cuda_graph"]
     assert gpu_check.DOCS.read_bytes() == docs_before
     assert "left as it is" in run.stdout
+    preflight = next(check for check in results["checks"] if check["name"] == "server_preflight")["data"]
+    assert preflight["passed"] and preflight["dry_run"]
+    names = preflight["sgl_kernel_names"]
+    assert names["sgl_kernel.rmsnorm"] == "stand-in" and names["sgl_kernel.utils.is_arch_support_pdl"] == "stand-in"
+    assert "absent" not in names.values()
+    payload = load_bench_module("gpu_server_payload")
+    cache = payload.wheel_cache()
+    if all(payload.cached_wheel(requirement, cache) for requirement in (payload.SGLANG, *payload.WHEELS)):
+        assert "/site/sglang/" in preflight["sglang"]  # the payload's trimmed sglang, not the installed one
 
 
 @pytest.mark.slow
