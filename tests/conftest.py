@@ -3,7 +3,8 @@
 * TRITON_INTERPRET=1 must be set before a @triton.jit function is defined, or it stays a compiled kernel that
   cannot launch without a GPU driver;
 * no hub access, ever (HF_HUB_OFFLINE=1);
-* a torchvision stand-in on sys.path (the PyPI wheels are CUDA builds that break `import transformers` here).
+* a torchvision stand-in on sys.path (the PyPI wheels are CUDA builds that break `import transformers` here);
+* one torch thread in each parallel worker (``scripts/test.sh`` runs the suite on pytest-xdist workers).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ if not _HAS_CUDA_ENV:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # parallel workers share the cores: a torch op on two threads stalls at its barriers whenever the other worker
+    # (or a server it started) is busy, so each worker's own torch runs one thread (set before torch is imported)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # converted / built models are cached inside the checkout (git-ignored): CI builds them once per run
 os.environ.setdefault("SGLANG_SPEC_CACHE", str(TESTS_DIR.parent / ".cache"))
@@ -104,12 +109,23 @@ def random_tiny():
 
 
 _NEAR_TIES: list[tuple[str, int]] = []
+_NEAR_TIES_PROPERTY = "near_ties"
 
 
-@pytest.fixture(scope="session")
-def near_tie_report():
-    """Greedy-identity tests append (case, excused divergences) here; the terminal summary prints them."""
-    return _NEAR_TIES
+@pytest.fixture
+def near_tie_report(request):
+    """Greedy-identity tests append (case, excused divergences) here; the terminal summary prints them. The
+    entries travel on the test's report (``user_properties``), so parallel workers' entries reach the summary."""
+    entries: list[tuple[str, int]] = []
+    yield entries
+    request.node.user_properties.append((_NEAR_TIES_PROPERTY, entries))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        for name, entries in report.user_properties:
+            if name == _NEAR_TIES_PROPERTY:
+                _NEAR_TIES.extend((case, count) for case, count in entries)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

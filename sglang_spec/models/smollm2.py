@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from sglang_spec.errors import SpecError
-from sglang_spec.models.cache_dir import cache_root
+from sglang_spec.models.cache_dir import build_lock, cache_root
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct-f32"
@@ -38,7 +38,9 @@ def smollm2_dir(cache: Path | None = None, progress: bool = True) -> Path:
     target = (cache or cache_root()) / CACHE_NAME
     if (target / _COMPLETE).exists():
         return target
-    _convert(gguf_package_dir(), target, progress)
+    with build_lock(target):
+        if not (target / _COMPLETE).exists():  # another process may have converted it while this one waited
+            _convert(gguf_package_dir(), target, progress)
     return target
 
 

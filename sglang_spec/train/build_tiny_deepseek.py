@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from sglang_spec.decode.decoder import GenerationConfig, generate_plain
-from sglang_spec.models.cache_dir import cache_root
+from sglang_spec.models.cache_dir import build_lock, cache_root
 from sglang_spec.models.tiny_deepseek import (
     TINY_DEEPSEEK_CONFIG,
     build_tiny_deepseek,
@@ -100,10 +100,15 @@ def _descend(optimizer: torch.optim.Optimizer, loss: torch.Tensor, bar: tqdm) ->
 def tiny_deepseek_dir(cache: Path | None = None, progress: bool = True) -> Path:
     """The toy-trained tiny DeepSeek-V3 checkpoint (with its MTP layer), built and cached on first use."""
     target = (cache or cache_root()) / CACHE_NAME
-    if (target / _COMPLETE).exists():
-        complete_checkpoint_config(target)
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if not (target / _COMPLETE).exists():
+        with build_lock(target):
+            if not (target / _COMPLETE).exists():  # another process may have built it while this one waited
+                _build(target, progress)
+    complete_checkpoint_config(target)
+    return target
+
+
+def _build(target: Path, progress: bool) -> None:
     model, head = train_tiny_deepseek(progress=progress)
     scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-deepseek-"))
     try:
@@ -115,4 +120,3 @@ def tiny_deepseek_dir(cache: Path | None = None, progress: bool = True) -> Path:
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)  # an interrupted build leaves nothing half-made
         raise
-    return target

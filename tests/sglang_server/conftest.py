@@ -7,15 +7,34 @@ log none. Servers are module- or parameter-scoped so pytest starts each configur
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS,
                                TINY_NEW_TOKENS, running_server)
 from optional_packages import require_sglang
+from sglang_spec.models.cache_dir import build_lock
+from sglang_spec.files import write_json_atomic
 from sglang_spec_testbed.parity import PARITY_SERVER_ARGS, plain_oracle
 from sglang_spec_testbed.server import CpuModel, prepare_model
+
+
+def once_per_run(tmp_path_factory, name: str, compute: Callable[[], Any]) -> Any:
+    """``compute()`` (JSON-valued: a plain server's answers) once per test run: under parallel workers
+    (pytest-xdist) the first to ask computes it into the run's shared temporary folder and the others wait for it
+    and read it, so a plain oracle server starts once, not once per worker."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return compute()
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.json"
+    with build_lock(path):
+        if not path.exists():
+            write_json_atomic(path, compute())
+        return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="session")
@@ -49,19 +68,24 @@ def smollm2_prompts(smollm2_cpu) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def smollm2_plain_runs(smollm2_cpu, server_logs, smollm2_prompts) -> dict:
+def smollm2_plain_runs(tmp_path_factory, smollm2_cpu, server_logs, smollm2_prompts) -> dict:
     """What one SGLang server without speculation answers, greedy: ``heldout`` (the held-out prompts' output ids),
     ``repeat_context`` (REPEAT_CONTEXT_PROMPTS') and ``parity`` (test_parity_under_load.py's request set, its oracle:
     the server runs at that test's context length, which leaves the other answers as they are)."""
-    from transformers import AutoTokenizer
+    def compute() -> dict:
+        from transformers import AutoTokenizer
 
-    with running_server(smollm2_cpu, server_logs, "smollm2-plain", PARITY_SERVER_ARGS, speculative=False) as server:
-        heldout = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
-        repeat = server.generate(list(REPEAT_CONTEXT_PROMPTS),
-                                 {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
-        parity = plain_oracle(server.port, AutoTokenizer.from_pretrained(smollm2_cpu.target_dir), smollm2_prompts)
-    return {"heldout": [answer["output_ids"] for answer in heldout],
-            "repeat_context": [answer["output_ids"] for answer in repeat], "parity": parity}
+        with running_server(smollm2_cpu, server_logs, "smollm2-plain", PARITY_SERVER_ARGS,
+                            speculative=False) as server:
+            heldout = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
+            repeat = server.generate(list(REPEAT_CONTEXT_PROMPTS),
+                                     {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
+            parity = plain_oracle(server.port, AutoTokenizer.from_pretrained(smollm2_cpu.target_dir),
+                                  smollm2_prompts)
+        return {"heldout": [answer["output_ids"] for answer in heldout],
+                "repeat_context": [answer["output_ids"] for answer in repeat], "parity": parity}
+
+    return once_per_run(tmp_path_factory, "smollm2-plain-runs", compute)
 
 
 @pytest.fixture(scope="session")
@@ -81,8 +105,11 @@ def tiny_prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def tiny_plain(tiny_cpu, server_logs, tiny_prompts) -> list[list[int]]:
+def tiny_plain(tmp_path_factory, tiny_cpu, server_logs, tiny_prompts) -> list[list[int]]:
     """Greedy output (TINY_NEW_TOKENS) of one tensor-parallel rank without speculation on ``tiny_prompts``."""
-    with running_server(tiny_cpu, server_logs, "tiny-plain", speculative=False) as server:
-        greedy = server.generate(tiny_prompts, {"temperature": 0, "max_new_tokens": TINY_NEW_TOKENS})
-    return [answer["output_ids"] for answer in greedy]
+    def compute() -> list[list[int]]:
+        with running_server(tiny_cpu, server_logs, "tiny-plain", speculative=False) as server:
+            greedy = server.generate(tiny_prompts, {"temperature": 0, "max_new_tokens": TINY_NEW_TOKENS})
+        return [answer["output_ids"] for answer in greedy]
+
+    return once_per_run(tmp_path_factory, "tiny-plain", compute)
