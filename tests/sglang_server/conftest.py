@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,17 +25,22 @@ from sglang_spec_testbed.parity import PARITY_SERVER_ARGS, plain_oracle
 from sglang_spec_testbed.server import CpuModel, prepare_model
 
 
-def once_per_run(tmp_path_factory, name: str, compute: Callable[[], Any]) -> Any:
-    """``compute()`` (JSON-valued: a plain server's answers) once per test run: under parallel workers
-    (pytest-xdist) the first to ask computes it into the run's shared temporary folder and the others wait for it
-    and read it, so a plain oracle server starts once, not once per worker."""
+def once_per_run(tmp_path_factory, logs: Path, name: str, compute: Callable[[Path], Any]) -> Any:
+    """``compute(folder)`` (JSON-valued: a plain server's answers, its server log written into ``folder`` as
+    ``<name>.log``) once per test run: under parallel workers (pytest-xdist) the first to ask computes it into the
+    run's shared temporary folder and the others wait for it and read it, so a plain oracle server starts once,
+    not once per worker. Either way the value comes back through JSON (lists, never tuples) and the log is in
+    ``logs``."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
-        return compute()
-    path = tmp_path_factory.getbasetemp().parent / f"{name}.json"
+        return json.loads(json.dumps(compute(logs)))
+    shared = tmp_path_factory.getbasetemp().parent / "once-per-run"
+    shared.mkdir(exist_ok=True)
+    path = shared / f"{name}.json"
     with build_lock(path):
         if not path.exists():
-            write_json_atomic(path, compute())
-        return json.loads(path.read_text())
+            write_json_atomic(path, compute(shared))
+    shutil.copyfile(shared / f"{name}.log", logs / f"{name}.log")
+    return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="session")
@@ -72,10 +78,10 @@ def smollm2_plain_runs(tmp_path_factory, smollm2_cpu, server_logs, smollm2_promp
     """What one SGLang server without speculation answers, greedy: ``heldout`` (the held-out prompts' output ids),
     ``repeat_context`` (REPEAT_CONTEXT_PROMPTS') and ``parity`` (test_parity_under_load.py's request set, its oracle:
     the server runs at that test's context length, which leaves the other answers as they are)."""
-    def compute() -> dict:
+    def compute(logs: Path) -> dict:
         from transformers import AutoTokenizer
 
-        with running_server(smollm2_cpu, server_logs, "smollm2-plain", PARITY_SERVER_ARGS,
+        with running_server(smollm2_cpu, logs, "smollm2-plain", PARITY_SERVER_ARGS,
                             speculative=False) as server:
             heldout = server.generate(smollm2_prompts, {"temperature": 0, "max_new_tokens": SMOLLM2_NEW_TOKENS})
             repeat = server.generate(list(REPEAT_CONTEXT_PROMPTS),
@@ -85,7 +91,7 @@ def smollm2_plain_runs(tmp_path_factory, smollm2_cpu, server_logs, smollm2_promp
         return {"heldout": [answer["output_ids"] for answer in heldout],
                 "repeat_context": [answer["output_ids"] for answer in repeat], "parity": parity}
 
-    return once_per_run(tmp_path_factory, "smollm2-plain-runs", compute)
+    return once_per_run(tmp_path_factory, server_logs, "smollm2-plain", compute)
 
 
 @pytest.fixture(scope="session")
@@ -107,9 +113,9 @@ def tiny_prompts() -> list[list[int]]:
 @pytest.fixture(scope="session")
 def tiny_plain(tmp_path_factory, tiny_cpu, server_logs, tiny_prompts) -> list[list[int]]:
     """Greedy output (TINY_NEW_TOKENS) of one tensor-parallel rank without speculation on ``tiny_prompts``."""
-    def compute() -> list[list[int]]:
-        with running_server(tiny_cpu, server_logs, "tiny-plain", speculative=False) as server:
+    def compute(logs: Path) -> list[list[int]]:
+        with running_server(tiny_cpu, logs, "tiny-plain", speculative=False) as server:
             greedy = server.generate(tiny_prompts, {"temperature": 0, "max_new_tokens": TINY_NEW_TOKENS})
         return [answer["output_ids"] for answer in greedy]
 
-    return once_per_run(tmp_path_factory, "tiny-plain", compute)
+    return once_per_run(tmp_path_factory, server_logs, "tiny-plain", compute)

@@ -91,7 +91,7 @@ class Run:
     single: dict[str, Any] = field(default_factory=dict)
     concurrent: list[tuple[str, Any]] = field(default_factory=list)
     aborts: dict[str, Any] = field(default_factory=dict)
-    refusals: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    refusals: dict[str, list] = field(default_factory=dict)  # [status, body], as the oracle's come back
     errors: dict[str, BaseException] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     log: str = ""
@@ -105,7 +105,8 @@ def serve(run: Run, port: int, cases: list[Case], bodies: dict[str, bytes], long
     phases = [
         ("concurrent", lambda: run.concurrent.extend(concurrent(port, cases))),
         ("aborts", lambda: run.aborts.update(aborts(port, cases[0], long))),
-        ("refusals", lambda: run.refusals.update({key: post(port, "/generate", body) for key, body in bodies.items()})),
+        ("refusals", lambda: run.refusals.update({key: list(post(port, "/generate", body))
+                                                   for key, body in bodies.items()})),
     ]
     if single:
         phases.insert(0, ("single", lambda: run.single.update({case.name: answer_or_error(port, case)
