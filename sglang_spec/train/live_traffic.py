@@ -126,10 +126,12 @@ def _token_list(value: Any) -> bool:
 def capture_served(url: str, requests: Sequence[ServedRequest], domain: str, max_tokens: int,
                    hidden_size: int) -> list[CapturedSequence]:
     """Each served request with the target's final hidden states, computed by the server in one prefill of its
-    prompt and answer (at most ``max_tokens`` tokens of them, the start kept). One batch request."""
+    whole prompt and answer, of which the last ``max_tokens`` tokens are kept (the answer and the end of the prompt:
+    a long prompt would otherwise leave no answer to learn from; the states still saw the whole prompt). One batch
+    request."""
     if not requests:
         return []
-    sequences = [list(request.prompt + request.output)[:max_tokens] for request in requests]
+    sequences = [list(request.prompt + request.output) for request in requests]
     payload = {"input_ids": sequences, "return_hidden_states": True,
                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     answers = post_json(url, "/generate", payload, timeout=3600)
@@ -145,14 +147,16 @@ def capture_served(url: str, requests: Sequence[ServedRequest], domain: str, max
         if len(rows) != len(tokens):
             raise SpecError(f"{url} returned {len(rows)} hidden states for {len(tokens)} tokens (SGLang returns "
                             f"states only for the tokens it computes); launch it with --disable-radix-cache")
-        hidden = torch.tensor(rows[: len(tokens) - 1], dtype=torch.float32)
+        first = max(0, len(tokens) - max_tokens)
+        hidden = torch.tensor(rows[first : len(tokens) - 1], dtype=torch.float32)
         if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
             raise SpecError(f"{url} returned hidden states of size {tuple(hidden.shape)[1:]}, not {hidden_size}: "
                             f"it serves another model")
-        start = min(len(request.prompt), len(tokens) - 1)
-        if start < 1 or len(tokens) < 3:
+        kept = tokens[first:]
+        start = min(max(len(request.prompt) - first, 1), len(kept) - 1)
+        if len(request.prompt) < 1 or len(kept) < 3:
             continue
-        captured.append(CapturedSequence(f"{request.rid}", domain, torch.tensor(tokens, dtype=torch.int64), start,
+        captured.append(CapturedSequence(f"{request.rid}", domain, torch.tensor(kept, dtype=torch.int64), start,
                                          hidden))
     return captured
 

@@ -295,17 +295,21 @@ def split_data(loaded: LoadedModel, encoded: list[EncodedRecord], config: TrainC
 def captured_data(loaded: LoadedModel, sequences: Sequence[CapturedSequence], config: TrainConfig
                   ) -> tuple[TrainingData, list[torch.Tensor]]:
     """Step 1 from a capture: each sequence's tokens with a hidden state (all but the last, whose next token the
-    target never predicted; see ``train/capture.py``), cut to ``seq_len``, and those states [L, d]."""
+    target never predicted; see ``train/capture.py``), cut to the last ``seq_len`` of them, and those states
+    [L, d]. The end is kept: a long prompt (a document to extract from) would otherwise leave no answer token to
+    learn from, and the server computed each state over the whole sequence, so a window's states are exact."""
     check_seq_len(loaded, config)
     encoded, hidden = [], []
     for sequence in sequences:
-        length = min(len(sequence.tokens) - 1, config.seq_len)
+        stated = len(sequence.tokens) - 1  # tokens with a hidden state
+        length = min(stated, config.seq_len)
         if length < 3:
             continue
+        first = stated - length
         # ``{prompt id}/{answer}`` as generated traffic names its records, so the split goes by prompt
-        encoded.append(EncodedRecord(f"{sequence.id}/captured", sequence.tokens[:length].tolist(),
-                                     min(sequence.completion_start, length)))
-        hidden.append(sequence.hidden[:length])
+        encoded.append(EncodedRecord(f"{sequence.id}/captured", sequence.tokens[first:stated].tolist(),
+                                     min(max(sequence.completion_start - first, 0), length)))
+        hidden.append(sequence.hidden[first:stated])
     return split_data(loaded, encoded, config), hidden
 
 

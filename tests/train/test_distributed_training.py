@@ -135,3 +135,17 @@ def test_a_folder_that_is_no_capture_is_refused(tmp_path, capsys):
     code = main([*TRAIN, "--capture", str(tmp_path), "--out", str(tmp_path / "h.safetensors")])
     err = capsys.readouterr().err
     assert code == 2 and "is not a captured dataset (no manifest.json)" in err, err
+
+
+def test_a_capture_longer_than_seq_len_keeps_its_end_the_answer(tiny):
+    """A long prompt (a document to extract from) cut at ``seq_len``: the window that ends at the answer is
+    trained on, with the states the server computed there, never the prompt's start alone."""
+    loaded, _ = tiny
+    from captured import toy_sequences
+
+    sequence = toy_sequences(loaded, 1, length=40, prompt_length=30)[0]
+    data, hidden = captured_data(loaded, [sequence], TrainConfig(draft_vocab=64, top_k_targets=8, seq_len=16))
+    record = data.records[0]
+    assert record.tokens == sequence.tokens[23:39].tolist()  # 39 tokens carry a state: the last 16 of them
+    assert record.completion_start == 7  # the answer starts at token 30
+    assert torch.equal(hidden[0], sequence.hidden[23:39])
