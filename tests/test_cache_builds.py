@@ -33,4 +33,3 @@ def test_a_second_builder_waits_for_the_first_and_finds_the_entry_complete(tmp_p
     for child in children:
         child.join(30)
     assert sorted(results.get(timeout=5) for _ in children) == ["built", "found"]
-

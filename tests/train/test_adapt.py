@@ -144,3 +144,25 @@ def test_a_candidate_must_be_a_head_for_the_served_model_and_token_map(tmp_path)
     with pytest.raises(SpecError) as error:
         served.draft_tensors(damaged)
     assert "\n" not in str(error.value)
+
+
+def test_a_served_request_longer_than_the_window_keeps_its_answer(monkeypatch):
+    """capture_served prefills the whole request (the states see the whole prompt) and keeps its last
+    ``max_tokens`` tokens: a long prompt leaves the answer in the window, with the states of those positions."""
+    from sglang_spec.train import live_traffic
+
+    request = live_traffic.ServedRequest("r", tuple(range(100, 130)), tuple(range(200, 210)), "0")
+    sent = []
+
+    def fake_post(url, path, payload, timeout):
+        sent.append(payload["input_ids"])
+        # the server's state after token i: [i, i] (hidden size 2), one row per token it computed
+        return [{"meta_info": {"hidden_states": [[[float(i), float(i)] for i in range(len(ids))]]}}
+                for ids in payload["input_ids"]]
+
+    monkeypatch.setattr(live_traffic, "post_json", fake_post)
+    [sequence] = live_traffic.capture_served("http://x", [request], "served", 16, 2)
+    assert sent == [[list(range(100, 130)) + list(range(200, 210))]]  # the whole request, in one batch
+    assert sequence.tokens.tolist() == list(range(124, 130)) + list(range(200, 210))
+    assert sequence.completion_start == 6
+    assert sequence.hidden[:, 0].tolist() == [float(i) for i in range(24, 39)]
