@@ -1,6 +1,6 @@
 """A head that keeps learning while it serves, against fixed heads, on one stream of requests (CPU test bed).
 
-    python bench/adapt_stream.py --requests 64 --max-new-tokens 40
+    python bench/adapt_stream.py
 
 The stream: document-extraction requests over the Python reference (``pydoc:0-N``; no shipped head trained on
 that domain), sent one at a time, greedy, to SGLang's real server with SmolLM2-135M and a chain tree. Three arms,
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -159,20 +160,25 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--domain-prompts", default="pydoc:100-163")
     parser.add_argument("--domain-steps", type=int, default=150)
     parser.add_argument("--domain-head", type=Path, default=None, help="a batch-trained domain head to reuse")
-    parser.add_argument("--seq-len", type=int, default=384)
+    parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--adapt-args", default="--window 48 --train-every 16 --steps 60 --batch-size 8 "
-                        "--seq-len 384 --lr 0.001 --probation-steps 80 --train-nice 0 --poll-seconds 0.5")
+    parser.add_argument("--adapt-args", default="--window 48 --train-every 16 --steps 48 --batch-size 8 "
+                        "--seq-len 256 --lr 0.001 --holdout 0.25 --probation-steps 60 --train-nice 0 "
+                        "--poll-seconds 0.5")
     parser.add_argument("--server-args", default="", help="more launch_server options for every server")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     arms = args.arms.split(",")
+    domain = re.fullmatch(r"pydoc:(\d+)-(\d+)", args.domain_prompts)
+    if "domain" in arms and domain and int(domain.group(1)) < args.requests:
+        parser.error(f"the stream pydoc:0-{args.requests - 1} overlaps the domain head's --domain-prompts "
+                     f"{args.domain_prompts}: the domain head would be scored on passages it trained on")
     from transformers import AutoTokenizer
 
     from sglang_spec.models.loading import shipped_head_path

@@ -24,9 +24,11 @@ _SETTINGS = {
     "train_every": (integer(1), "new captured sequences between training rounds"),
     "steps": (integer(1, MAX_STEPS), "optimizer steps a round"),
     "batch_size": (integer(1, MAX_BATCH_SIZE), "sequences per step"),
-    "seq_len": (integer(3), "tokens per sequence (prompt and answer, the start kept)"),
+    "seq_len": (integer(3), "tokens per sequence (the end kept: the answer and the end of its prompt)"),
     "unroll": (integer(1, 16), "drafting steps trained"),
     "lr": (number(0, 1, low_open=True), "peak learning rate of a round, in (0, 1]"),
+    "holdout": (number(0, 1, high_open=True), "share of the window a round holds out of training, on which the "
+                "candidate and the head it was trained from are scored before a swap (0: no screen), in [0, 1)"),
     "probation_steps": (integer(1), "verify steps a swapped-in head serves before the guard's verdict"),
     "margin": (number(0, 1, high_open=True), "a head on probation whose accept length falls below (1 - margin) "
                "times the previous head's is rolled back, in [0, 1)"),

@@ -164,8 +164,10 @@ def _run(args: argparse.Namespace, world: World) -> int:
               + (f", {world.size} processes" if world.size > 1 else ""))
         print(f"draft vocabulary {summary.draft_vocab_size} tokens, covering {summary.draft_vocab_coverage:.1%} of "
               f"completion tokens")
-        print("held-out top-1 agreement per drafting depth: "
-              + ", ".join(f"d{i + 1} {value:.3f}" for i, value in enumerate(summary.eval_top1)))
+        depths = ", ".join(f"d{i + 1} {value:.3f}" for i, value in enumerate(summary.eval_top1))
+        before = ", ".join(f"d{i + 1} {value:.3f}" for i, value in enumerate(summary.init_eval_top1))
+        print(f"held-out top-1 agreement per drafting depth, on the answers: {depths or 'no held-out sequences'}"
+              + (f" (the --init head: {before})" if before else ""))
     return 0
 
 

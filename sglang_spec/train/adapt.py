@@ -10,12 +10,17 @@ One loop, in its own process beside a running tree server (HTTP only; the server
    change) trains a candidate from the served head: ``sglang-spec train --capture --keep-draft-vocab`` in a child
    process (under ``torchrun`` with ``train_processes`` > 1; ``train_threads`` threads, ``train_nice`` niceness:
    off the serving cores' critical path where the machine has room).
-3. **Swap.** A candidate that is a head for the served model (type, sizes, feedback, the served draft vocabulary,
+3. **Screen.** A round trains on the window less a ``holdout`` share of its requests, and scores both the
+   candidate and the head it was trained from on those (top-1 agreement with the target per drafting depth on
+   their answers, as a chain's expected accept length): a candidate not above the served head is not swapped in.
+   Both heads are judged on the same tokens; the served probation below compares different requests, which vary
+   more than one round moves a head.
+4. **Swap.** A candidate that is a head for the served model (type, sizes, feedback, the served draft vocabulary,
    finite weights) waits until the served head has served ``probation_steps`` verify steps of its own (the
    baseline it is judged against), then goes into the running server through SGLang's weight update of the draft
    runner alone (``swap_head``: generation paused in place, ``update_weights_from_tensor`` with selector
    ``draft``, resumed); requests in flight finish across it.
-4. **Probation.** The swapped-in head serves ``probation_steps`` verify steps; its accept length (the server's
+5. **Probation.** The swapped-in head serves ``probation_steps`` verify steps; its accept length (the server's
    per-head counters, ``sglang_spec_head_*``) below ``(1 - margin)`` times the previous head's over its own
    serving rolls it back: the previous head's weights go back in the same way. Either way one line says so,
    ``events.jsonl`` records it, and the kept head's acceptance profile (its per-depth, per-rank table from the
@@ -56,7 +61,7 @@ from sglang_spec.train.server_counts import (LAUNCH_HEAD, parse_head_counts, par
                                              subtract_counts)
 from sglang_spec.tree.policies import MAX_TOPK
 from sglang_spec.tree.profile import AcceptanceProfile
-from sglang_spec.tree.token_tree import MAX_DEPTH
+from sglang_spec.tree.token_tree import MAX_DEPTH, TokenTree
 
 STATE_FILE = "adapt.json"
 EVENTS_FILE = "events.jsonl"
@@ -65,7 +70,9 @@ EVENTS_FILE = "events.jsonl"
 @dataclass(frozen=True)
 class AdaptSettings:
     """window: captured sequences trained on (the newest); train_every: new sequences between training rounds;
-    steps, batch_size, seq_len, unroll, lr: each round's training (``sglang-spec train``); probation_steps: verify
+    steps, batch_size, seq_len, unroll, lr: each round's training (``sglang-spec train``); holdout: the share of
+    the window (by request) a round does not train on, where the candidate must score above the head it was
+    trained from before it is swapped in (0: no screen); probation_steps: verify
     steps a swapped-in head serves before its verdict; margin: the share of the previous head's accept length a
     head may lose on probation; capture_batch: served requests replayed per capture request; min_free_mb: free
     disk below which capture pauses; train_processes / train_threads / train_nice: the trainer's processes,
@@ -78,6 +85,7 @@ class AdaptSettings:
     seq_len: int = 512
     unroll: int = 3
     lr: float = 5e-4
+    holdout: float = 0.25
     probation_steps: int = 150
     margin: float = 0.05
     capture_batch: int = 4
@@ -94,6 +102,8 @@ class AdaptSettings:
                 raise SpecError(f"--{name.replace('_', '-')} must be >= 1")
         if self.seq_len < 3:
             raise SpecError("--seq-len must be >= 3")
+        if not 0 <= self.holdout < 1:
+            raise SpecError(f"--holdout must be in [0, 1), got {self.holdout}")
         if not 0 <= self.margin < 1:
             raise SpecError(f"--margin must be in [0, 1), got {self.margin}")
         if self.train_every > self.window:
@@ -121,6 +131,24 @@ def probation_verdict(previous: HeadStats, candidate: HeadStats, probation_steps
     if candidate.steps < probation_steps:
         return None
     return "rollback" if candidate.accept_length < previous.accept_length * (1 - margin) else "keep"
+
+
+def held_out_accept_length(top1: list[float]) -> float:
+    """The accept length a chain as deep as ``top1`` would reach if depth d's draft were accepted with the
+    held-out top-1 agreement ``top1[d - 1]`` (Sequoia's F(T) of a chain): the score both heads of a screen get."""
+    if not top1:
+        return 1.0
+    chain = TokenTree.from_parents([-1, *range(len(top1))])
+    return AcceptanceProfile.from_obj({"rank_acceptance": [[value] for value in top1]}).expected_accept_length(chain)
+
+
+def screen_verdict(summary: dict[str, Any]) -> tuple[float, float] | None:
+    """(the --init head's, the candidate's) held-out accept length from a training round's summary
+    (``sglang-spec train --json``), or None when the round held nothing out to score on."""
+    before, after = summary.get("init_eval_top1") or [], summary.get("eval_top1") or []
+    if not before or not after or not summary.get("eval_sequences"):
+        return None
+    return held_out_accept_length(before), held_out_accept_length(after)
 
 
 def fetch_text(url: str, path: str, timeout: float = 30.0) -> str:
@@ -430,7 +458,7 @@ class Adapter:
                  "--init", state.heads[state.served], "--out", str(self.candidate), "--keep-draft-vocab",
                  "--feedback", self.served_head.feedback, "--steps", str(settings.steps),
                  "--batch-size", str(settings.batch_size), "--seq-len", str(settings.seq_len),
-                 "--unroll", str(settings.unroll), "--lr", str(settings.lr), "--eval-fraction", "0",
+                 "--unroll", str(settings.unroll), "--lr", str(settings.lr), "--eval-fraction", str(settings.holdout),
                  "--checkpoint-every", str(settings.steps), "--force", "--json"]
         if settings.train_processes > 1:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -455,8 +483,34 @@ class Adapter:
                         f"{brief(lines[-1] if lines else 'no output', 200)}); the server keeps serving head "
                         f"{self.state.served}")
             return True
+        summary = self._summary(self.trainer_log)
+        scores = screen_verdict(summary) if summary is not None else None
+        if summary is not None and scores is not None:
+            before, after = scores
+            figures = (f"held-out accept length {after:.3f} against head {self.state.served}'s {before:.3f} on the "
+                       f"same {summary['eval_sequences']} requests")
+            if after <= before:
+                self._event("screened", f"round {self.state.rounds}'s head not swapped in: {figures}; the server "
+                            f"keeps serving head {self.state.served}", accept_length=after,
+                            previous_accept_length=before)
+                return True
+            self._event("screen", f"round {self.state.rounds}'s head passed the screen: {figures}",
+                        accept_length=after, previous_accept_length=before)
         self.ready = (self.candidate, f"round {self.state.rounds}'s head")
         return True
+
+    @staticmethod
+    def _summary(log: Path) -> dict[str, Any] | None:
+        """The round's summary (the last JSON object ``train --json`` printed), or None."""
+        for line in reversed(log.read_text(errors="replace").splitlines()):
+            if line.startswith("{"):
+                try:
+                    value = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(value, dict):
+                    return value
+        return None
 
     def _baseline_ready(self) -> bool:
         """Whether the served head has served ``probation_steps`` verify steps since it went in: the evidence a

@@ -85,7 +85,7 @@ def calibrate(
         loss_mask = torch.zeros(len(chunk), width, dtype=torch.bool)
         for row, record in enumerate(chunk):
             input_ids[row, : len(record.tokens)] = torch.tensor(record.tokens)
-            loss_mask[row, record.completion_start + 1 : len(record.tokens)] = True
+            loss_mask[row, record.first_drafted : len(record.tokens)] = True
         input_ids = input_ids.to(device)
         hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
         logits = model.lm_head(hidden).float()

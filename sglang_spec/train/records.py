@@ -22,6 +22,13 @@ class EncodedRecord:
     tokens: list[int]
     completion_start: int
 
+    @property
+    def first_drafted(self) -> int:
+        """The first position whose next token a served step drafts: the prefill answers the first completion
+        token, so drafting starts at the one after it. Evaluations that should say what a server accepts count
+        the positions from here on."""
+        return self.completion_start + 1
+
 
 def encode_record(loaded: LoadedModel, record: TrafficRecord, seq_len: int) -> EncodedRecord:
     if record.messages is not None and loaded.chat:

@@ -174,9 +174,10 @@ def teacher_from_capture(data: TrainingData, hidden: Sequence[torch.Tensor], out
 
 
 def make_batch(cache: TeacherCache, rows: Sequence[int], device: torch.device, dtype: torch.dtype,
-               supervised: bool = True) -> TeacherBatch:
+               supervised: bool = True, drafted_only: bool = False) -> TeacherBatch:
     """The padded batch of ``rows``; ``supervised`` False masks every position out of the loss (a distributed
-    rank's stand-in row, ``distributed.rank_rows``)."""
+    rank's stand-in row, ``distributed.rank_rows``); ``drafted_only`` masks the positions a server never drafts
+    at (the prompt's, ``EncodedRecord.first_drafted``)."""
     width = max(len(cache.records[row].tokens) for row in rows)
     size, top_k = len(rows), cache.target_ids[rows[0]].shape[1]
     hidden_size = cache.hidden[rows[0]].shape[1]
@@ -193,7 +194,8 @@ def make_batch(cache: TeacherCache, rows: Sequence[int], device: torch.device, d
         hidden[slot, :length] = cache.hidden[row].float()
         target_ids[slot, :length] = cache.target_ids[row].long()
         target_probs[slot, :length] = cache.target_probs[row].float()
-        loss_mask[slot, :length] = supervised
+        first = record.first_drafted if drafted_only else 0
+        loss_mask[slot, first:length] = supervised
         lengths[slot] = length
     return TeacherBatch(input_ids.to(device), lengths.to(device), hidden.to(device, dtype), target_ids.to(device),
                         target_probs.to(device), loss_mask.to(device))
@@ -205,6 +207,8 @@ class TrainSummary:
     seconds: float
     train_top1: list[float]
     eval_top1: list[float]
+    # the --init head's held-out top-1 on the same positions, before training ([] without --init or on --resume)
+    init_eval_top1: list[float]
     draft_vocab_size: int
     draft_vocab_coverage: float
     train_sequences: int
@@ -234,16 +238,16 @@ def evaluate(
     head: MTPHead, cache: TeacherCache, rows: Sequence[int], config: TrainConfig, device: torch.device,
     dtype: torch.dtype, world: World = World(),
 ) -> list[float]:
-    """Top-1 agreement with the target per unrolled step over ``rows`` (all positions), each batch shared by the
-    ranks."""
+    """Top-1 agreement with the target per unrolled step over ``rows``, at the positions a server drafts at (the
+    completion's: what acceptance is made of), each batch shared by the ranks."""
     if not rows:
         return []
     agree = [0.0] * config.unroll
     count = [0] * config.unroll
     for start in range(0, len(rows), config.batch_size):
         mine, real = rank_rows(list(rows[start : start + config.batch_size]), world)
-        _, metrics = unrolled_loss(head, make_batch(cache, mine, device, dtype, supervised=real), config.unroll,
-                                   config.step_decay, reduce=world.sum)
+        _, metrics = unrolled_loss(head, make_batch(cache, mine, device, dtype, supervised=real, drafted_only=True),
+                                   config.unroll, config.step_decay, reduce=world.sum)
         for step, (top1, number) in enumerate(zip(metrics.top1, metrics.count)):
             agree[step] += top1 * number
             count[step] += number
@@ -676,6 +680,8 @@ def _fit_and_save(loaded: LoadedModel, data: TrainingData, cache: TeacherCache, 
     state = start_fit(loaded, data, config, init, state_path if resume else None, world)
     checkpoints = Checkpoints(out, config, data, metadata, world)
     device, dtype = target_device_dtype(loaded)
+    init_eval_top1 = (evaluate(state.head, cache, data.eval_rows, config, device, dtype, world)
+                      if init is not None and state.step == 0 else [])
     train_top1 = fit(state, cache, data, config, checkpoints, device, dtype, progress, world)
     eval_top1 = evaluate(state.head, cache, data.eval_rows, config, device, dtype, world)
     checkpoints.save(state, final=True)
@@ -687,6 +693,7 @@ def _fit_and_save(loaded: LoadedModel, data: TrainingData, cache: TeacherCache, 
         parameter.requires_grad_(False)
     return TrainSummary(
         steps=state.step, seconds=state.elapsed, train_top1=train_top1, eval_top1=eval_top1,
+        init_eval_top1=init_eval_top1,
         draft_vocab_size=head.draft_vocab_size, draft_vocab_coverage=data.draft_vocab_coverage,
         train_sequences=len(data.train_rows), eval_sequences=len(data.eval_rows),
         train_tokens=sum(len(data.records[i].tokens) for i in data.train_rows),

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from sglang_spec.errors import SpecError
 from sglang_spec.models.loading import shipped_head_path
-from sglang_spec.train.adapt import AdaptSettings, HeadStats, RollingCapture, ServedHead, probation_verdict
+from sglang_spec.train.adapt import (AdaptJob, AdaptSettings, Adapter, HeadStats, RollingCapture, ServedHead,
+                                    held_out_accept_length, probation_verdict, screen_verdict)
 from sglang_spec.train.capture import CaptureManifest, CapturedSequence, read_manifest
 from sglang_spec.train.live_traffic import TailPosition, TrafficTail
 from sglang_spec.train.server_counts import parse_head_counts
@@ -36,9 +37,56 @@ def test_the_verdict_waits_for_probation_then_rolls_back_a_head_that_accepts_les
     assert probation_verdict(previous, HeadStats("1", 100, 80), 100, 0.0) == "keep"
 
 
+def test_the_screen_scores_both_heads_as_a_chain_on_the_same_held_out_answers():
+    assert held_out_accept_length([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert held_out_accept_length([]) == 1.0
+    summary = {"eval_sequences": 3, "init_eval_top1": [0.5, 0.4], "eval_top1": [0.6, 0.5]}
+    assert screen_verdict(summary) == pytest.approx((1 + 0.5 + 0.2, 1 + 0.6 + 0.3))
+    assert screen_verdict({**summary, "eval_sequences": 0}) is None  # nothing held out: no screen
+    assert screen_verdict({**summary, "init_eval_top1": []}) is None
+
+
+def _adapter(tmp_path: Path) -> Adapter:
+    served = ServedHead.of(generic_head())
+    job = AdaptJob("http://127.0.0.1:9", tmp_path / "traffic.jsonl", "smollm2", served.model_type,
+                   served.hidden_size, served.vocab_size, str.split, generic_head(), tmp_path / "adapt",
+                   AdaptSettings(window=8, train_every=4))
+    return Adapter(job, say=lambda line: None)
+
+
+def _finished_round(adapter: Adapter, tmp_path: Path, summary: dict) -> None:
+    """The state the loop is in when a round's trainer has exited 0 having printed ``summary``."""
+    import subprocess
+    import sys
+
+    adapter.trainer = subprocess.Popen([sys.executable, "-c", ""])
+    adapter.trainer.wait()
+    adapter.candidate = tmp_path / "candidate.safetensors"
+    adapter.trainer_log = tmp_path / "train.log"
+    adapter.trainer_log.write_text("a warning\n" + json.dumps(summary) + "\n")
+
+
+def test_a_candidate_that_scores_below_its_init_on_held_out_answers_is_not_swapped_in(tmp_path):
+    adapter = _adapter(tmp_path)
+    worse = {"eval_sequences": 4, "init_eval_top1": [0.6, 0.5], "eval_top1": [0.55, 0.5]}
+    _finished_round(adapter, tmp_path, worse)
+    assert adapter._training()
+    assert adapter.ready is None  # not offered: the served head stays
+    events = [json.loads(line) for line in (tmp_path / "adapt" / "events.jsonl").read_text().splitlines()]
+    assert [event["event"] for event in events] == ["screened"]
+    assert "not swapped in" in events[0]["message"] and "on the same 4 requests" in events[0]["message"]
+    for summary in ({**worse, "eval_top1": [0.65, 0.5]}, {**worse, "eval_sequences": 0}):  # better; nothing held out
+        _finished_round(adapter, tmp_path, summary)
+        assert adapter._training()
+        assert adapter.ready is not None and adapter.ready[0] == tmp_path / "candidate.safetensors"
+        adapter.ready = None
+
+
 def test_settings_refuse_what_cannot_work():
     with pytest.raises(SpecError, match="margin"):
         AdaptSettings(margin=1.0)
+    with pytest.raises(SpecError, match="holdout"):
+        AdaptSettings(holdout=1.0)
     with pytest.raises(SpecError, match="train-every"):
         AdaptSettings(window=8, train_every=16)
 

@@ -17,7 +17,8 @@ from captured import toy_sequences, write_capture
 from sglang_spec.cli import main
 from sglang_spec.mtp.checkpoint import read_mtp_header
 from sglang_spec.train import trainer
-from sglang_spec.train.trainer import TrainConfig, build_teacher_cache, captured_data, teacher_from_capture
+from sglang_spec.train.trainer import (TrainConfig, build_teacher_cache, captured_data, make_batch,
+                                      teacher_from_capture)
 
 TRAIN = ["train", "--steps", "6", "--batch-size", "4", "--checkpoint-every", "3", "--draft-vocab", "64",
          "--unroll", "2", "--eval-fraction", "0.25", "--lr", "0.005", "--json"]
@@ -149,3 +150,33 @@ def test_a_capture_longer_than_seq_len_keeps_its_end_the_answer(tiny):
     assert record.tokens == sequence.tokens[23:39].tolist()  # 39 tokens carry a state: the last 16 of them
     assert record.completion_start == 7  # the answer starts at token 30
     assert torch.equal(hidden[0], sequence.hidden[23:39])
+
+
+def test_a_round_from_an_init_head_scores_that_head_first_on_the_same_held_out_answers(capture, one_process,
+                                                                                       tmp_path, capsys):
+    """What adapt's screen compares: the --init head's held-out top-1 before training, on the rows and positions
+    the trained head is scored on after (the init head's own run ended at that figure on the same rows)."""
+    capsys.readouterr()
+    out = tmp_path / "next.safetensors"
+    assert main([*TRAIN, "--capture", str(capture), "--init", str(one_process), "--keep-draft-vocab",
+                 "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    final = read_mtp_header(one_process)["metadata"]["history"][-1]["eval_top1"]
+    assert summary["eval_sequences"] > 0 and len(summary["init_eval_top1"]) == 2
+    assert summary["init_eval_top1"] == pytest.approx(final, abs=1e-6)
+    plain = tmp_path / "plain.safetensors"
+    assert main([*TRAIN, "--capture", str(capture), "--out", str(plain)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["init_eval_top1"] == []  # no --init
+
+
+def test_held_out_agreement_counts_the_answers_where_a_server_drafts(tiny, capture):
+    loaded, _ = tiny
+    from sglang_spec.train.capture import iter_captured
+
+    data, hidden = captured_data(loaded, list(iter_captured(capture)), TrainConfig(draft_vocab=64, top_k_targets=8))
+    cache = teacher_from_capture(data, hidden, loaded.model.lm_head.weight, 8, progress=False)
+    record = data.records[0]
+    assert record.first_drafted == 7  # the prompt is 6 tokens; the prefill answers token 6
+    drafted = make_batch(cache, [0], torch.device("cpu"), torch.float32, drafted_only=True).loss_mask[0]
+    assert not drafted[:7].any() and drafted[7 : len(record.tokens)].all()
+    assert make_batch(cache, [0], torch.device("cpu"), torch.float32).loss_mask[0, : len(record.tokens)].all()
