@@ -145,11 +145,14 @@ def plot(results: dict, path: Path) -> None:
             smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
                       for i in range(len(values))]
             axis.plot(x, smooth, label=arm["arm"])
-        for event in arm["events"]:
-            if event["event"] in ("keep", "rollback"):
-                request = min(event["requests_seen"], len(rows) - 1)
-                axes[0].axvline(request, color="green" if event["event"] == "keep" else "red", alpha=0.3)
-    axes[0].set_title(f"accept length (mean of the last {window} requests)")
+        seen = {rows[0]["head"]} if rows else set()
+        for before, row in zip(rows, rows[1:]):  # the first request each swapped-in head served
+            if row["head"] != before["head"]:
+                back = row["head"] in seen  # a head served before: a rollback
+                axes[0].axvline(row["request"], color="red" if back else "green", alpha=0.4)
+                seen.add(row["head"])
+    axes[0].set_title(f"accept length (mean of the last {window} requests)\nlines: a new head served (red: rolled back)",
+                      fontsize=10)
     axes[1].set_title(f"tokens/s (mean of the last {window} requests)")
     for axis in axes:
         axis.set_xlabel("requests served")

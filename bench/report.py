@@ -236,11 +236,15 @@ def adapt_stream_body(results: Path) -> str:
     parts = [about, run_lines(data, results, name, [name, "adapt_stream.png"]),
              table(["arm", *(f"accept length, requests {q}" for q in quarters),
                     *(f"tok/s, requests {q}" for q in quarters), "wall s"], rows)]
-    ratio = data.get("adapt_over_generic_last_quarter")
-    if ratio is not None:
-        parts.append(f"Last quarter: `adapt`'s accept length is {ratio:.2f}x the fixed generic head's.")
-    events = [event for arm in arms for event in arm.get("events", []) if event["event"] in ("swap", "keep",
-                                                                                            "rollback", "train")]
+    by_arm = {arm["arm"]: arm for arm in arms}
+    if "generic" in by_arm:
+        generic = by_arm["generic"]["quarters"][-1]["accept_length"]
+        ratios = [f"`{arm}`'s accept length is {by_arm[arm]['quarters'][-1]['accept_length'] / generic:.2f}x"
+                  for arm in ("adapt", "domain") if arm in by_arm]
+        if ratios:
+            parts.append(f"Last quarter: {' and '.join(ratios)} the fixed generic head's.")
+    events = [event for arm in arms for event in arm.get("events", [])
+              if event["event"] in ("train", "screen", "screened", "swap", "keep", "rollback")]
     if events:
         parts.append("What `adapt` did (seconds since it started, requests it had seen):\n\n" + "\n".join(
             f"* {event['time']:.0f} s, {event['requests_seen']} requests: {event['message']}" for event in events))
@@ -581,6 +585,15 @@ def render_headline(results: Path = RESULTS, page: str = "docs/results/README.md
             cells.append(f"{workload} **{ours:.2f}** vs {eagle:.2f} / {ngram:.2f}")
         add("SGLang server, accept length at 15 draft tokens: `hybrid` vs SGLang's EAGLE tree / NGRAM", name,
             ", ".join(cells), SERVING_TITLES[name])
+    name = "adapt_stream.json"
+    if (results / name).exists():
+        data = load(results, name)
+        by_arm = {arm["arm"]: arm["quarters"][-1]["accept_length"] for arm in data["arms"]}
+        if {"generic", "adapt", "domain"} <= by_arm.keys():
+            add(f"SGLang server, one stream of held-out extraction requests ({data['stream']}): the last quarter's "
+                f"accept length with `sglang-spec adapt` / a batch-trained domain head, over the fixed generic head",
+                name, f"adapt **{x(by_arm['adapt'] / by_arm['generic'])}** / domain "
+                f"{x(by_arm['domain'] / by_arm['generic'])}", "A head that keeps learning while it serves")
     name = "hybrid.json"
     if (results / name).exists():
         data = [row for row in load(results, name)["rows"] if row["temperature"] == 0.0]

@@ -82,6 +82,8 @@ def _plan(planner: StepPlanner, state: WorkerState, rids: list[str]) -> StepPlan
     try:
         return planner.choose(table, len(rids))
     except Exception as error:  # SGLang's own plain step (the head's KV kept warm): exact whatever the plan
+        # choose reads the agreed table and the launch's cap alone, the same on every rank: a fault in it is
+        # every rank's, so this plain step is the group's too
         accept_fault(AUTO, error, len(rids), "decoded by a plain step")
         return StepPlan(1, float(len(rids)), 0.0, (0,) * len(rids))
 
