@@ -208,9 +208,6 @@ def main() -> int:
         for row in arm["rows"]:
             del row["output_ids"]
     by_arm = {arm["arm"]: arm for arm in results["arms"]}
-    if "generic" in by_arm and "adapt" in by_arm:
-        results["adapt_over_generic_last_quarter"] = (by_arm["adapt"]["quarters"][-1]["accept_length"]
-                                                      / by_arm["generic"]["quarters"][-1]["accept_length"])
     header = ["arm", *(f"AL {q['requests']}" for q in results["arms"][0]["quarters"]),
               *(f"tok/s {q['requests']}" for q in results["arms"][0]["quarters"])]
     print("\n".join(markdown_table(header, [[arm["arm"], *(f"{q['accept_length']:.2f}" for q in arm["quarters"]),

@@ -218,6 +218,15 @@ def sglang_trees_body(results: Path) -> str:
                         table(["budget", *policies], [[b, *(cells.get((b, p)) for p in policies)] for b in budgets])])
 
 
+def last_quarter_over_generic(data: dict[str, Any]) -> dict[str, float]:
+    """Each other arm's accept length over the fixed generic head's, in the stream's last quarter ({} without a
+    generic arm)."""
+    last = {arm["arm"]: arm["quarters"][-1]["accept_length"] for arm in data["arms"]}
+    if "generic" not in last:
+        return {}
+    return {arm: value / last["generic"] for arm, value in last.items() if arm != "generic"}
+
+
 def adapt_stream_body(results: Path) -> str:
     name = "adapt_stream.json"
     data = load(results, name)
@@ -236,13 +245,9 @@ def adapt_stream_body(results: Path) -> str:
     parts = [about, run_lines(data, results, name, [name, "adapt_stream.png"]),
              table(["arm", *(f"accept length, requests {q}" for q in quarters),
                     *(f"tok/s, requests {q}" for q in quarters), "wall s"], rows)]
-    by_arm = {arm["arm"]: arm for arm in arms}
-    if "generic" in by_arm:
-        generic = by_arm["generic"]["quarters"][-1]["accept_length"]
-        ratios = [f"`{arm}`'s accept length is {by_arm[arm]['quarters'][-1]['accept_length'] / generic:.2f}x"
-                  for arm in ("adapt", "domain") if arm in by_arm]
-        if ratios:
-            parts.append(f"Last quarter: {' and '.join(ratios)} the fixed generic head's.")
+    ratios = [f"`{arm}`'s accept length is {ratio:.2f}x" for arm, ratio in last_quarter_over_generic(data).items()]
+    if ratios:
+        parts.append(f"Last quarter: {' and '.join(ratios)} the fixed generic head's.")
     events = [event for arm in arms for event in arm.get("events", [])
               if event["event"] in ("train", "screen", "screened", "swap", "keep", "rollback")]
     if events:
@@ -588,12 +593,12 @@ def render_headline(results: Path = RESULTS, page: str = "docs/results/README.md
     name = "adapt_stream.json"
     if (results / name).exists():
         data = load(results, name)
-        by_arm = {arm["arm"]: arm["quarters"][-1]["accept_length"] for arm in data["arms"]}
-        if {"generic", "adapt", "domain"} <= by_arm.keys():
+        ratios = last_quarter_over_generic(data)
+        if {"adapt", "domain"} <= ratios.keys():
             add(f"SGLang server, one stream of held-out extraction requests ({data['stream']}): the last quarter's "
                 f"accept length with `sglang-spec adapt` / a batch-trained domain head, over the fixed generic head",
-                name, f"adapt **{x(by_arm['adapt'] / by_arm['generic'])}** / domain "
-                f"{x(by_arm['domain'] / by_arm['generic'])}", "A head that keeps learning while it serves")
+                name, f"adapt **{x(ratios['adapt'])}** / domain {x(ratios['domain'])}",
+                "A head that keeps learning while it serves")
     name = "hybrid.json"
     if (results / name).exists():
         data = [row for row in load(results, name)["rows"] if row["temperature"] == 0.0]

@@ -484,8 +484,8 @@ class Adapter:
                         f"{self.state.served}")
             return True
         summary = self._summary(self.trainer_log)
-        scores = screen_verdict(summary) if summary is not None else None
-        if summary is not None and scores is not None:
+        scores = screen_verdict(summary)
+        if scores is not None:
             before, after = scores
             figures = (f"held-out accept length {after:.3f} against head {self.state.served}'s {before:.3f} on the "
                        f"same {summary['eval_sequences']} requests")
@@ -500,8 +500,8 @@ class Adapter:
         return True
 
     @staticmethod
-    def _summary(log: Path) -> dict[str, Any] | None:
-        """The round's summary (the last JSON object ``train --json`` printed), or None."""
+    def _summary(log: Path) -> dict[str, Any]:
+        """The round's summary (the last JSON object ``train --json`` printed), or {}."""
         for line in reversed(log.read_text(errors="replace").splitlines()):
             if line.startswith("{"):
                 try:
@@ -510,7 +510,7 @@ class Adapter:
                     continue
                 if isinstance(value, dict):
                     return value
-        return None
+        return {}
 
     def _baseline_ready(self) -> bool:
         """Whether the served head has served ``probation_steps`` verify steps since it went in: the evidence a
