@@ -139,10 +139,13 @@ SERVING_ABOUT = {
     "serving_sweep_c1.json": "One request at a time: tree auto (hybrid trees of 11 draft tokens, or a plain step "
                              "where a tree does not pay) against plain decoding, with and without SGLang's overlap "
                              "loop, and against SGLang's own EAGLE tree and NGRAM, all servers up together.",
-    "serving_sweep_c16.json": "Sixteen concurrent requests: the same servers under load, where a tree step costs "
-                              "more than it gives and tree auto is meant to decode plainly. "
-                              "Measured with the batch-wide switch that the per-step planner replaced; not yet "
-                              "measured again with the planner.",
+    "serving_sweep_c16.json": "Sixteen concurrent requests of code, extraction, chat and a mixed stream of the "
+                              "three: the same servers under load, where a full tree step costs more than it "
+                              "gives and the per-step planner is meant to take a plain step or a small tree. "
+                              "Every request asks the same number of tokens, so plain decoding's requests finish "
+                              "together and the next ones are prefilled before their first token; a speculating "
+                              "server's finish apart, and the later prefills land between the running requests' "
+                              "chunks (its p99 ITL).",
     "serving_sweep_mixed_c4.json": "Four concurrent requests of code, of extraction and of a mixed stream (code, "
                                    "extraction and chat requests arriving together): the per-step planner (each "
                                    "step one verify size, chosen from every request's predicted reach; each "
@@ -558,11 +561,10 @@ def render_headline(results: Path = RESULTS, page: str = "docs/results/README.md
     def add(what: str, name: str, figure: str, title: str) -> None:
         rows.append([what, figure, f"`{command(load(results, name), results, name)}`", link(title)])
 
-    before = " (the batch-wide switch the per-step planner replaced)"
     for name, what in (("serving_sweep_c1.json", "SGLang server, 1 request: `--speculative-tree-auto` over the "
                                                  "faster plain decoding (x) and its accept length"),
                        ("serving_sweep_c16.json", "SGLang server, 16 requests: `--speculative-tree-auto` over the "
-                                                  "faster plain decoding" + before)):
+                                                  "faster plain decoding")):
         if (results / name).exists():
             data = _rows(results, name)
             cells = []
