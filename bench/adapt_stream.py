@@ -2,8 +2,9 @@
 
     python bench/adapt_stream.py
 
-The stream: document-extraction requests over the Python reference (``pydoc:0-N``; no shipped head trained on
-that domain), sent one at a time, greedy, to SGLang's real server with SmolLM2-135M and a chain tree. Three arms,
+The stream (``--stream``): document-extraction requests over the Python reference (``pydoc:0-95``: a new passage
+each request; ``pydoc:0-23x4``: 24 passages asked four times in turn, a new question each; no shipped head trained
+on that domain), sent one at a time, greedy, to SGLang's real server with SmolLM2-135M and a chain tree. Three arms,
 each its own server with the same flags:
 
 * ``generic``: the shipped generic head, fixed.
@@ -163,7 +164,8 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--stream", default="pydoc:0-95",
+                        help="the requests, in order: pydoc:A-B (a new passage each), pydoc:A-BxK (recurring passages)")
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--domain-prompts", default="pydoc:100-163")
@@ -178,9 +180,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     arms = args.arms.split(",")
+    stream_range = re.fullmatch(r"pydoc:(\d+)-(\d+)(?:x\d+)?", args.stream)
+    if stream_range is None:
+        parser.error(f"--stream must be pydoc:A-B or pydoc:A-BxK, got {args.stream!r}")
     domain = re.fullmatch(r"pydoc:(\d+)-(\d+)", args.domain_prompts)
-    if "domain" in arms and domain and int(domain.group(1)) < args.requests:
-        parser.error(f"the stream pydoc:0-{args.requests - 1} overlaps the domain head's --domain-prompts "
+    if "domain" in arms and domain and not (int(domain.group(1)) > int(stream_range.group(2))
+                                            or int(domain.group(2)) < int(stream_range.group(1))):
+        parser.error(f"the stream {args.stream} overlaps the domain head's --domain-prompts "
                      f"{args.domain_prompts}: the domain head would be scored on passages it trained on")
     from transformers import AutoTokenizer
 
@@ -190,10 +196,10 @@ def main() -> int:
 
     model = prepare_model("smollm2", progress=False)
     generic = shipped_head_path("smollm2").with_name("smollm2-135m-instruct-generic.safetensors")
-    prompts = chat_ids(AutoTokenizer.from_pretrained(model.target_dir), load_prompts(f"pydoc:0-{args.requests - 1}"))
+    prompts = chat_ids(AutoTokenizer.from_pretrained(model.target_dir), load_prompts(args.stream))
     work = Path(tempfile.mkdtemp(prefix="adapt-stream-"))
     results = {"command": "python bench/adapt_stream.py " + " ".join(sys.argv[1:]), "environment": environment(),
-               "stream": f"pydoc:0-{args.requests - 1}", "max_new_tokens": args.max_new_tokens, "tree": list(TREE),
+               "stream": args.stream, "max_new_tokens": args.max_new_tokens, "tree": list(TREE),
                "adapt_args": args.adapt_args, "domain_prompts": args.domain_prompts,
                "domain_steps": args.domain_steps, "arms": []}
     for arm in arms:

@@ -22,7 +22,7 @@ from sglang_spec.train.traffic import parse_messages
 
 CODE_INSTRUCTION = "Complete the following Python function. Reply with the completed code only.\n\n"
 # what ``load_prompts`` takes, as the command lines' help and its own error name it
-PROMPT_SETS = "humaneval:A-B, chatterbot, pydoc:A-B, or a file"
+PROMPT_SETS = "humaneval:A-B, chatterbot, pydoc:A-B (pydoc:A-BxK: each passage asked K questions), or a file"
 
 
 @dataclass(frozen=True)
@@ -120,30 +120,36 @@ def pydoc_passages() -> list[str]:
     return passages
 
 
-def pydoc_prompts(first: int = 0, last: int | None = None) -> list[PromptSpec]:
+def pydoc_prompts(first: int = 0, last: int | None = None, visits: int = 1) -> list[PromptSpec]:
     """Passages first..last inclusive of ``pydoc_passages``, each with question ``index mod 8`` of
     ``PYDOC_QUESTIONS`` (domain ``extraction``): document-extraction traffic whose documents are not the serving
-    sweep's held-out report."""
+    sweep's held-out report. With ``visits`` > 1 (at most the 8 questions) the range is asked ``visits`` times in
+    turn, visit ``v`` asking question ``(index + v) mod 8`` (ids ``pydoc/<index>/<v>``): a deployment whose
+    documents recur, each time with a new question."""
     passages = pydoc_passages()
     last = len(passages) - 1 if last is None else last
     if not (0 <= first <= last < len(passages)):
         raise SpecError(f"pydoc passage range {first}-{last} is outside 0-{len(passages) - 1}")
-    return [PromptSpec(id=f"pydoc/{index}", domain="extraction", messages=(
-        {"role": "user", "content": f"{passages[index]}\n\n{PYDOC_QUESTIONS[index % len(PYDOC_QUESTIONS)]}"},))
-        for index in range(first, last + 1)]
+    if not 1 <= visits <= len(PYDOC_QUESTIONS):
+        raise SpecError(f"pydoc visits must be 1-{len(PYDOC_QUESTIONS)} (one new question each), got {visits}")
+    return [PromptSpec(id=f"pydoc/{index}" if visits == 1 else f"pydoc/{index}/{visit}", domain="extraction",
+                       messages=({"role": "user", "content": f"{passages[index]}\n\n"
+                                  f"{PYDOC_QUESTIONS[(index + visit) % len(PYDOC_QUESTIONS)]}"},))
+            for visit in range(visits) for index in range(first, last + 1)]
 
 
 def load_prompts(spec: str) -> list[PromptSpec]:
-    """``humaneval:A-B`` (tasks A..B), ``humaneval``, ``chatterbot``, ``pydoc:A-B`` (passages A..B), ``pydoc``,
-    or a file path."""
+    """``humaneval:A-B`` (tasks A..B), ``humaneval``, ``chatterbot``, ``pydoc:A-B`` (passages A..B), ``pydoc:A-BxK``
+    (passages A..B asked K times in turn, a new question each), ``pydoc``, or a file path."""
     match = re.fullmatch(r"humaneval(?::(\d+)-(\d+))?", spec)
     if match:
         return humaneval_prompts(int(match.group(1) or 0), int(match.group(2) or 163))
     if spec == "chatterbot":
         return chatterbot_prompts()
-    match = re.fullmatch(r"pydoc(?::(\d+)-(\d+))?", spec)
+    match = re.fullmatch(r"pydoc(?::(\d+)-(\d+)(?:x(\d+))?)?", spec)
     if match:
-        return pydoc_prompts(int(match.group(1) or 0), None if match.group(2) is None else int(match.group(2)))
+        return pydoc_prompts(int(match.group(1) or 0), None if match.group(2) is None else int(match.group(2)),
+                             int(match.group(3) or 1))
     path = Path(spec)
     if not path.exists():
         raise SpecError(f"unknown prompt set {spec!r}: use {PROMPT_SETS}")

@@ -38,10 +38,26 @@ def test_pydoc_prompts_ask_each_question_in_turn_as_extraction_requests():
     assert len(load_prompts("pydoc")) == len(passages)
 
 
+def test_recurring_pydoc_passages_come_back_in_turn_each_with_a_new_question():
+    prompts = load_prompts("pydoc:3-5x3")
+    assert [prompt.id for prompt in prompts] == [f"pydoc/{index}/{visit}" for visit in range(3)
+                                                 for index in range(3, 6)]
+    passages = pydoc_passages()
+    for prompt in prompts:
+        index, visit = map(int, prompt.id.split("/")[1:])
+        question = PYDOC_QUESTIONS[(index + visit) % len(PYDOC_QUESTIONS)]
+        assert prompt.messages[0]["content"] == f"{passages[index]}\n\n{question}"
+    assert len({prompt.messages[0]["content"] for prompt in prompts}) == len(prompts)  # no request repeats
+    assert [prompt.messages for prompt in load_prompts("pydoc:3-5x1")] == \
+        [prompt.messages for prompt in load_prompts("pydoc:3-5")]
+
+
 @pytest.mark.parametrize("spec, message", [
     ("pydoc:5-4", "pydoc passage range 5-4 is outside 0-"),
     ("pydoc:0-100000", "pydoc passage range 0-100000 is outside 0-"),
-    ("pydoc:x", "unknown prompt set 'pydoc:x': use humaneval:A-B, chatterbot, pydoc:A-B, or a file"),
+    ("pydoc:x", "unknown prompt set 'pydoc:x': use humaneval:A-B, chatterbot, pydoc:A-B"),
+    ("pydoc:0-3x9", "pydoc visits must be 1-8 (one new question each), got 9"),
+    ("pydoc:0-3x0", "pydoc visits must be 1-8"),
 ])
 def test_a_bad_pydoc_range_is_one_line(spec, message):
     with pytest.raises(SpecError) as error:
