@@ -230,11 +230,21 @@ def last_quarter_over_generic(data: dict[str, Any]) -> dict[str, float]:
     return {arm: value / last["generic"] for arm, value in last.items() if arm != "generic"}
 
 
-def adapt_stream_body(results: Path) -> str:
-    name = "adapt_stream.json"
+ADAPT_STREAMS = {"adapt_stream.json": ("A head that keeps learning while it serves",
+                                         "a new passage each request"),
+                 "adapt_stream_recurring.json": ("A head that keeps learning while it serves: recurring documents",
+                                                 "each passage asked again later with a new question")}
+
+
+def adapt_stream_body(name: str) -> Callable[[Path], str]:
+    return lambda results: _adapt_stream_body(results, name)
+
+
+def _adapt_stream_body(results: Path, name: str) -> str:
     data = load(results, name)
     arms = data["arms"]
-    about = (f"One stream of document-extraction requests over the Python reference ({data['stream']}, no shipped "
+    about = (f"One stream of document-extraction requests over the Python reference ({data['stream']}: "
+             f"{ADAPT_STREAMS[name][1]}; no shipped "
              f"head trained on that domain), {data['max_new_tokens']} greedy tokens each, one at a time, through "
              f"SGLang's server (SmolLM2-135M, `{' '.join(data['tree'])}`). `generic`: the shipped generic head, "
              f"fixed; `adapt`: the same head at launch with `sglang-spec adapt {data['adapt_args']}` beside the "
@@ -245,7 +255,8 @@ def adapt_stream_body(results: Path) -> str:
     quarters = [quarter["requests"] for quarter in arms[0]["quarters"]]
     rows = [[arm["arm"], *(f2(q["accept_length"]) for q in arm["quarters"]),
              *(f1(q["tokens_per_second"]) for q in arm["quarters"]), f"{arm['wall_seconds']:.0f}"] for arm in arms]
-    parts = [about, run_lines(data, results, name, [name, "adapt_stream.png"]),
+    plot = name.replace(".json", ".png")
+    parts = [about, run_lines(data, results, name, [name, plot]),
              table(["arm", *(f"accept length, requests {q}" for q in quarters),
                     *(f"tok/s, requests {q}" for q in quarters), "wall s"], rows)]
     ratios = [f"`{arm}`'s accept length is {ratio:.2f}x" for arm, ratio in last_quarter_over_generic(data).items()]
@@ -256,7 +267,7 @@ def adapt_stream_body(results: Path) -> str:
     if events:
         parts.append("What `adapt` did (seconds since it started, requests it had seen):\n\n" + "\n".join(
             f"* {event['time']:.0f} s, {event['requests_seen']} requests: {event['message']}" for event in events))
-    parts.append("![accept length and tokens/s against requests served](adapt_stream.png)")
+    parts.append(f"![accept length and tokens/s against requests served]({plot})")
     return "\n\n".join(parts)
 
 
@@ -491,7 +502,7 @@ def sections(results: Path) -> list[Section]:
            for name in serving_files(results)]
     for title, name, body in (
         ("Tree shapes through SGLang at equal budgets", "sglang_trees.json", sglang_trees_body),
-        ("A head that keeps learning while it serves", "adapt_stream.json", adapt_stream_body),
+        *((title, name, adapt_stream_body(name)) for name, (title, _) in ADAPT_STREAMS.items()),
         ("Hybrid trees against prompt lookup in the reference decoder", "hybrid.json", hybrid_body),
         ("Context tree depth", "hybrid_shapes.json", hybrid_shapes_body),
         ("Copy ceiling of the serving prompts", "copy_ceiling.json", copy_ceiling_body),
@@ -592,15 +603,15 @@ def render_headline(results: Path = RESULTS, page: str = "docs/results/README.md
             cells.append(f"{workload} **{ours:.2f}** vs {eagle:.2f} / {ngram:.2f}")
         add("SGLang server, accept length at 15 draft tokens: `hybrid` vs SGLang's EAGLE tree / NGRAM", name,
             ", ".join(cells), SERVING_TITLES[name])
-    name = "adapt_stream.json"
-    if (results / name).exists():
+    for name, (title, stream) in ADAPT_STREAMS.items():
+        if not (results / name).exists():
+            continue
         data = load(results, name)
         ratios = last_quarter_over_generic(data)
         if {"adapt", "domain"} <= ratios.keys():
-            add(f"SGLang server, one stream of held-out extraction requests ({data['stream']}): the last quarter's "
-                f"accept length with `sglang-spec adapt` / a batch-trained domain head, over the fixed generic head",
-                name, f"adapt **{x(ratios['adapt'])}** / domain {x(ratios['domain'])}",
-                "A head that keeps learning while it serves")
+            add(f"SGLang server, one stream of held-out extraction requests ({data['stream']}: {stream}): the last "
+                f"quarter's accept length with `sglang-spec adapt` / a batch-trained domain head, over the fixed "
+                f"generic head", name, f"adapt **{x(ratios['adapt'])}** / domain {x(ratios['domain'])}", title)
     name = "hybrid.json"
     if (results / name).exists():
         data = [row for row in load(results, name)["rows"] if row["temperature"] == 0.0]
