@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -62,6 +61,11 @@ def stream(server, prompts, max_new_tokens: int) -> list[dict]:
         print(f"  request {index}: accept length {rows[-1]['accept_length']:.2f}, "
               f"{rows[-1]['tokens_per_second']:.1f} tok/s, head {rows[-1]['head']}", flush=True)
     return rows
+
+
+def passages(specs) -> set[str]:
+    """The pydoc passages a prompt set asks about (ids ``pydoc/<index>`` or ``pydoc/<index>/<visit>``)."""
+    return {spec.id.split("/")[1] for spec in specs if spec.id.startswith("pydoc/")}
 
 
 def train_domain_head(model, generic: Path, work: Path, args) -> Path:
@@ -180,23 +184,24 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     arms = args.arms.split(",")
-    stream_range = re.fullmatch(r"pydoc:(\d+)-(\d+)(?:x\d+)?", args.stream)
-    if stream_range is None:
-        parser.error(f"--stream must be pydoc:A-B or pydoc:A-BxK, got {args.stream!r}")
-    domain = re.fullmatch(r"pydoc:(\d+)-(\d+)", args.domain_prompts)
-    if "domain" in arms and domain and not (int(domain.group(1)) > int(stream_range.group(2))
-                                            or int(domain.group(2)) < int(stream_range.group(1))):
+    from sglang_spec.errors import SpecError
+    from sglang_spec.train.prompts import load_prompts
+
+    try:
+        stream_specs, domain_specs = load_prompts(args.stream), load_prompts(args.domain_prompts)
+    except SpecError as error:
+        parser.error(str(error))
+    if "domain" in arms and passages(stream_specs) & passages(domain_specs):
         parser.error(f"the stream {args.stream} overlaps the domain head's --domain-prompts "
                      f"{args.domain_prompts}: the domain head would be scored on passages it trained on")
     from transformers import AutoTokenizer
 
     from sglang_spec.models.loading import shipped_head_path
-    from sglang_spec.train.prompts import load_prompts
     from sglang_spec_testbed.server import prepare_model
 
     model = prepare_model("smollm2", progress=False)
     generic = shipped_head_path("smollm2").with_name("smollm2-135m-instruct-generic.safetensors")
-    prompts = chat_ids(AutoTokenizer.from_pretrained(model.target_dir), load_prompts(args.stream))
+    prompts = chat_ids(AutoTokenizer.from_pretrained(model.target_dir), stream_specs)
     work = Path(tempfile.mkdtemp(prefix="adapt-stream-"))
     results = {"command": "python bench/adapt_stream.py " + " ".join(sys.argv[1:]), "environment": environment(),
                "stream": args.stream, "max_new_tokens": args.max_new_tokens, "tree": list(TREE),
