@@ -14,11 +14,14 @@ inputs this module keeps:
   request at the full size.
 * **What each size would cost.** The target's verify forward measured at start-up for each batch size and verify
   size (``CostTable``: SGLang's own dummy forward, ``step_costs``), scaled per batch-size bucket by what the served
-  plain steps took over it; a tree step adds the rest of the step (drafting, host work: per request, learnt from
-  the tree steps of every batch size, times the batch). The plain steps' correction is the median of the last
-  ``WINDOW`` served ones, the tree steps' the least (plain steps run whatever the plan, tree steps only where it
-  predicts they pay: their price is kept optimistic, so a slow spell cannot keep trees off for good). The first step of each shape (batch bucket, size) also allocates for it, and a new request's
-  context index is built once: neither is counted.
+  plain steps took over it; a tree step adds the rest of the step (drafting, host work), learnt per batch-size
+  bucket from its served tree steps. A bucket with no tree step of its own borrows a neighbour's price, as it
+  would be at the most: a smaller bucket's as it is (the rest grows with the batch), a larger one's per request
+  (part of it is the step's whatever the batch), so one slow step at one request cannot price trees out at four.
+  The plain steps' correction is the median of the last ``WINDOW`` served ones, the tree steps' the least (plain
+  steps run whatever the plan, tree steps only where it predicts they pay: their price is kept optimistic, so a
+  slow spell cannot keep trees off for good). The first step of each shape (batch bucket, size) also allocates
+  for it, and a new request's context index is built once: neither is counted.
 
 A step is capped at ``cap`` times a plain step's predicted time (the gap a streaming client sees between chunks).
 The plan is one size for the whole batch (SGLang verifies a fixed number of tokens a request per step); a request
@@ -89,8 +92,8 @@ class StepPlanner:
     accepted_prior: float | None = None  # the traffic's accepted drafts a tree step (unranked drafters)
     accept_scale: float = 1.0  # served accepted drafts over predicted (moving average, within ACCEPT_SCALE_RANGE)
     plain_seen: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> recent served plain / forward
-    extra_seen: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))  # (step, tree extra a
-    # request) of recent tree steps
+    extra_seen: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # bucket -> (step, a tree step's
+    # time beyond its verify) of its recent tree steps
     served: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, size) -> seconds, no start-up table
     chosen: Counter[int] = field(default_factory=Counter)  # steps by verify size
     idle_steps: int = 0  # steps this rank ran with no request of its own at the group's size (DP attention)
@@ -129,14 +132,23 @@ class StepPlanner:
         """Steps planned so far."""
         return sum(self.chosen.values())
 
-    @property
-    def tree_extra(self) -> float | None:
-        """A tree step's time beyond its verify, per request: the least of the recent served tree steps' within the
-        last ``TREE_PRICE_MEMORY`` steps (None: none that recent). An optimistic price that expires: only tree steps
-        can correct it, so a slow spell of a busy machine must not keep trees off for good; where trees do not pay,
-        one is retried every ``TREE_PRICE_MEMORY`` steps."""
-        recent = [extra for step, extra in self.extra_seen if step > self.steps - TREE_PRICE_MEMORY]
-        return min(recent) if recent else None
+    def tree_extra(self, bucket: int) -> float | None:
+        """A tree step's time beyond its verify in a batch-size bucket: the least of its served tree steps within the
+        last ``TREE_PRICE_MEMORY`` steps; a bucket with none takes the nearest smaller bucket's as it is, else the
+        nearest larger one's per request times the bucket (both at most what it would be); None: no bucket has
+        one that recent. An optimistic price that expires: only tree steps can correct it, so a slow spell of a
+        busy machine must not keep trees off for good; where trees do not pay, one is retried every
+        ``TREE_PRICE_MEMORY`` steps."""
+        recent = {seen: min(extras) for seen, extras in (
+            (seen, [extra for step, extra in held if step > self.steps - TREE_PRICE_MEMORY])
+            for seen, held in self.extra_seen.items()) if extras}
+        if bucket in recent:
+            return recent[bucket]
+        smaller = [seen for seen in recent if seen < bucket]
+        if smaller:
+            return recent[max(smaller)]
+        larger = min(recent, default=None)
+        return None if larger is None else recent[larger] * bucket / larger
 
     def plain_scale(self, bucket: int) -> float:
         """Served plain steps over the start-up forward, in a batch-size bucket (1.0 before any)."""
@@ -153,7 +165,7 @@ class StepPlanner:
             return self.served.get((bucket, size), plain)
         curve = self.costs.at(batch_size)
         verify = self.plain_scale(bucket) * _verify_at(curve.verify, size)
-        return verify if size == 1 else verify + (self.tree_extra or 0.0) * batch_size
+        return verify if size == 1 else verify + (self.tree_extra(bucket) or 0.0)
 
     def table(self, rids: Sequence[str]) -> SizeTable:
         """What every size would give a batch of these requests (what the ranks of a group agree on)."""
@@ -186,7 +198,8 @@ class StepPlanner:
             if plan.plain:
                 self.plain_seen.setdefault(bucket, deque(maxlen=WINDOW)).append(seconds / forward)
             else:
-                self.extra_seen.append((self.steps, max(seconds - self.plain_scale(bucket) * forward, 0.0) / batch))
+                extra = max(seconds - self.plain_scale(bucket) * forward, 0.0)
+                self.extra_seen.setdefault(bucket, deque(maxlen=WINDOW)).append((self.steps, extra))
         if plan.plain:
             return
         drafts = [max(int(length) - 1, 0) for length in accept_lens]
@@ -236,7 +249,7 @@ class StepPlanner:
         record = {"batch": len(rids), "tokens": plan.tokens, "expected": round(plan.expected_tokens, 3),
                   "predicted_s": round(plan.predicted_seconds, 5), "served_s": round(seconds, 5),
                   "committed": list(accept_lens), "accept_scale": round(self.accept_scale, 3),
-                  "tree_extra_s": self.tree_extra,
+                  "tree_extra_s": self.tree_extra(batch_bucket(len(rids))),
                   "plain_scale": {bucket: self.plain_scale(bucket) for bucket in self.plain_seen}}
         with open(self.log_path, "a") as handle:
             handle.write(json.dumps(record) + "\n")

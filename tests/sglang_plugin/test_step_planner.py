@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections import deque
 
 import pytest
 import torch
@@ -63,11 +64,12 @@ def test_served_steps_correct_the_costs_and_the_accept_scale():
     for _ in range(30):
         table = plan_state.table(["a"])
         tree = StepPlan(FULL, table.expected[-1], table.seconds[-1], (8,))
-        plan_state.observe(tree, ["a"], plan_state.seconds(1, FULL) - (plan_state.tree_extra or 0) + 0.05,
+        plan_state.observe(tree, ["a"], plan_state.seconds(1, FULL) - (plan_state.tree_extra(1) or 0) + 0.05,
                            [1 + 4])
-    assert plan_state.tree_extra == pytest.approx(0.05, rel=1e-2)
+    assert plan_state.tree_extra(1) == pytest.approx(0.05, rel=1e-2)
+    # four requests, no tree step of theirs yet: one request's price as it is, not four times it
     assert plan_state.seconds(4, FULL) - plan_state.seconds(4, 1) == pytest.approx(
-        0.05 * 4 + plan_state.plain_scale(4) * (0.06 + 0.008 * 8 - 0.06), rel=1e-2)  # per request
+        0.05 + plan_state.plain_scale(4) * (0.06 + 0.008 * 8 - 0.06), rel=1e-2)
     assert plan_state.accept_scale == pytest.approx(4 / 7.2, rel=1e-2)
     assert sum(plan_state.predicted_reach("a")) == pytest.approx(4.0, rel=1e-2)
 
@@ -141,6 +143,33 @@ def test_one_slow_step_of_a_shared_machine_moves_no_price():
     assert plan_state.seconds(4, 1) == pytest.approx(0.06)
 
 
+def test_a_bucket_without_tree_steps_borrows_a_neighbours_price_at_the_most_it_would_be():
+    """One slow tree step served to one request must not price trees out at four (a step's extra is partly the
+    step's, whatever the batch); a bucket's own served tree steps replace the borrowed price."""
+    plan_state = planner()
+    plan_state.learn_reach({rid: [0.9] * 8 for rid in "abcd"})
+    verify = plan_state.seconds(1, FULL)
+    plan_state.observe(StepPlan(FULL, 5.0, verify, (8,)), ["a"], verify + 0.03, [5])  # the shape's first: not priced
+    plan_state.observe(StepPlan(FULL, 5.0, verify, (8,)), ["a"], verify + 0.03, [5])
+    assert plan_state.tree_extra(1) == pytest.approx(0.03)
+    assert plan_state.tree_extra(4) == pytest.approx(0.03)  # a smaller bucket's, as it is
+    assert not plan_state.choose(plan_state.table(list("abcd")), 4).plain
+    # the control: priced per request (0.12 s for four), the same trees are priced out
+    per_request = planner()
+    per_request.learn_reach({rid: [0.9] * 8 for rid in "abcd"})
+    per_request.extra_seen[4] = deque([(0, 0.12)])
+    assert per_request.choose(per_request.table(list("abcd")), 4).plain
+    # four requests' own tree steps replace the borrowed price; one request borrows theirs per request
+    verify = plan_state.seconds(4, FULL) - 0.03
+    for _ in range(2):
+        plan_state.observe(StepPlan(FULL, 20.0, verify, (8,) * 4), list("abcd"), verify + 0.12, [5] * 4)
+    assert plan_state.tree_extra(4) == pytest.approx(0.12)
+    fresh = planner()
+    fresh.extra_seen[4] = deque([(0, 0.12)])
+    assert fresh.tree_extra(1) == pytest.approx(0.03)
+    assert fresh.tree_extra(16) == pytest.approx(0.12)
+
+
 WINDOW_STEPS = 12
 
 
@@ -166,7 +195,7 @@ def test_a_slow_spell_of_tree_steps_does_not_keep_trees_off_for_good():
     # the negative control: with the price kept for good, no tree comes back
     stuck = planner()
     stuck.learn_reach({"copy": [0.9] * 8})
-    stuck.extra_seen.extend((10 ** 9, 1.0) for _ in range(3))
+    stuck.extra_seen[1] = deque([(10 ** 9, 1.0)] * 3)
     assert all(stuck.choose(stuck.table(["copy"]), 1).plain for _ in range(2 * TREE_PRICE_MEMORY))
 
 
