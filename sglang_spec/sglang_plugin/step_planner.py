@@ -92,8 +92,8 @@ class StepPlanner:
     accepted_prior: float | None = None  # the traffic's accepted drafts a tree step (unranked drafters)
     accept_scale: float = 1.0  # served accepted drafts over predicted (moving average, within ACCEPT_SCALE_RANGE)
     plain_seen: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> recent served plain / forward
-    extra_seen: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # bucket -> (step, a tree step's
-    # time beyond its verify) of its recent tree steps
+    tree_seen: dict[int, deque[tuple[int, float, float]]] = field(default_factory=dict)  # bucket -> (step, served
+    # seconds, start-up verify forward) of its recent tree steps
     served: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, size) -> seconds, no start-up table
     chosen: Counter[int] = field(default_factory=Counter)  # steps by verify size
     idle_steps: int = 0  # steps this rank ran with no request of its own at the group's size (DP attention)
@@ -134,25 +134,29 @@ class StepPlanner:
 
     def tree_extra(self, bucket: int) -> float | None:
         """A tree step's time beyond its verify in a batch-size bucket: the least of its served tree steps within the
-        last ``TREE_PRICE_MEMORY`` steps; a bucket with none takes the nearest smaller bucket's as it is, else the
-        nearest larger one's per request times the bucket (both at most what it would be); None: no bucket has
-        one that recent. An optimistic price that expires: only tree steps can correct it, so a slow spell of a
-        busy machine must not keep trees off for good; where trees do not pay, one is retried every
-        ``TREE_PRICE_MEMORY`` steps."""
-        recent = {seen: min(extras) for seen, extras in (
-            (seen, [extra for step, extra in held if step > self.steps - TREE_PRICE_MEMORY])
-            for seen, held in self.extra_seen.items()) if extras}
-        if bucket in recent:
-            return recent[bucket]
-        smaller = [seen for seen in recent if seen < bucket]
-        if smaller:
-            return recent[max(smaller)]
-        larger = min(recent, default=None)
-        return None if larger is None else recent[larger] * bucket / larger
+        last ``TREE_PRICE_MEMORY`` steps, each over its verify as the plain steps price it now (a tree step served
+        before the plain steps showed how far the start-up table is off is not charged for that); a bucket with
+        none takes the nearest smaller bucket's as it is, else the nearest larger one's per request times the
+        bucket (both at most what it would be); None: no bucket has one that recent. An optimistic price that
+        expires: only tree steps can correct it, so a slow spell of a busy machine must not keep trees off for
+        good; where trees do not pay, one is retried every ``TREE_PRICE_MEMORY`` steps."""
+        recent = {}
+        for seen, held in self.tree_seen.items():
+            scale = self.plain_scale(seen)
+            extras = [max(seconds - scale * forward, 0.0) for step, seconds, forward in held
+                      if step > self.steps - TREE_PRICE_MEMORY]
+            if extras:
+                recent[seen] = min(extras)
+        nearest = _nearest(bucket, recent)
+        if nearest is None:
+            return None
+        return recent[nearest] * (bucket / nearest if nearest > bucket else 1.0)
 
     def plain_scale(self, bucket: int) -> float:
-        """Served plain steps over the start-up forward, in a batch-size bucket (1.0 before any)."""
-        scale = _median(self.plain_seen.get(bucket, ()))
+        """Served plain steps over the start-up forward in a batch-size bucket (the median of its recent ones); a
+        bucket with none takes the nearest one's (a smaller first), 1.0 before any."""
+        nearest = _nearest(bucket, [seen for seen, scales in self.plain_seen.items() if scales])
+        scale = None if nearest is None else _median(self.plain_seen[nearest])
         return 1.0 if scale is None else scale
 
     def seconds(self, batch_size: int, size: int) -> float:
@@ -198,8 +202,7 @@ class StepPlanner:
             if plan.plain:
                 self.plain_seen.setdefault(bucket, deque(maxlen=WINDOW)).append(seconds / forward)
             else:
-                extra = max(seconds - self.plain_scale(bucket) * forward, 0.0)
-                self.extra_seen.setdefault(bucket, deque(maxlen=WINDOW)).append((self.steps, extra))
+                self.tree_seen.setdefault(bucket, deque(maxlen=WINDOW)).append((self.steps, seconds, forward))
         if plan.plain:
             return
         drafts = [max(int(length) - 1, 0) for length in accept_lens]
@@ -257,6 +260,16 @@ class StepPlanner:
     def describe(self) -> str:
         """One log line: the steps taken by verify size so far."""
         return ", ".join(f"{size}: {count}" for size, count in sorted(self.chosen.items()))
+
+
+def _nearest(bucket: int, buckets: Iterable[int]) -> int | None:
+    """``bucket`` itself if among ``buckets``, else the largest smaller one, else the smallest larger one (None:
+    no buckets)."""
+    known = sorted(set(buckets))
+    if bucket in known:
+        return bucket
+    smaller = [seen for seen in known if seen < bucket]
+    return smaller[-1] if smaller else (known[0] if known else None)
 
 
 def _median(values: Iterable[float]) -> float | None:

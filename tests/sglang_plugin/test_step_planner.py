@@ -157,7 +157,7 @@ def test_a_bucket_without_tree_steps_borrows_a_neighbours_price_at_the_most_it_w
     # the control: priced per request (0.12 s for four), the same trees are priced out
     per_request = planner()
     per_request.learn_reach({rid: [0.9] * 8 for rid in "abcd"})
-    per_request.extra_seen[4] = deque([(0, 0.12)])
+    per_request.tree_seen[4] = deque([(0, 0.12, 0.0)])
     assert per_request.choose(per_request.table(list("abcd")), 4).plain
     # four requests' own tree steps replace the borrowed price; one request borrows theirs per request
     verify = plan_state.seconds(4, FULL) - 0.03
@@ -165,9 +165,23 @@ def test_a_bucket_without_tree_steps_borrows_a_neighbours_price_at_the_most_it_w
         plan_state.observe(StepPlan(FULL, 20.0, verify, (8,) * 4), list("abcd"), verify + 0.12, [5] * 4)
     assert plan_state.tree_extra(4) == pytest.approx(0.12)
     fresh = planner()
-    fresh.extra_seen[4] = deque([(0, 0.12)])
+    fresh.tree_seen[4] = deque([(0, 0.12, 0.0)])
     assert fresh.tree_extra(1) == pytest.approx(0.03)
     assert fresh.tree_extra(16) == pytest.approx(0.12)
+
+
+def test_a_tree_step_served_before_any_plain_step_is_priced_against_the_plain_steps_learnt_later():
+    """A server's first steps run slower than its start-up table (and a tree step may come first): the part of a
+    tree step's time a plain step would have taken too is the verify's, not the tree's."""
+    plan_state = planner()
+    forward = plan_state.seconds(1, FULL)
+    for _ in range(2):  # the shape's first step is not priced
+        plan_state.observe(StepPlan(FULL, 5.0, forward, (8,)), ["a"], 2 * forward + 0.01, [5])
+    assert plan_state.tree_extra(1) == pytest.approx(forward + 0.01)  # the start-up table's price: no plain step yet
+    for _ in range(5):  # plain steps take twice the start-up forward
+        plan_state.observe(StepPlan(1, 1.0, 0.05, (0,)), ["a"], 0.10, [1])
+    assert plan_state.tree_extra(1) == pytest.approx(0.01)
+    assert plan_state.plain_scale(4) == pytest.approx(2.0)  # a bucket with no plain step takes its neighbour's
 
 
 WINDOW_STEPS = 12
@@ -195,7 +209,7 @@ def test_a_slow_spell_of_tree_steps_does_not_keep_trees_off_for_good():
     # the negative control: with the price kept for good, no tree comes back
     stuck = planner()
     stuck.learn_reach({"copy": [0.9] * 8})
-    stuck.extra_seen[1] = deque([(10 ** 9, 1.0)] * 3)
+    stuck.tree_seen[1] = deque([(10 ** 9, 1.0, 0.0)] * 3)
     assert all(stuck.choose(stuck.table(["copy"]), 1).plain for _ in range(2 * TREE_PRICE_MEMORY))
 
 
