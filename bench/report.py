@@ -135,6 +135,11 @@ SERVING_LABELS = {"plain": "plain decoding", "plain-sync": "plain decoding, over
                   "auto-batch": "the same planner, whole batch on or off (`--speculative-tree-verify-sizes 1,N`)",
                   "sglang-tree": "SGLang's EAGLE tree (topk 4)",
                   "sglang-ngram": "SGLang's NGRAM", "sglang-chain": "SGLang's EAGLE chain"}
+
+LOCKSTEP = ("Every request asks the same number of tokens, so plain decoding's requests finish together and the "
+            "next ones are prefilled before their first token; a speculating server's finish apart, and the later "
+            "prefills land between the running requests' chunks. Those prefills are its p99 ITL: the planned "
+            "steps (`--plan-logs`) are far shorter.")
 SERVING_ABOUT = {
     "serving_sweep_c1.json": "One request at a time: tree auto (hybrid trees of 11 draft tokens, or a plain step "
                              "where a tree does not pay) against plain decoding, with and without SGLang's overlap "
@@ -142,16 +147,13 @@ SERVING_ABOUT = {
     "serving_sweep_c16.json": "Sixteen concurrent requests of code, extraction, chat and a mixed stream of the "
                               "three: the same servers under load, where a full tree step costs more than it "
                               "gives and the per-step planner is meant to take a plain step or a small tree. "
-                              "Every request asks the same number of tokens, so plain decoding's requests finish "
-                              "together and the next ones are prefilled before their first token; a speculating "
-                              "server's finish apart, and the later prefills land between the running requests' "
-                              "chunks (its p99 ITL).",
+                              + LOCKSTEP,
     "serving_sweep_mixed_c4.json": "Four concurrent requests of code, of extraction and of a mixed stream (code, "
                                    "extraction and chat requests arriving together): the per-step planner (each "
                                    "step one verify size, chosen from every request's predicted reach; each "
                                    "request verifies its own best nodes) against the same planner choosing only a "
                                    "plain step or the full tree, and against SGLang's own EAGLE tree and NGRAM, "
-                                   "all servers up together.",
+                                   "all servers up together. " + LOCKSTEP,
     "serving_sweep_peers.json": "One request at a time, 15 draft tokens each: the project's hybrid trees against "
                                 "SGLang's own EAGLE tree (topk 4, 4 steps) and NGRAM drafting, as a user would "
                                 "launch them.",
