@@ -4,7 +4,7 @@
 float32, no CUDA graphs, a small KV pool). ``SGLangServer`` starts the launcher in its own process group, waits
 for ``/health`` with a hard timeout, and stops the whole group (scheduler and detokenizer subprocesses
 included) by signal, escalating to SIGKILL, so no process outlives it; an ``atexit`` handler stops any server a
-crashed caller left running.
+crashed caller left running, and a SIGTERM to the caller (``kill``, a timeout) runs that handler too.
 """
 
 from __future__ import annotations
@@ -178,6 +178,15 @@ def _stop_leftovers() -> None:
     _RUNNING.clear()
 
 
+def exit_on_sigterm() -> None:
+    """A SIGTERM to this process exits it through ``SystemExit``, so ``_stop_leftovers`` runs: Python's default
+    action ends the process at once, and the servers (each in its own session) would keep their schedulers
+    running, slowing whatever runs next. Installed from the main thread over the default action only (a caller's
+    own handler stays)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+
+
 class SGLangServer:
     """A launch_server process group. Use as a context manager, or ``start()`` / ``stop()``."""
 
@@ -223,6 +232,7 @@ class SGLangServer:
                                             start_new_session=True)
             log.close()
         _RUNNING[self.process.pid] = self.process
+        exit_on_sigterm()
         deadline = time.monotonic() + timeout
         read, tail = 0, ""  # bytes of the log already searched; the end of them (a match across two reads)
         while time.monotonic() < deadline:

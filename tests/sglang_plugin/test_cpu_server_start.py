@@ -1,9 +1,12 @@
 """``SGLangServer.start`` (``sglang_spec_testbed/server.py``) against stand-in launchers: it reads only what the log gained since
 its last poll, so a bind failure written in two pieces across polls must still be seen, and a launcher that dies
-is reported with its last error line; ``stop(wait=False)`` returns before the group has gone, and a thread ends it."""
+is reported with its last error line; ``stop(wait=False)`` returns before the group has gone, and a thread ends it;
+a SIGTERM to the caller stops the servers it started."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,3 +60,42 @@ def test_a_stop_without_waiting_returns_at_once_and_a_thread_ends_the_group(tmp_
     while process.pid in server._RUNNING and time.monotonic() < deadline:
         time.sleep(0.1)
     assert process.poll() is not None and not server._group_alive(process.pid)
+
+
+CALLER = """
+import subprocess, sys, time
+from sglang_spec_testbed import server
+child = subprocess.Popen(["sleep", "120"], start_new_session=True)  # a server: its own session, as start() makes it
+server._RUNNING[child.pid] = child
+if sys.argv[1] == "handler":
+    server.exit_on_sigterm()
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("handler", [True, False])
+def test_a_sigterm_to_the_caller_stops_its_servers(handler):
+    """``kill`` of a benchmark or test that started servers stops them; the control, without the handler,
+    leaves the server running (what the handler is for)."""
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, "handler" if handler else "none"],
+                              stdout=subprocess.PIPE, text=True)
+    child = int(caller.stdout.readline())
+    try:
+        caller.send_signal(signal.SIGTERM)
+        assert caller.wait(timeout=30) == (128 + signal.SIGTERM if handler else -signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert alive(child) is not handler
+    finally:
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
