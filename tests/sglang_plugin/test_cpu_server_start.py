@@ -74,14 +74,6 @@ time.sleep(120)
 """
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("handler", [True, False])
 def test_a_sigterm_to_the_caller_stops_its_servers(handler):
     """``kill`` of a benchmark or test that started servers stops them; the control, without the handler,
@@ -93,9 +85,9 @@ def test_a_sigterm_to_the_caller_stops_its_servers(handler):
         caller.send_signal(signal.SIGTERM)
         assert caller.wait(timeout=30) == (128 + signal.SIGTERM if handler else -signal.SIGTERM)
         deadline = time.monotonic() + 10
-        while alive(child) and time.monotonic() < deadline:
+        while server._group_alive(child) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert alive(child) is not handler
+        assert server._group_alive(child) is not handler
     finally:
-        if alive(child):
+        if server._group_alive(child):
             os.kill(child, signal.SIGKILL)
