@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from sglang_spec.costs import CostTable, interpolate_seconds
 from sglang_spec.planner import SizeTable, StepPlan, choose_size, expected_tokens
@@ -161,22 +161,27 @@ class StepPlanner:
 
     def seconds(self, batch_size: int, size: int) -> float:
         """A step's predicted time for ``batch_size`` requests verifying ``size`` tokens each."""
+        return self._step_seconds(batch_size)(size)
+
+    def table(self, rids: Sequence[str]) -> SizeTable:
+        """What every size would give a batch of these requests (what the ranks of a group agree on)."""
+        reach = [self.predicted_reach(rid) for rid in rids]
+        step_seconds = self._step_seconds(len(rids))
+        return SizeTable(self.sizes, tuple(expected_tokens(reach, size) for size in self.sizes),
+                         tuple(step_seconds(size) for size in self.sizes))
+
+    def _step_seconds(self, batch_size: int) -> Callable[[int], float]:
+        """A step's predicted time by verify size for ``batch_size`` requests: the bucket's corrections and the
+        batch's start-up curve read once, for every size a table prices."""
         bucket = batch_bucket(batch_size)
         if self.costs is None:
             # unmeasured: a size not served yet is priced as the plain step (so it gets tried once); nothing served
             # yet, every size alike (the most expected tokens win)
             plain = self.served.get((bucket, 1), 1.0)
-            return self.served.get((bucket, size), plain)
-        curve = self.costs.at(batch_size)
-        verify = self.plain_scale(bucket) * _verify_at(curve.verify, size)
-        return verify if size == 1 else verify + (self.tree_extra(bucket) or 0.0)
-
-    def table(self, rids: Sequence[str]) -> SizeTable:
-        """What every size would give a batch of these requests (what the ranks of a group agree on)."""
-        reach = [self.predicted_reach(rid) for rid in rids]
-        batch = len(rids)
-        return SizeTable(self.sizes, tuple(expected_tokens(reach, size) for size in self.sizes),
-                         tuple(self.seconds(batch, size) for size in self.sizes))
+            return lambda size: self.served.get((bucket, size), plain)
+        verify = self.costs.at(batch_size).verify
+        scale, extra = self.plain_scale(bucket), self.tree_extra(bucket) or 0.0
+        return lambda size: scale * _verify_at(verify, size) + (0.0 if size == 1 else extra)
 
     def choose(self, table: SizeTable, batch_size: int) -> StepPlan:
         """The plan for the (agreed) table."""
