@@ -157,7 +157,7 @@ def _stop(process: subprocess.Popen | zygote.ForkedProcess, timeout: float) -> N
         time.sleep(0.1)
 
 
-PORT_TAKEN = "address already in use"  # uvicorn's bind failure, in the server's log
+PORT_TAKEN = "address already in use"  # a bind failure in the server's log, lower-cased: uvicorn's, ZMQ's, gloo's
 START_POLL_S = 0.25  # start-up: how often the process, the log and /health are checked (a launch takes ~25 s here)
 
 
@@ -238,13 +238,16 @@ class SGLangServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.stop()
+                if PORT_TAKEN in self.log_tail(200).lower():  # a ZMQ or gloo port of SGLang's own, raced the same way
+                    raise PortTaken(f"a port of this server was taken between its choice and its bind "
+                                    f"({self.last_error()}); its log: {self.log_path}")
                 raise SpecError(f"the SGLang server exited with status {self.process.returncode} during start-up "
                                 f"({self.last_error()}); its log: {self.log_path}")
             with self.log_path.open("rb") as log_file:  # only what was written since the last poll
                 log_file.seek(read)
                 new = log_file.read()
             read += len(new)
-            text = tail + new.decode(errors="replace")
+            text = tail + new.decode(errors="replace").lower()
             tail = text[-len(PORT_TAKEN):]
             if PORT_TAKEN in text:  # uvicorn logs it and lingers
                 self.stop()

@@ -1,6 +1,6 @@
 """``SGLangServer.start`` (``sglang_spec_testbed/server.py``) against stand-in launchers: it reads only what the log gained since
 its last poll, so a bind failure written in two pieces across polls must still be seen, and a launcher that dies
-is reported with its last error line; ``stop(wait=False)`` returns before the group has gone, and a thread ends it;
+is reported with its last error line, and one that dies on a taken port is a port race (start again); ``stop(wait=False)`` returns before the group has gone, and a thread ends it;
 a SIGTERM to the caller stops the servers it started."""
 
 from __future__ import annotations
@@ -34,6 +34,15 @@ def test_a_bind_failure_written_across_two_polls_is_seen(tmp_path, monkeypatch):
     with pytest.raises(server.PortTaken, match="^port 1 was taken between free_port"):
         server.SGLangServer(["--port", "1"], 1, tmp_path / "server.log", env={}, cpu=False).start(timeout=30)
     assert time.monotonic() - started < 10
+
+
+def test_a_launcher_that_dies_on_a_taken_zmq_port_is_a_port_race(tmp_path, monkeypatch):
+    # SGLang's own ZMQ ports race other processes as uvicorn's does, but the scheduler dies rather than lingers;
+    # the test below is the control (another death is not a port race)
+    body = "echo \"zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5757')\"\nexit 1\n"
+    monkeypatch.setattr(sys, "executable", launcher(tmp_path, body))
+    with pytest.raises(server.PortTaken, match=r"^a port of this server was taken .*ZMQError: Address already"):
+        server.SGLangServer([], 1, tmp_path / "server.log", env={}, cpu=False).start(timeout=30)
 
 
 def test_a_launcher_that_dies_is_reported_with_its_last_error(tmp_path, monkeypatch):
