@@ -18,9 +18,10 @@ inputs this module keeps:
   bucket from its served tree steps. A bucket with no tree step of its own borrows a neighbour's price, as it
   would be at the most: a smaller bucket's as it is (the rest grows with the batch), a larger one's per request
   (part of it is the step's whatever the batch), so one slow step at one request cannot price trees out at four.
-  The plain steps' correction is the median of the last ``WINDOW`` served ones, the tree steps' the least (plain
-  steps run whatever the plan, tree steps only where it predicts they pay: their price is kept optimistic, so a
-  slow spell cannot keep trees off for good). The first step of each shape (batch bucket, size) also allocates
+  Both corrections are the median of the last ``WINDOW`` served steps of their kind; the tree steps' is forgotten
+  after ``TREE_PRICE_MEMORY`` steps (plain steps run whatever the plan, tree steps only where it predicts they
+  pay: a price that keeps trees off is never corrected by a served tree step, so it expires and a tree is tried
+  again). The first step of each shape (batch bucket, size) also allocates
   for it, and a new request's context index is built once: neither is counted.
 
 A step is capped at ``cap`` times a plain step's predicted time (the gap a streaming client sees between chunks).
@@ -133,11 +134,12 @@ class StepPlanner:
         return sum(self.chosen.values())
 
     def tree_extra(self, bucket: int) -> float | None:
-        """A tree step's time beyond its verify in a batch-size bucket: the least of its served tree steps within the
+        """A tree step's time beyond its verify in a batch-size bucket: the median of its served tree steps within the
         last ``TREE_PRICE_MEMORY`` steps, each over its verify as the plain steps price it now (a tree step served
         before the plain steps showed how far the start-up table is off is not charged for that); a bucket with
         none takes the nearest smaller bucket's as it is, else the nearest larger one's per request times the
-        bucket (both at most what it would be); None: no bucket has one that recent. An optimistic price that
+        bucket (both at most what it would be); None: no bucket has one that recent. The median, not the least:
+        one fast tree step among slower ones must not keep buying trees that lose to a plain step. A price that
         expires: only tree steps can correct it, so a slow spell of a busy machine must not keep trees off for
         good; where trees do not pay, one is retried every ``TREE_PRICE_MEMORY`` steps."""
         recent = {}
@@ -146,7 +148,7 @@ class StepPlanner:
             extras = [max(seconds - scale * forward, 0.0) for step, seconds, forward in held
                       if step > self.steps - TREE_PRICE_MEMORY]
             if extras:
-                recent[seen] = min(extras)
+                recent[seen] = _median(extras)
         nearest = _nearest(bucket, recent)
         if nearest is None:
             return None

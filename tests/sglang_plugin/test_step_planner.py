@@ -170,6 +170,26 @@ def test_a_bucket_without_tree_steps_borrows_a_neighbours_price_at_the_most_it_w
     assert fresh.tree_extra(16) == pytest.approx(0.12)
 
 
+def test_one_fast_tree_step_among_slower_ones_does_not_price_the_trees():
+    """Trees that lose to a plain step stay off when one of their steps happened to run fast: the price is the
+    median of the recent tree steps, not the least (the least kept buying trees that lost)."""
+    plan_state = planner()
+    plan_state.learn_reach({rid: [0.5, 0.2] + [0.05] * 6 for rid in "abcd"})
+    for _ in range(5):
+        plan_state.observe(StepPlan(1, 4.0, 0.06, (0,) * 4), list("abcd"), plan_state.seconds(4, 1), [1] * 4)
+    verify = plan_state.seconds(4, 2) - (plan_state.tree_extra(4) or 0.0)
+    for extra in (0.0, 0.0, 0.08, 0.08, 0.08):  # the shape's first is not priced; then one fast among slower
+        plan_state.observe(StepPlan(2, 6.0, verify, (1,) * 4), list("abcd"), verify + extra, [2, 1, 2, 1])
+    assert plan_state.tree_extra(4) == pytest.approx(0.08)
+    assert plan_state.choose(plan_state.table(list("abcd")), 4).plain
+    # the control: priced by its fastest step, the same trees are taken
+    fastest = planner()
+    fastest.learn_reach({rid: [0.5, 0.2] + [0.05] * 6 for rid in "abcd"})
+    fastest.plain_seen = plan_state.plain_seen
+    fastest.tree_seen[4] = deque([min(plan_state.tree_seen[4], key=lambda entry: entry[1])])
+    assert not fastest.choose(fastest.table(list("abcd")), 4).plain
+
+
 def test_a_tree_step_served_before_any_plain_step_is_priced_against_the_plain_steps_learnt_later():
     """A server's first steps run slower than its start-up table (and a tree step may come first): the part of a
     tree step's time a plain step would have taken too is the verify's, not the tree's."""
