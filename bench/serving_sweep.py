@@ -114,6 +114,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "written as a ShareGPT file, no download) or any bench_serving --dataset-name")
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=1024, help="output tokens per request")
+    parser.add_argument("--output-len-spread", type=float, default=0.0, metavar="S",
+                        help="give each request of a workload its own output length, spread evenly over "
+                             "(1 +- S) x --random-output-len (the same request the same length on every server; "
+                             "0: all alike). With one length, a closed-loop client's requests all end at the same "
+                             "step under plain decoding and its prefills fall between decode steps, while "
+                             "speculation's requests end apart and its prefills land mid-stream: p99 inter-token "
+                             "latency then compares that placement, not the methods")
     parser.add_argument("--acceptance-profile", default=None,
                         help="sequoia's profile (default on the CPU: the one shipped with the head)")
     parser.add_argument("--prefill-threads", type=int, default=None,
@@ -160,6 +167,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"{', '.join((*SERVING_WORKLOADS, MIXED))}")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
+    if not 0.0 <= args.output_len_spread < 1.0:
+        parser.error(f"--output-len-spread {args.output_len_spread}: give a fraction in [0, 1)")
+    if args.output_len_spread and args.dataset != "heldout":
+        parser.error(f"--output-len-spread: the project's workloads only (--dataset {args.dataset} sets its own "
+                     f"lengths)")
     if args.prefill_threads is not None and (args.prefill_threads < 1 or args.cpu_model is None):
         parser.error(f"--prefill-threads {args.prefill_threads}: give 1 or more, with --cpu-model (the CPU bed's "
                      f"setting)")
@@ -269,24 +281,49 @@ def bench_command(args, concurrency: int, output: Path, dataset: Path | None = N
                # SGLang's accept length is its counters' total since they were last reset: without a flush after
                # the warm-up request, a server's second workload would report the mean over both
                "--flush-cache"]
-    if args.dataset == "heldout":
-        return command + ["--dataset-name", "sharegpt", "--dataset-path", str(dataset or "heldout.json"),
-                          "--sharegpt-output-len", str(args.random_output_len), "--apply-chat-template"]
+    if args.dataset == "heldout":  # with a spread, each request's length is its placeholder reply's
+        fixed = [] if args.output_len_spread else ["--sharegpt-output-len", str(args.random_output_len)]
+        return command + ["--dataset-name", "sharegpt", "--dataset-path", str(dataset or "heldout.json"), *fixed,
+                          "--apply-chat-template"]
     return command + ["--dataset-name", args.dataset, "--random-input-len", str(args.random_input_len),
                       "--random-output-len", str(args.random_output_len), "--random-range-ratio", "1.0"]
 
 
-def write_sharegpt(path: Path, questions: list[str]) -> Path:
-    """Single-turn requests in ShareGPT's format, what bench_serving reads (the reply is a placeholder: the
-    output length comes from --sharegpt-output-len)."""
-    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": "."}]}
-                                for question in questions]))
+def write_sharegpt(path: Path, questions: list[str], replies: list[str] | None = None) -> Path:
+    """Single-turn requests in ShareGPT's format, what bench_serving reads. The reply is a placeholder: the output
+    length comes from --sharegpt-output-len, or without it from the reply's tokens (``replies``, one a question)."""
+    replies = replies or ["."] * len(questions)
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": reply}]}
+                                for question, reply in zip(questions, replies, strict=True)]))
     return path
 
 
-def write_heldout_dataset(path: Path) -> Path:
-    """HumanEval 134-163 (held out from the shipped heads' traffic) in ShareGPT's format for bench_serving."""
-    return write_sharegpt(path, [spec.messages[0]["content"] for spec in humaneval_prompts(134, 163)])
+GOLDEN_FRACTION = 0.6180339887498949  # the golden ratio's fraction: successive multiples spread evenly over [0, 1)
+
+
+def output_lengths(count: int, mean: int, spread: float) -> list[int]:
+    """``count`` output lengths spread evenly over ``(1 +- spread) * mean`` (a low-discrepancy sequence: any run of
+    consecutive requests covers the range, and the lengths average ``mean``), each at least 4 (bench_serving's
+    least)."""
+    return [max(4, round(mean * (1 - spread + 2 * spread * ((index * GOLDEN_FRACTION) % 1.0))))
+            for index in range(count)]
+
+
+def placeholder_replies(tokenizer, lengths: list[int]) -> list[str]:
+    """Replies bench_serving counts as ``lengths`` tokens (``tokenizer.encode``, as it counts them); SpecError when
+    the tokenizer does not count one token a word."""
+    replies = [" ".join(["x"] * length) for length in lengths]
+    for reply, length in zip(replies, lengths):
+        counted = len(tokenizer.encode(reply))
+        if counted != length:
+            raise SpecError(f"--output-len-spread: this tokenizer counts {counted} tokens in a reply of {length} "
+                            f"words; run without the spread")
+    return replies
+
+
+def heldout_questions() -> list[str]:
+    """HumanEval 134-163 (held out from the shipped heads' traffic), the ``heldout`` workload."""
+    return [spec.messages[0]["content"] for spec in humaneval_prompts(134, 163)]
 
 
 EXTRACTION_QUESTIONS = (
@@ -340,19 +377,26 @@ def workload_names(args) -> list[str]:
     return list(SERVING_WORKLOADS) if names == ["serving"] else names
 
 
-def workload_datasets(args, scratch: Path) -> dict[str, Path]:
-    """Workload name -> its ShareGPT file for bench_serving."""
+def workload_datasets(args, scratch: Path, tokenizer=None) -> dict[str, Path]:
+    """Workload name -> its ShareGPT file for bench_serving (``tokenizer``: the served model's, needed for
+    ``--output-len-spread``)."""
+    def write(path: Path, questions: list[str]) -> Path:
+        if not args.output_len_spread:
+            return write_sharegpt(path, questions)
+        lengths = output_lengths(len(questions), args.random_output_len, args.output_len_spread)
+        return write_sharegpt(path, questions, placeholder_replies(tokenizer, lengths))
+
     if args.prompts is not None:
         by_domain: dict[str, list[str]] = {}
         for spec in load_prompts(str(args.prompts)):  # the project's prompt-file reader: one line per bad input
             by_domain.setdefault(spec.domain, []).append(_question(spec))
-        return {name: write_sharegpt(scratch / f"prompts-{name}.json", repeated(questions, max(args.prompts_at.values())))
+        return {name: write(scratch / f"prompts-{name}.json", repeated(questions, max(args.prompts_at.values())))
                 for name, questions in by_domain.items()}
     names = workload_names(args)
     if names == ["heldout"]:
-        return {"heldout": write_heldout_dataset(scratch / "heldout.json")}
-    return {name: write_sharegpt(scratch / f"serving-{name}.json",
-                                 repeated(serving_questions(name), max(args.prompts_at.values())))
+        return {"heldout": write(scratch / "heldout.json", heldout_questions())}
+    return {name: write(scratch / f"serving-{name}.json",
+                        repeated(serving_questions(name), max(args.prompts_at.values())))
             for name in names}
 
 
@@ -586,8 +630,13 @@ def main(argv=None) -> int:
     profile = args.acceptance_profile or (str(model.profile) if model and model.profile else None)
     scratch = REPO / "runs" / "serving_sweep"  # server logs and the workload datasets (gitignored)
     scratch.mkdir(parents=True, exist_ok=True)
-    datasets: dict[str, Path | None] = dict(workload_datasets(args, scratch)) if args.dataset == "heldout" else \
-        {args.dataset: None}
+    tokenizer = None
+    if args.output_len_spread:  # the served model's tokenizer counts each placeholder reply, as bench_serving will
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model.target_dir) if model else args.model_path)
+    datasets: dict[str, Path | None] = dict(workload_datasets(args, scratch, tokenizer)) \
+        if args.dataset == "heldout" else {args.dataset: None}
 
     if args.plan_logs is not None:
         args.plan_logs.mkdir(parents=True, exist_ok=True)

@@ -160,6 +160,45 @@ def test_num_prompts_per_concurrency_reaches_the_benchmark_client_and_a_bad_list
         assert "--num-prompts" in capsys.readouterr().err
 
 
+def test_output_len_spread_gives_each_request_its_own_length_as_bench_serving_counts_it(smollm2_cpu, tmp_path,
+                                                                                           capsys):
+    """``--output-len-spread 0.5``: bench_serving's own sampler reads each request's length from its placeholder
+    reply, spread over 24-72 tokens around 48 (the same request the same length on every server); without the
+    spread every request asks for 48, and a tokenizer that does not count one token a word is refused."""
+    from sglang.benchmark.datasets.sharegpt import sample_sharegpt_requests
+    from sglang_spec.errors import SpecError
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_cpu.target_dir))
+    spread = sweep.parse_args(["--cpu-model", "smollm2", "--workloads", "code", "--concurrency", "4",
+                               "--num-prompts", "32", "--random-output-len", "48", "--output-len-spread", "0.5"])
+    dataset = sweep.workload_datasets(spread, tmp_path, tokenizer)["code"]
+    command = sweep.bench_command(spread, 4, tmp_path / "out.jsonl", dataset)
+    assert "--sharegpt-output-len" not in command
+    lengths = [row.output_len for row in sample_sharegpt_requests(str(dataset), 32, tokenizer)]
+    assert min(lengths) >= 24 and max(lengths) <= 72 and len(set(lengths)) > 16
+    assert abs(sum(lengths) / len(lengths) - 48) < 3
+    # the control: one length for all, from the command line
+    alike = sweep.parse_args(["--cpu-model", "smollm2", "--workloads", "code", "--concurrency", "4",
+                              "--random-output-len", "48"])
+    command = sweep.bench_command(alike, 4, tmp_path / "out.jsonl", dataset)
+    assert command[command.index("--sharegpt-output-len") + 1] == "48"
+
+    class TwoTokensAWord:
+        def encode(self, text):
+            return text.split() * 2
+
+    with pytest.raises(SpecError, match="counts 48 tokens in a reply of 24 words"):
+        sweep.placeholder_replies(TwoTokensAWord(), [24])
+    for bad in (["--output-len-spread", "1"], ["--output-len-spread", "0.5", "--dataset", "random"]):
+        with pytest.raises(SystemExit):
+            sweep.parse_args(["--cpu-model", "smollm2", *bad])
+        assert "--output-len-spread" in capsys.readouterr().err
+
+
 def test_each_bench_run_flushes_so_its_accept_length_is_its_own():
     """SGLang reports the accept length its counters hold since their last reset (a cache flush): a server that
     serves code, then extraction, then chat would otherwise report chat's as the mean over all three."""
