@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -140,20 +141,33 @@ LOCKSTEP = ("Every request asks the same number of tokens, so plain decoding's r
             "next ones are prefilled before their first token; a speculating server's finish apart, and the later "
             "prefills land between the running requests' chunks. Those prefills are its p99 ITL: the planned "
             "steps (`--plan-logs`) are far shorter.")
+SPREAD = ("Each request asks its own number of tokens, spread around the mean (`--output-len-spread`): every "
+          "server's requests end apart, so prompts are prefilled between running requests' chunks under plain "
+          "decoding too, and p99 ITL compares the methods, not where their prefills fall.")
+def command_option(data: Any, flag: str) -> str | None:
+    """The value the JSON's recorded ``command`` gives ``flag`` (``--flag value`` or ``--flag=value``); None when
+    absent or when the JSON records no command."""
+    words = shlex.split(data.get("command", "")) if isinstance(data, dict) else []
+    for index, word in enumerate(words):
+        name, equals, inline = word.partition("=")
+        if name == flag:
+            return inline if equals else (words[index + 1] if index + 1 < len(words) else None)
+    return None
+
+
 SERVING_ABOUT = {
     "serving_sweep_c1.json": "One request at a time: tree auto (hybrid trees of 11 draft tokens, or a plain step "
                              "where a tree does not pay) against plain decoding, with and without SGLang's overlap "
                              "loop, and against SGLang's own EAGLE tree and NGRAM, all servers up together.",
     "serving_sweep_c16.json": "Sixteen concurrent requests of code, extraction, chat and a mixed stream of the "
                               "three: the same servers under load, where a full tree step costs more than it "
-                              "gives and the per-step planner is meant to take a plain step or a small tree. "
-                              + LOCKSTEP,
+                              "gives and the per-step planner is meant to take a plain step or a small tree.",
     "serving_sweep_mixed_c4.json": "Four concurrent requests of code, of extraction and of a mixed stream (code, "
                                    "extraction and chat requests arriving together): the per-step planner (each "
                                    "step one verify size, chosen from every request's predicted reach; each "
                                    "request verifies its own best nodes) against the same planner choosing only a "
                                    "plain step or the full tree, and against SGLang's own EAGLE tree and NGRAM, "
-                                   "all servers up together. " + LOCKSTEP,
+                                   "all servers up together.",
     "serving_sweep_peers.json": "One request at a time, 15 draft tokens each: the project's hybrid trees against "
                                 "SGLang's own EAGLE tree (topk 4, 4 steps) and NGRAM drafting, as a user would "
                                 "launch them.",
@@ -196,8 +210,11 @@ def serving_body(name: str) -> Callable[[Path], str]:
                        + ([f1(row.get("p99_tpot_ms"))] if tpot else []))
         stem = name[:-len(".json")]
         rounds = max((len(row.get("output_throughput_rounds") or []) for row in rows), default=0)
+        closed_loop = max(int(value) for value in (command_option(data, "--concurrency") or "1").split(",")) > 1
+        lengths = (" " + (SPREAD if command_option(data, "--output-len-spread") else LOCKSTEP)) if closed_loop else ""
         return "\n\n".join([
-            SERVING_ABOUT.get(name, "A run of the serving sweep.") + (f" {rounds} rounds." if rounds > 1 else " One round."),
+            SERVING_ABOUT.get(name, "A run of the serving sweep.") + lengths
+            + (f" {rounds} rounds." if rounds > 1 else " One round."),
             run_lines(data, results, name, [name, f"{stem}.csv", f"{stem}.png"]),
             table(["workload", "method", "draft tokens", "concurrency", "output tok/s", "x plain", "per round",
                    "accept length", "p50 ITL ms", "p99 ITL ms", *(["p99 TPOT ms"] if tpot else [])], out),
