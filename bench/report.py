@@ -144,6 +144,8 @@ LOCKSTEP = ("Every request asks the same number of tokens, so plain decoding's r
 SPREAD = ("Each request asks its own number of tokens, spread around the mean (`--output-len-spread`): every "
           "server's requests end apart, so prompts are prefilled between running requests' chunks under plain "
           "decoding too, and p99 ITL compares the methods, not where their prefills fall.")
+
+
 def command_option(data: Any, flag: str) -> str | None:
     """The value the JSON's recorded ``command`` gives ``flag`` (``--flag value`` or ``--flag=value``); None when
     absent or when the JSON records no command."""

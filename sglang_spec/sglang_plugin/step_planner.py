@@ -21,8 +21,8 @@ inputs this module keeps:
   Both corrections are the median of the last ``WINDOW`` served steps of their kind; the tree steps' is forgotten
   after ``TREE_PRICE_MEMORY`` steps (plain steps run whatever the plan, tree steps only where it predicts they
   pay: a price that keeps trees off is never corrected by a served tree step, so it expires and a tree is tried
-  again). The first step of each shape (batch bucket, size) also allocates
-  for it, and a new request's context index is built once: neither is counted.
+  again). The first step of each shape (batch bucket, size) also allocates for it, and a new request's context
+  index is built once: neither is counted.
 
 A step is capped at ``cap`` times a plain step's predicted time (the gap a streaming client sees between chunks).
 The plan is one size for the whole batch (SGLang verifies a fixed number of tokens a request per step); a request
