@@ -303,7 +303,7 @@ GOLDEN_FRACTION = 0.6180339887498949  # the golden ratio's fraction: successive 
 
 def output_lengths(count: int, mean: int, spread: float) -> list[int]:
     """``count`` output lengths spread evenly over ``(1 +- spread) * mean`` (a low-discrepancy sequence: any run of
-    consecutive requests covers the range, and the lengths average ``mean``), each at least 4 (bench_serving's
+    consecutive requests covers the range, and the lengths average about ``mean``), each at least 4 (bench_serving's
     least)."""
     return [max(4, round(mean * (1 - spread + 2 * spread * ((index * GOLDEN_FRACTION) % 1.0))))
             for index in range(count)]
@@ -634,7 +634,12 @@ def main(argv=None) -> int:
     if args.output_len_spread:  # the served model's tokenizer counts each placeholder reply, as bench_serving will
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(model.target_dir) if model else args.model_path)
+        source = str(model.target_dir) if model else args.model_path
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as error:
+            raise SpecError(f"--output-len-spread counts each reply with the served model's tokenizer, and {source} "
+                            f"has none that loads ({str(error).splitlines()[0][:120]}); run without the spread") from None
     datasets: dict[str, Path | None] = dict(workload_datasets(args, scratch, tokenizer)) \
         if args.dataset == "heldout" else {args.dataset: None}
 

@@ -166,8 +166,9 @@ def test_output_len_spread_gives_each_request_its_own_length_as_bench_serving_co
     reply, spread over 24-72 tokens around 48 (the same request the same length on every server); without the
     spread every request asks for 48, and a tokenizer that does not count one token a word is refused."""
     from sglang.benchmark.datasets.sharegpt import sample_sharegpt_requests
-    from sglang_spec.errors import SpecError
     from transformers import AutoTokenizer
+
+    from sglang_spec.errors import SpecError
 
     spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
