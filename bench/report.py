@@ -147,14 +147,11 @@ SPREAD = ("Each request asks its own number of tokens, spread around the mean (`
 
 
 def command_option(data: Any, flag: str) -> str | None:
-    """The value the JSON's recorded ``command`` gives ``flag`` (``--flag value`` or ``--flag=value``); None when
-    absent or when the JSON records no command."""
-    words = shlex.split(data.get("command", "")) if isinstance(data, dict) else []
-    for index, word in enumerate(words):
-        name, equals, inline = word.partition("=")
-        if name == flag:
-            return inline if equals else (words[index + 1] if index + 1 < len(words) else None)
-    return None
+    """The value the JSON's recorded ``command`` gives ``flag`` (the bed's ``option_value``: ``--flag value`` or
+    ``--flag=value``, the last one winning); None when absent or when the JSON records no command."""
+    from sglang_spec_testbed.server import option_value  # imports torch: only for the pages that ask
+
+    return option_value(shlex.split(data.get("command", "")) if isinstance(data, dict) else [], flag)
 
 
 SERVING_ABOUT = {
