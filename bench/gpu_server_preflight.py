@@ -45,6 +45,7 @@ SERVER_MODULES = (
     "sglang.srt.managers.scheduler", "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager",
     "sglang.srt.model_executor.model_runner", "sglang.srt.speculative.eagle_worker_v2",
     "sglang.srt.models.llama", "sglang.srt.models.deepseek_v2", "sglang.srt.models.deepseek_nextn",
+    "sglang.kernels.ops.gemm.cutedsl_dual_gemm",  # imported when a Llama MLP is built (layers/dual_gemm.py)
     "sglang.srt.layers.attention.triton_backend", "sglang.srt.layers.attention.flashattention_backend",
     "sglang.srt.layers.attention.flashinfer_backend", "sglang.srt.layers.attention.flashinfer_mla_backend",
     "sglang.srt.layers.sampler", "sglang.srt.model_executor.runner_backend_utils.weak_ref_tensor",

@@ -188,3 +188,57 @@ def test_cuda_mode_resolves_what_sglang_imports_and_nothing_else(cuda_mode):
 def test_an_unknown_mode_is_one_line():
     with pytest.raises(SpecError, match="mode 'rocm': choose one of cpu, cuda"):
         kernels.install("rocm")
+
+
+def _real_source(module: str):
+    """The installed SGLang's source of ``module`` (which cannot import here: it needs nvidia-cutlass-dsl)."""
+    import ast
+    import importlib.util
+
+    require_sglang()
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None
+    return ast.parse(open(spec.origin).read())
+
+
+def test_the_dual_gemm_standin_has_the_names_dual_gemm_imports_and_the_real_enum():
+    import ast
+
+    from sglang_spec_testbed import cuda_host
+
+    standin = cuda_host.dual_gemm_standin()
+    layer = _real_source("sglang.srt.layers.dual_gemm")
+    imported = {alias.name for node in ast.walk(layer) if isinstance(node, ast.ImportFrom)
+                and node.module == cuda_host.DUAL_GEMM_MODULE for alias in node.names}
+    assert imported and all(hasattr(standin, name) for name in imported), imported
+    real = _real_source(cuda_host.DUAL_GEMM_MODULE)
+    enum_class = next(node for node in real.body if isinstance(node, ast.ClassDef) and node.name == "DualGemmQuantMode")
+    members = {target.id: node.value.value for node in enum_class.body if isinstance(node, ast.Assign)
+               for target in node.targets}
+    assert members == {mode.name: mode.value for mode in cuda_host.DualGemmQuantMode}
+    limit = next(node.value.value for node in real.body if isinstance(node, ast.Assign)
+                 and getattr(node.targets[0], "id", "") == "MAX_DUAL_GEMM_DECODE_TOKENS")
+    assert standin.MAX_DUAL_GEMM_DECODE_TOKENS == limit
+    assert not standin.can_use_dual_gemm(4, 4096, 11008, cuda_host.DualGemmQuantMode.UNQUANT)
+    with pytest.raises(RuntimeError, match="SM100"):
+        standin.dual_gemm_swiglu(torch.zeros(1, 8), torch.zeros(16, 8))
+
+
+def test_the_cute_dsl_standins_go_in_only_where_cutlass_is_absent_and_let_dual_gemm_build(monkeypatch):
+    import importlib.util
+
+    from sglang_spec_testbed import cuda_host
+
+    require_sglang()
+    real_find_spec = importlib.util.find_spec
+    for cutlass_present in (True, False):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args, present=cutlass_present:
+                            (object() if present else None) if name == "cutlass" else real_find_spec(name, *args))
+        monkeypatch.delitem(sys.modules, cuda_host.DUAL_GEMM_MODULE, raising=False)
+        cuda_host.install_cute_dsl_standins()
+        assert (cuda_host.DUAL_GEMM_MODULE in sys.modules) is (not cutlass_present)
+    # layers/dual_gemm.py's own import, as a Llama MLP runs it on CUDA: the stand-in answers, no dual GEMM chosen
+    from sglang.kernels.ops.gemm.cutedsl_dual_gemm import MAX_DUAL_GEMM_DECODE_TOKENS, DualGemmQuantMode, can_use_dual_gemm
+
+    assert not can_use_dual_gemm(MAX_DUAL_GEMM_DECODE_TOKENS, 576, 1536, DualGemmQuantMode.UNQUANT)
+    monkeypatch.delitem(sys.modules, cuda_host.DUAL_GEMM_MODULE)
