@@ -316,14 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     except CannotRun as reason:
         detail, code = str(reason), CANNOT_RUN_HERE
     except Exception as error:  # noqa: BLE001 - the check's verdict, in one line
-        detail = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:400]
-        run.problems.append(detail)
+        run.problems.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:400])
+        detail = ""  # the error is the verdict's problem; not repeated after it
     finally:
         watchdog.cancel()
         run.stop_all()
     if run.problems:
         detail = "FAILED: " + "; ".join(run.problems[:3]) + (f" (+{len(run.problems) - 3} more)"
-                                                              if len(run.problems) > 3 else "") + f". {detail}"
+                                                              if len(run.problems) > 3 else "") + (f". {detail}" if detail else "")
     if run.notes:
         detail += " (" + "; ".join(run.notes) + ")"
     write_results(run, detail, code)

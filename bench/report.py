@@ -477,6 +477,15 @@ def gpu_latest(results: Path) -> dict[tuple[str, str], tuple[dict[str, Any], str
     return latest
 
 
+def gpu_tally(latest: dict[tuple[str, str], tuple[dict[str, Any], str]]) -> str:
+    """Per device, of the latest results: how many checks passed of those that ran, and how many were skipped."""
+    statuses: dict[str, list[str]] = {}
+    for (device, _), (check, _) in latest.items():
+        statuses.setdefault(device, []).append(check["status"])
+    return "; ".join(f"{device}: {s.count('passed')} of {len(s) - s.count('skipped')} passed"
+                     + (f", {s.count('skipped')} skipped" if "skipped" in s else "") for device, s in statuses.items())
+
+
 def gpu_logs(results: Path, name: str) -> list[str]:
     stem = Path(name).stem
     folder = results / Path(name).parent
@@ -497,15 +506,10 @@ def gpu_body(results: Path) -> str:
         files = [name, *gpu_logs(results, name)]
         runs.append(f"* [{name}]({name}): {machine(data, results, name)}; `{command(data, results, name)}`; "
                     + ", ".join(f"[{file}]({file})" for file in files[1:]))
-    counts = {}
-    for (device, _), (check, _) in latest.items():
-        counts.setdefault(device, []).append(check["status"])
-    summary = "; ".join(f"{device}: {statuses.count('passed')} of {len(statuses)} checks passed"
-                        for device, statuses in counts.items())
     return "\n\n".join([
-        "`scripts/gpu_check.sh` on the GPUs lent to this project (no sglang on them: the server groups have not "
-        "run). The latest result of every check on every device; older results of a check stay in the files. "
-        f"{summary}.",
+        "`scripts/gpu_check.sh` on the GPUs lent to this project (none had sglang installed; the server groups carry "
+        "it, see docs/gpu-validation.md). The latest result of every check on every device; older results of a "
+        f"check stay in the files. {gpu_tally(latest)} (a skipped check waited on one that failed).",
         table(["device", "check", "result", "s", "detail", "record"], rows),
         "What each check runs:\n\n" + "\n".join(f"* `{check}`: {text}" for check, text in what.items()),
         "Records (results JSON, machine, command, console logs):\n\n" + "\n".join(runs),
@@ -651,12 +655,11 @@ def render_headline(results: Path = RESULTS, page: str = "docs/results/README.md
             f"chain-4 and tree (16 / 32 / 168 nodes) accept length", name, figure,
             "Head quality on every held-out task")
     if gpu_records(results):
-        counts: dict[str, list[str]] = {}
-        for (device, _), (check, _) in gpu_latest(results).items():
-            counts.setdefault(device, []).append(check["status"])
-        figure = "; ".join(f"{device}: {s.count('passed')} of {len(s)} passed" for device, s in counts.items())
-        rows.append(["GPU checks (kernels compiled, CUDA graphs, no host sync, MLA verify on FlashInfer), latest "
-                     "result per check", figure, "`scripts/gpu_check.sh --group kernels,mla`", link("GPU checks")])
+        latest = gpu_latest(results)
+        groups = ",".join(dict.fromkeys(check.get("group", "kernels") for check, _ in latest.values()))
+        rows.append(["GPU checks (kernels compiled, CUDA graphs, no host sync, MLA verify on FlashInfer, SGLang's "
+                     "server), latest result per check", gpu_tally(latest), f"`scripts/gpu_check.sh --group {groups}`",
+                     link("GPU checks")])
     return table(["result", "figure", "command", "page"], rows)
 
 

@@ -91,3 +91,12 @@ def test_the_page_names_no_commit_and_no_date_of_a_run():
         for key in ("commit", "date"):
             if environment.get(key):
                 assert str(environment[key]) not in page, (name, key)
+
+
+def test_the_gpu_tally_counts_skipped_checks_apart_from_those_that_ran():
+    def result(status):
+        return ({"status": status}, "gpu/x.json")
+
+    latest = {("H200", "a"): result("passed"), ("H200", "b"): result("failed"), ("H200", "c"): result("skipped"),
+              ("H100", "a"): result("passed")}
+    assert report.gpu_tally(latest) == "H200: 1 of 2 passed, 1 skipped; H100: 1 of 1 passed"
