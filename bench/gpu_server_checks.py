@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         watchdog.cancel()
         run.stop_all()
     if run.problems:
-        detail = "FAILED: " + "; ".join(run.problems[:3]) + (f" (+{len(run.problems) - 3} more)"
-                                                              if len(run.problems) > 3 else "") + (f". {detail}" if detail else "")
+        more = f" (+{len(run.problems) - 3} more)" if len(run.problems) > 3 else ""
+        detail = "FAILED: " + "; ".join(run.problems[:3]) + more + (f". {detail}" if detail else "")
     if run.notes:
         detail += " (" + "; ".join(run.notes) + ")"
     write_results(run, detail, code)

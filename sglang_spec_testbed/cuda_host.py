@@ -50,6 +50,10 @@ class DualGemmQuantMode(enum.IntEnum):
         return self in (DualGemmQuantMode.DYNAMIC_PER_TENSOR, DualGemmQuantMode.DYNAMIC_PER_TOKEN)
 
 
+def _never(num_tokens: int, hidden_size: int, intermediate_size: int, quant_mode: int) -> bool:
+    return False
+
+
 def _needs_sm100(*args, **kwargs):
     raise RuntimeError(f"{DUAL_GEMM_MODULE} stand-in: the CuTe-DSL dual GEMM needs SM100 and nvidia-cutlass-dsl")
 
@@ -60,7 +64,7 @@ def dual_gemm_standin() -> types.ModuleType:
     module = types.ModuleType(DUAL_GEMM_MODULE, "stand-in: the CuTe-DSL dual GEMM is SM100-only (cuda_host)")
     module.MAX_DUAL_GEMM_DECODE_TOKENS = 16  # type: ignore[attr-defined]
     module.DualGemmQuantMode = DualGemmQuantMode  # type: ignore[attr-defined]
-    module.can_use_dual_gemm = lambda num_tokens, hidden_size, intermediate_size, quant_mode: False  # type: ignore[attr-defined]
+    module.can_use_dual_gemm = _never  # type: ignore[attr-defined]
     module.dual_gemm_swiglu = _needs_sm100  # type: ignore[attr-defined]
     module.dual_gemm_swiglu_fp8 = _needs_sm100  # type: ignore[attr-defined]
     return module

@@ -238,7 +238,8 @@ def test_the_cute_dsl_standins_go_in_only_where_cutlass_is_absent_and_let_dual_g
         cuda_host.install_cute_dsl_standins()
         assert (cuda_host.DUAL_GEMM_MODULE in sys.modules) is (not cutlass_present)
     # layers/dual_gemm.py's own import, as a Llama MLP runs it on CUDA: the stand-in answers, no dual GEMM chosen
-    from sglang.kernels.ops.gemm.cutedsl_dual_gemm import MAX_DUAL_GEMM_DECODE_TOKENS, DualGemmQuantMode, can_use_dual_gemm
+    from sglang.kernels.ops.gemm.cutedsl_dual_gemm import (MAX_DUAL_GEMM_DECODE_TOKENS, DualGemmQuantMode,
+                                                           can_use_dual_gemm)
 
     assert not can_use_dual_gemm(MAX_DUAL_GEMM_DECODE_TOKENS, 576, 1536, DualGemmQuantMode.UNQUANT)
     monkeypatch.delitem(sys.modules, cuda_host.DUAL_GEMM_MODULE)
