@@ -153,9 +153,11 @@ def build_tree_kernel_efficient_cpu(parent_list, top_scores_index, seq_lens, tre
     if os.environ.get(TRITON_TREE_FLAG) == "1":
         from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton
 
+        # the twin stops a node's walk to the root after its depth argument; the CUDA kernel walks to the root, and
+        # a context tree runs deeper than its draft steps: bound the walk by the tree's size instead
         sgl_build_tree_kernel_triton(parent_list, top_scores_index, seq_lens, tree_mask, positions, retrieve_index,
-                                     retrieve_next_token, retrieve_next_sibling, topk, spec_steps, num_verify_tokens,
-                                     tree_mask_mode)
+                                     retrieve_next_token, retrieve_next_sibling, topk,
+                                     max(spec_steps, num_verify_tokens - 1), num_verify_tokens, tree_mask_mode)
         return
     batch = top_scores_index.shape[0]
     placeholder = torch.arange(1, num_verify_tokens, dtype=torch.int64).expand(batch, -1)  # distinct sibling tokens

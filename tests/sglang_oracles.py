@@ -29,7 +29,10 @@ class SGLangTreeKernels:
 
     def build_tree(self, encoding: SGLangDraftEncoding, seq_lens: torch.Tensor, mode: TreeMaskMode) -> BuiltTree:
         """Calls ``sgl_build_tree_kernel_triton`` with buffers allocated exactly as
-        ``eagle_utils.build_tree_kernel_efficient`` allocates them (FULL_MASK prefix filled with True)."""
+        ``eagle_utils.build_tree_kernel_efficient`` allocates them (FULL_MASK prefix filled with True). The Triton
+        twin stops each node's walk to the root after ``depth`` levels, SGLang's CUDA kernel (``eagle.cuh``) walks
+        to the root: a bound of n - 1 levels (no tree of n tokens is deeper) gives the CUDA kernel's trees where
+        they run deeper than the draft steps (context trees)."""
         batch, n = encoding.top_scores_index.shape[0], encoding.num_verify_tokens
         if mode == TreeMaskMode.FULL_MASK:
             tree_mask = torch.full((int(seq_lens.sum()) * n + n * n * batch,), True, dtype=torch.bool)
@@ -47,7 +50,7 @@ class SGLangTreeKernels:
             retrieve[1],
             retrieve[2],
             encoding.topk,
-            encoding.spec_steps,
+            max(encoding.spec_steps, n - 1),
             n,
             self.spec_tree.TreeMaskMode(int(mode)),
         )

@@ -45,7 +45,7 @@ from sglang_spec.device_trees.lookup import (NgramMatch, best_order, compact_nod
 from sglang_spec.kernels.ngram_match import ngram_match_reference
 from sglang_spec.costs import CostCurve, step_seconds
 from sglang_spec.tree.proposal import DraftTree
-from sglang_spec.tree.best_first import node_cell, node_source, outcome_cells
+from sglang_spec.tree.best_first import head_rounds, node_cell, node_source, outcome_cells
 from sglang_spec.tree.profile import LOOKUP_RANKS, MTP_BINS, MTP_DEPTHS, SourceCounts
 from sglang_spec.tree.token_tree import TokenTree
 
@@ -149,7 +149,7 @@ class HybridShape:
     @property
     def head_rounds(self) -> int:
         """Head levels that can run: a level's nodes must lie above the depth limit."""
-        return max(0, min(self.mtp_levels, self.depth - 1))
+        return head_rounds(self.mtp_levels, self.depth)
 
     @property
     def round_width(self) -> int:

@@ -3,7 +3,9 @@ arguments), attached to its ServerArgs, checked against the resolved configurati
 
     --speculative-tree-policy {chain,eagle,sequoia,specexec,lookup,hybrid}   default: unset, SGLang's behaviour
     --speculative-tree-budget N          draft nodes per request (SGLang's num_draft_tokens = N + 1)
-    --speculative-tree-depth D           draft steps (SGLang's speculative_num_steps; lookup / hybrid: the budget)
+    --speculative-tree-depth D           draft tokens on a path at most (default: lookup / hybrid the budget); head
+                                         trees draft it in D steps (SGLang's speculative_num_steps), context trees
+                                         in their head rounds (``TreeServerOptions.draft_steps``)
     --speculative-tree-topk K            children per expanded node (the node's top-K draft candidates)
     --speculative-tree-width W           most nodes expanded on one level (SGLang's speculative_eagle_topk):
                                          eagle W = K; sequoia: its tree's widest level; specexec: a static
@@ -38,6 +40,7 @@ from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.drafters.beam_selection import DraftPlan, live_beams, specexec_width, usable_slots, widest_level
+from sglang_spec.tree.encode_sglang import fewest_spec_steps
 from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
@@ -79,7 +82,7 @@ TARGET_BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefi
 
 @dataclass(frozen=True)
 class TreeServerOptions:
-    """policy, budget (draft nodes), depth (draft steps), topk (K, children per expanded node), width (W, SGLang's
+    """policy, budget (draft nodes), depth (draft tokens on a path at most; ``draft_steps``), topk (K, children per expanded node), width (W, SGLang's
     speculative_eagle_topk: nodes expanded per level), profile_path (sequoia), accept (who accepts: sglang or
     fused), auto (each step's verify size chosen by the planner: ``step_planner``), verify_sizes (the sizes it may
     choose, tokens a request; None: the default for the device), step_cap (a tree step at most this many plain
@@ -107,6 +110,20 @@ class TreeServerOptions:
         """Whether its drafter grows trees of any budget a step (lookup / hybrid on the host), so the planner may
         verify sizes between a plain step and the full tree."""
         return self.uses_context and self.context_on == "host"
+
+    @property
+    def draft_steps(self) -> int:
+        """SGLang's draft steps (speculative_num_steps) for these options. A head tree drafts a level a step:
+        ``depth``. A context tree (lookup / hybrid) runs only its head rounds (none for lookup); its depth past them
+        comes from the context, and the verify input's accept bound carries it (``hooks.draft``). Its steps are what
+        the head rounds and SGLang's tree encoding need (``fewest_spec_steps``), never more than the depth: SGLang
+        holds ``2 * max(width * steps, budget + 1)`` KV slots a request each decode step, so steps it would not
+        draft are memory the radix cache loses."""
+        if not self.uses_context:
+            return self.depth
+        policy = self.tree_policy()
+        needed = max(policy.best_first_shape().head_rounds + 1, fewest_spec_steps(self.width, self.budget))
+        return min(self.depth, needed)
 
     @property
     def own_loop(self) -> bool:
@@ -344,7 +361,7 @@ def from_namespace(args: argparse.Namespace) -> TreeServerOptions | None:
 def apply_to_server_args(options: TreeServerOptions, server_args) -> None:
     """Before resolution: the tree shape becomes SGLang's own draft shape (steps, topk, verify tokens). The caller
     attaches the options themselves (``state.attach_options``)."""
-    for name, value in (("speculative_num_steps", options.depth), ("speculative_eagle_topk", options.width),
+    for name, value in (("speculative_num_steps", options.draft_steps), ("speculative_eagle_topk", options.width),
                         ("speculative_num_draft_tokens", options.budget + 1)):
         current = getattr(server_args, name)
         if current is not None and current != value:

@@ -108,6 +108,12 @@ class WorkerState:
         """Draft nodes a request verifies (the root excluded)."""
         return self.verify_tokens - 1
 
+    @property
+    def step_depth(self) -> int:
+        """Draft tokens on a path at most this step: the tree depth, within this step's budget. The verify input's
+        accept holds it (``hooks.draft.draft_around``); for a context tree it exceeds SGLang's draft steps."""
+        return min(self.options.depth, self.budget if self.step_budget is None else self.step_budget)
+
     def swap_head(self, label: str | None) -> HeadSwap:
         """The one event of a head swap: the version moves on, the drafter forgets what it learnt of the old head
         (``ServedDrafter.head_swapped``), then every ``head_swapped`` callback runs. ``label`` None: the version

@@ -5,8 +5,9 @@ it and its CUDA graphs (the draft loop's, the target's verify, the draft extend'
 adaptive speculation keeps one ``SpecRuntimeState`` per shape (``EAGLEWorkerV2.build_adaptive_runtime_state``,
 ``adaptive_runtime_state.py``) and swaps them whole; the planner's sizes reuse that machinery: at start-up each size
 gets its state (SGLang builds its backends and, with decode graphs on, captures its graphs), and a step at a size
-runs under its state, the full tree's restored after. A size of ``n`` tokens drafts ``min(steps, n - 1)`` levels
-(SGLang's accepted path holds steps + 1 nodes); size 1 is SGLang's own 0-step plain step.
+runs under its state, the full tree's restored after. A size of ``n`` tokens drafts ``min(steps, n - 1)`` steps (no
+tree of n - 1 nodes needs more head rounds or parent_list entries); its accepted path's bound is the step's tree
+depth (``WorkerState.step_depth``); size 1 is SGLang's own 0-step plain step.
 
 SGLang's own ``apply_runtime_state`` keys its early return on the step count alone, which two sizes may share, so
 the swap is done here (``_apply``), field for field as SGLang's.

@@ -79,6 +79,17 @@ class BestFirstShape:
     uses_head: bool
     costs: CostCurve | None = None
 
+    @property
+    def head_rounds(self) -> int:
+        """Head forwards one step's growth runs at most (``rounds``), beyond the root's candidates."""
+        return head_rounds(self.mtp_levels, self.depth) if self.uses_head else 0
+
+
+def head_rounds(mtp_levels: int, depth: int) -> int:
+    """Head forwards a hybrid tree's growth runs at most: one a level below the root's children, ``mtp_levels`` of
+    them, each expanding nodes above the depth limit (a level-l round expands nodes at depth l, and l < depth)."""
+    return max(0, min(mtp_levels, depth - 1))
+
 
 # one tree's growth: yields the nodes the head expands this round, is sent their Candidates, returns the tree
 BestFirstRounds = Generator[list[int], Candidates, DraftTree]

@@ -126,6 +126,12 @@ def parent_list_width(topk: int, spec_steps: int) -> int:
     return topk * (spec_steps - 1) + 1
 
 
+def fewest_spec_steps(topk: int, budget: int) -> int:
+    """The fewest draft steps whose parent_list (``parent_list_width``) indexes every parent a tree of ``budget``
+    draft nodes can have: nodes 0 .. budget - 1 (a parent precedes its children)."""
+    return 1 + -(-(budget - 1) // topk)
+
+
 def _uniform_node_count(trees: Sequence[TokenTree]) -> int:
     if len(trees) == 0:
         raise SpecError("encode a batch of at least one tree")
@@ -138,20 +144,24 @@ def _uniform_node_count(trees: Sequence[TokenTree]) -> int:
     return counts.pop()
 
 
-def encode_sglang_draft(trees: Sequence[TokenTree], topk: int, spec_steps: int) -> SGLangDraftEncoding:
+def encode_sglang_draft(trees: Sequence[TokenTree], topk: int, spec_steps: int,
+                        accept_depth: int | None = None) -> SGLangDraftEncoding:
     """Encodes trees (same node count) so SGLang's build-tree kernel reproduces them exactly.
 
-    Needs: every node has at most ``topk`` children, depth <= ``spec_steps`` (SGLang's accept index has
-    spec_steps + 1 entries), and every parent index < topk * (spec_steps - 1) + 1 (the parent_list width).
+    Needs: every node has at most ``topk`` children, depth <= ``accept_depth`` (the verify input's accept index
+    has accept_depth + 1 entries; default ``spec_steps``, SGLang's own), and every parent index < topk *
+    (spec_steps - 1) + 1 (the parent_list width ``spec_steps`` draft steps give).
     """
     num_nodes = _uniform_node_count(trees)
     width = parent_list_width(topk, spec_steps)
+    deepest = spec_steps if accept_depth is None else accept_depth
     batch_size = len(trees)
     parent_list = torch.full((batch_size, width), -1, dtype=torch.int64)
     top_scores_index = torch.empty((batch_size, num_nodes - 1), dtype=torch.int64)
     for row, tree in enumerate(trees):
-        if tree.depth > spec_steps:
-            raise SpecError(f"tree depth {tree.depth} exceeds spec_steps {spec_steps}; raise speculative_num_steps")
+        if tree.depth > deepest:
+            raise SpecError(f"tree depth {tree.depth} exceeds the accepted path's {deepest} draft tokens; raise "
+                            "the tree depth")
         positions = [0] * num_nodes
         for node, parent in enumerate(tree.parents.tolist()):
             if parent < 0:

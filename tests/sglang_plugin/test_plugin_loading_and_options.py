@@ -138,8 +138,12 @@ def test_width_is_the_trees_widest_level_or_the_specexec_beams_that_can_grow(sgl
     # unset, a context tree's depth is its budget (copies run deep), a head tree's stays DEFAULTS' 4
     deep = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid",
                   "--speculative-tree-budget", "15"])
-    assert (deep._sglang_spec_tree.depth, deep.speculative_num_steps) == (15, 15)
-    assert parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "lookup"]).speculative_num_steps == 8
+    # ... but SGLang drafts only its head rounds (2 levels + the step that holds them) and the steps its parent_list
+    # needs (1 + ceil(14 / width)): the KV SGLang holds a request each step is width * steps, not width * depth
+    width = deep.speculative_eagle_topk
+    assert deep.speculative_num_steps == max(2 + 1, 1 + -(-14 // width)) < 15
+    lookup = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "lookup"])
+    assert (lookup._sglang_spec_tree.depth, lookup.speculative_num_steps) == (8, 1 + -(-7 // lookup.speculative_eagle_topk))
     assert parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "specexec",
                   "--speculative-tree-budget", "15"]).speculative_num_steps == 4
 

@@ -53,8 +53,14 @@ def test_encoder_limits_get_one_clear_line():
     star = TokenTree.from_parents([-1, 0, 0, 0])
     with pytest.raises(SpecError, match="more than topk=2 children"):
         encode_sglang_draft([star], topk=2, spec_steps=2)
-    with pytest.raises(SpecError, match="exceeds spec_steps 2"):
-        encode_sglang_draft([TokenTree.from_parents([-1, 0, 1, 2])], topk=1, spec_steps=2)
+    chain = TokenTree.from_parents([-1, 0, 1, 2])
+    with pytest.raises(SpecError, match="tree depth 3 exceeds the accepted path's 2 draft tokens"):
+        encode_sglang_draft([chain], topk=1, spec_steps=2)
+    with pytest.raises(SpecError, match="tree depth 3 exceeds the accepted path's 2 draft tokens"):
+        encode_sglang_draft([chain], topk=1, spec_steps=3, accept_depth=2)
+    # a context tree's accept bound past SGLang's draft steps: the parent_list (topk 2, 2 steps: 3 entries) holds
+    # its parents 0..2
+    assert encode_sglang_draft([chain], topk=2, spec_steps=2, accept_depth=3).parent_list.shape == (1, 3)
     with pytest.raises(SpecError, match="parent_list holds only 5 entries"):
         encode_sglang_draft([TokenTree.from_parents([-1, 0, 0, 1, 1, 2, 2, 6])], topk=2, spec_steps=3)
     with pytest.raises(SpecError, match="pad every tree to one budget"):
@@ -65,26 +71,28 @@ def random_batches():
     """Irregular batches: non-power-of-two sizes, chains, stars, deep and bushy trees, up to 32 nodes."""
     rng = np.random.default_rng(2024)
     cases = []
-    for batch_size, num_nodes, topk, spec_steps in [
-        (1, 2, 1, 1),
-        (3, 5, 1, 4),  # chains
-        (1, 9, 8, 2),  # star
-        (5, 8, 2, 7),
-        (2, 16, 4, 5),
-        (3, 13, 3, 6),
-        (1, 32, 4, 8),
-        (7, 6, 3, 3),
+    for batch_size, num_nodes, topk, spec_steps, depth in [
+        (1, 2, 1, 1, 1),
+        (3, 5, 1, 4, 4),  # chains
+        (1, 9, 8, 2, 2),  # star
+        (5, 8, 2, 7, 7),
+        (2, 16, 4, 5, 5),
+        (3, 13, 3, 6, 6),
+        (1, 32, 4, 8, 8),
+        (7, 6, 3, 3, 3),
+        (4, 12, 6, 3, 11),  # context trees: deeper than SGLang's draft steps (hybrid 11 / width 6 in 3 steps)
+        (2, 9, 2, 5, 8),
     ]:
         trees = []
         for _ in range(batch_size):
             # parents must stay below the parent_list width topk*(spec_steps-1)+1
             while True:
-                tree = random_tree(rng, num_nodes, max_fanout=topk, max_depth=spec_steps)
+                tree = random_tree(rng, num_nodes, max_fanout=topk, max_depth=depth)
                 if all(p < topk * (spec_steps - 1) + 1 for p in tree.parents.tolist()):
                     break
             trees.append(tree)
         seq_lens = torch.from_numpy(rng.integers(1, 20, size=batch_size)).long()
-        cases.append((trees, seq_lens, topk, spec_steps))
+        cases.append((trees, seq_lens, topk, spec_steps, depth))
     return cases
 
 
@@ -92,8 +100,8 @@ def random_batches():
 @pytest.mark.parametrize("mode", [TreeMaskMode.FULL_MASK, TreeMaskMode.QLEN_ONLY])
 @pytest.mark.parametrize("case", random_batches(), ids=lambda c: f"bs{len(c[0])}n{c[0][0].num_nodes}")
 def test_conforms_to_sglangs_triton_build_tree_kernel(sglang_kernels, case, mode):
-    trees, seq_lens, topk, spec_steps = case
-    encoding = encode_sglang_draft(trees, topk=topk, spec_steps=spec_steps)
+    trees, seq_lens, topk, spec_steps, depth = case
+    encoding = encode_sglang_draft(trees, topk=topk, spec_steps=spec_steps, accept_depth=depth)
     built = sglang_kernels.build_tree(encoding, seq_lens, mode)
     ours = encode_sglang_verify(trees, seq_lens, mode)
     assert torch.equal(built.positions, ours.positions)

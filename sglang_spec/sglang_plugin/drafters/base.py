@@ -42,7 +42,10 @@ class DraftCall:
     requests:      the ScheduleBatch's requests in batch order; None inside a draft-graph capture.
     budget:        draft nodes each request's tree holds this step (SGLang verifies budget + 1 tokens a request:
                    the server's budget, or the planner's smaller tree).
-    steps:         SGLang's draft steps this step (a tree's depth at most; below the server's with a smaller tree).
+    steps:         SGLang's draft steps this step (below the server's with a smaller tree): the draft KV slots and
+                   the parent_list width (``encode_sglang``).
+    depth:         draft tokens on a tree's path at most this step, what the verify input's accept holds (a head
+                   tree's: ``steps``; a context tree's: deeper, its copies need no draft step).
     sglang_loop:   SGLang's own draft_forward for this call (no arguments).
     """
 
@@ -51,6 +54,7 @@ class DraftCall:
     requests: list[Any] | None
     budget: int
     steps: int
+    depth: int
     sglang_loop: Callable[[], Any]
 
 

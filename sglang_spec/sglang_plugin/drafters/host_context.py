@@ -98,7 +98,8 @@ class HostContextDrafter(ContextDrafter):
     def draft(self, call: DraftCall) -> SGLangDraft:
         assert call.requests is not None, "host-built trees are drafted eagerly, never in a draft graph capture"
         try:
-            return context_draft_forward(call.worker, call.forward_batch, call.requests, self, call.budget, call.steps)
+            return context_draft_forward(call.worker, call.forward_batch, call.requests, self, call.budget, call.steps,
+                                         call.depth)
         finally:
             if self.outputs is not None:
                 self.outputs.report_first_unknown()
@@ -156,9 +157,10 @@ class HostContextDrafter(ContextDrafter):
 
 
 def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], drafter: HostContextDrafter,
-                          budget: int, steps: int) -> SGLangDraft:
+                          budget: int, steps: int, depth: int) -> SGLangDraft:
     """``draft_forward`` for ``worker`` (an EagleDraftWorker) over ``reqs`` (the ScheduleBatch's requests, in
-    batch order), each tree of at most ``budget`` draft nodes and ``steps`` levels, padded to the budget: SGLang's (parent_list,
+    batch order), each tree of at most ``budget`` draft nodes and ``depth`` levels, its head rounds within SGLang's
+    ``steps`` draft steps, padded to the budget: SGLang's (parent_list,
     top_scores_index, draft_tokens, draft_probs=None). The caller has had the drafter observe the last accepted
     paths (``HostContextDrafter.observe_outcome``)."""
     from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
@@ -187,7 +189,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     for row, req in enumerate(reqs):
         index = drafter.contexts.index(req.rid, drafter.committed_tokens(req, kv_lengths[row], roots[row]),
                                        roots[row])
-        builder = drafter.drafter.propose_rounds(roots[row], index, costs, budget, steps)
+        builder = drafter.drafter.propose_rounds(roots[row], index, costs, budget, depth)
         builders.append(builder)
         rounds.append(builder.rounds())
         _advance(rounds, trees, pending, row, None)
@@ -222,7 +224,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
             beam_of[row] = {node: beam for beam, node in enumerate(nodes)}
             count = len(nodes)
             _advance(rounds, trees, pending, row, Candidates(topk_index[row, :count], topk_p[row, :count]))
-    assert not pending, "a tree asked for a head round deeper than SGLang drafts (its depth is the step count)"
+    assert not pending, "a tree asked for more head rounds than SGLang's draft steps hold (draft_steps)"
     if drafter.all_head_rounds and drafter.uses_head:
         start = time.perf_counter()
         padded_rounds = pad_head_rounds(worker, forward_batch, drafter.rounds, steps, state, step_locs)
@@ -233,8 +235,8 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     drafter.priced_out += sum(builder.priced_out for builder in builders)
     drafter.proposed = [tree for tree in trees if tree is not None]
     drafter._reach = {req.rid: tree.best_reach() for req, tree in zip(reqs, drafter.proposed)}
-    padded = [pad_to_budget(tree.tree, budget, width, steps) for tree in drafter.proposed]
-    encoding = encode_sglang_draft(padded, width, steps)
+    padded = [pad_to_budget(tree.tree, budget, width, depth) for tree in drafter.proposed]
+    encoding = encode_sglang_draft(padded, width, steps, depth)
     return (encoding.parent_list.to(device), encoding.top_scores_index.to(device),
             encoding.draft_tokens.to(device), None)
 

@@ -41,7 +41,8 @@ def eagle_worker_init_after(result, worker, *args, **kwargs):
 
     claim_acceptance_metrics(worker.server_args, attention_tp_rank())
     kernels = accept_kernels(os.environ.get(ACCEPT_KERNELS_ENV, ""), worker.device)
-    state.fused = FusedAccept(worker.speculative_num_draft_tokens, worker.speculative_num_steps, worker.device,
+    # the accepted path's bound is the tree's depth (``WorkerState.step_depth``), past SGLang's steps for context trees
+    state.fused = FusedAccept(worker.speculative_num_draft_tokens, state.options.depth, worker.device,
                               METRICS, tp_group=accept_tp_group(), broadcast_greedy=is_hip(), kernels=kernels)
     if kernels is not TRITON_KERNELS:
         log(f"fused accept: the kernels' pure-torch references ({ACCEPT_KERNELS_ENV}={kernels.name})")

@@ -98,6 +98,10 @@ def draft_around(original, worker, batch, *args, **kwargs):
         finally:
             worker.cuda_graph_runner = graph_runner
             state.draft_requests = None
+    if getattr(verify_input, "spec_steps", None) is not None:
+        # SGLang bounds the accepted path by its draft steps; a context tree's copies run deeper than its head
+        # rounds (``TreeServerOptions.draft_steps``), so the bound is the tree's depth
+        verify_input.spec_steps = max(verify_input.spec_steps, state.step_depth)
     if drafter.guard is not None:
         try:
             _report_head_faults(drafter.guard)
@@ -159,7 +163,7 @@ def _draft(original, worker, forward_batch, state: WorkerState, *args, **kwargs)
     budget = state.budget if state.step_budget is None else state.step_budget
     # the worker's draft steps, not ``state.steps``: a planned smaller tree's runtime state sets them for this step
     return drafter.draft(DraftCall(worker, forward_batch, requests, budget, worker.speculative_num_steps,
-                                   lambda: original(worker, forward_batch, *args, **kwargs)))
+                                   state.step_depth, lambda: original(worker, forward_batch, *args, **kwargs)))
 
 
 def _observe_accepted(drafter: ServedDrafter, state: WorkerState, batch_size: int) -> None:
