@@ -82,12 +82,12 @@ TARGET_BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefi
 
 @dataclass(frozen=True)
 class TreeServerOptions:
-    """policy, budget (draft nodes), depth (draft tokens on a path at most; ``draft_steps``), topk (K, children per expanded node), width (W, SGLang's
-    speculative_eagle_topk: nodes expanded per level), profile_path (sequoia), accept (who accepts: sglang or
-    fused), auto (each step's verify size chosen by the planner: ``step_planner``), verify_sizes (the sizes it may
-    choose, tokens a request; None: the default for the device), step_cap (a tree step at most this many plain
-    steps' predicted time), mtp_levels
-    (hybrid: head forwards below the root's children; None = the policy's default), mla_verify (None: the
+    """policy, budget (draft nodes), depth (draft tokens on a path at most; ``draft_steps``), topk (K, children
+    per expanded node), width (W, SGLang's speculative_eagle_topk: nodes expanded per level), profile_path
+    (sequoia), accept (who accepts: sglang or fused), auto (each step's verify size chosen by the planner:
+    ``step_planner``), verify_sizes (the sizes it may choose, tokens a request; None: the default for the device),
+    step_cap (a tree step at most this many plain steps' predicted time), mtp_levels (hybrid: head forwards below
+    the root's children; None = the policy's default), mla_verify (None: the
     attention back-end's own verify; "flashinfer": the MLA cascade of ``mla_tree_backend``), context_on (lookup /
     hybrid: their trees grown on the host or on the device)."""
 

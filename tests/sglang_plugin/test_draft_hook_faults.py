@@ -139,3 +139,27 @@ def test_a_fault_stubbing_a_skipped_head_pass_runs_sglangs_draft_extend(monkeypa
     assert metrics.accept_faults == {(HEAD_SKIP, "KeyError"): 1}
     lines = fault_lines(capsys)
     assert len(lines) == 1 and "fault in head_skip, batch of 1: the head's pass over it ran" in lines[0]
+
+
+def test_the_verify_inputs_accept_bound_is_the_trees_depth_past_sglangs_draft_steps():
+    """A hybrid 11-node tree with 3 head levels drafts in 4 SGLang steps, but its copies run 11 deep: the verify
+    input SGLang built with spec_steps 4 (an accepted path of 5 tokens) leaves the hook holding 11 (the whole tree);
+    with a planned smaller tree, its budget; a head tree's bound (eagle 8/4/4: its depth is its steps) is left as
+    SGLang made it. Without the hook's bound the served hybrid accept lengths fall below the reference decoder's
+    (tests/sglang_server/test_context_trees.py)."""
+    from sglang_spec.sglang_plugin.options import TreeServerOptions
+
+    hybrid = TreeServerOptions("hybrid", 11, 11, 4, 6, mtp_levels=3)
+    assert hybrid.draft_steps == 4
+    batch = SimpleNamespace(reqs=[object()])
+
+    def accept_bound(options, **fields):
+        worker = SimpleNamespace()
+        attach(worker, plugin_worker_state(options=options, drafter=Drafter(guard=None), steps=options.draft_steps,
+                                           **fields))
+        built = SimpleNamespace(spec_steps=options.draft_steps)  # as SGLang's build_eagle_verify_input sets it
+        return hooks.draft_around(lambda worker, batch: built, worker, batch).spec_steps
+
+    assert accept_bound(hybrid) == 11
+    assert accept_bound(hybrid, step_budget=6) == 6
+    assert accept_bound(TreeServerOptions("eagle", 8, 4, 4, 4)) == 4

@@ -143,7 +143,8 @@ def test_width_is_the_trees_widest_level_or_the_specexec_beams_that_can_grow(sgl
     width = deep.speculative_eagle_topk
     assert deep.speculative_num_steps == max(2 + 1, 1 + -(-14 // width)) < 15
     lookup = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "lookup"])
-    assert (lookup._sglang_spec_tree.depth, lookup.speculative_num_steps) == (8, 1 + -(-7 // lookup.speculative_eagle_topk))
+    lookup_steps = 1 + -(-7 // lookup.speculative_eagle_topk)
+    assert (lookup._sglang_spec_tree.depth, lookup.speculative_num_steps) == (8, lookup_steps)
     assert parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "specexec",
                   "--speculative-tree-budget", "15"]).speculative_num_steps == 4
 
