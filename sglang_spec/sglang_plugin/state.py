@@ -109,10 +109,15 @@ class WorkerState:
         return self.verify_tokens - 1
 
     @property
+    def step_nodes(self) -> int:
+        """Draft nodes a request's tree holds this step: the planner's smaller tree's, else ``budget``."""
+        return self.budget if self.step_budget is None else self.step_budget
+
+    @property
     def step_depth(self) -> int:
-        """Draft tokens on a path at most this step: the tree depth, within this step's budget. The verify input's
+        """Draft tokens on a path at most this step: the tree depth, within this step's nodes. The verify input's
         accept holds it (``hooks.draft.draft_around``); for a context tree it exceeds SGLang's draft steps."""
-        return min(self.options.depth, self.budget if self.step_budget is None else self.step_budget)
+        return min(self.options.depth, self.step_nodes)
 
     def swap_head(self, label: str | None) -> HeadSwap:
         """The one event of a head swap: the version moves on, the drafter forgets what it learnt of the old head

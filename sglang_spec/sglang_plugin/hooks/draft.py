@@ -160,9 +160,8 @@ def _draft(original, worker, forward_batch, state: WorkerState, *args, **kwargs)
         return original(worker, forward_batch, *args, **kwargs)
     if drafter.learns():
         _observe_accepted(drafter, state, forward_batch.batch_size)
-    budget = state.budget if state.step_budget is None else state.step_budget
     # the worker's draft steps, not ``state.steps``: a planned smaller tree's runtime state sets them for this step
-    return drafter.draft(DraftCall(worker, forward_batch, requests, budget, worker.speculative_num_steps,
+    return drafter.draft(DraftCall(worker, forward_batch, requests, state.step_nodes, worker.speculative_num_steps,
                                    state.step_depth, lambda: original(worker, forward_batch, *args, **kwargs)))
 
 
