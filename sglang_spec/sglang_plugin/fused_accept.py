@@ -48,6 +48,7 @@ from sglang_spec.kernels.verify_accept import (
     target_tokens,
     target_tokens_reference,
 )
+from sglang_spec.sglang_plugin.drafters.beams import kv_buffers
 
 ACCEPT_KERNELS_ENV = "SGLANG_SPEC_ACCEPT_KERNELS"  # triton (default) or reference (CPU only); read at worker start
 
@@ -370,7 +371,7 @@ class KVCommit:
         path = torch.where(accept_index >= 0, accept_index - (torch.arange(bs, device=accept_index.device)
                                                               * nodes)[:, None], -1).long()
         tree_slots = out_cache_loc[: bs * nodes].view(bs, nodes).long()
-        buffers = [buffer for name in ("k_buffer", "v_buffer", "kv_buffer") for buffer in getattr(pool, name, None) or ()]
+        buffers = kv_buffers(pool)
         num_nodes = torch.full((bs,), nodes, dtype=torch.int64, device=accept_lens.device)
         freed = torch.empty(bs, nodes, dtype=torch.int64, device=accept_lens.device)
         return cls(buffers, tree_slots, path, accept_lens.long(), num_nodes, freed, kernels)

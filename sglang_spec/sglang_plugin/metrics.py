@@ -25,9 +25,10 @@ drafts: 1 + accepted / steps is a head's mean accept length. The launch head is 
 
 With ``--speculative-tree-auto``, ``sglang_spec_planner_verify_tokens`` (a histogram, one observation per request
 per decode step) gives the verify size the planner chose, ``sglang_spec_planner_plain_requests_total`` over
-``sglang_spec_planner_requests_total`` the share of requests it decoded plainly, and
-``sglang_spec_planner_{predicted,served}_seconds_total`` its predicted against its served step time
-(``PlannerMetrics``).
+``sglang_spec_planner_requests_total`` the share of requests it decoded plainly,
+``sglang_spec_planner_{predicted,served}_seconds_total`` its predicted against its served step time, and
+``sglang_spec_planner_head_{rested,warmup}_steps_total`` the plain steps that left the head's draft extend out and
+the trees taken as a plain step to run it (``PlannerMetrics``).
 
 ``sglang_spec_draft_faults_total{error}`` counts the batches whose draft raised inside the plugin and were verified
 without speculation instead (``hooks.draft.draft_forward_around``), by exception type;
@@ -197,7 +198,9 @@ METRICS = AcceptanceMetrics()
 
 class PlannerMetrics:
     """Tree auto's choices (host counts; Prometheus once enabled, attention-TP rank 0 with ``--enable-metrics``):
-    ``steps`` by verify size, requests decoded in all and plainly, predicted and served step seconds."""
+    ``steps`` by verify size, requests decoded in all and plainly, predicted and served step seconds, plain steps
+    that left the head's draft extend out (``head_rested``) and trees taken as a plain step that ran it
+    (``head_warmups``; ``step_planner``, the head at rest)."""
 
     def __init__(self) -> None:
         self.steps: Counter[int] = Counter()
@@ -205,6 +208,8 @@ class PlannerMetrics:
         self.plain_requests = 0
         self.predicted_seconds = 0.0
         self.served_seconds = 0.0
+        self.head_rested = 0
+        self.head_warmups = 0
         self._prometheus: tuple[Any, ...] | None = None
 
     def enable_prometheus(self) -> None:
@@ -220,10 +225,16 @@ class PlannerMetrics:
             PrometheusCounter("sglang_spec_planner_plain_requests", "requests the planner decoded plainly"),
             PrometheusCounter("sglang_spec_planner_predicted_seconds", "the planned steps' predicted seconds"),
             PrometheusCounter("sglang_spec_planner_served_seconds", "the planned steps' served seconds"),
+            PrometheusCounter("sglang_spec_planner_head_rested_steps",
+                              "plain steps that left the head's draft extend out"),
+            PrometheusCounter("sglang_spec_planner_head_warmup_steps",
+                              "trees the planner chose taken as a plain step that ran the head's draft extend"),
         )
 
-    def record(self, tokens: int, requests: int, predicted: float, served: float) -> None:
-        """One decode step: ``requests`` requests each verified ``tokens``; predicted and served seconds."""
+    def record(self, tokens: int, requests: int, predicted: float, served: float, head_rested: bool = False,
+               head_warmup: bool = False) -> None:
+        """One decode step: ``requests`` requests each verified ``tokens``; predicted and served seconds; whether it
+        left the head's draft extend out, whether it was a tree taken plain to run it."""
         if not METRICS.counting:
             return
         self.steps[tokens] += 1
@@ -231,8 +242,10 @@ class PlannerMetrics:
         self.plain_requests += requests if tokens == 1 else 0
         self.predicted_seconds += predicted
         self.served_seconds += served
+        self.head_rested += int(head_rested)
+        self.head_warmups += int(head_warmup)
         if self._prometheus is not None:
-            histogram, total, plain, predicted_total, served_total = self._prometheus
+            histogram, total, plain, predicted_total, served_total, rested, warmups = self._prometheus
             for _ in range(requests):
                 histogram.observe(tokens)
             total.inc(requests)
@@ -240,6 +253,10 @@ class PlannerMetrics:
                 plain.inc(requests)
             predicted_total.inc(predicted)
             served_total.inc(served)
+            if head_rested:
+                rested.inc()
+            if head_warmup:
+                warmups.inc()
 
 
 PLANS = PlannerMetrics()

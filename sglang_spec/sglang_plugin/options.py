@@ -26,6 +26,9 @@ arguments), attached to its ServerArgs, checked against the resolved configurati
                                          (default: every size on a CPU, a few tiers on a GPU; "1,N" with N the
                                          full tree is the whole batch on or off)
     --speculative-tree-step-cap C        a tree step's predicted time at most C plain steps' (default 2)
+    --speculative-tree-head-rest N       after N plain steps in a row, plain steps leave the head's draft extend
+                                         out until a tree is chosen (``step_planner``, the head at rest; default
+                                         8; 0: never)
 
 This module imports no sglang; the checks that need resolved values take a view of the ServerArgs.
 """
@@ -41,12 +44,16 @@ from typing import Any, Mapping
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.drafters.beam_selection import DraftPlan, live_beams, specexec_width, usable_slots, widest_level
 from sglang_spec.tree.encode_sglang import fewest_spec_steps
-from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, POLICY_NAMES, TreePolicy
+from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, HEAD_FREE_POLICY_NAMES, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
 
 TREE_ALGORITHMS = ("EAGLE", "NEXTN")
 DEFAULTS = {"budget": 8, "depth": 4, "topk": 4}
 DEFAULT_STEP_CAP = 2.0  # --speculative-tree-step-cap: a tree step's predicted time at most this many plain steps'
+# --speculative-tree-head-rest: plain steps in a row after which plain steps leave the head's draft extend out. A
+# tree chosen after a rest waits one warm-up step, so resting after fewer would delay the trees of traffic whose
+# plain and tree steps alternate; where trees do not pay, the runs are hundreds of steps long
+DEFAULT_HEAD_REST = 8
 
 # specexec's default width is the most beams that can grow (``draft_loop.specexec_width``): SpecExec expands
 # every node of its best-``budget`` set with children, and levels get wide (held-out HumanEval 130-133, shipped
@@ -68,7 +75,8 @@ BACKEND_FIELDS = ("attention_backend", "decode_attention_backend", "prefill_atte
 KEYWORDS = ("speculative_tree_policy", "speculative_tree_budget", "speculative_tree_depth", "speculative_tree_topk",
             "speculative_tree_width", "speculative_acceptance_profile", "speculative_tree_accept",
             "speculative_tree_auto", "speculative_tree_mtp_levels", "speculative_tree_mla_verify",
-            "speculative_tree_context_on", "speculative_tree_verify_sizes", "speculative_tree_step_cap")
+            "speculative_tree_context_on", "speculative_tree_verify_sizes", "speculative_tree_step_cap",
+            "speculative_tree_head_rest")
 ACCEPT_CHOICES = ("sglang", "fused")
 # --speculative-tree-mla-verify: the target's MLA tree verify as a cascade on FlashInfer (``mla_tree_backend``)
 MLA_VERIFY_CHOICES = ("flashinfer",)
@@ -86,7 +94,9 @@ class TreeServerOptions:
     per expanded node), width (W, SGLang's speculative_eagle_topk: nodes expanded per level), profile_path
     (sequoia), accept (who accepts: sglang or fused), auto (each step's verify size chosen by the planner:
     ``step_planner``), verify_sizes (the sizes it may choose, tokens a request; None: the default for the device),
-    step_cap (a tree step at most this many plain steps' predicted time), mtp_levels (hybrid: head forwards below
+    step_cap (a tree step at most this many plain steps' predicted time), head_rest (plain steps in a row after
+    which plain steps leave the head's draft extend out; 0: never; None: ``DEFAULT_HEAD_REST``, off under DP
+    attention), mtp_levels (hybrid: head forwards below
     the root's children; None = the policy's default), mla_verify (None: the
     attention back-end's own verify; "flashinfer": the MLA cascade of ``mla_tree_backend``), context_on (lookup /
     hybrid: their trees grown on the host or on the device)."""
@@ -104,6 +114,7 @@ class TreeServerOptions:
     context_on: str = "host"
     verify_sizes: tuple[int, ...] | None = None
     step_cap: float = DEFAULT_STEP_CAP
+    head_rest: int | None = None
 
     @property
     def grows_any_size(self) -> bool:
@@ -212,6 +223,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-tree-step-cap", type=float, default=None, metavar="C",
                        help=f"with --speculative-tree-auto: a tree step's predicted time at most C plain steps' "
                             f"(bounds the gap between streamed chunks; default {DEFAULT_STEP_CAP:g})")
+    group.add_argument("--speculative-tree-head-rest", type=int, default=None, metavar="N",
+                       help=f"with --speculative-tree-auto: after N plain steps in a row, plain steps leave the "
+                            f"head's draft extend out until the planner chooses a tree, which then waits one plain "
+                            f"step that runs it (default {DEFAULT_HEAD_REST}; 0: never)")
 
 
 def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
@@ -279,9 +294,12 @@ def from_values(values: Mapping[str, Any]) -> TreeServerOptions | None:
 
 
 def _with_plan_options(options: TreeServerOptions, values: Mapping[str, Any]) -> TreeServerOptions:
-    """``--speculative-tree-verify-sizes`` and ``--speculative-tree-step-cap``, checked against the tree."""
+    """``--speculative-tree-verify-sizes``, ``--speculative-tree-step-cap`` and ``--speculative-tree-head-rest``,
+    checked against the tree."""
     sizes_text, cap = values.get("speculative_tree_verify_sizes"), values.get("speculative_tree_step_cap")
-    for given, flag in ((sizes_text, "--speculative-tree-verify-sizes"), (cap, "--speculative-tree-step-cap")):
+    rest = values.get("speculative_tree_head_rest")
+    for given, flag in ((sizes_text, "--speculative-tree-verify-sizes"), (cap, "--speculative-tree-step-cap"),
+                        (rest, "--speculative-tree-head-rest")):
         if given is not None and not options.auto:
             raise SpecError(f"{flag} sets what --speculative-tree-auto chooses from; add --speculative-tree-auto or "
                             f"drop {flag}")
@@ -302,7 +320,14 @@ def _with_plan_options(options: TreeServerOptions, values: Mapping[str, Any]) ->
                             .replace("{full}", str(full)))
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 1.0):
         raise SpecError(f"--speculative-tree-step-cap takes a number of plain steps >= 1, got {cap!r}")
-    return replace(options, verify_sizes=sizes, step_cap=DEFAULT_STEP_CAP if cap is None else float(cap))
+    if rest is not None:
+        if isinstance(rest, bool) or not isinstance(rest, int) or rest < 0:
+            raise SpecError(f"--speculative-tree-head-rest takes a number of plain steps >= 0 (0: never), got "
+                            f"{rest!r}")
+        if options.policy in HEAD_FREE_POLICY_NAMES:
+            raise SpecError(f"--speculative-tree-head-rest: {options.policy} trees never run the head; drop it")
+    return replace(options, verify_sizes=sizes, step_cap=DEFAULT_STEP_CAP if cap is None else float(cap),
+                   head_rest=rest)
 
 
 def _width(policy: str, budget: int, depth: int, topk: int, profile_path: str | None, given: int | None) -> int:
@@ -392,6 +417,9 @@ def validate_speculative(options: TreeServerOptions, config) -> None:
         raise SpecError("--speculative-tree-auto agrees each step's size within one tensor-parallel group, and the "
                         "stages of a pipeline relay a draft shape fixed at start-up; run it with --pp-size 1, or "
                         "drop it")
+    if options.head_rest and getattr(config, "enable_dp_attention", False):
+        raise SpecError("--speculative-tree-head-rest: under DP attention one rank may prefill while another decodes, "
+                        "and every rank's head forwards must pair up, so the head runs every step there; drop it")
     width, steps = config.speculative_eagle_topk, config.speculative_num_steps
     if options.uses_context:
         return  # any tree within its width fits SGLang's encoding (checked with the options); fillers fill the rest

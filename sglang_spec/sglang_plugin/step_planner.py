@@ -24,6 +24,14 @@ inputs this module keeps:
   again). The first step of each shape (batch bucket, size) also allocates for it, and a new request's context
   index is built once: neither is counted.
 
+**The head at rest.** A plain step still runs the head's draft extend over its token (SGLang's zero-step path),
+so that a tree can follow at once. Where plain steps run long (trees do not pay at this load), that extend is a
+cost with nothing to show: after ``head_rest`` plain steps in a row, a plain step leaves it out (``skip_head``: the
+head's KV slots of its tokens are zeroed, its outputs stubbed). The step after one that left it out holds no head
+candidates, so a tree chosen then is taken as a plain step that runs the extend (a warm-up, ``head_warmup``), and
+the tree may follow the step after. The rule reads the agreed sizes alone (``take``), so every rank of a group,
+an idle DP attention rank included, rests the head at the same steps.
+
 A step is capped at ``cap`` times a plain step's predicted time (the gap a streaming client sees between chunks).
 The plan is one size for the whole batch (SGLang verifies a fixed number of tokens a request per step); a request
 whose tree is smaller verifies filler nodes beside it. The ranks of a tensor-parallel group (and of every DP
@@ -80,6 +88,12 @@ class StepPlanner:
     full:           the server's tree: budget + 1 tokens a request.
     cap:            a tree step's predicted time at most ``cap`` plain steps'.
     ranked:         whether the drafter reports per-node reach (lookup / hybrid on the host).
+    head_rest:      plain steps in a row after which a plain step leaves the head's draft extend out; None: never
+                    (a drafter that never runs the head, or a pool whose slots cannot be zeroed).
+    Per step, set by ``take`` (the agreed size as the step takes it):
+    plain_run:      plain steps the group took in a row, this one included.
+    skip_head:      this step leaves the head's draft extend out (read by the draft extend's hook).
+    head_warmup:    this step is a tree taken plain, because the last step left the head out.
     """
 
     costs: CostTable | None
@@ -87,6 +101,10 @@ class StepPlanner:
     full: int
     cap: float = DEFAULT_CAP
     ranked: bool = True
+    head_rest: int | None = None
+    plain_run: int = 0
+    skip_head: bool = False
+    head_warmup: bool = False
     reach_of: dict[str, tuple[float, ...]] = field(default_factory=dict)  # rid -> its last tree's reach, best first
     prior: list[float] = field(default_factory=list)  # the traffic's reach by rank (moving averages)
     accepted_of: dict[str, float] = field(default_factory=dict)  # rid -> its accepted drafts a tree step (unranked)
@@ -106,6 +124,8 @@ class StepPlanner:
             raise ValueError(f"verify sizes must be ascending from 1 and include the tree's {self.full}: {self.sizes}")
         if not self.cap >= 1.0:
             raise ValueError(f"the step cap must be >= 1 plain step, got {self.cap}")
+        if self.head_rest is not None and self.head_rest < 1:
+            raise ValueError(f"the head rests after >= 1 plain step, got {self.head_rest}")
 
     def head_swapped(self, prior: list[float]) -> None:
         """A new head serves (``WorkerState.swap_head``): what was learnt of the old head's acceptance (each
@@ -186,15 +206,31 @@ class StepPlanner:
         return lambda size: scale * _verify_at(verify, size) + (0.0 if size == 1 else extra)
 
     def choose(self, table: SizeTable, batch_size: int) -> StepPlan:
-        """The plan for the (agreed) table."""
+        """The plan for the (agreed) table, as the step takes it (``take``)."""
         size, expected, seconds = choose_size(table, self.cap * table.seconds[0])
-        self.chosen[size] += 1
-        return StepPlan(size, expected, seconds, (size - 1,) * batch_size)
+        taken = self.take(size)
+        if taken != size:
+            expected, seconds = table.expected[0], table.seconds[0]
+        self.chosen[taken] += 1
+        return StepPlan(taken, expected, seconds, (taken - 1,) * batch_size)
 
     def size_for(self, table: SizeTable) -> int:
         """The verify size ``choose`` takes for the (agreed) table, not counted as a step: what a rank with no
-        request of its own runs beside the group's (a function of the agreed table alone, as on every rank)."""
-        return choose_size(table, self.cap * table.seconds[0])[0]
+        request of its own runs beside the group's (a function of the agreed table alone, as on every rank; its
+        head rests at the group's steps, ``take``)."""
+        return self.take(choose_size(table, self.cap * table.seconds[0])[0])
+
+    def take(self, size: int) -> int:
+        """The verify size the step takes for the group's agreed ``size``, with the head's part in it (module doc,
+        the head at rest): a tree right after a step that left the head out is a plain warm-up step. Every rank
+        calls it once a decode step with the agreed size (a failed plan: 1), so ``skip_head`` is the group's."""
+        self.head_warmup = size > 1 and self.skip_head
+        if self.head_warmup:
+            size = 1
+        self.plain_run = self.plain_run + 1 if size == 1 else 0
+        self.skip_head = (self.head_rest is not None and not self.head_warmup and size == 1
+                          and self.plain_run > self.head_rest)
+        return size
 
     # -------------------------------------------------------------------------------------------- learning
     def observe(self, plan: StepPlan, rids: Sequence[str], seconds: float, accept_lens: Sequence[int]) -> None:
@@ -259,6 +295,7 @@ class StepPlanner:
         record = {"batch": len(rids), "tokens": plan.tokens, "expected": round(plan.expected_tokens, 3),
                   "predicted_s": round(plan.predicted_seconds, 5), "served_s": round(seconds, 5),
                   "committed": list(accept_lens), "accept_scale": round(self.accept_scale, 3),
+                  "head": "rest" if self.skip_head else "warmup" if self.head_warmup else "ran",
                   "tree_extra_s": self.tree_extra(batch_bucket(len(rids))),
                   "plain_scale": {bucket: self.plain_scale(bucket) for bucket in self.plain_seen}}
         with open(self.log_path, "a") as handle:

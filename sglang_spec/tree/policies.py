@@ -37,6 +37,7 @@ from sglang_spec.tree.token_tree import MAX_BUDGET, MAX_DEPTH, TokenTree
 
 HEAD_POLICY_NAMES = ("chain", "eagle", "sequoia", "specexec")
 CONTEXT_POLICY_NAMES = ("lookup", "hybrid")
+HEAD_FREE_POLICY_NAMES = ("lookup",)  # trees that never ask the MTP head
 POLICY_NAMES = HEAD_POLICY_NAMES + CONTEXT_POLICY_NAMES
 DEFAULT_TOPK = {"chain": 1, "eagle": 4, "sequoia": 8, "specexec": 8, "lookup": 4, "hybrid": 4}
 MAX_TOPK = 64  # candidates per node: more is hours of drafting for nodes no profile ever accepts
@@ -123,7 +124,7 @@ class TreePolicy:
     @property
     def uses_head(self) -> bool:
         """Whether trees draw candidates from the MTP head (every shape but lookup)."""
-        return self.name != "lookup"
+        return self.name not in HEAD_FREE_POLICY_NAMES
 
     @property
     def uses_context(self) -> bool:

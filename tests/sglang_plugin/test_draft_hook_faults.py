@@ -163,3 +163,67 @@ def test_the_verify_inputs_accept_bound_is_the_trees_depth_past_sglangs_draft_st
     assert accept_bound(hybrid) == 11
     assert accept_bound(hybrid, step_budget=6) == 6
     assert accept_bound(TreeServerOptions("eagle", 8, 4, 4, 4)) == 4
+
+
+def resting_worker(pool, skip_head: bool):
+    """A draft worker whose tree-auto planner rests (or runs) the head this step, with ``pool`` as its draft KV."""
+    from sglang_spec.sglang_plugin.step_planner import StepPlanner
+
+    worker = SimpleNamespace(topk=4, device="cpu", draft_runner=SimpleNamespace(token_to_kv_pool=pool))
+    state = attach(worker, plugin_worker_state(drafter=Drafter()))
+    state.auto = StepPlanner(None, (1, 9), 9, head_rest=1)
+    state.auto.skip_head = skip_head
+    return worker
+
+
+def slot_major_pool() -> SimpleNamespace:
+    """Two layers of an MHA pool, one token slot a row, every slot written (ones)."""
+    return SimpleNamespace(k_buffer=[torch.ones(32, 2, 4) for _ in range(2)],
+                           v_buffer=[torch.ones(32, 2, 4) for _ in range(2)])
+
+
+def decode_batch() -> SimpleNamespace:
+    """Two requests at 5 and 7 tokens; request pool rows 1 and 0, their tokens in slots 10.. and 20.."""
+    req_to_token = torch.zeros(2, 16, dtype=torch.int32)
+    req_to_token[1] = torch.arange(10, 26)
+    req_to_token[0] = torch.arange(16, 32)
+    return SimpleNamespace(reqs=[object(), object()], seq_lens=torch.tensor([5, 7]),
+                           req_pool_indices=torch.tensor([1, 0]),
+                           req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
+
+
+def test_a_plain_step_with_the_head_at_rest_zeroes_its_tokens_head_kv_and_stubs_its_outputs(monkeypatch,
+                                                                                            sglang_with_plugin):
+    """The head at rest (``step_planner``): the draft extend does not run; the head KV of the step's verify token
+    (position ``seq_lens`` of each request: slots 15 and 23) is zeroed in every layer and nothing else; the next
+    draft input's head fields are stubs. With the head not resting (negative control) SGLang's draft extend runs
+    and the pool is untouched."""
+    monkeypatch.setattr(hooks, "_stub_draft_input", lambda worker, size: {"topk_p": torch.zeros(size, 4)})
+    pool = slot_major_pool()
+    output = SimpleNamespace(next_draft_input=SimpleNamespace())
+    sglangs = []
+    result = hooks.draft_extend_for_decode_around(lambda *args: sglangs.append(args), resting_worker(pool, True),
+                                                  decode_batch(), output)
+    assert result is None and not sglangs
+    assert output.next_draft_input.topk_p.shape == (2, 4)
+    for buffer in pool.k_buffer + pool.v_buffer:
+        zeroed = (buffer == 0).all(dim=(1, 2)).nonzero().flatten().tolist()
+        assert zeroed == [15, 23]
+    running = slot_major_pool()
+    hooks.draft_extend_for_decode_around(lambda *args: sglangs.append(args), resting_worker(running, False),
+                                         decode_batch(), SimpleNamespace(next_draft_input=SimpleNamespace()))
+    assert len(sglangs) == 1 and all(bool((buffer == 1).all()) for buffer in running.k_buffer + running.v_buffer)
+
+
+def test_a_fault_zeroing_a_rested_heads_kv_still_rests_it(monkeypatch, metrics, capsys, sglang_with_plugin):
+    """A rest is the group's decision: where zeroing raises, the step still stubs the head (a rank that ran the
+    head's pass alone would leave its peers' collectives unpaired); one line, counted."""
+    monkeypatch.setattr(hooks, "_stub_draft_input", lambda worker, size: {})
+    broken = SimpleNamespace(k_buffer=[torch.ones(4, 2, 4)])  # slots past its rows: the zeroing raises
+    sglangs = []
+    result = hooks.draft_extend_for_decode_around(lambda *args: sglangs.append(args), resting_worker(broken, True),
+                                                  decode_batch(), SimpleNamespace(next_draft_input=SimpleNamespace()))
+    assert result is None and not sglangs
+    assert metrics.accept_faults == {(HEAD_SKIP, "IndexError"): 1}
+    lines = fault_lines(capsys)
+    assert len(lines) == 1 and "its head KV left as it was (the head at rest)" in lines[0]

@@ -92,6 +92,12 @@ def test_sglangs_parser_accepts_the_tree_options(sglang_with_plugin, tmp_path):
          "--speculative-tree-depth 8 is deeper than a tree of 7 draft tokens can be; lower the depth to 7"),
         (["--speculative-tree-policy", "lookup", "--speculative-tree-budget", "16", "--speculative-tree-depth", "3",
           "--speculative-tree-width", "4"], "raise it to 8 or lower the budget"),
+        (["--speculative-tree-policy", "hybrid", "--speculative-tree-head-rest", "4"],
+         "sets what --speculative-tree-auto chooses from; add --speculative-tree-auto"),
+        (["--speculative-tree-policy", "hybrid", "--speculative-tree-auto", "--speculative-tree-head-rest", "-1"],
+         "takes a number of plain steps >= 0"),
+        (["--speculative-tree-policy", "lookup", "--speculative-tree-auto", "--speculative-tree-head-rest", "4"],
+         "lookup trees never run the head; drop it"),
     ],
 )
 def test_bad_combinations_fail_with_one_line(sglang_with_plugin, argv, message):
@@ -132,6 +138,10 @@ def test_width_is_the_trees_widest_level_or_the_specexec_beams_that_can_grow(sgl
     assert lookup.speculative_eagle_topk == 8
     auto = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid", "--speculative-tree-auto"])
     assert auto._sglang_spec_tree.auto and not hybrid._sglang_spec_tree.auto
+    assert auto._sglang_spec_tree.head_rest is None  # the default: DEFAULT_HEAD_REST, off under DP attention
+    rest = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid", "--speculative-tree-auto",
+                  "--speculative-tree-head-rest", "0"])
+    assert rest._sglang_spec_tree.head_rest == 0
     levels = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid",
                     "--speculative-tree-depth", "8", "--speculative-tree-mtp-levels", "3"])
     assert levels._sglang_spec_tree.tree_policy().mtp_levels == 3 and hybrid._sglang_spec_tree.tree_policy().mtp_levels == 2
@@ -166,15 +176,16 @@ class ResolvedView:
         (dict(speculative_algorithm="STANDALONE"), "needs --speculative-algorithm NEXTN or EAGLE"),
         (dict(speculative_eagle_topk=2, speculative_num_steps=2), "exceeds the 6 draft tokens"),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle runs its own draft worker"),
+        (dict(enable_dp_attention=True), "--speculative-tree-head-rest: under DP attention"),
     ],
 )
 def test_speculative_checks(config, message):
     from sglang_spec.errors import SpecError
     from sglang_spec.sglang_plugin.options import TreeServerOptions, validate_speculative
 
-    options = TreeServerOptions("eagle", 10, 4, 4, 4)
+    options = TreeServerOptions("eagle", 10, 4, 4, 4, auto=True, head_rest=4)
     good = dict(speculative_algorithm="NEXTN", speculative_eagle_topk=4, speculative_num_steps=4,
-                enable_multi_layer_eagle=False)
+                enable_multi_layer_eagle=False, enable_dp_attention=False)
     with pytest.raises(SpecError, match=message):
         validate_speculative(options, ResolvedView(**{**good, **config}))
     validate_speculative(options, ResolvedView(**good))  # the same options pass with a consistent configuration

@@ -279,3 +279,63 @@ def test_an_idle_rank_takes_the_groups_size_and_level_prices_agree(tmp_path):
     assert ranks[1]["steps"] == 0  # the idle rank planned no step of its own
     assert ranks[0]["agreed"] == ranks[1]["agreed"]
     assert ranks[0]["own"] != ranks[1]["own"]  # negative control
+
+
+def crowded_chat(plan_state: StepPlanner) -> list[str]:
+    """Sixteen chat requests: a batch the planner decodes plainly (see the first test)."""
+    rids = [f"chat-{index}" for index in range(16)]
+    plan_state.reach_of.update({rid: (0.3, 0.1, 0.05) for rid in rids})
+    return rids
+
+
+def test_the_head_rests_after_a_run_of_plain_steps_and_a_tree_waits_one_warm_up_step():
+    """The head at rest: after ``head_rest`` plain steps in a row a plain step leaves the head's draft extend out;
+    a tree chosen right after such a step is taken plain (running the extend, so the next step's tree has the
+    head's candidates); the tree the planner still wants follows."""
+    plan_state = planner(head_rest=3)
+    crowded = crowded_chat(plan_state)
+    rested = []
+    for _ in range(5):
+        assert plan_state.choose(plan_state.table(crowded), 16).plain
+        rested.append(plan_state.skip_head)
+    assert rested == [False, False, False, True, True]
+    plan_state.learn_reach({"copy": [0.95] * 8})
+    warm_up = plan_state.choose(plan_state.table(["copy"]), 1)
+    assert warm_up.plain and plan_state.head_warmup and not plan_state.skip_head
+    assert warm_up.expected_tokens == 1.0  # priced as the plain step it is
+    tree = plan_state.choose(plan_state.table(["copy"]), 1)
+    assert tree.tokens == FULL and not plan_state.head_warmup and not plan_state.skip_head
+    # a tree resets the run: the head runs the next head_rest plain steps again
+    assert [plan_state.choose(plan_state.table(crowded), 16).plain and plan_state.skip_head
+            for _ in range(4)] == [False, False, False, True]
+    assert plan_state.chosen[1] == 5 + 1 + 4 and plan_state.chosen[FULL] == 1
+
+
+def test_without_a_head_rest_the_head_runs_every_plain_step_and_no_tree_waits():
+    """Negative control of the rule above: ``head_rest`` None (a drafter that never runs the head, DP attention)."""
+    plan_state = planner()
+    crowded = crowded_chat(plan_state)
+    for _ in range(20):
+        plan_state.choose(plan_state.table(crowded), 16)
+        assert not plan_state.skip_head
+    plan_state.learn_reach({"copy": [0.95] * 8})
+    assert plan_state.choose(plan_state.table(["copy"]), 1).tokens == FULL and not plan_state.head_warmup
+
+
+def test_an_idle_rank_rests_the_head_at_the_groups_steps():
+    """``size_for`` (a rank with no request of its own, or one whose plan failed: ``take(1)``) follows the same
+    rule from the agreed sizes, so its head forwards pair up with the decoding ranks'."""
+    decoding, idle = planner(head_rest=2), planner(head_rest=2)
+    crowded = crowded_chat(decoding)
+    decoding.learn_reach({"copy": [0.95] * 8})
+    for rids in [crowded] * 4 + [["copy"]] * 2 + [crowded] * 3:
+        table = decoding.table(rids)
+        plan = decoding.choose(table, len(rids))
+        assert idle.size_for(table) == plan.tokens
+        assert (idle.skip_head, idle.head_warmup) == (decoding.skip_head, decoding.head_warmup)
+    assert idle.steps == 0
+
+
+def test_a_head_rest_below_one_plain_step_is_refused():
+    with pytest.raises(ValueError, match="head rests after >= 1 plain step"):
+        planner(head_rest=0)

@@ -185,12 +185,15 @@ def test_tree_auto_plans_each_step_and_stays_identical(smollm2_cpu, server_logs,
     with a frequency penalty get plain decoding's penalised output (transformers, by definition; SGLang's relaxed
     penalties, which an output not completed falls back to, give another). The overlap server's drafter also
     multiplies by its own weights rounded to bfloat16 (``DRAFT_WEIGHTS_ENV``, the sweep's ``--draft-weights``): its
-    layers and its token map's LM head, the target's float32; the outputs stay the target's."""
+    layers and its token map's LM head, the target's float32; the outputs stay the target's. The head rests after
+    one plain step (``--speculative-tree-head-rest 1``): plain steps leave its draft extend out, their tokens' head
+    KV zeroed, and a tree chosen right after waits one warm-up step; outputs stay identical and trees still accept
+    (/metrics counts both kinds of step)."""
     monkeypatch.setenv("SGLANG_SPEC_CPU_PROFILE", str(tmp_path))
     if loop == "overlap":
         monkeypatch.setenv(OVERLAP_ENV, "1")
         monkeypatch.setenv(DRAFT_WEIGHTS_ENV, "bfloat16")
-    args = context_args("hybrid", smollm2_cpu.profile) + ["--speculative-tree-auto"]
+    args = context_args("hybrid", smollm2_cpu.profile) + ["--speculative-tree-auto", "--speculative-tree-head-rest", "1"]
     with running_server(smollm2_cpu, server_logs, f"smollm2-context-auto-{loop}", args) as server:
         answers = server.generate(repeat_prompts * 3, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
         penalised = [server.generate([prompt], {"temperature": 0, "max_new_tokens": PENALISED_TOKENS,
@@ -220,6 +223,9 @@ def test_tree_auto_plans_each_step_and_stays_identical(smollm2_cpu, server_logs,
     predicted = float(re.search(r"sglang_spec_planner_predicted_seconds_total ([\d.e+-]+)", metrics).group(1))
     served = float(re.search(r"sglang_spec_planner_served_seconds_total ([\d.e+-]+)", metrics).group(1))
     assert 0.3 < predicted / served < 3.0, (predicted, served)  # the planner's costs follow the served steps
+    rested, warmups = (float(re.search(rf"sglang_spec_planner_head_{kind}_steps_total ([\d.e+-]+)", metrics).group(1))
+                       for kind in ("rested", "warmup"))
+    assert rested > 0 and warmups > 0, (rested, warmups)
     # head levels are priced from the served tree steps
     priced = re.findall(r"head levels priced at batch \d+ \(a head round ([\d.]+) ms against ([\d.]+) ms", log)
     assert len(priced) <= 1 and all(0 < float(one) < float(rest) for one, rest in priced), priced

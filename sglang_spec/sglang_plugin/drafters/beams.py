@@ -25,7 +25,7 @@ def supports_row_permutation(pool) -> bool:
     every beam its own rows to permute. Pools whose rows are pages (HND, vectorized_5d) are refused."""
     if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
         return False
-    buffers = [buffer for name in ("k_buffer", "v_buffer", "kv_buffer") for buffer in getattr(pool, name, None) or ()]
+    buffers = kv_buffers(pool)
     rows = getattr(pool, "size", None)
     if not buffers or rows is None:
         return False
@@ -33,13 +33,25 @@ def supports_row_permutation(pool) -> bool:
     return all(buffer.dim() == 3 and buffer.shape[0] == rows for buffer in buffers)
 
 
+def kv_buffers(pool) -> list[torch.Tensor]:
+    """Every layer buffer of a KV pool: MHA's k and v buffers, MLA's latent buffers."""
+    return [buffer for name in ("k_buffer", "v_buffer", "kv_buffer") for buffer in getattr(pool, name, None) or ()]
+
+
 def permute_kv(pool, target, source) -> None:
     """pool[target] = pool[source] for every layer buffer, as a gather then a scatter (safe for permutations).
     Slot-major pools only (MHA k/v buffers, MLA latent); others are refused at start-up."""
     target, source = target.long(), source.long()
-    for name in ("k_buffer", "v_buffer", "kv_buffer"):
-        for buffer in getattr(pool, name, None) or ():
-            buffer[target] = buffer[source]
+    for buffer in kv_buffers(pool):
+        buffer[target] = buffer[source]
+
+
+def zero_kv(pool, slots: torch.Tensor) -> None:
+    """pool[slots] = 0 in every layer buffer (slot-major pools, ``supports_row_permutation``): the KV of tokens the
+    head did not run over, so its attention reads nothing there rather than a slot's earlier owner."""
+    slots = slots.long()
+    for buffer in kv_buffers(pool):
+        buffer[slots] = 0
 
 
 def forward_beams(worker: Any, forward_batch: Any, step: int, input_ids: torch.Tensor, hidden: torch.Tensor,

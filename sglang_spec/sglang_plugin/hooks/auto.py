@@ -1,6 +1,7 @@
 """Hooks of ``--speculative-tree-auto``: before each decode step the planner chooses how many tokens every request
 verifies (``step_planner``), the ranks of the group agreeing on its inputs; the step runs at that size (1: SGLang's
-own plain step, the target's DECODE forward with the head's draft extend kept warm; the full tree: as configured;
+own plain step, the target's DECODE forward with the head's draft extend kept warm, or at rest after a long run of
+plain steps; the full tree: as configured;
 between: the drafter grows and SGLang verifies a smaller tree) and is timed with the tokens it emitted. A fault in
 the plan gives a plain step (exact whatever the planner)."""
 
@@ -11,9 +12,12 @@ import os
 import time
 
 from sglang_spec.planner import SizeTable, StepPlan
+from sglang_spec.sglang_plugin.drafters.beams import supports_row_permutation
 from sglang_spec.sglang_plugin.faults import AUTO, accept_fault
 from sglang_spec.sglang_plugin.messages import log
 from sglang_spec.sglang_plugin.metrics import PLANS
+from sglang_spec.sglang_plugin.options import DEFAULT_HEAD_REST
+from sglang_spec.sglang_plugin.peers import dp_attention
 from sglang_spec.sglang_plugin.state import WorkerState, state_of
 from sglang_spec.sglang_plugin.step_costs import measure_step_costs
 from sglang_spec.sglang_plugin.step_planner import PLAN_LOG_ENV, StepPlanner, default_sizes
@@ -81,10 +85,11 @@ def _plan(planner: StepPlanner, state: WorkerState, rids: list[str]) -> StepPlan
         table = state.plan_group.agree(table)
     try:
         return planner.choose(table, len(rids))
-    except Exception as error:  # SGLang's own plain step (the head's KV kept warm): exact whatever the plan
+    except Exception as error:  # SGLang's own plain step: exact whatever the plan
         # choose reads the agreed table and the launch's cap alone, the same on every rank: a fault in it is
-        # every rank's, so this plain step is the group's too
+        # every rank's, so this plain step is the group's too (and so is its part in the head's rest)
         accept_fault(AUTO, error, len(rids), "decoded by a plain step")
+        planner.take(1)
         return StepPlan(1, float(len(rids)), 0.0, (0,) * len(rids))
 
 
@@ -111,7 +116,8 @@ def _observe_step(planner: StepPlanner, state: WorkerState, plan: StepPlan, rids
     if not plan.plain:
         planner.learn_reach(state.drafter.drafted_reach())
         _price_levels(state, len(rids), seconds, rounds_seconds)
-    PLANS.record(plan.tokens, len(rids), plan.predicted_seconds, seconds)
+    PLANS.record(plan.tokens, len(rids), plan.predicted_seconds, seconds, head_rested=planner.skip_head,
+                 head_warmup=planner.head_warmup)
     if planner.log_path is not None:
         planner.write_log(plan, rids, seconds, accept_lens)
 
@@ -136,7 +142,7 @@ def _start_planner(worker, state: WorkerState) -> StepPlanner:
     full = worker.speculative_num_draft_tokens
     ranked = state.drafter.reports_reach
     sizes = state.options.verify_sizes or default_sizes(full, str(worker.device) == "cpu", ranked)
-    planner = StepPlanner(None, sizes, full, state.options.step_cap, ranked=ranked,
+    planner = StepPlanner(None, sizes, full, state.options.step_cap, ranked=ranked, head_rest=_head_rest(worker, state),
                           prior=state.drafter.prior_reach(full - 1), log_path=os.environ.get(PLAN_LOG_ENV) or None)
     # a head swapped in place (adapt): the planner's acceptance follows the head served, from the drafter's prior
     state.head_swapped.append(lambda swap: planner.head_swapped(state.drafter.prior_reach(full - 1)))
@@ -151,6 +157,21 @@ def _start_planner(worker, state: WorkerState) -> StepPlanner:
         f"{', graphs captured' if state.shapes.graphs else ''}); the largest over a plain step's forward, by batch "
         f"size: {planner.costs.describe()} (measured in {time.perf_counter() - start:.1f} s)")
     return planner
+
+
+def _head_rest(worker, state: WorkerState) -> int | None:
+    """Plain steps in a row after which plain steps leave the head's draft extend out (``step_planner``, the head at
+    rest); None where the head never rests: a drafter that never runs it, DP attention (a rank may prefill, running
+    the head, while another decodes; the option is refused there, its default off), a draft pool whose slots cannot
+    be zeroed one token at a time (said in one line)."""
+    rest = state.options.head_rest
+    if not state.drafter.uses_head or rest == 0 or (rest is None and dp_attention()):
+        return None
+    if not supports_row_permutation(worker.draft_worker.draft_runner.token_to_kv_pool):
+        log("tree auto: the head runs every plain step (its draft KV pool is not one token a row, so the tokens it "
+            "skipped could not be zeroed)")
+        return None
+    return DEFAULT_HEAD_REST if rest is None else rest
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import torch
 
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.drafters.base import DraftCall, ServedDrafter
-from sglang_spec.sglang_plugin.drafters.beams import supports_row_permutation
+from sglang_spec.sglang_plugin.drafters.beams import supports_row_permutation, zero_kv
 from sglang_spec.sglang_plugin.drafters.choose import drafter_for
 from sglang_spec.sglang_plugin.drafters.filler import filler_draft, filler_encoding
 from sglang_spec.sglang_plugin.drafters.head_guard import ERROR as HEAD_FAULT
@@ -239,16 +239,46 @@ def draft_extend_for_prefill_around(original, worker, batch, target_hidden_state
 
 
 def draft_extend_for_decode_around(original, worker, batch, batch_output, *args, **kwargs):
-    """A decode step's draft extend: as the prefill's (its stub: the next draft input's head fields)."""
+    """A decode step's draft extend: as the prefill's (its stub: the next draft input's head fields); a plain step
+    of tree auto's with the head at rest (``StepPlanner.skip_head``) stubs it too, its tokens' head KV zeroed
+    (``rest_head``). A rest is the group's decision: a fault in it still stubs (a rank that ran the head's pass
+    alone would leave its peers' collectives unpaired)."""
+    if head_resting(worker):
+        try:
+            rest_head(worker, batch)
+        except Exception as error:
+            plugin_fault(HEAD_SKIP, error, f"batch of {len(batch.reqs)}",
+                         "its head KV left as it was (the head at rest)")
+        _stub_next_draft_input(worker, batch, batch_output)
+        return None
     try:
         if head_free(worker):
-            # verify already set the bonus tokens, the one field a lookup draft or a plain step reads
-            for name, value in _stub_draft_input(worker, batch.seq_lens.shape[0]).items():
-                setattr(batch_output.next_draft_input, name, value)
+            _stub_next_draft_input(worker, batch, batch_output)
             return None
     except Exception as error:  # a field set before the fault is set again by SGLang's draft extend
         plugin_fault(HEAD_SKIP, error, f"batch of {len(batch.reqs)}", "the head's pass over it ran")
     return original(worker, batch, batch_output, *args, **kwargs)
+
+
+def _stub_next_draft_input(worker, batch, batch_output) -> None:
+    # verify already set the bonus tokens, the one field a lookup draft or a plain step reads
+    for name, value in _stub_draft_input(worker, batch.seq_lens.shape[0]).items():
+        setattr(batch_output.next_draft_input, name, value)
+
+
+def head_resting(worker) -> bool:
+    """Whether this decode step is a plain step of tree auto's that leaves the head's draft extend out."""
+    state: WorkerState | None = state_of(worker)
+    return state is not None and state.auto is not None and state.auto.skip_head
+
+
+def rest_head(worker, batch) -> None:
+    """The head's KV of the tokens a plain step verified, zeroed (the draft extend it skips would have written
+    them): one token a request, at position ``seq_lens`` (the step's verify token), in the slots the target
+    wrote. SGLang's own skip (``EAGLEWorkerV2._stub_skipped_draft_extend``) leaves there whatever the slot held."""
+    pool = batch.req_to_token_pool.req_to_token
+    slots = pool[batch.req_pool_indices.long(), batch.seq_lens.long()]
+    zero_kv(worker.draft_runner.token_to_kv_pool, slots)
 
 
 # ---------------------------------------------------------------------------------------------- inside the loops
