@@ -29,8 +29,9 @@ so that a tree can follow at once. Where plain steps run long (trees do not pay 
 cost with nothing to show: after ``head_rest`` plain steps in a row, a plain step leaves it out (``skip_head``: the
 head's KV slots of its tokens are zeroed, its outputs stubbed). The step after one that left it out holds no head
 candidates, so a tree chosen then is taken as a plain step that runs the extend (a warm-up, ``head_warmup``), and
-the tree may follow the step after. The rule reads the agreed sizes alone (``take``), so every rank of a group,
-an idle DP attention rank included, rests the head at the same steps.
+the tree may follow the step after. The rule reads the agreed sizes alone (``take``), so every rank of a
+tensor-parallel group rests the head at the same steps. (Under DP attention one rank may prefill, running the head,
+while another decodes, so there the head runs every step: ``head_rest`` None.)
 
 A step is capped at ``cap`` times a plain step's predicted time (the gap a streaming client sees between chunks).
 The plan is one size for the whole batch (SGLang verifies a fixed number of tokens a request per step); a request
@@ -89,7 +90,7 @@ class StepPlanner:
     cap:            a tree step's predicted time at most ``cap`` plain steps'.
     ranked:         whether the drafter reports per-node reach (lookup / hybrid on the host).
     head_rest:      plain steps in a row after which a plain step leaves the head's draft extend out; None: never
-                    (a drafter that never runs the head, or a pool whose slots cannot be zeroed).
+                    (a drafter that never runs the head, DP attention, a pool whose slots cannot be zeroed).
     Per step, set by ``take`` (the agreed size as the step takes it):
     plain_run:      plain steps the group took in a row, this one included.
     skip_head:      this step leaves the head's draft extend out (read by the draft extend's hook).

@@ -6,7 +6,9 @@ Settings: tensor parallelism 1 or 2, DP attention 2 (``--tp-size 2 --dp-size 2 -
 overlap scheduler on or off, page size 1 or 4, the ``lookup`` / ``hybrid`` / ``sequoia`` trees, SGLang's accept or
 the fused one, context trees grown on the host or on the device, SmolLM2 (one rank only: its 9 query heads do
 not split in two) and the tiny DeepSeek-V3 (MLA + MoE + NEXTN). ``pairwise_cover`` picks the servers; a unit
-test checks the cover (and that it fails on a cover that misses a pair).
+test checks the cover (and that it fails on a cover that misses a pair). The tensor-parallel servers whose trees
+run the head rest it after one plain step (``--speculative-tree-head-rest 1``), so their ranks skip its draft
+extend together.
 
 Not in the matrix: captured decode graphs (the bed serves without them; each verify size's graph state is
 SGLang's own ``SpecRuntimeState``, built here without a capture, and runs on a GPU in ``scripts/gpu_check.sh
@@ -102,7 +104,15 @@ def launch_args(cell: Mapping[str, str], profile) -> list[str]:
         args += ["--speculative-acceptance-profile", str(profile)]
     if cell["context"] == "device":
         args += ["--speculative-tree-context-on", "device"]
+    if resting(cell):
+        args += ["--speculative-tree-head-rest", "1"]
     return args
+
+
+def resting(cell: Mapping[str, str]) -> bool:
+    """Tensor-parallel servers whose trees run the head rest it after one plain step: the ranks skip its draft
+    extend at the same steps (``StepPlanner.take``), or their collectives would not pair."""
+    return cell["parallel"] == "tp2" and cell["policy"] != "lookup"
 
 
 @pytest.mark.slow
@@ -139,5 +149,10 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, tiny_cpu, server
         assert "tree auto: a DP attention rank with no request steps at its group's verify sizes" in log
         if cell["policy"] != "lookup":  # the head's draft extend runs every step, over a padded batch
             assert "first extend over a batch DP attention padded" in log
+    if resting(cell):
+        rested, warmups = (counter(metrics, f"sglang_spec_planner_head_{kind}_steps_total")
+                           for kind in ("rested", "warmup"))
+        print(cell_name(cell), "head rested", rested, "warm-ups", warmups)
+        assert rested > 0, metrics[-1500:]
     faults = [line for line in log.splitlines() if re.match(r"\[sglang_spec\] \S+ fault", line)]
     assert not faults, faults
