@@ -94,7 +94,11 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     world = join_world()
     try:
-        return _run(args, world)
+        code = _run(args, world)
+        # every rank done before any tears gloo down: a rank that destroys the group while another still holds
+        # its sockets aborts with "terminate called without an active exception"
+        world.barrier()
+        return code
     finally:
         leave_world(world)
 
