@@ -369,6 +369,33 @@ def test_sequoia_forwards_the_head_over_the_plans_expanded_nodes_only(sglang_wit
         assert got.parents.tolist() == plan_tree.parents.tolist()
 
 
+def test_a_context_trees_head_round_runs_its_lm_head_over_the_beams_holding_nodes(sglang_with_plugin):
+    """A lookup / hybrid head round (``beams.head_round``) over 2 requests x W = 4 beams whose nodes sit on 3 of
+    the 8 beams: every beam goes through the head's layer, the LM head over those 3 alone; their candidates and
+    states are the ones a round over every beam gives, the other beams' zeros (nothing reads them). Control:
+    without ``node_beams`` the LM head runs over all 8."""
+    from sglang_spec.sglang_plugin.drafters.beams import head_round
+
+    loop = DraftLoop.build(4, 2, 3, None, "cpu", budget=6)
+    source = SyntheticCandidates(vocab_size=40, seed=5, sharpness=1.0)
+    tokens = torch.tensor([[11, 12, 0, 0], [13, 0, 0, 0]])
+    own_column = torch.arange(4).repeat(2, 1)
+    node_beams = torch.tensor([0, 1, 4])
+    rounds = {}
+    for name, selected in (("nodes", node_beams), ("all", None)):
+        worker, forward_batch, model = draft_worker(loop, source, [3, 4], 6)
+        step_locs = torch.arange(2 * 4 * 3).view(3, 8)
+        output, topk_p, topk_index = head_round(worker, forward_batch, 1, tokens, own_column,
+                                                forward_batch.spec_info.hidden_states, step_locs, 2, selected)
+        rounds[name] = (model.rows, output.hidden_states, topk_p, topk_index)
+    assert rounds["nodes"][0] == [(8, 3)] and rounds["all"][0] == [(8, 8)]
+    others = torch.tensor([2, 3, 5, 6, 7])
+    for got, full in zip(rounds["nodes"][1:], rounds["all"][1:]):
+        assert got.shape == full.shape
+        assert torch.equal(got[node_beams], full[node_beams]) and not got[others].any()
+    assert rounds["all"][2][others].any()  # the control's other beams did get candidates
+
+
 def test_an_impossible_plan_at_run_time_is_a_draft_fault(sglang_with_plugin, monkeypatch, capsys):
     """Where the own loop can meet an impossible plan at run time: organize lays the sequoia plan's slots over the
     tokens SGLang verifies, and a plan of 15 nodes under a worker verifying 16 cannot be laid (checked at start-up,

@@ -89,12 +89,18 @@ def forward_beams(worker: Any, forward_batch: Any, step: int, input_ids: torch.T
 
 
 def head_round(worker: Any, forward_batch: Any, step: int, tokens: torch.Tensor, parent_beam: torch.Tensor,
-               state: torch.Tensor, step_locs: torch.Tensor, topk: int
+               state: torch.Tensor, step_locs: torch.Tensor, topk: int, node_beams: torch.Tensor | None = None
                ) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """One head level of a context tree over the batch's W beams, as both context paths run it: beam (r, w) is
     node token ``tokens[r, w]`` ([R, W], on the device); at step 1 every beam reads its request's root state
     (``state`` [R, H]), past it the state of its parent beam ``parent_beam[r, w]`` in the last forward (``state``
-    [R * W, H]), whose KV history its own column takes first. Returns ``forward_beams``' output and top-``topk``."""
+    [R * W, H]), whose KV history its own column takes first. Returns ``forward_beams``' output and top-``topk``,
+    a row a beam: hidden states [R * W, H], top-k [R * W, topk].
+
+    ``node_beams``: [N] the beams that hold a node (``r * W + w``, ascending; None: every beam). The head's layer
+    runs over every beam (the draft attention's shape), its LM head over these alone (most of a round's work at a
+    small hidden size); a beam of no node gets zeros for its state and candidates, which nothing reads (no node's
+    parent is such a beam)."""
     batch, width = tokens.shape
     requests = torch.arange(batch, device=tokens.device)
     if step == 1:
@@ -103,8 +109,20 @@ def head_round(worker: Any, forward_batch: Any, step: int, tokens: torch.Tensor,
         hidden_rows = (parent_beam + (requests * width)[:, None]).reshape(-1)
         target, source = ancestry_permutation(parent_beam, step_locs, step - 1)
         permute_kv(worker.draft_runner.token_to_kv_pool, target, source)
-    return forward_beams(worker, forward_batch, step, tokens.reshape(-1), state[hidden_rows], step_locs[step - 1],
-                         topk)
+    rows = None if node_beams is None or node_beams.numel() == batch * width else node_beams
+    output, topk_p, topk_index = forward_beams(worker, forward_batch, step, tokens.reshape(-1), state[hidden_rows],
+                                               step_locs[step - 1], topk, rows)
+    if rows is not None:
+        output.hidden_states = _beam_rows(output.hidden_states, rows, batch * width)
+        topk_p, topk_index = _beam_rows(topk_p, rows, batch * width), _beam_rows(topk_index, rows, batch * width)
+    return output, topk_p, topk_index
+
+
+def _beam_rows(values: torch.Tensor, rows: torch.Tensor, beams: int) -> torch.Tensor:
+    """[beams, ...]: ``values`` ([len(rows), ...]) at ``rows``, zeros elsewhere."""
+    spread = values.new_zeros((beams, *values.shape[1:]))
+    spread[rows] = values
+    return spread
 
 
 def pad_head_rounds(worker: Any, forward_batch: Any, done: int, steps: int, state: torch.Tensor,

@@ -161,6 +161,7 @@ def device_hybrid_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[
     finite = finite_rows(root_probs, batch)
     step_locs = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, batch, width, drafter.steps)
     beams = torch.arange(width, device=device)
+    requests = torch.arange(batch, device=device)[:, None]
     carried = {"state": spec_info.hidden_states, "finite": finite, "rounds": 0}
     beam_of: list[torch.Tensor] = []  # [R, C + 1]: each node's beam in the last head round (the root: 0)
 
@@ -176,8 +177,9 @@ def device_hybrid_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[
         parent_beam = beams.repeat(batch, 1)  # a beam of no node reads its own column, as the host path's
         parents = torch.gather(growth.parents, 1, node_ids).clamp(min=0)
         parent_beam[:, :slots] = torch.where(listed, torch.gather(beam_of[0], 1, parents), beams[:slots])
+        node_beams = None if slots == width else (requests * width + beams[:slots]).reshape(-1)
         output, topk_p, topk_index = head_round(worker, forward_batch, step, tokens, parent_beam, carried["state"],
-                                                step_locs, topk)
+                                                step_locs, topk, node_beams)
         carried["state"] = output.hidden_states
         carried["rounds"] = step
         probs = topk_p.float().view(batch, width, topk)[:, :slots]

@@ -208,13 +208,16 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
         start = time.perf_counter()
         tokens = torch.zeros(batch, width, dtype=torch.int64)
         parent_beam = torch.arange(width, dtype=torch.int64).repeat(batch, 1)
-        for row, nodes in pending.items():
+        node_beams = []
+        for row, nodes in sorted(pending.items()):
             tree = builders[row].tree
             for beam, node in enumerate(nodes):
                 tokens[row, beam] = tree.tokens[node]
                 parent_beam[row, beam] = beam_of[row][tree.parents[node]]
+                node_beams.append(row * width + beam)
         output, topk_p, topk_index = head_round(worker, forward_batch, step, tokens.to(device),
-                                                parent_beam.to(device), state, step_locs, topk)
+                                                parent_beam.to(device), state, step_locs, topk,
+                                                torch.tensor(node_beams, dtype=torch.int64).to(device))
         state = output.hidden_states
         topk_p, topk_index = to_host(topk_p.float(), topk_index)
         topk_p, topk_index = _finite(topk_p).view(batch, width, topk), topk_index.view(batch, width, topk)
