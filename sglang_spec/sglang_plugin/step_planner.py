@@ -263,13 +263,10 @@ class StepPlanner:
 
     def stale(self, rids: Sequence[str]) -> list[str]:
         """The requests whose prediction to refresh before this step: every one with none, and the one learnt the
-        longest ago unless the last step learnt it (a tree step reports every request it drafted: after one, nothing
-        known is stale)."""
+        longest ago."""
         unknown = [rid for rid in rids if rid not in self.learnt_at]
         known = [rid for rid in rids if rid in self.learnt_at]
         oldest = min(known, key=lambda rid: self.learnt_at[rid]) if known else None
-        if oldest is not None and self.learnt_at[oldest] >= self.steps:
-            oldest = None
         return unknown + ([oldest] if oldest is not None else [])
 
     def learn_reach(self, drafted: Mapping[str, Sequence[float]]) -> None:

@@ -339,19 +339,3 @@ def test_an_idle_rank_rests_the_head_at_the_groups_steps():
 def test_a_head_rest_below_one_plain_step_is_refused():
     with pytest.raises(ValueError, match="head rests after >= 1 plain step"):
         planner(head_rest=0)
-
-
-def test_a_prediction_is_refreshed_when_missing_or_oldest_but_not_right_after_a_tree_step_learnt_it():
-    """Before each step the drafter estimates (without a forward) the requests the planner knows nothing of and the
-    one learnt the longest ago; a request the last (tree) step reported is not estimated again."""
-    plan_state = planner()
-    table = plan_state.table(["a", "b"])
-    assert plan_state.stale(["a", "b"]) == ["a", "b"]  # unknown: both
-    plan_state.choose(table, 2)
-    plan_state.learn_reach({"a": [0.9] * 8, "b": [0.5] * 8})  # the tree step drafted both
-    assert plan_state.stale(["a", "b", "c"]) == ["c"]
-    plan_state.choose(plan_state.table(["a", "b"]), 2)  # a step that learnt nothing (a plain step)
-    assert plan_state.stale(["a", "b"]) in (["a"], ["b"])
-    plan_state.learn_reach({"a": [0.9] * 8})  # refreshed: b is now the oldest
-    plan_state.choose(plan_state.table(["a", "b"]), 2)
-    assert plan_state.stale(["a", "b"]) == ["b"]
