@@ -144,6 +144,21 @@ def test_a_lookup_server_never_runs_the_head_and_a_hybrid_one_does(run):
         assert all(step["draft_s"] > 0 for step in batches)
 
 
+def test_a_request_holds_one_decode_window_past_its_tokens_without_the_overlap_loop(run):
+    """A decode step writes at most one window of KV past a request's committed tokens (SGLang's
+    ``get_alloc_len_per_decode``: max(W x D, budget + 1) at page size 1): the synchronous loop holds exactly that
+    (``hooks.startup.decode_reserve_around``); the overlap loop, which prepares a step before the last one is
+    committed, SGLang's two (a request's first decode step shows both of them)."""
+    info = run["info"]
+    window = max(info["speculative_eagle_topk"] * info["speculative_num_steps"], info["speculative_num_draft_tokens"])
+    ahead = [step["kv_ahead"] for step in run["steps"] if step["mode"] == "DECODE"]
+    assert ahead
+    if info["disable_overlap_schedule"]:
+        assert set(ahead) == {window}
+    else:
+        assert max(ahead) == 2 * window
+
+
 def test_sampled_requests_go_through_the_tree(run, plain_repeat):
     assert [answer["output_ids"] for answer in run["sampled"]] != plain_repeat
     assert mean(accept_lengths(run["sampled"])) > 1.0

@@ -13,6 +13,7 @@
 | ``GenerateReqInput.normalize_batch_and_arguments`` | AROUND | requests: per-prompt lists that do not fit the prompts refused (400, one line), not a 500 |
 | ``TokenizerManager._validate_one_request`` | AROUND | requests: a prompt no forward can serve refused (400, one line): empty, token ids outside the vocabulary, top_k or top logprobs past what the sampler holds |
 | ``KVCacheConfigurator._build_req_to_token_pool``, ``allocation_sizing.get_req_to_token_extra_context_len`` | AROUND | startup: a tree server's req_to_token rows hold a decode step's draft slots past the context |
+| ``allocation_sizing.get_alloc_reserve_per_decode`` | AROUND | startup: without the overlap loop a tree server's request holds one decode step's KV window past its committed tokens, not two |
 | ``SchedulerBatchResultProcessor._apply_prefill_grammar`` / ``_accept_grammar_tokens`` | AFTER | requests: a grammar that ends the output before ``min_new_tokens``: the client's abort (400, one line), not a 500 |
 | ``EagleDraftWorker.__init__`` | AFTER | draft: the worker's state and its drafter (chosen once); metrics |
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | draft: the draft KV pool can give every branch its own ancestry |
@@ -68,6 +69,7 @@ HOOKS: tuple[tuple[str, Callable, str], ...] = (
      startup.build_req_to_token_pool_around, "AROUND"),
     ("sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len",
      startup.req_to_token_headroom_around, "AROUND"),
+    ("sglang.srt.mem_cache.allocation_sizing.get_alloc_reserve_per_decode", startup.decode_reserve_around, "AROUND"),
     (f"{_WORKER}.__init__", draft.draft_worker_init_after, "AFTER"),
     (f"{_WORKER}.alloc_memory_pool", draft.alloc_memory_pool_after, "AFTER"),
     (f"{_WORKER}.draft", draft.draft_around, "AROUND"),

@@ -1,6 +1,6 @@
 """Hooks of a server's start: the tree options on SGLang's command line and ``sgl.Engine``, the checks against the
-resolved configuration, the draft model classes, the context a tree server reserves, and the req_to_token rows'
-headroom. Every failure ends the launch with one ``error:`` line (``StartupError``)."""
+resolved configuration, the draft model classes, the context a tree server reserves, the req_to_token rows'
+headroom and the KV a request holds past its committed tokens. Every failure ends the launch with one ``error:`` line (``StartupError``)."""
 
 from __future__ import annotations
 
@@ -202,3 +202,18 @@ def req_to_token_headroom_around(original, *args, **kwargs):
     from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
 
     return max(extra, get_alloc_reserve_per_decode())
+
+
+def decode_reserve_around(original):
+    """The KV slots a tree server's request holds past its committed tokens each decode step. SGLang reserves twice
+    a step's window (``get_alloc_len_per_decode``: max(W * D, budget + 1)), a double buffer for the overlap loop,
+    which prepares the next step before the last one's accepted tokens are committed. Without that loop a step is
+    prepared after the last one is committed, so one window holds everything it writes (draft, verify, draft
+    extend); the second would only keep cached prefixes out of the pool. SGLang's own speculation is left as it is.
+    """
+    from sglang.srt.mem_cache.allocation_sizing import get_alloc_len_per_decode
+    from sglang.srt.runtime_context import get_schedule, get_server_args
+
+    if options_of(get_server_args()) is None or not get_schedule().disable_overlap_schedule:
+        return original()
+    return get_alloc_len_per_decode()
