@@ -8,10 +8,11 @@ variable is set. Every batch the scheduler runs adds one line to ``<folder>/step
 the draft's (``draft_s``: draft decode steps and draft extend), the forward modes of the target's forwards
 (``target_modes``: ``TARGET_VERIFY`` for a speculative server's tree or plain step, ``DECODE`` for plain decoding
 and for tree auto's cold step), and for a decode step ``kv_ahead``: the most KV slots a request of the batch holds
-past its committed tokens as the step starts (SGLang's decode reserve). With SGLang's overlap loop (plain servers; speculative servers on a CPU run
-without it, by SGLang's rule, unless ``patches.OVERLAP_ENV`` keeps it) a batch's result is processed after the
-next batch is launched, so a step's full cost is the loop's period: the next line's ``start`` minus this one's. With ``SGLANG_SPEC_CPU_PROFILE_CPROFILE=1`` those periods of decode steps run
-under ``cProfile`` (which slows them: time them without it) and ``<folder>/decode.pstats`` holds the cumulative
+past its committed tokens as the step starts (SGLang's decode reserve). With SGLang's overlap loop (plain servers;
+speculative servers on a CPU run without it, by SGLang's rule, unless ``patches.OVERLAP_ENV`` keeps it) a batch's
+result is processed after the next batch is launched, so a step's full cost is the loop's period: the next line's
+``start`` minus this one's. With ``SGLANG_SPEC_CPU_PROFILE_CPROFILE=1`` those periods of decode steps run under
+``cProfile`` (which slows them: time them without it) and ``<folder>/decode.pstats`` holds the cumulative
 statistics. Both are written when the scheduler goes idle (the lines also every ``FLUSH_EVERY`` batches), so
 nothing is lost when the server is killed after its last request.
 """
@@ -63,8 +64,8 @@ def run_batch_around(original, scheduler, batch, *args, **kwargs):
     record = {"mode": batch.forward_mode.name, "batch": int(batch.batch_size()), "start": time.perf_counter(),
               "run_s": 0.0, "target_s": 0.0, "draft_s": 0.0, "target_modes": []}
     if record["mode"] == "DECODE":
-        record["kv_ahead"] = max((request.kv.kv_allocated_len - request.kv.kv_committed_len for request in batch.reqs),
-                                 default=0)
+        record["kv_ahead"] = max((request.kv.kv_allocated_len - request.kv.kv_committed_len
+                                  for request in batch.reqs), default=0)
     _recorder.profile(record["mode"] == "DECODE")
     _recorder.current = record
     try:

@@ -1,6 +1,7 @@
 """Hooks of a server's start: the tree options on SGLang's command line and ``sgl.Engine``, the checks against the
 resolved configuration, the draft model classes, the context a tree server reserves, the req_to_token rows'
-headroom and the KV a request holds past its committed tokens. Every failure ends the launch with one ``error:`` line (``StartupError``)."""
+headroom and the KV a request holds past its committed tokens. Every failure ends the launch with one ``error:``
+line (``StartupError``)."""
 
 from __future__ import annotations
 
