@@ -127,9 +127,9 @@ class TreeServerOptions:
         """SGLang's draft steps (speculative_num_steps) for these options. A head tree drafts a level a step:
         ``depth``. A context tree (lookup / hybrid) runs only its head rounds (none for lookup); its depth past them
         comes from the context, and the verify input's accept bound carries it (``hooks.draft``). Its steps are what
-        the head rounds and SGLang's tree encoding need (``fewest_spec_steps``), never more than the depth: SGLang
-        holds ``2 * max(width * steps, budget + 1)`` KV slots a request each decode step, so steps it would not
-        draft are memory the radix cache loses."""
+        the head rounds and SGLang's tree encoding need (``fewest_spec_steps``), never more than the depth: a request
+        holds ``max(width * steps, budget + 1)`` KV slots each decode step (twice under the overlap loop:
+        ``hooks.startup.decode_reserve_around``), so steps it would not draft are memory the radix cache loses."""
         if not self.uses_context:
             return self.depth
         policy = self.tree_policy()

@@ -8,10 +8,10 @@ inputs this module keeps:
   its drafter reported them (``ServedDrafter.drafted_reach``: lookup / hybrid on the host), scaled by how much the
   served steps' accepted tokens exceeded or fell short of such predictions (``accept_scale``). Where the plan keeps
   a request plain its prediction would go stale, so before each step the drafter estimates, without a forward,
-  the reach of every request it knows nothing of and of the one whose prediction is oldest (``stale``). A request its drafter
-  has not drafted yet, or a drafter that reports no reach (the head-only policies, trees grown on the device), takes
-  the traffic's: a moving average over the requests' reports by rank, or the served steps' accepted drafts per
-  request at the full size.
+  the reach of every request it knows nothing of and of the one whose prediction is oldest (``stale``). A request
+  its drafter has not drafted yet, or a drafter that reports no reach (the head-only policies, trees grown on the
+  device), takes the traffic's: a moving average over the requests' reports by rank, or the served steps' accepted
+  drafts per request at the full size.
 * **What each size would cost.** The target's verify forward measured at start-up for each batch size and verify
   size (``CostTable``: SGLang's own dummy forward, ``step_costs``), scaled per batch-size bucket by what the served
   plain steps took over it; a tree step adds the rest of the step (drafting, host work), learnt per batch-size

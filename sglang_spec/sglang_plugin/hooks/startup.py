@@ -193,7 +193,8 @@ def build_req_to_token_pool_around(original, configurator, *args, **kwargs):
 
 def req_to_token_headroom_around(original, *args, **kwargs):
     """A tree server's req_to_token rows hold a request's committed tokens plus what SGLang maps past them each
-    decode step (``get_alloc_reserve_per_decode``: twice max(W * D, budget + 1)). SGLang sizes the headroom to
+    decode step (``get_alloc_reserve_per_decode``: max(W * D, budget + 1), twice under the overlap loop,
+    ``decode_reserve_around``). SGLang sizes the headroom to
     budget + 5, enough only while its tokenizer keeps every request max(W * D, budget + 1) short of the context;
     with W * D past it (specexec 15/4/4: 60 slots, a 120-slot reserve) a request near the end of the context ran
     its row over, and with no reservation (``tokenizer_manager_init_after``) any tree could."""
