@@ -34,6 +34,9 @@ host's g++) run here unchanged, our plugin included:
   servers: ~6 s of each start saved).
 * ``served_models``: the architectures the bed serves, which SGLang's registry imports instead of all its models
   (``SGLANG_EXTERNAL_MODEL_PACKAGE``; about 3 s of each launch's 25 s here); any other model still loads.
+* ``graphs``: with ``SGLANG_SPEC_CPU_GRAPHS=1`` (and ``--cuda-graph-backend-decode full``), the target's verify
+  through SGLang's ``DecodeCudaGraphRunner`` as on a GPU (capture per batch size and verify size, padding, static
+  buffers), only the graph stood in: a replay runs the captured forward again on the static buffers.
 * ``step_timing``: with ``SGLANG_SPEC_CPU_PROFILE=<folder>``, the scheduler's per-batch timings (target and draft
   forwards, loop period) and optionally cProfile statistics of its decode steps (``bench/cpu_step_profile.py``).
 * ``threads``: every SGLang process on one OpenMP thread unless ``SGLANG_SPEC_CPU_THREADS=N`` says more, and with
@@ -44,8 +47,9 @@ host's g++) run here unchanged, our plugin included:
   a GPU); a value set in the environment wins.
 
 Everything here is numerics-faithful but slow; it exists to run SGLang's control flow and our plugin end to end,
-not to serve traffic. CUDA graphs and the FlashInfer / FA3 / Triton attention backends stay GPU-only; page size > 1
-(trees included: ``patches``) and several scheduler ranks (tensor parallelism over gloo: ``rank_cores``) run here.
+not to serve traffic. Real CUDA graphs and the FlashInfer / FA3 / Triton attention backends stay GPU-only; page
+size > 1 (trees included: ``patches``), several scheduler ranks (tensor parallelism over gloo: ``rank_cores``) and
+SGLang's decode graph runner (``graphs``) run here.
 """
 
 from __future__ import annotations
@@ -155,7 +159,7 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_spec_testbed import patches, step_timing
+    from sglang_spec_testbed import graphs, patches, step_timing
 
     for target, name, kind in patches.hooks(patches.overlap_from_environment()):
         HookRegistry.register(target, getattr(patches, name), getattr(HookType, kind))
@@ -163,6 +167,10 @@ def register() -> None:
         HookRegistry.register(target, hook, getattr(HookType, kind))
     for target, hook, kind in threads.hooks(threads.prefill_threads_from_environment()):
         HookRegistry.register(target, hook, getattr(HookType, kind))
+    if graphs.graphs_from_environment():
+        graphs.install()
+        for target, name, kind in graphs.HOOKS:
+            HookRegistry.register(target, getattr(graphs, name), getattr(HookType, kind))
     patches.install_attributes()
     claim_amx_platform()
     if os.environ.get(step_timing.PROFILE_ENV):

@@ -5,14 +5,17 @@ plain decoding's.
 Settings: tensor parallelism 1 or 2, DP attention 2 (``--tp-size 2 --dp-size 2 --enable-dp-attention``), SGLang's
 overlap scheduler on or off, page size 1 or 4, the ``lookup`` / ``hybrid`` / ``sequoia`` trees, SGLang's accept or
 the fused one, context trees grown on the host or on the device, SmolLM2 (one rank only: its 9 query heads do
-not split in two) and the tiny DeepSeek-V3 (MLA + MoE + NEXTN). ``pairwise_cover`` picks the servers; a unit
+not split in two) and the tiny DeepSeek-V3 (MLA + MoE + NEXTN), and decode graphs off or on: SGLang's
+``DecodeCudaGraphRunner`` with its bookkeeping (graphs per batch size and verify size, a batch padded to the next
+captured size, DP padding, static buffers, a plain step's one-token verify graph) and only the graph stood in
+(``sglang_spec_testbed/graphs.py``: a replay runs the captured forward again on the static buffers). ``pairwise_cover`` picks the servers; a unit
 test checks the cover (and that it fails on a cover that misses a pair). The tensor-parallel servers whose trees
 run the head rest it after one plain step (``--speculative-tree-head-rest 1``), so their ranks skip its draft
 extend together.
 
-Not in the matrix: captured decode graphs (the bed serves without them; each verify size's graph state is
-SGLang's own ``SpecRuntimeState``, built here without a capture, and runs on a GPU in ``scripts/gpu_check.sh
---group server``).
+A CUDA graph's own faults (a host read inside a captured forward, a branch frozen at capture) are not caught here:
+the stand-in re-runs the forward's host code at each replay; ``scripts/gpu_check.sh --group server`` runs the real
+graphs on a GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import pytest
 
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, TINY_NEW_TOKENS, running_server,
                                tree_args)
+from sglang_spec_testbed.graphs import GRAPHS_ENV
 from sglang_spec_testbed.patches import OVERLAP_ENV
 
 FACTORS = {
@@ -35,10 +39,12 @@ FACTORS = {
     "model": ("smollm2", "tiny"),
     "accept": ("sglang", "fused"),
     "context": ("host", "device"),
+    "graphs": ("off", "on"),
 }
 PARALLEL_ARGS = {"tp1": [], "tp2": ["--tp-size", "2"], "dp2": ["--tp-size", "2", "--dp-size", "2",
                                                               "--enable-dp-attention"]}
 BUDGET, DEPTH, TOPK = 6, 3, 2
+GRAPH_BATCH_SIZES = ("1", "2", "4")  # the decode graphs captured: a batch of 3 runs on the graph for 4
 # the tiny model's requests end at different steps: under DP attention a rank decodes fewer requests than another
 # (SGLang pads its verify batch) and then none (an idle rank beside decoding ones), and their collectives must pair
 TINY_LENGTHS = [8, TINY_NEW_TOKENS, 16, TINY_NEW_TOKENS]
@@ -87,7 +93,7 @@ def cell_name(cell: Mapping[str, str]) -> str:
 
 def test_the_servers_cover_every_pair_of_settings():
     assert not missing_pairs(COVER, FACTORS, servable)
-    assert all(servable(cell) for cell in COVER) and len(COVER) <= 12
+    assert all(servable(cell) for cell in COVER) and len(COVER) <= 13
     assert missing_pairs(COVER[:-1], FACTORS, servable)  # the last server covers a pair no other does
 
 
@@ -106,6 +112,8 @@ def launch_args(cell: Mapping[str, str], profile) -> list[str]:
         args += ["--speculative-tree-context-on", "device"]
     if resting(cell):
         args += ["--speculative-tree-head-rest", "1"]
+    if cell["graphs"] == "on":
+        args += ["--cuda-graph-backend-decode", "full", "--cuda-graph-bs-decode", *GRAPH_BATCH_SIZES]
     return args
 
 
@@ -132,6 +140,8 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, tiny_cpu, server
     with pytest.MonkeyPatch.context() as patch:
         if cell["loop"] == "overlap":
             patch.setenv(OVERLAP_ENV, "1")
+        if cell["graphs"] == "on":
+            patch.setenv(GRAPHS_ENV, "1")
         with running_server(model, server_logs, f"matrix-{cell_name(cell)}",
                             launch_args(cell, smollm2_cpu.profile)) as server:
             answers = server.generate(prompts, [{"temperature": 0, "max_new_tokens": length} for length in lengths],
@@ -145,6 +155,14 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, tiny_cpu, server
     planned, plain = (counter(metrics, f"sglang_spec_planner_{name}_total") for name in ("requests", "plain_requests"))
     assert 0 <= plain < planned, metrics[-1500:]  # trees were verified: plain decoding alone would match trivially
     assert "tree auto: verify sizes" in log
+    replays = [(int(batch), int(captured)) for batch, captured in
+               re.findall(r"decode graph replayed: .* a batch of (\d+) on the graph captured for (\d+)", log)]
+    if cell["graphs"] == "off":
+        assert not replays
+    else:  # the steps ran on SGLang's graph runner, and a batch ran padded to a larger captured size
+        assert "graphs captured" in log and replays, log[-3000:]
+        if not smollm2:  # the tiny model's requests end apart: a batch of 3 (or, per DP rank, 1) is padded
+            assert any(batch < captured for batch, captured in replays), replays
     if cell["parallel"] == "dp2":  # the DP attention paths the uneven lengths lead to were taken
         assert "tree auto: a DP attention rank with no request steps at its group's verify sizes" in log
         if cell["policy"] != "lookup":  # the head's draft extend runs every step, over a padded batch

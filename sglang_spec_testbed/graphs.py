@@ -1,0 +1,177 @@
+"""SGLang's decode CUDA-graph runner in a CPU server (``SGLANG_SPEC_CPU_GRAPHS=1`` with ``--cuda-graph-backend-decode
+full``): its real bookkeeping, with only the graph itself stood in.
+
+On a GPU a speculative server's target verify runs through ``DecodeCudaGraphRunner``: graphs captured per batch
+size (``--cuda-graph-bs``), a batch padded to the next captured size (padded rows read slot 0 at the backend's fill
+length), its inputs copied into static buffers (``load_batch``), the replayed graph's static outputs sliced back to
+the batch. A tree-auto server builds one such runner per verify size (``verify_shapes``), and a plain step replays
+the one-token verify graph. On a CPU SGLang builds no such runner (its CPU graph runner refuses speculation), so
+none of that runs on the bed. With this module it does:
+
+* ``capture_decode_graph_around``: the target's ``DecodeCudaGraphRunner`` is built on the CPU as on a GPU. The draft
+  model's graphs are not: SGLang's EAGLE worker skips its draft-decode and draft-extend graphs on a CPU, and this
+  module leaves that as it is (the head's rounds, and SGLang's draft loop, run eagerly here);
+* ``StandInGraphBackend`` (in place of ``FullCudaGraphBackend``): a capture runs the runner's forward twice (SGLang's
+  warm-up) and keeps the forward and its output tensors; a replay runs the same forward again, on the same static
+  buffers, and copies its result into the captured output tensors, which it returns. As a replayed CUDA graph, it
+  reads only what ``load_batch`` and the attention backend's replay metadata put in the static buffers, and a
+  caller that kept a replay's outputs sees them overwritten by the next one. Unlike a graph it re-runs the forward's
+  host code (SGLang's own ``--debug-cuda-graph`` replays so too): host reads inside the forward are not caught;
+* the ``intel_amx`` backend's graph metadata: its eager metadata, rebuilt from the static batch before each replay
+  (``init_forward_metadata_out_graph``, the hook SGLang calls outside the graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+from sglang_spec.sglang_plugin.messages import log
+
+GRAPHS_ENV = "SGLANG_SPEC_CPU_GRAPHS"
+
+HOOKS = (
+    ("sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_decode_graph",
+     "capture_decode_graph_around", "AROUND"),
+    ("sglang.srt.model_executor.runner_backend.utils.resolve_decode_backend", "resolve_decode_backend_around",
+     "AROUND"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_cpu_graph", "is_cpu_graph_as_cuda", "REPLACE"),
+    ("sglang.srt.distributed.parallel_state.GroupCoordinator.graph_capture", "group_graph_capture_around", "AROUND"),
+    ("sglang.srt.layers.attention.intel_amx_backend.IntelAMXAttnBackend.init_cuda_graph_state",
+     "amx_init_cuda_graph_state", "REPLACE"),
+    ("sglang.srt.layers.attention.intel_amx_backend.IntelAMXAttnBackend.init_forward_metadata_out_graph",
+     "amx_init_forward_metadata_out_graph", "REPLACE"),
+)
+
+
+def install() -> None:
+    """What the runner asks of ``torch.cpu`` as of ``torch.cuda``: whether a graph is being captured (during the
+    stand-in's capture run only)."""
+    torch.cpu.is_current_stream_capturing = lambda: StandInGraphBackend.capturing  # type: ignore[attr-defined]
+
+
+def graphs_from_environment() -> bool:
+    """``SGLANG_SPEC_CPU_GRAPHS``: 1 stands SGLang's decode graph runner up on the CPU; unset or 0 leaves it off."""
+    value = os.environ.get(GRAPHS_ENV, "")
+    if value not in ("", "0", "1"):
+        from sglang_spec.errors import SpecError
+
+        raise SpecError(f"{GRAPHS_ENV}={value!r}: use 1 (SGLang's decode graph runner, graphs stood in) or 0")
+    return value == "1"
+
+
+def capture_decode_graph_around(original, *args, **kwargs):
+    """A CPU model runner's decode graphs: SGLang's GPU runner for the target (its capture through the stand-in
+    backend), none for the draft model."""
+    model_runner = kwargs["model_runner"]
+    if model_runner.device != "cpu":
+        return original(*args, **kwargs)
+    from sglang.srt.model_executor.model_runner_components.cuda_graph_setup import GraphCapture
+
+    if model_runner.is_draft_worker or not model_runner.is_generation:
+        return GraphCapture(runner=None, memory_phase="draft_decode", memory_usage_gb=0, capture_time=0)
+    phase = "target_verify" if model_runner.spec_algorithm.is_speculative() else "decode"
+    runner = model_runner._decode_cuda_graph_runner_cls()(model_runner)
+    return GraphCapture(runner=runner, memory_phase=phase, memory_usage_gb=0, capture_time=0)
+
+
+def resolve_decode_backend_around(original, cuda_graph_runner, *args, **kwargs):
+    """The graph backend of a runner on the CPU: the stand-in, in place of SGLang's full CUDA-graph backend."""
+    if cuda_graph_runner.model_runner.device != "cpu":
+        return original(cuda_graph_runner, *args, **kwargs)
+    return StandInGraphBackend(cuda_graph_runner)
+
+
+def is_cpu_graph_as_cuda(mode) -> bool:
+    """The forward modes a CPU server replays graphs for: a GPU's (decode, target verify, idle), not SGLang's CPU
+    graph runner's decode alone."""
+    return mode.is_cuda_graph()
+
+
+def group_graph_capture_around(original, group, graph_capture_context=None, stream=None):
+    """A rank group's part in a capture: on a GPU it switches the group's collectives to the graph-capturable
+    communicators (PyNccl); on the CPU the group's gloo collectives stay, as they run again at each replay."""
+    if group.device.type != "cpu":
+        return original(group, graph_capture_context, stream)
+    from sglang.srt.distributed.parallel_state import GraphCaptureContext
+
+    if graph_capture_context is None:
+        graph_capture_context = GraphCaptureContext(stream if stream is not None else torch.cpu.Stream())
+    return contextlib.nullcontext(graph_capture_context)
+
+
+def amx_init_cuda_graph_state(backend, max_bs: int, max_num_tokens: int) -> None:
+    """The CPU backend keeps no graph state: its metadata is rebuilt from the static batch before each replay."""
+
+
+def amx_init_forward_metadata_out_graph(backend, forward_batch, in_capture: bool = False) -> None:
+    """Before a capture and each replay (outside the graph): the backend's eager metadata of the static batch."""
+    backend.init_forward_metadata(forward_batch)
+
+
+class StandInGraphBackend:
+    """SGLang's ``BaseCudaGraphBackend`` interface; see the module docstring."""
+
+    capturing = False  # a capture run is under way (``torch.cpu.is_current_stream_capturing``)
+
+    def __init__(self, runner) -> None:
+        self.runner = runner  # SGLang's DecodeCudaGraphRunner
+        self.forwards: dict[Any, Any] = {}
+        self.outputs: dict[Any, Any] = {}
+        self.replayed: set[Any] = set()  # (shape, batch size) replayed so far: the first replay of each is logged
+
+    @contextlib.contextmanager
+    def capture_session(self, stream):
+        yield
+
+    def capture_one(self, shape_key, forward_fn, capture_inputs=None, post_warmup_hook=None) -> None:
+        for _ in range(2):
+            forward_fn()
+            if post_warmup_hook is not None:
+                post_warmup_hook()
+        StandInGraphBackend.capturing = True
+        try:
+            self.outputs[shape_key] = forward_fn()
+        finally:
+            StandInGraphBackend.capturing = False
+        self.forwards[shape_key] = forward_fn
+
+    def can_run(self, forward_batch, shape_key) -> bool:
+        return shape_key in self.forwards
+
+    @contextlib.contextmanager
+    def replay_session(self):
+        yield
+
+    def replay(self, shape_key, static_forward_batch, **kwargs):
+        if (shape_key, self.runner.raw_bs) not in self.replayed:
+            self.replayed.add((shape_key, self.runner.raw_bs))
+            log(f"CPU bed: decode graph replayed: {self.runner.captured_req_width} token(s) a request, a batch of "
+                f"{self.runner.raw_bs} on the graph captured for {shape_key.size}")
+        output = self.outputs[shape_key]
+        _copy_into(output, self.forwards[shape_key]())
+        return output
+
+    def cleanup(self) -> None:
+        self.forwards.clear()
+        self.outputs.clear()
+
+
+def _copy_into(captured: Any, fresh: Any) -> None:
+    """The fresh forward's tensors into the captured output's, field by field (the graph's static outputs)."""
+    if captured is None or fresh is None:
+        return
+    if torch.is_tensor(captured):
+        captured.copy_(fresh)
+        return
+    if isinstance(captured, (list, tuple)):
+        for mine, theirs in zip(captured, fresh):
+            _copy_into(mine, theirs)
+        return
+    if hasattr(captured, "__dict__"):  # SGLang's output records (LogitsProcessorOutput and the like)
+        for name, value in vars(captured).items():
+            if torch.is_tensor(value) or isinstance(value, (list, tuple)) or hasattr(value, "__dict__"):
+                _copy_into(value, getattr(fresh, name, None))

@@ -1,0 +1,61 @@
+"""The CPU bed's decode-graph stand-in (``sglang_spec_testbed/graphs.py``): a replay answers as a replayed CUDA graph
+does (the captured forward on the static buffers, its result in the captured output tensors, which a caller that
+kept them sees overwritten by the next replay), and the switch takes 0 or 1 only. Servers that replay it through
+SGLang's ``DecodeCudaGraphRunner`` are in ``tests/sglang_server/test_planner_matrix.py`` (the ``on`` cells)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_spec.errors import SpecError
+from sglang_spec_testbed import graphs
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """SGLang's graph key's one field a replay's log line reads."""
+
+    size: int
+
+
+def captured(static_input: torch.Tensor):
+    """A stand-in backend with one shape captured whose forward doubles the static input (a tensor and a field of an
+    output object, as SGLang's LogitsProcessorOutput holds them)."""
+    backend = graphs.StandInGraphBackend(SimpleNamespace(captured_req_width=3, raw_bs=2))
+    calls = []
+
+    def forward():
+        calls.append(graphs.StandInGraphBackend.capturing)
+        return SimpleNamespace(next_token_logits=static_input * 2, hidden_states=None), [static_input + 1]
+
+    key = ShapeKey(size=4)
+    backend.capture_one(key, forward)
+    return backend, key, calls
+
+
+def test_a_replay_reads_the_static_inputs_into_the_captured_outputs():
+    static_input = torch.arange(4.0)
+    backend, key, calls = captured(static_input)
+    assert calls == [False, False, True]  # SGLang's two warm-ups, then the run it captures
+    first = backend.replay(key, None)
+    held = first[0].next_token_logits
+    assert torch.equal(held, torch.arange(4.0) * 2) and torch.equal(first[1][0], torch.arange(4.0) + 1)
+    static_input.copy_(torch.tensor([5.0, 6.0, 7.0, 8.0]))  # load_batch's copy of the next batch
+    second = backend.replay(key, None)
+    assert second[0].next_token_logits is held  # the graph's static output, overwritten in place
+    assert torch.equal(held, torch.tensor([10.0, 12.0, 14.0, 16.0]))
+    assert backend.can_run(None, key) and not backend.can_run(None, ShapeKey(size=8))
+
+
+def test_the_switch_takes_zero_or_one(monkeypatch):
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "1")
+    assert graphs.graphs_from_environment()
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "0")
+    assert not graphs.graphs_from_environment()
+    monkeypatch.setenv(graphs.GRAPHS_ENV, "yes")
+    with pytest.raises(SpecError, match="use 1"):
+        graphs.graphs_from_environment()
