@@ -23,8 +23,8 @@ arguments), attached to its ServerArgs, checked against the resolved configurati
     --speculative-tree-auto              each decode step verifies the size the planner chooses for its batch
                                          (``step_planner``); with it:
     --speculative-tree-verify-sizes S    the verify sizes a step may take, a comma list of tokens a request
-                                         (default: every size on a CPU, a few tiers on a GPU; "1,N" with N the
-                                         full tree is the whole batch on or off)
+                                         (default: every size without decode graphs, a few tiers with
+                                         them; "1,N" with N the full tree is the whole batch on or off)
     --speculative-tree-step-cap C        a tree step's predicted time at most C plain steps' (default 2)
     --speculative-tree-head-rest N       after N plain steps in a row, plain steps leave the head's draft extend
                                          out until a tree is chosen (``step_planner``, the head at rest; default
@@ -219,7 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-tree-verify-sizes", default=None, metavar="S",
                        help="with --speculative-tree-auto: the verify sizes a step may take, a comma list of tokens a "
                             "request, root included, 1 and the full tree (budget + 1) among them (default: every "
-                            "size on a CPU, a few tiers on a GPU)")
+                            "size without decode graphs, a few tiers with them)")
     group.add_argument("--speculative-tree-step-cap", type=float, default=None, metavar="C",
                        help=f"with --speculative-tree-auto: a tree step's predicted time at most C plain steps' "
                             f"(bounds the gap between streamed chunks; default {DEFAULT_STEP_CAP:g})")

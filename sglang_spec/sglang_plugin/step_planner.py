@@ -60,13 +60,13 @@ GPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # verify sizes a GPU ser
 PLAN_LOG_ENV = "SGLANG_SPEC_PLAN_LOG"  # a file: every planned step as a JSON line (read once, at start-up)
 
 
-def default_sizes(full: int, on_cpu: bool, ranked: bool) -> tuple[int, ...]:
-    """The verify sizes a server may take: every size up to its tree on a CPU (nothing is captured), the GPU tiers
-    below it on a GPU (each needs its own graphs), always 1 and the full tree; the plain step and the full tree only
-    for a drafter that reports no per-node reach (its trees cannot be cut)."""
+def default_sizes(full: int, graphs: bool, ranked: bool) -> tuple[int, ...]:
+    """The verify sizes a server may take: every size up to its tree without decode graphs (nothing is captured),
+    the GPU tiers below it with them (each size needs its own graphs), always 1 and the full tree; the plain step
+    and the full tree only for a drafter that reports no per-node reach (its trees cannot be cut)."""
     if not ranked:
         return tuple(sorted({1, full}))
-    sizes = range(1, full + 1) if on_cpu else [size for size in GPU_SIZES if size < full]
+    sizes = [size for size in GPU_SIZES if size < full] if graphs else range(1, full + 1)
     return tuple(sorted({1, *sizes, full}))
 
 

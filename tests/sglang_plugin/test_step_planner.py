@@ -75,9 +75,9 @@ def test_served_steps_correct_the_costs_and_the_accept_scale():
 
 
 def test_a_drafter_without_reach_is_planned_whole_from_its_served_accepts():
-    assert default_sizes(FULL, on_cpu=True, ranked=False) == (1, FULL)
-    assert default_sizes(FULL, on_cpu=True, ranked=True) == tuple(range(1, FULL + 1))
-    assert default_sizes(64, on_cpu=False, ranked=True) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    assert default_sizes(FULL, graphs=False, ranked=False) == (1, FULL)
+    assert default_sizes(FULL, graphs=False, ranked=True) == tuple(range(1, FULL + 1))
+    assert default_sizes(64, graphs=True, ranked=True) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
     plan_state = StepPlanner(cpu_like_table(), (1, FULL), FULL, ranked=False)
     full = StepPlan(FULL, 3.0, 0.06, (8,))
     for _ in range(20):

@@ -141,7 +141,8 @@ def _start_planner(worker, state: WorkerState) -> StepPlanner:
     step)."""
     full = worker.speculative_num_draft_tokens
     ranked = state.drafter.reports_reach
-    sizes = state.options.verify_sizes or default_sizes(full, str(worker.device) == "cpu", ranked)
+    graphs = worker.target_worker.model_runner.decode_cuda_graph_runner is not None
+    sizes = state.options.verify_sizes or default_sizes(full, graphs, ranked)
     planner = StepPlanner(None, sizes, full, state.options.step_cap, ranked=ranked, head_rest=_head_rest(worker, state),
                           prior=state.drafter.prior_reach(full - 1), log_path=os.environ.get(PLAN_LOG_ENV) or None)
     # a head swapped in place (adapt): the planner's acceptance follows the head served, from the drafter's prior
