@@ -7,7 +7,9 @@ The oracle is the session's plain server (conftest.py ``smollm2_plain_runs``, no
 and a prompt within a tree's length of the context limit (7 free positions; every tree here verifies 8-16 tokens).
 Then one server per policy (chain, hybrid, lookup, sequoia with the fused accept, and hybrid and sequoia with
 SGLang's overlap scheduler, the GPU's default loop, which SGLang turns off for speculative servers on a CPU:
-``OVERLAP_ENV`` keeps it, and the requests' output ids then lag a step behind each tree; with
+``OVERLAP_ENV`` keeps it, and the requests' output ids then lag a step behind each tree; the sequoia one also with
+SGLang's decode graph runner, the graph stood in (``sglang_spec_testbed/graphs.py``), which pads each batch to the
+captured size above it, as R1's servers run: the overlap loop and graphs; with
 ``SGLANG_SPEC_PARITY_FULL=1`` also eagle, specexec and sequoia with SGLang's accept, whose trees take the same
 paths as sequoia's and chain's with other shapes), in
 the GPU's FULL_MASK tree-mask layout (``SGLANG_SPEC_CPU_TREE_MASK=full``; the log must show FULL_MASK masks built
@@ -71,16 +73,28 @@ from sglang_spec_testbed.parity import (
     stream_and_close,
     wait_idle,
 )
+from sglang_spec_testbed.graphs import GRAPHS_ENV
 from sglang_spec_testbed.patches import OVERLAP_ENV
 from sglang_spec_testbed.tree_mask import TREE_MASK_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
 FULL = os.environ.get("SGLANG_SPEC_PARITY_FULL") == "1"
+GRAPHS = "-graphs"  # a served name's suffix: the server replays decode graphs (captured for GRAPH_BATCH_SIZES)
+GRAPH_BATCH_SIZES = ("1", "2", "4", "8")  # 8 requests run at a time: every batch size pads to one of these
 # the suite's servers: one per path through the plugin (SGLang's loop, the own loop with the fused accept, context
-# trees with and without the head, the overlap loop); FULL adds the head's other tree shapes
-SERVED = list(POLICIES) if FULL else ["chain", "lookup", "hybrid", "sequoia-fused", "hybrid-overlap",
-                                      "sequoia-overlap"]
+# trees with and without the head, the overlap loop, the overlap loop with decode graphs); FULL adds the head's
+# other tree shapes
+SERVED = [*POLICIES, "sequoia-overlap" + GRAPHS] if FULL else [
+    "chain", "lookup", "hybrid", "sequoia-fused", "hybrid-overlap", "sequoia-overlap" + GRAPHS]
+
+
+def served_args(name: str, profile) -> list[str]:
+    """A served name's launch options: its policy's (``POLICIES``), and the decode graphs for a ``GRAPHS`` name."""
+    graphs = name.endswith(GRAPHS)
+    args = policy_args(name.removesuffix(GRAPHS), profile)
+    return args + (["--cuda-graph-backend-decode", "full", "--cuda-graph-bs-decode", *GRAPH_BATCH_SIZES]
+                   if graphs else [])
 
 
 @dataclass
@@ -178,10 +192,12 @@ def tree_run(request, smollm2_cpu, server_logs, requests, oracle) -> Run:
         # SGLang looks for a gone client of a non-streaming request every this many seconds (default 4)
         monkeypatch.setenv("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", "1")
         monkeypatch.setenv(TREE_MASK_ENV, "full")  # the GPU's layout
-        if request.param.endswith("-overlap"):  # the GPU's default scheduler loop too
+        if request.param.removesuffix(GRAPHS).endswith("-overlap"):  # the GPU's default scheduler loop too
             monkeypatch.setenv(OVERLAP_ENV, "1")
+        if request.param.endswith(GRAPHS):
+            monkeypatch.setenv(GRAPHS_ENV, "1")
         with running_server(smollm2_cpu, server_logs, f"parity-{request.param}",
-                            policy_args(request.param, smollm2_cpu.profile)) as server:
+                            served_args(request.param, smollm2_cpu.profile)) as server:
             run.seconds["start"] = time.monotonic() - start
             serve(run, server.port, requests["cases"], requests["bodies"], requests["long"], single=FULL)
     run.seconds["total"] = time.monotonic() - start
@@ -238,7 +254,7 @@ def test_32_concurrent_mixed_requests_answer_as_plain_decoding(tree_run, oracle)
 
 
 def test_the_server_built_and_read_full_masks_only(tree_run):
-    topk = POLICIES[tree_run.name][3]
+    topk = POLICIES[tree_run.name.removesuffix(GRAPHS)][3]
     assert_full_masks_only(tree_run.name, tree_run.log, built=True, read=topk != 1)
 
 
@@ -247,11 +263,22 @@ def test_the_overlap_server_completed_every_output_that_lagged(tree_run):
     completed the next step's penalties and context trees: no output was left unknown (``committed``; an unknown
     one falls back to SGLang's relaxed penalties, which the penalised request's answer would show). The others
     ran the synchronous loop, SGLang's rule for speculative servers on a CPU."""
-    overlap = tree_run.name.endswith("-overlap")
+    overlap = tree_run.name.removesuffix(GRAPHS).endswith("-overlap")
     assert ("'disable_overlap_schedule': False" in tree_run.log) is overlap
     completes = "overlap scheduler: each verify's committed tokens complete the next step's penalties"
     assert (completes in tree_run.log) is overlap
     assert "could not be completed from its last verify" not in tree_run.log
+
+
+def test_the_graph_server_replayed_batches_padded_to_their_graphs(tree_run):
+    """The ``-graphs`` server's verify steps ran on SGLang's graph runner, some of them on a graph captured for a
+    larger batch (its padded rows beside the answers checked above); the others ran none."""
+    replays = [(int(batch), int(captured)) for batch, captured in
+               re.findall(r"decode graph replayed: .* a batch of (\d+) on the graph captured for (\d+)", tree_run.log)]
+    if not tree_run.name.endswith(GRAPHS):
+        assert not replays
+        return
+    assert replays and any(batch < captured for batch, captured in replays), replays
 
 
 def test_each_request_alone_answers_as_plain_decoding(tree_run, oracle):
