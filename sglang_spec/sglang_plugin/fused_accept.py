@@ -49,6 +49,7 @@ from sglang_spec.kernels.verify_accept import (
     target_tokens_reference,
 )
 from sglang_spec.sglang_plugin.drafters.beams import kv_buffers
+from sglang_spec.sglang_plugin.messages import log
 
 ACCEPT_KERNELS_ENV = "SGLANG_SPEC_ACCEPT_KERNELS"  # triton (default) or reference (CPU only); read at worker start
 
@@ -224,6 +225,7 @@ class FusedAccept:
         self._eager: dict[int, AcceptBuffers] = {}
         self._graph: dict[Any, AcceptBuffers] = {}  # per SGLang graph key of a captured verify graph (static)
         self._links: AcceptBuffers | None = None  # max captured batch size; the graph buffers view its links
+        self._graph_read = False  # an accept was read from a replayed graph (logged once)
 
     # ------------------------------------------------------------------------------------------ eligibility
     def fallback_reason(self, batch: Any, verify_input: Any, grammar_mask: Any, uno_target_max_top_k: Any,
@@ -295,10 +297,12 @@ class FusedAccept:
             return
         if getattr(logits_output, "next_token_logits", None) is None:
             return
+        bs = forward_batch.batch_size
+        if forward_batch.input_ids.shape[0] != bs * self.nodes:
+            return  # another verify size's graph (tree auto): SGLang's accept serves it (tree_width)
         key = capture_graph_key(graph_runner, forward_batch, num_tokens)
         if key is None:
             return
-        bs = forward_batch.batch_size
         device = forward_batch.input_ids.device
         if self._links is None:
             self._links = AcceptBuffers.allocate(graph_runner.max_bs, self.nodes, self.depth, device)
@@ -325,7 +329,13 @@ class FusedAccept:
         """After ``graph_runner`` replayed ``forward_batch``: the greedy accept of the graph it replayed (SGLang's
         ``_replay_graph_key``), cut to the batch; None when that graph holds no fused accept."""
         buffers = self._graph.get(graph_runner._replay_graph_key)
-        return None if buffers is None else buffers.outputs(forward_batch.batch_size)
+        if buffers is None:
+            return None
+        if not self._graph_read:
+            self._graph_read = True
+            log(f"fused accept: the greedy accept read from a replayed verify graph (first: a batch of "
+                f"{forward_batch.batch_size})")
+        return buffers.outputs(forward_batch.batch_size)
 
     # ------------------------------------------------------------------------------------------ KV commit
     @staticmethod

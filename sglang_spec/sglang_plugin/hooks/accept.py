@@ -46,8 +46,8 @@ def eagle_worker_init_after(result, worker, *args, **kwargs):
                               METRICS, tp_group=accept_tp_group(), broadcast_greedy=is_hip(), kernels=kernels)
     if kernels is not TRITON_KERNELS:
         log(f"fused accept: the kernels' pure-torch references ({ACCEPT_KERNELS_ENV}={kernels.name})")
-    if str(worker.device).startswith("cuda"):
-        worker.target_worker.model_runner.capture_tail_hooks.append(state.fused.capture_tail)  # before capture
+    # before capture (a server without decode graphs never calls it)
+    worker.target_worker.model_runner.capture_tail_hooks.append(state.fused.capture_tail)
     return result
 
 
@@ -271,7 +271,8 @@ def graph_execute_around(original, runner, forward_batch, *args, **kwargs):
     step = VERIFY_STEP.get()
     fused = None if step is None else step.state.fused
     if (step is None or fused is None or runner.model_runner.is_draft_worker
-            or not forward_batch.forward_mode.is_target_verify()):
+            or not forward_batch.forward_mode.is_target_verify()
+            or forward_batch.spec_info.draft_token_num != fused.nodes):  # another verify size: SGLang's accept
         return original(runner, forward_batch, *args, **kwargs)
     try:
         fused.before_replay(forward_batch)
