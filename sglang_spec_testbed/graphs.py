@@ -2,9 +2,9 @@
 full``): its real bookkeeping, with only the graph itself stood in.
 
 On a GPU a speculative server's target verify runs through ``DecodeCudaGraphRunner``: graphs captured per batch
-size (``--cuda-graph-bs``), a batch padded to the next captured size (padded rows read slot 0 at the backend's fill
-length), its inputs copied into static buffers (``load_batch``), the replayed graph's static outputs sliced back to
-the batch. A tree-auto server builds one such runner per verify size (``verify_shapes``), and a plain step replays
+size (``--cuda-graph-bs-decode``), a batch padded to the next captured size (padded rows read slot 0 at the
+backend's fill length), its inputs copied into static buffers (``load_batch``), the replayed graph's static
+outputs sliced back to the batch. A tree-auto server builds one such runner per verify size (``verify_shapes``), and a plain step replays
 the one-token verify graph. On a CPU SGLang builds no such runner (its CPU graph runner refuses speculation), so
 none of that runs on the bed. With this module it does:
 
@@ -16,7 +16,10 @@ none of that runs on the bed. With this module it does:
   buffers, and copies its result into the captured output tensors, which it returns. As a replayed CUDA graph, it
   reads only what ``load_batch`` and the attention backend's replay metadata put in the static buffers, and a
   caller that kept a replay's outputs sees them overwritten by the next one. Unlike a graph it re-runs the forward's
-  host code (SGLang's own ``--debug-cuda-graph`` replays so too): host reads inside the forward are not caught;
+  host code (SGLang's own ``--debug-cuda-graph`` replays so too), so a branch a real capture would freeze is not
+  caught; a host read is (``HostReadGuard``): one inside the captured forward stops the capture, as CUDA's stream
+  capture does, unless it is in a stand-in of a device kernel (``DEVICE_KERNEL_STANDINS``: the bed's ops, SGLang's
+  CPU twins), which on a GPU reads its metadata on the device;
 * the ``intel_amx`` backend's graph metadata: its eager metadata, rebuilt from the static batch before each replay
   (``init_forward_metadata_out_graph``, the hook SGLang calls outside the graph).
 """
@@ -25,13 +28,25 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_spec.sglang_plugin.messages import log
 
 GRAPHS_ENV = "SGLANG_SPEC_CPU_GRAPHS"
+TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+# the code that stands in for a device kernel, which reads its metadata on the device (a host read under it is
+# allowed inside a capture): (a part of the file's path, the function's name, or a suffix of it with a leading "*",
+# or None for any): the bed's ops, SGLang's CPU attention backend and its CPU twin of the Triton copy DP attention
+# gathers with (``memcpy_cpu``), and the pure-torch references the project's kernels run as on a CPU
+DEVICE_KERNEL_STANDINS = ((str(Path(__file__).resolve().parent), None),
+                          ("sglang/srt/layers/attention/intel_amx_backend.py", None),
+                          ("sglang/srt/layers/dp_attention.py", "memcpy_cpu"),
+                          ("sglang_spec/kernels/", "*_reference"))
 
 HOOKS = (
     ("sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_decode_graph",
@@ -134,7 +149,8 @@ class StandInGraphBackend:
                 post_warmup_hook()
         StandInGraphBackend.capturing = True
         try:
-            self.outputs[shape_key] = forward_fn()
+            with HostReadGuard():
+                self.outputs[shape_key] = forward_fn()
         finally:
             StandInGraphBackend.capturing = False
         self.forwards[shape_key] = forward_fn
@@ -158,6 +174,44 @@ class StandInGraphBackend:
     def cleanup(self) -> None:
         self.forwards.clear()
         self.outputs.clear()
+
+
+class HostReadGuard(TorchDispatchMode):
+    """During a capture run: a tensor's value read to the host (``.item()``, ``int()``, ``bool()`` of a tensor;
+    ``aten._local_scalar_dense``) outside a device kernel's stand-in (and what it calls) raises, naming where, as
+    CUDA's stream capture fails on a host synchronisation. (``.tolist()`` reads memory without an aten op and is
+    not seen.)"""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            caller = _caller()
+            if caller is not None and not _under_a_kernel_standin(caller):
+                raise RuntimeError(f"CPU bed: a host read inside a captured decode graph, at "
+                                   f"{caller.f_code.co_filename}:{caller.f_lineno}; a CUDA graph capture fails there")
+        return func(*args, **(kwargs or {}))
+
+
+def _under_a_kernel_standin(frame) -> bool:
+    """Whether ``frame`` or one of its callers inside the captured run (below ``capture_one``) is a device kernel's
+    stand-in (``DEVICE_KERNEL_STANDINS``)."""
+    capture = StandInGraphBackend.capture_one.__code__
+    while frame is not None and frame.f_code is not capture:
+        code = frame.f_code
+        for part, name in DEVICE_KERNEL_STANDINS:
+            if part in code.co_filename and (name is None or name == code.co_name or (
+                    name.startswith("*") and code.co_name.endswith(name[1:]))):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _caller():
+    """The innermost frame outside torch and this module (None: none)."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(TORCH_DIR)
+                                 or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    return frame
 
 
 def _copy_into(captured: Any, fresh: Any) -> None:

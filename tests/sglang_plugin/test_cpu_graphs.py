@@ -1,6 +1,7 @@
 """The CPU bed's decode-graph stand-in (``sglang_spec_testbed/graphs.py``): a replay answers as a replayed CUDA graph
 does (the captured forward on the static buffers, its result in the captured output tensors, which a caller that
-kept them sees overwritten by the next replay), and the switch takes 0 or 1 only. Servers that replay it through
+kept them sees overwritten by the next replay), a host read inside the captured run stops the capture, and the
+switch takes 0 or 1 only. Servers that replay it through
 SGLang's ``DecodeCudaGraphRunner`` are in ``tests/sglang_server/test_planner_matrix.py`` (the ``on`` cells)."""
 
 from __future__ import annotations
@@ -49,6 +50,22 @@ def test_a_replay_reads_the_static_inputs_into_the_captured_outputs():
     assert second[0].next_token_logits is held  # the graph's static output, overwritten in place
     assert torch.equal(held, torch.tensor([10.0, 12.0, 14.0, 16.0]))
     assert backend.can_run(None, key) and not backend.can_run(None, ShapeKey(size=8))
+
+
+def test_a_host_read_inside_a_capture_stops_it_as_a_cuda_capture_would():
+    """``.item()`` in the captured run (here, this test's code: neither torch nor a device kernel's stand-in)
+    raises, naming the line; the warm-up runs before it read freely."""
+    static_input = torch.arange(4.0)
+    backend = graphs.StandInGraphBackend(SimpleNamespace(captured_req_width=1, raw_bs=1))
+    reads = []
+
+    def forward():
+        reads.append(float(static_input.sum().item()))
+        return static_input * 2
+
+    with pytest.raises(RuntimeError, match=r"host read inside a captured decode graph, at .*test_cpu_graphs.py:\d+"):
+        backend.capture_one(ShapeKey(size=1), forward)
+    assert reads == [6.0, 6.0] and not graphs.StandInGraphBackend.capturing
 
 
 def test_the_switch_takes_zero_or_one(monkeypatch):

@@ -13,9 +13,9 @@ test checks the cover (and that it fails on a cover that misses a pair). The ten
 run the head rest it after one plain step (``--speculative-tree-head-rest 1``), so their ranks skip its draft
 extend together.
 
-A CUDA graph's own faults (a host read inside a captured forward, a branch frozen at capture) are not caught here:
-the stand-in re-runs the forward's host code at each replay; ``scripts/gpu_check.sh --group server`` runs the real
-graphs on a GPU.
+A host read inside a captured forward stops the capture here as on a GPU (``graphs.HostReadGuard``); a branch a real
+capture would freeze is not caught (the stand-in re-runs the forward's host code at each replay):
+``scripts/gpu_check.sh --group server`` runs the real graphs on a GPU.
 """
 
 from __future__ import annotations
