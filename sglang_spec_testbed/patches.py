@@ -27,7 +27,11 @@
 * With ``SGLANG_SPEC_CPU_OVERLAP=1`` (tests), a speculative server keeps SGLang's overlap scheduler, which SGLang
   turns off for every speculative server on a CPU (``speculative_hook._disable_overlap_schedule_for_cpu``; its EAGLE
   v2 worker runs the loop here unchanged, greedy output identical): the loop a GPU server runs by default, where a
-  step's result is processed after the next step is launched (``committed`` completes what the plugin reads).
+  step's result is processed after the next step is launched (``committed`` completes what the plugin reads). Under
+  that loop a step's result is copied to the host for processing (``async_d2h``): on a GPU the copy is a snapshot
+  taken in stream order, before the next step runs; SGLang's CPU path returns the tensor itself, so a result kept
+  in a buffer the next step reuses (the fused accept's) would be read after that step overwrote it. The bed's
+  copy is a snapshot too (``async_d2h_snapshot``).
 
 The tree-mask layout's hooks (the backend's binding; with ``SGLANG_SPEC_CPU_TREE_MASK``, SGLang's choice of
 layout) are in ``tree_mask`` and registered beside these.
@@ -63,8 +67,9 @@ HOOKS = (
 )
 # SGLANG_SPEC_CPU_OVERLAP=1: speculative servers keep SGLang's overlap scheduler (hooks(overlap=True))
 OVERLAP_ENV = "SGLANG_SPEC_CPU_OVERLAP"
-OVERLAP_HOOK = ("sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu", "keep_overlap_schedule_cpu",
-                "REPLACE")
+OVERLAP_HOOKS = (("sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu",
+                  "keep_overlap_schedule_cpu", "REPLACE"),
+                 ("sglang.srt.utils.common.async_d2h", "async_d2h_snapshot", "AROUND"))
 # SGLang's refusal of trees at page size > 1 off its GPU backends (speculative_hook._handle_eagle_family)
 PAGED_TREE_REFUSAL = "speculative_eagle_topk > 1 with page_size > 1 is only supported on"
 # module attribute -> stand-in (module ``sglang_spec_testbed.sampling``)
@@ -75,8 +80,9 @@ ATTRIBUTES = {
 
 
 def hooks(overlap: bool) -> tuple[tuple[str, str, str], ...]:
-    """The bed's hooks; ``overlap`` (``OVERLAP_ENV``): also the one that keeps the overlap scheduler on."""
-    return HOOKS + ((OVERLAP_HOOK,) if overlap else ())
+    """The bed's hooks; ``overlap`` (``OVERLAP_ENV``): also those of the overlap scheduler (kept on; results
+    copied to the host as a GPU copies them)."""
+    return HOOKS + (OVERLAP_HOOKS if overlap else ())
 
 
 def overlap_from_environment() -> bool:
@@ -89,6 +95,11 @@ def keep_overlap_schedule_cpu(server_args) -> None:
 
     if not resolving_view(server_args).disable_overlap_schedule:
         log(f"CPU bed: the speculative server keeps SGLang's overlap scheduler ({OVERLAP_ENV}=1)")
+
+
+def async_d2h_snapshot(original, tensor):
+    """A step's result copied to the host for the overlap loop's processing: a snapshot, as a GPU's copy is."""
+    return tensor.clone() if tensor.device.type == "cpu" else original(tensor)
 
 
 def install_attributes() -> None:
