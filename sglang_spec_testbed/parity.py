@@ -85,6 +85,7 @@ POLICIES = {
     # (every step for a context tree; the penalised batches' steps for the head's trees)
     "hybrid-overlap": ("hybrid", 12, 5, 0, ()),
     "sequoia-overlap": ("sequoia", 15, 4, 4, ()),
+    "sequoia-fused-overlap": ("sequoia", 15, 4, 4, ("--speculative-tree-accept", "fused")),
 }
 
 

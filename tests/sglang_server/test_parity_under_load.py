@@ -7,9 +7,10 @@ The oracle is the session's plain server (conftest.py ``smollm2_plain_runs``, no
 and a prompt within a tree's length of the context limit (7 free positions; every tree here verifies 8-16 tokens).
 Then one server per policy (chain, hybrid, lookup, sequoia with the fused accept, and hybrid and sequoia with
 SGLang's overlap scheduler, the GPU's default loop, which SGLang turns off for speculative servers on a CPU:
-``OVERLAP_ENV`` keeps it, and the requests' output ids then lag a step behind each tree; the sequoia one also with
-SGLang's decode graph runner, the graph stood in (``sglang_spec_testbed/graphs.py``), which pads each batch to the
-captured size above it, as R1's servers run: the overlap loop and graphs; with
+``OVERLAP_ENV`` keeps it, and the requests' output ids then lag a step behind each tree; the sequoia one with the
+fused accept and SGLang's decode graph runner too, the graph stood in (``sglang_spec_testbed/graphs.py``): each
+batch padded to the captured size above it and its greedy accept computed inside the replayed verify graph, as R1's
+servers would run it: the overlap loop and graphs; with
 ``SGLANG_SPEC_PARITY_FULL=1`` also eagle, specexec and sequoia with SGLang's accept, whose trees take the same
 paths as sequoia's and chain's with other shapes), in
 the GPU's FULL_MASK tree-mask layout (``SGLANG_SPEC_CPU_TREE_MASK=full``; the log must show FULL_MASK masks built
@@ -85,8 +86,8 @@ GRAPH_BATCH_SIZES = ("1", "2", "4", "8")  # 8 requests run at a time: every batc
 # the suite's servers: one per path through the plugin (SGLang's loop, the own loop with the fused accept, context
 # trees with and without the head, the overlap loop, the overlap loop with decode graphs); FULL adds the head's
 # other tree shapes
-SERVED = [*POLICIES, "sequoia-overlap" + GRAPHS] if FULL else [
-    "chain", "lookup", "hybrid", "sequoia-fused", "hybrid-overlap", "sequoia-overlap" + GRAPHS]
+SERVED = [*POLICIES, "sequoia-fused-overlap" + GRAPHS] if FULL else [
+    "chain", "lookup", "hybrid", "sequoia-fused", "hybrid-overlap", "sequoia-fused-overlap" + GRAPHS]
 
 
 def served_args(name: str, profile) -> list[str]:
@@ -272,13 +273,15 @@ def test_the_overlap_server_completed_every_output_that_lagged(tree_run):
 
 def test_the_graph_server_replayed_batches_padded_to_their_graphs(tree_run):
     """The ``-graphs`` server's verify steps ran on SGLang's graph runner, some of them on a graph captured for a
-    larger batch (its padded rows beside the answers checked above); the others ran none."""
+    larger batch (its padded rows beside the answers checked above), and the fused accept was read from the
+    replayed graph; the others ran none."""
     replays = [(int(batch), int(captured)) for batch, captured in
                re.findall(r"decode graph replayed: .* a batch of (\d+) on the graph captured for (\d+)", tree_run.log)]
     if not tree_run.name.endswith(GRAPHS):
         assert not replays
         return
     assert replays and any(batch < captured for batch, captured in replays), replays
+    assert "fused accept: the greedy accept read from a replayed verify graph" in tree_run.log
 
 
 def test_each_request_alone_answers_as_plain_decoding(tree_run, oracle):
