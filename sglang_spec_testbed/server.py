@@ -158,6 +158,7 @@ def _stop(process: subprocess.Popen | zygote.ForkedProcess, timeout: float) -> N
 
 
 PORT_TAKEN = "address already in use"  # a bind failure in the server's log, lower-cased: uvicorn's, ZMQ's, gloo's
+PORT_BUSY = "is used by a process already"  # SGLang's own check of a port it derives (the metrics port), lower-cased
 START_POLL_S = 0.25  # start-up: how often the process, the log and /health are checked (a launch takes ~25 s here)
 
 
@@ -238,7 +239,8 @@ class SGLangServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.stop()
-                if PORT_TAKEN in self.log_tail(200).lower():  # a ZMQ or gloo port of SGLang's own, raced the same way
+                log_tail = self.log_tail(200).lower()
+                if PORT_TAKEN in log_tail or PORT_BUSY in log_tail:  # a port SGLang derives, raced the same way
                     raise PortTaken(f"a port of this server was taken between its choice and its bind "
                                     f"({self.last_error()}); its log: {self.log_path}")
                 raise SpecError(f"the SGLang server exited with status {self.process.returncode} during start-up "

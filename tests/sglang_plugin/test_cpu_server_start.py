@@ -46,6 +46,15 @@ def test_a_launcher_that_dies_on_a_taken_zmq_port_is_a_port_race(tmp_path, monke
         server.SGLangServer([], 1, tmp_path / "server.log", env={}, cpu=False).start(timeout=30)
 
 
+def test_a_launcher_that_dies_on_its_busy_metrics_port_is_a_port_race(tmp_path, monkeypatch):
+    # SGLang checks the ports it derives from --port (the metrics port) and dies when another process holds one
+    body = ("echo \"ValueError: metrics_port at 54264 is not available in 30 seconds. metrics_port is used by a "
+            "process already.\"\nexit 1\n")
+    monkeypatch.setattr(sys, "executable", launcher(tmp_path, body))
+    with pytest.raises(server.PortTaken, match=r"^a port of this server was taken .*metrics_port at 54264"):
+        server.SGLangServer([], 1, tmp_path / "server.log", env={}, cpu=False).start(timeout=30)
+
+
 def test_a_launcher_that_dies_is_reported_with_its_last_error(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "executable", launcher(tmp_path, "echo 'ValueError: no such model'\nexit 3\n"))
     with pytest.raises(SpecError, match=r"exited with status 3 during start-up \(ValueError: no such model\)"):
