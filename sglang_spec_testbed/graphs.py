@@ -4,9 +4,9 @@ full``): its real bookkeeping, with only the graph itself stood in.
 On a GPU a speculative server's target verify runs through ``DecodeCudaGraphRunner``: graphs captured per batch
 size (``--cuda-graph-bs-decode``), a batch padded to the next captured size (padded rows read slot 0 at the
 backend's fill length), its inputs copied into static buffers (``load_batch``), the replayed graph's static
-outputs sliced back to the batch. A tree-auto server builds one such runner per verify size (``verify_shapes``), and a plain step replays
-the one-token verify graph. On a CPU SGLang builds no such runner (its CPU graph runner refuses speculation), so
-none of that runs on the bed. With this module it does:
+outputs sliced back to the batch. A tree-auto server builds one such runner per verify size (``verify_shapes``),
+and a plain step replays the one-token verify graph. On a CPU SGLang builds no such runner (its CPU graph runner
+refuses speculation), so none of that runs on the bed. With this module it does:
 
 * ``capture_decode_graph_around``: the target's ``DecodeCudaGraphRunner`` is built on the CPU as on a GPU. The draft
   model's graphs are not: SGLang's EAGLE worker skips its draft-decode and draft-extend graphs on a CPU, and this

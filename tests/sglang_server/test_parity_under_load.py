@@ -5,14 +5,13 @@ The oracle is the session's plain server (conftest.py ``smollm2_plain_runs``, no
 ``--context-length``), each request alone (``sglang_spec_testbed/parity.py``): greedy decoding, a stop string, max_new_tokens
 1 and 2, logprobs with top logprobs, a frequency penalty, a JSON schema, a regex, n = 2, ignore_eos (past an EOS),
 and a prompt within a tree's length of the context limit (7 free positions; every tree here verifies 8-16 tokens).
-Then one server per policy (chain, hybrid, lookup, sequoia with the fused accept, and hybrid and sequoia with
-SGLang's overlap scheduler, the GPU's default loop, which SGLang turns off for speculative servers on a CPU:
-``OVERLAP_ENV`` keeps it, and the requests' output ids then lag a step behind each tree; the sequoia one with the
-fused accept and SGLang's decode graph runner too, the graph stood in (``sglang_spec_testbed/graphs.py``): each
-batch padded to the captured size above it and its greedy accept computed inside the replayed verify graph, as R1's
-servers would run it: the overlap loop and graphs; with
-``SGLANG_SPEC_PARITY_FULL=1`` also eagle, specexec and sequoia with SGLang's accept, whose trees take the same
-paths as sequoia's and chain's with other shapes), in
+Then one server per policy (chain, hybrid, lookup, sequoia with the fused accept, hybrid with SGLang's overlap
+scheduler, the GPU's default loop, which SGLang turns off for speculative servers on a CPU: ``OVERLAP_ENV`` keeps
+it, and the requests' output ids then lag a step behind each tree; and sequoia with the fused accept, the overlap
+scheduler and SGLang's decode graph runner, the graph stood in (``sglang_spec_testbed/graphs.py``): each batch
+padded to the captured size above it and its greedy accept computed inside the replayed verify graph, as R1's
+servers would run it; with ``SGLANG_SPEC_PARITY_FULL=1`` also eagle, specexec, sequoia with SGLang's accept and
+with the overlap scheduler, whose trees take the same paths as sequoia's and chain's with other shapes), in
 the GPU's FULL_MASK tree-mask layout (``SGLANG_SPEC_CPU_TREE_MASK=full``; the log must show FULL_MASK masks built
 and read and no QLEN_ONLY one, as test_full_mask.py checks NGRAM's; the bed's other servers run the CPU's
 QLEN_ONLY), answers:
@@ -275,8 +274,8 @@ def test_the_graph_server_replayed_batches_padded_to_their_graphs(tree_run):
     """The ``-graphs`` server's verify steps ran on SGLang's graph runner, some of them on a graph captured for a
     larger batch (its padded rows beside the answers checked above), and the fused accept was read from the
     replayed graph; the others ran none."""
-    replays = [(int(batch), int(captured)) for batch, captured in
-               re.findall(r"decode graph replayed: .* a batch of (\d+) on the graph captured for (\d+)", tree_run.log)]
+    pattern = r"decode graph replayed: .* a batch of (\d+) on the graph captured for (\d+)"
+    replays = [(int(batch), int(captured)) for batch, captured in re.findall(pattern, tree_run.log)]
     if not tree_run.name.endswith(GRAPHS):
         assert not replays
         return

@@ -8,13 +8,13 @@ the fused one, context trees grown on the host or on the device, SmolLM2 (one ra
 not split in two) and the tiny DeepSeek-V3 (MLA + MoE + NEXTN), and decode graphs off or on: SGLang's
 ``DecodeCudaGraphRunner`` with its bookkeeping (graphs per batch size and verify size, a batch padded to the next
 captured size, DP padding, static buffers, a plain step's one-token verify graph) and only the graph stood in
-(``sglang_spec_testbed/graphs.py``: a replay runs the captured forward again on the static buffers). ``pairwise_cover`` picks the servers; a unit
-test checks the cover (and that it fails on a cover that misses a pair). The tensor-parallel servers whose trees
-run the head rest it after one plain step (``--speculative-tree-head-rest 1``), so their ranks skip its draft
-extend together.
+(``sglang_spec_testbed/graphs.py``: a replay runs the captured forward again on the static buffers).
+``pairwise_cover`` picks the servers; a unit test checks the cover (and that it fails on a cover that misses a
+pair). The tensor-parallel servers whose trees run the head rest it after one plain step
+(``--speculative-tree-head-rest 1``), so their ranks skip its draft extend together.
 
-A host read inside a captured forward stops the capture here as on a GPU (``graphs.HostReadGuard``); a branch a real
-capture would freeze is not caught (the stand-in re-runs the forward's host code at each replay):
+A host read inside a captured forward stops the capture here as on a GPU (``graphs.HostReadGuard``); a branch a
+real capture would freeze is not caught (the stand-in re-runs the forward's host code at each replay):
 ``scripts/gpu_check.sh --group server`` runs the real graphs on a GPU.
 """
 
