@@ -19,7 +19,7 @@ from sglang_spec.models.loading import LoadedModel, load_head_for
 from sglang_spec.models.target_shell import load_target_shell
 from sglang_spec.mtp.head import FEEDBACK_MODES
 from sglang_spec.train.capture import read_manifest
-from sglang_spec.train.distributed import World, join_world, leave_world, training_device
+from sglang_spec.train.distributed import World, exit_rank, join_world, leave_world, training_device
 from sglang_spec.train.traffic import TrafficRecord, check_traffic_model, read_traffic_strict
 from sglang_spec.train.trainer import (TrainConfig, check_train_paths, resume_config, state_path_for, train_head,
                                        train_head_from_capture)
@@ -95,12 +95,13 @@ def run(args: argparse.Namespace) -> int:
     world = join_world()
     try:
         code = _run(args, world)
-        # every rank done before any tears gloo down: a rank that destroys the group while another still holds
-        # its sockets aborts with "terminate called without an active exception"
-        world.barrier()
-        return code
-    finally:
+        world.barrier()  # every rank done
+    except BaseException:
         leave_world(world)
+        raise
+    if world.sharded:
+        exit_rank(code)  # without the group's racy teardown
+    return code
 
 
 def _run(args: argparse.Namespace, world: World) -> int:

@@ -14,8 +14,9 @@ masked stand-in row (``rank_rows``).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,16 @@ def leave_world(world: World) -> None:
     if world.sharded:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """A torchrun rank's end once every rank has passed the final barrier: its output flushed, then the process
+    leaves without tearing the gloo group down. That teardown races between ranks (a rank whose peer already
+    closed its sockets aborts in C++, "terminate called without an active exception", after all its work is
+    done), and torchrun would report the run failed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def shard_head(head: MTPHead, world: World) -> MTPHead:
