@@ -1,8 +1,8 @@
 """The CPU bed's decode-graph stand-in (``sglang_spec_testbed/graphs.py``): a replay answers as a replayed CUDA graph
 does (the captured forward on the static buffers, its result in the captured output tensors, which a caller that
 kept them sees overwritten by the next replay), a host read inside the captured run stops the capture, and the
-switch takes 0 or 1 only. Servers that replay it through
-SGLang's ``DecodeCudaGraphRunner`` are in ``tests/sglang_server/test_planner_matrix.py`` (the ``on`` cells)."""
+switch takes 0 or 1 only. Servers that replay it through SGLang's ``DecodeCudaGraphRunner`` are in
+``tests/sglang_server/test_planner_matrix.py`` (the ``on`` cells) and ``test_parity_under_load.py`` (``-graphs``)."""
 
 from __future__ import annotations
 
