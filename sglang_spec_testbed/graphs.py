@@ -27,7 +27,9 @@ refuses speculation), so none of that runs on the bed. With this module it does:
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,13 +42,18 @@ from sglang_spec.sglang_plugin.messages import log
 GRAPHS_ENV = "SGLANG_SPEC_CPU_GRAPHS"
 TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 # the code that stands in for a device kernel, which reads its metadata on the device (a host read under it is
-# allowed inside a capture): (a part of the file's path, the function's name, or a suffix of it with a leading "*",
-# or None for any): the bed's ops, SGLang's CPU attention backend and its CPU twin of the Triton copy DP attention
-# gathers with (``memcpy_cpu``), and the pure-torch references the project's kernels run as on a CPU
-DEVICE_KERNEL_STANDINS = ((str(Path(__file__).resolve().parent), None),
-                          ("sglang/srt/layers/attention/intel_amx_backend.py", None),
+# allowed inside a capture): (a part of the file's path, a pattern of the function's name): the bed's ops,
+# SGLang's CPU attention backend and its CPU twin of the Triton copy DP attention gathers with (``memcpy_cpu``),
+# and the pure-torch references the project's kernels run as on a CPU
+DEVICE_KERNEL_STANDINS = ((str(Path(__file__).resolve().parent), "*"),
+                          ("sglang/srt/layers/attention/intel_amx_backend.py", "*"),
                           ("sglang/srt/layers/dp_attention.py", "memcpy_cpu"),
                           ("sglang_spec/kernels/", "*_reference"))
+# the line a replay logs, the first time for each (graph, batch size), and its reading (``replays_in``)
+REPLAY_LOG = ("CPU bed: decode graph replayed: {width} token(s) a request, a batch of {batch} on the graph "
+              "captured for {size}")
+REPLAY_PATTERN = re.compile(r"decode graph replayed: \d+ token\(s\) a request, a batch of (\d+) on the graph "
+                            r"captured for (\d+)")
 
 HOOKS = (
     ("sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_decode_graph",
@@ -165,8 +172,8 @@ class StandInGraphBackend:
     def replay(self, shape_key, static_forward_batch, **kwargs):
         if (shape_key, self.runner.raw_bs) not in self.replayed:
             self.replayed.add((shape_key, self.runner.raw_bs))
-            log(f"CPU bed: decode graph replayed: {self.runner.captured_req_width} token(s) a request, a batch of "
-                f"{self.runner.raw_bs} on the graph captured for {shape_key.size}")
+            log(REPLAY_LOG.format(width=self.runner.captured_req_width, batch=self.runner.raw_bs,
+                                  size=shape_key.size))
         output = self.outputs[shape_key]
         _copy_into(output, self.forwards[shape_key]())
         return output
@@ -197,10 +204,9 @@ def _under_a_kernel_standin(frame) -> bool:
     capture = StandInGraphBackend.capture_one.__code__
     while frame is not None and frame.f_code is not capture:
         code = frame.f_code
-        for part, name in DEVICE_KERNEL_STANDINS:
-            if part in code.co_filename and (name is None or name == code.co_name or (
-                    name.startswith("*") and code.co_name.endswith(name[1:]))):
-                return True
+        if any(part in code.co_filename and fnmatch.fnmatchcase(code.co_name, name)
+               for part, name in DEVICE_KERNEL_STANDINS):
+            return True
         frame = frame.f_back
     return False
 
@@ -227,5 +233,9 @@ def _copy_into(captured: Any, fresh: Any) -> None:
         return
     if hasattr(captured, "__dict__"):  # SGLang's output records (LogitsProcessorOutput and the like)
         for name, value in vars(captured).items():
-            if torch.is_tensor(value) or isinstance(value, (list, tuple)) or hasattr(value, "__dict__"):
-                _copy_into(value, getattr(fresh, name, None))
+            _copy_into(value, getattr(fresh, name, None))
+
+
+def replays_in(log_text: str) -> list[tuple[int, int]]:
+    """(batch size, captured size) of each replay a server's log shows (``REPLAY_LOG``)."""
+    return [(int(batch), int(size)) for batch, size in REPLAY_PATTERN.findall(log_text)]

@@ -52,6 +52,13 @@ def test_a_replay_reads_the_static_inputs_into_the_captured_outputs():
     assert backend.can_run(None, key) and not backend.can_run(None, ShapeKey(size=8))
 
 
+def test_the_replay_line_reads_back_as_batch_and_graph_size():
+    lines = [graphs.REPLAY_LOG.format(width=width, batch=batch, size=size)
+             for width, batch, size in ((16, 6, 8), (1, 3, 4))]
+    log_text = "\n".join(["[sglang_spec] " + line for line in lines] + ["unrelated"])
+    assert graphs.replays_in(log_text) == [(6, 8), (3, 4)]
+
+
 def test_a_host_read_inside_a_capture_stops_it_as_a_cuda_capture_would():
     """``.item()`` in the captured run (here, this test's code: neither torch nor a device kernel's stand-in)
     raises, naming the line; the warm-up runs before it read freely."""

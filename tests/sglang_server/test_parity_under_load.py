@@ -73,7 +73,7 @@ from sglang_spec_testbed.parity import (
     stream_and_close,
     wait_idle,
 )
-from sglang_spec_testbed.graphs import GRAPHS_ENV
+from sglang_spec_testbed.graphs import GRAPHS_ENV, replays_in
 from sglang_spec_testbed.patches import OVERLAP_ENV
 from sglang_spec_testbed.tree_mask import TREE_MASK_ENV
 
@@ -274,8 +274,7 @@ def test_the_graph_server_replayed_batches_padded_to_their_graphs(tree_run):
     """The ``-graphs`` server's verify steps ran on SGLang's graph runner, some of them on a graph captured for a
     larger batch (its padded rows beside the answers checked above), and the fused accept was read from the
     replayed graph; the others ran none."""
-    pattern = r"decode graph replayed: .* a batch of (\d+) on the graph captured for (\d+)"
-    replays = [(int(batch), int(captured)) for batch, captured in re.findall(pattern, tree_run.log)]
+    replays = replays_in(tree_run.log)
     if not tree_run.name.endswith(GRAPHS):
         assert not replays
         return

@@ -28,7 +28,7 @@ import pytest
 
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, TINY_NEW_TOKENS, running_server,
                                tree_args)
-from sglang_spec_testbed.graphs import GRAPHS_ENV
+from sglang_spec_testbed.graphs import GRAPHS_ENV, replays_in
 from sglang_spec_testbed.patches import OVERLAP_ENV
 
 FACTORS = {
@@ -155,8 +155,7 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, tiny_cpu, server
     planned, plain = (counter(metrics, f"sglang_spec_planner_{name}_total") for name in ("requests", "plain_requests"))
     assert 0 <= plain < planned, metrics[-1500:]  # trees were verified: plain decoding alone would match trivially
     assert "tree auto: verify sizes" in log
-    replays = [(int(batch), int(captured)) for batch, captured in
-               re.findall(r"decode graph replayed: .* a batch of (\d+) on the graph captured for (\d+)", log)]
+    replays = replays_in(log)
     if cell["graphs"] == "off":
         assert not replays
     else:  # the steps ran on SGLang's graph runner, and a batch ran padded to a larger captured size
