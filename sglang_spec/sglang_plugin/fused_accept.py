@@ -228,6 +228,11 @@ class FusedAccept:
         self._graph_read = False  # an accept was read from a replayed graph (logged once)
 
     # ------------------------------------------------------------------------------------------ eligibility
+    def serves_width(self, tokens_per_request: int) -> bool:
+        """Whether a verify of this many tokens a request is the fused accept's: the full tree (tree auto's
+        smaller sizes are SGLang's, eager or replayed)."""
+        return tokens_per_request == self.nodes
+
     def fallback_reason(self, batch: Any, verify_input: Any, grammar_mask: Any, uno_target_max_top_k: Any,
                         watermark_state: Any, spec: Any) -> str | None:
         """Why SGLang's own accept must serve this batch, or None when the fused path can."""
@@ -244,7 +249,7 @@ class FusedAccept:
              or spec.speculative_accept_threshold_acc != 1.0),
             ("top_k_top_p_min_p", not info.is_all_greedy and (info.need_top_k_sampling or info.need_top_p_sampling
                                                                or info.need_min_p_sampling)),
-            ("tree_width", verify_input.draft_token_num != self.nodes),
+            ("tree_width", not self.serves_width(verify_input.draft_token_num)),
         )
         return next((reason for reason, applies in checks if applies), None)
 
@@ -298,8 +303,8 @@ class FusedAccept:
         if getattr(logits_output, "next_token_logits", None) is None:
             return
         bs = forward_batch.batch_size
-        if forward_batch.input_ids.shape[0] != bs * self.nodes:
-            return  # another verify size's graph (tree auto): SGLang's accept serves it (tree_width)
+        if not self.serves_width(forward_batch.input_ids.shape[0] // bs):
+            return  # another verify size's graph (tree auto)
         key = capture_graph_key(graph_runner, forward_batch, num_tokens)
         if key is None:
             return

@@ -272,7 +272,7 @@ def graph_execute_around(original, runner, forward_batch, *args, **kwargs):
     fused = None if step is None else step.state.fused
     if (step is None or fused is None or runner.model_runner.is_draft_worker
             or not forward_batch.forward_mode.is_target_verify()
-            or forward_batch.spec_info.draft_token_num != fused.nodes):  # another verify size: SGLang's accept
+            or not fused.serves_width(forward_batch.spec_info.draft_token_num)):
         return original(runner, forward_batch, *args, **kwargs)
     try:
         fused.before_replay(forward_batch)
