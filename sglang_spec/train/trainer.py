@@ -394,10 +394,13 @@ class FitState:
 
 
 def learning_rate_factor(step: int, config: TrainConfig) -> float:
-    """Linear warmup over ``config.warmup`` steps, then cosine decay to 10% at ``config.steps``."""
-    if step < config.warmup:
-        return (step + 1) / config.warmup
-    progress_fraction = (step - config.warmup) / max(1, config.steps - config.warmup)
+    """Linear warmup over ``config.warmup`` steps (at most a tenth of the run), then cosine decay to 10% at
+    ``config.steps``. The cap keeps a short run (an ``adapt`` round of a few dozen steps) from ending at its peak
+    rate, still warming up, where its last steps move the weights most."""
+    warmup = min(config.warmup, max(1, config.steps // 10))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress_fraction = (step - warmup) / max(1, config.steps - warmup)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress_fraction, 1.0)))
 
 

@@ -160,3 +160,15 @@ def test_one_calibrate_command_measures_both_sections_of_one_profile(tiny, tiny_
     assert main(["generate", "--model", "tiny-deepseek", "--policy", "hybrid", "--acceptance", str(both),
                  "--prompt", "abc", "--max-new-tokens", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["policy"] == "hybrid"
+
+
+@pytest.mark.parametrize("steps", [4, 48, 1000])
+def test_the_schedule_warms_up_within_a_tenth_of_the_run_and_ends_decayed(steps):
+    from sglang_spec.train.trainer import TrainConfig, learning_rate_factor
+
+    config = TrainConfig(steps=steps)  # warmup 50: longer than an adapt round of 48 steps
+    factors = [learning_rate_factor(step, config) for step in range(steps)]
+    peak = max(range(steps), key=factors.__getitem__)
+    assert factors[peak] == pytest.approx(1.0)
+    assert peak <= max(1, steps // 10)
+    assert factors[-1] < 0.2 if steps > 4 else factors[-1] < 1.0  # the last steps run at a decayed rate
