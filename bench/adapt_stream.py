@@ -86,7 +86,7 @@ def train_domain_head(model, generic: Path, work: Path, args) -> Path:
     code = cli(["train", "--capture", str(capture), "--init", str(generic), "--out", str(head), "--keep-draft-vocab",
                 "--steps", str(args.domain_steps), "--batch-size", "8", "--seq-len", str(args.seq_len), "--lr",
                 str(args.lr), "--unroll", "3", "--eval-fraction", "0", "--checkpoint-every",
-                str(args.domain_steps), "--force", "--json"])
+                str(args.domain_steps), "--bf16", "--force", "--json"])
     assert code == 0, "training the domain head failed"
     return head
 
@@ -175,11 +175,11 @@ def main() -> int:
     parser.add_argument("--domain-prompts", default="pydoc:100-163")
     parser.add_argument("--domain-steps", type=int, default=150)
     parser.add_argument("--domain-head", type=Path, default=None, help="a batch-trained domain head to reuse")
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=512, help="the domain head's training windows")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--adapt-args", default="--window 48 --train-every 16 --steps 48 --batch-size 8 "
-                        "--seq-len 256 --lr 0.001 --holdout 0.25 --probation-steps 60 --train-nice 0 "
-                        "--poll-seconds 0.5")
+    parser.add_argument("--adapt-args", default="--window 48 --train-every 12 --steps 32 --batch-size 8 "
+                        "--seq-len 512 --lr 0.001 --holdout 0.25 --probation-steps 60 --train-nice 0 "
+                        "--train-threads 2 --bf16 --poll-seconds 0.5")
     parser.add_argument("--server-args", default="", help="more launch_server options for every server")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
@@ -206,7 +206,7 @@ def main() -> int:
     results = {"command": "python bench/adapt_stream.py " + " ".join(sys.argv[1:]), "environment": environment(),
                "stream": args.stream, "max_new_tokens": args.max_new_tokens, "tree": list(TREE),
                "adapt_args": args.adapt_args, "domain_prompts": args.domain_prompts,
-               "domain_steps": args.domain_steps, "arms": []}
+               "domain_steps": args.domain_steps, "domain_seq_len": args.seq_len, "arms": []}
     for arm in arms:
         head = generic
         if arm == "domain":

@@ -72,6 +72,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     for name, (kind, help_text) in _SETTINGS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
                             help=f"{help_text} (default {getattr(defaults, name)})")
+    parser.add_argument("--bf16", action="store_true",
+                        help="train each round with bfloat16 autocast (float32 master weights): faster on "
+                        "bf16-capable CPUs and GPUs")
     parser.add_argument("--force", action="store_true", help="delete what --work holds and start over")
     parser.add_argument("--json", action="store_true", help="print the final state as JSON")
     parser.set_defaults(run=run)

@@ -76,7 +76,8 @@ class AdaptSettings:
     steps a swapped-in head serves before its verdict; margin: the share of the previous head's accept length a
     head may lose on probation; capture_batch: served requests replayed per capture request; min_free_mb: free
     disk below which capture pauses; train_processes / train_threads / train_nice: the trainer's processes,
-    threads each and niceness; poll_seconds: the loop's period when there is nothing to do."""
+    threads each and niceness; poll_seconds: the loop's period when there is nothing to do; bf16: the rounds train
+    with bfloat16 autocast (``train --bf16``)."""
 
     window: int = 64
     train_every: int = 16
@@ -94,6 +95,7 @@ class AdaptSettings:
     train_threads: int = 1
     train_nice: int = 10
     poll_seconds: float = 1.0
+    bf16: bool = False
 
     def __post_init__(self) -> None:
         for name in ("window", "train_every", "steps", "batch_size", "unroll", "probation_steps", "capture_batch",
@@ -460,6 +462,8 @@ class Adapter:
                  "--batch-size", str(settings.batch_size), "--seq-len", str(settings.seq_len),
                  "--unroll", str(settings.unroll), "--lr", str(settings.lr), "--eval-fraction", str(settings.holdout),
                  "--checkpoint-every", str(settings.steps), "--force", "--json"]
+        if settings.bf16:
+            train.append("--bf16")
         if settings.train_processes > 1:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                        str(settings.train_processes), *train]

@@ -214,3 +214,23 @@ def test_a_served_request_longer_than_the_window_keeps_its_answer(monkeypatch):
     assert sequence.tokens.tolist() == list(range(124, 130)) + list(range(200, 210))
     assert sequence.completion_start == 6
     assert sequence.hidden[:, 0].tolist() == [float(i) for i in range(24, 39)]
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_round_trains_with_bf16_autocast_only_when_asked(tmp_path, monkeypatch, bf16):
+    from dataclasses import replace
+
+    import sglang_spec.train.adapt as adapt
+
+    adapter = _adapter(tmp_path)
+    adapter.settings = replace(adapter.settings, bf16=bf16)
+    started = []
+
+    class Trainer:
+        def __init__(self, command, **options):
+            started.append(command)
+
+    monkeypatch.setattr(adapt.subprocess, "Popen", Trainer)
+    adapter._start_training()
+    assert len(started) == 1 and "train" in started[0]
+    assert ("--bf16" in started[0]) == bf16
