@@ -175,11 +175,11 @@ def main() -> int:
     parser.add_argument("--domain-prompts", default="pydoc:100-163")
     parser.add_argument("--domain-steps", type=int, default=150)
     parser.add_argument("--domain-head", type=Path, default=None, help="a batch-trained domain head to reuse")
-    parser.add_argument("--seq-len", type=int, default=512, help="the domain head's training windows")
+    parser.add_argument("--seq-len", type=int, default=256, help="the domain head's training windows")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--adapt-args", default="--window 48 --train-every 12 --steps 32 --batch-size 8 "
-                        "--seq-len 512 --lr 0.001 --holdout 0.25 --probation-steps 60 --train-nice 0 "
-                        "--train-threads 2 --bf16 --poll-seconds 0.5")
+                        "--seq-len 256 --lr 0.001 --holdout 0.25 --probation-steps 60 --train-nice 0 "
+                        "--bf16 --poll-seconds 0.5")
     parser.add_argument("--server-args", default="", help="more launch_server options for every server")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
