@@ -3,7 +3,7 @@
     python bench/adapt_stream.py
 
 The stream (``--stream``): document-extraction requests over the Python reference (``pydoc:0-95``: a new passage
-each request; ``pydoc:0-23x4``: 24 passages asked four times in turn, a new question each; no shipped head trained
+each request; ``pydoc:0-23x6``: 24 passages asked six times in turn, a new question each; no shipped head trained
 on that domain), sent one at a time, greedy, to SGLang's real server with SmolLM2-135M and a chain tree. Three arms,
 each its own server with the same flags:
 

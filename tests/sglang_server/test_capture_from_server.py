@@ -130,7 +130,7 @@ def test_smollm2_capture_train_on_two_processes_export_and_serve(smollm2_cpu, se
     each) and measures that head's accept length on held-out HumanEval 130-135; the head trains 20 steps on 2
     processes (torchrun, FSDP2, bf16 autocast) and is served in its turn (``head_accept``). Served, its accept length
     is within 5% of the same head's in the reference decoder and clearly above the starting head's (a fresh head
-    accepts almost nothing: 1.0; trained, ~1.5)."""
+    accepts almost nothing: 1.0; trained, ~1.4)."""
     loaded, _ = smollm2
     torch.manual_seed(0)
     start = save_mtp_head(MTPHead.for_target(loaded.model), tmp_path / "start.safetensors",
@@ -156,7 +156,7 @@ def test_smollm2_capture_train_on_two_processes_export_and_serve(smollm2_cpu, se
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                "sglang_spec.cli", "train", "--capture", str(capture), "--init", str(start), "--out", str(trained),
                "--draft-vocab", "1024", "--steps", "20", "--batch-size", "8", "--checkpoint-every", "20",
-               "--unroll", "2", "--lr", "0.005", "--bf16", "--eval-fraction", "0", "--json"]
+               "--unroll", "2", "--lr", "0.002", "--bf16", "--eval-fraction", "0", "--json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
