@@ -203,7 +203,7 @@ def main() -> int:
     generic = shipped_head_path("smollm2").with_name("smollm2-135m-instruct-generic.safetensors")
     prompts = chat_ids(AutoTokenizer.from_pretrained(model.target_dir), stream_specs)
     work = Path(tempfile.mkdtemp(prefix="adapt-stream-"))
-    results = {"command": "python bench/adapt_stream.py " + " ".join(sys.argv[1:]), "environment": environment(),
+    results = {"command": " ".join(["python bench/adapt_stream.py", *sys.argv[1:]]), "environment": environment(),
                "stream": args.stream, "max_new_tokens": args.max_new_tokens, "tree": list(TREE),
                "adapt_args": args.adapt_args, "domain_prompts": args.domain_prompts,
                "domain_steps": args.domain_steps, "domain_seq_len": args.seq_len, "arms": []}
