@@ -303,7 +303,8 @@ class FusedAccept:
         if getattr(logits_output, "next_token_logits", None) is None:
             return
         bs = forward_batch.batch_size
-        if not self.serves_width(forward_batch.input_ids.shape[0] // bs):
+        tokens_per_request, ragged = divmod(forward_batch.input_ids.shape[0], bs)
+        if ragged or not self.serves_width(tokens_per_request):
             return  # another verify size's graph (tree auto)
         key = capture_graph_key(graph_runner, forward_batch, num_tokens)
         if key is None:
