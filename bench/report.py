@@ -268,7 +268,7 @@ def _adapt_stream_body(results: Path, name: str) -> str:
              f"fixed; `adapt`: the same head at launch with `sglang-spec adapt {data['adapt_args']}` beside the "
              f"server (it shares the CPU with it); `domain`: a head batch-trained beforehand from the generic one on "
              f"{data['domain_prompts']} ({data['domain_steps']} steps on the last "
-             f"{data.get('domain_seq_len', 256)} tokens of each request), fixed. Accept length and tokens/s by quarter "
+             f"{data['domain_seq_len']} tokens of each request), fixed. Accept length and tokens/s by quarter "
              f"of the stream. Greedy output identical across the arms: "
              f"{'yes' if data['greedy_identical'] else 'no'}.")
     quarters = [quarter["requests"] for quarter in arms[0]["quarters"]]
