@@ -9,9 +9,12 @@ inputs this module keeps:
   served steps' accepted tokens exceeded or fell short of such predictions (``accept_scale``). Where the plan keeps
   a request plain its prediction would go stale, so before each step the drafter estimates, without a forward,
   the reach of every request it knows nothing of and of the one whose prediction is oldest (``stale``). A request
-  its drafter has not drafted yet, or a drafter that reports no reach (the head-only policies, trees grown on the
-  device), takes the traffic's: a moving average over the requests' reports by rank, or the served steps' accepted
-  drafts per request at the full size.
+  its drafter has not drafted yet takes the traffic's: a moving average over the requests' reports by rank. A
+  drafter that reports no reach (the head-only policies, trees grown on the device) is planned from each
+  request's own served accepted drafts at the full size; a request with no tree step of its own yet (or none
+  within the last ``TREE_PRICE_MEMORY`` steps) is planned at the drafter's prior (its calibrated reach by rank,
+  one accepted draft where it has none): each request is tried once where the batch allows, so one request
+  whose tree missed (SGLang's warm-up request, say) cannot keep trees off for the requests after it.
 * **What each size would cost.** The target's verify forward measured at start-up for each batch size and verify
   size (``CostTable``: SGLang's own dummy forward, ``step_costs``), scaled per batch-size bucket by what the served
   plain steps took over it; a tree step adds the rest of the step (drafting, host work), learnt per batch-size
@@ -108,8 +111,8 @@ class StepPlanner:
     head_warmup: bool = False
     reach_of: dict[str, tuple[float, ...]] = field(default_factory=dict)  # rid -> its last tree's reach, best first
     prior: list[float] = field(default_factory=list)  # the traffic's reach by rank (moving averages)
-    accepted_of: dict[str, float] = field(default_factory=dict)  # rid -> its accepted drafts a tree step (unranked)
-    accepted_prior: float | None = None  # the traffic's accepted drafts a tree step (unranked drafters)
+    accepted_of: dict[str, tuple[float, int]] = field(default_factory=dict)  # rid -> (its accepted drafts a tree
+    # step, a moving average; the step it was last served a tree at): unranked drafters
     accept_scale: float = 1.0  # served accepted drafts over predicted (moving average, within ACCEPT_SCALE_RANGE)
     plain_seen: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> recent served plain / forward
     tree_seen: dict[int, deque[tuple[int, float, float]]] = field(default_factory=dict)  # bucket -> (step, served
@@ -136,7 +139,6 @@ class StepPlanner:
         self.prior = list(prior)
         self.accepted_of.clear()
         self.learnt_at.clear()
-        self.accepted_prior = None
         self.accept_scale = 1.0
 
     # -------------------------------------------------------------------------------------------- the plan
@@ -144,10 +146,19 @@ class StepPlanner:
         """The request's draft nodes' predicted reach, best first: its drafter's estimates scaled by the served accept
         scale (ranked drafters); its served accepted drafts at the full size (the others)."""
         if not self.ranked:  # the whole tree or nothing: its served accepted drafts, at the full size
-            accepted = self.accepted_of.get(rid, self.accepted_prior if self.accepted_prior is not None else 1.0)
-            return [0.0] * (self.full - 2) + [accepted]
+            return [0.0] * (self.full - 2) + [self.accepted_drafts(rid)]
         own = self.reach_of.get(rid, ())
         return [min(value * self.accept_scale, 1.0) for value in list(own) + self.prior[len(own):self.full - 1]]
+
+    def accepted_drafts(self, rid: str) -> float:
+        """An unranked drafter's request: its accepted drafts a tree step, as its served tree steps within the last
+        ``TREE_PRICE_MEMORY`` steps averaged them; else the drafter's prior (the sum of its reach by rank; one
+        accepted draft where it has none). Only tree steps teach it, so an estimate that keeps trees off expires
+        as a price does, and a new request gets its own try."""
+        own = self.accepted_of.get(rid)
+        if own is not None and own[1] > self.steps - TREE_PRICE_MEMORY:
+            return own[0]
+        return sum(self.prior[: self.full - 1]) if self.prior else 1.0
 
     @property
     def steps(self) -> int:
@@ -257,8 +268,8 @@ class StepPlanner:
             self.accept_scale = min(max(moving_average(self.accept_scale, ratio), low), high)
         if not self.ranked and plan.tokens == self.full:
             for rid, accepted in zip(rids, drafts):
-                self.accepted_of[rid] = moving_average(self.accepted_of.get(rid), accepted)
-                self.accepted_prior = moving_average(self.accepted_prior, accepted)
+                own = self.accepted_of.get(rid)
+                self.accepted_of[rid] = (moving_average(None if own is None else own[0], accepted), self.steps)
         self._forget_finished(rids)
 
     def stale(self, rids: Sequence[str]) -> list[str]:

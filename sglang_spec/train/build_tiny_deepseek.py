@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 CACHE_NAME = "tiny-deepseek-v3-toy"
+LANGUAGE_SEED = 123  # the toy language the cached model learnt (``train_tiny_deepseek``'s seed 0)
 _COMPLETE = ".complete"
 
 
@@ -44,7 +45,7 @@ def train_tiny_deepseek(
     One thread: the model is so small that a second thread only waits, and on a busy machine the waiting made a
     step 5-20x slower (2.6 s instead of 0.14 s per step measured on a shared 2-core CPU: a 17-minute build). One
     thread also makes the build the same on every machine. About three minutes on a busy 2-core CPU."""
-    language = ToyLanguage(TINY_DEEPSEEK_CONFIG["vocab_size"], seed=123 + seed)
+    language = ToyLanguage(TINY_DEEPSEEK_CONFIG["vocab_size"], seed=LANGUAGE_SEED + seed)
     bar = tqdm(total=target_steps + head_steps, desc="building tiny-deepseek (once)", disable=not progress)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from sglang_spec.costs import CostCurve, CostTable
 from sglang_spec.planner import StepPlan
 from sglang_spec.sglang_plugin.peers import PlanGroup
-from sglang_spec.sglang_plugin.step_planner import StepPlanner, default_sizes
+from sglang_spec.sglang_plugin.step_planner import TREE_PRICE_MEMORY, StepPlanner, default_sizes
 
 FULL = 9
 
@@ -86,6 +86,22 @@ def test_a_drafter_without_reach_is_planned_whole_from_its_served_accepts():
     assert plan_state.choose(plan_state.table(["a"]), 1).tokens == FULL
     with pytest.raises(ValueError, match="include the tree's"):
         StepPlanner(None, (1, 4), FULL)
+
+
+def test_a_request_whose_tree_missed_leaves_the_next_one_its_own_try_and_is_tried_again_later():
+    """Unranked drafters: a miss (SGLang's warm-up request, a prompt with nothing to copy) keeps that request
+    plain, not the requests after it; its estimate expires as a price does."""
+    plan_state = StepPlanner(cpu_like_table(), (1, FULL), FULL, ranked=False, prior=[0.8, 0.6, 0.4])
+    full = StepPlan(FULL, 2.8, 0.06, (8,))
+    plan_state.observe(full, ["warm-up"], 0.07, [1])  # nothing accepted
+    assert plan_state.choose(plan_state.table(["warm-up"]), 1).plain
+    assert plan_state.predicted_reach("copy")[-1] == pytest.approx(1.8)  # the drafter's prior: a try of its own
+    assert plan_state.choose(plan_state.table(["copy"]), 1).tokens == FULL
+    plain_steps = 0
+    while (plan := plan_state.choose(plan_state.table(["warm-up"]), 1)).plain and plain_steps <= TREE_PRICE_MEMORY:
+        plan_state.observe(plan, ["warm-up"], 0.05, [1])
+        plain_steps += 1
+    assert TREE_PRICE_MEMORY - 4 <= plain_steps < TREE_PRICE_MEMORY  # then its miss expired: it is tried again
 
 
 def test_without_a_start_up_table_each_size_is_tried_then_priced_as_served():

@@ -111,11 +111,41 @@ def tiny_prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def tiny_plain(tmp_path_factory, tiny_cpu, server_logs, tiny_prompts) -> list[list[int]]:
-    """Greedy output (TINY_NEW_TOKENS) of one tensor-parallel rank without speculation on ``tiny_prompts``."""
-    def compute(logs: Path) -> list[list[int]]:
+def tiny_copy_prompts() -> list[list[int]]:
+    """The tiny model's likeliest text: from a start token, each token's most likely successor in the language it
+    was trained on, 24 tokens that go round a cycle of the chain twice or more (from the first two start tokens
+    whose walk comes round within 12). The model's greedy continuation goes round again, so a lookup tree finds it
+    in the context and is accepted (``tiny_prompts`` rarely give lookup a match)."""
+    from sglang_spec.models.tiny_deepseek import TINY_DEEPSEEK_CONFIG
+    from sglang_spec.models.toy_language import ToyLanguage
+    from sglang_spec.train.build_tiny_deepseek import LANGUAGE_SEED
+
+    likeliest = ToyLanguage(TINY_DEEPSEEK_CONFIG["vocab_size"], seed=LANGUAGE_SEED).successors[:, 0].tolist()
+
+    def walk(start: int, length: int) -> list[int]:
+        tokens = [start]
+        while len(tokens) < length:
+            tokens.append(likeliest[tokens[-1]])
+        return tokens
+
+    starts = [start for start in range(2, len(likeliest)) if len(set(walk(start, 12))) < 12][:2]
+    return [walk(start, 24) for start in starts]
+
+
+@pytest.fixture(scope="session")
+def tiny_plain_runs(tmp_path_factory, tiny_cpu, server_logs, tiny_prompts, tiny_copy_prompts) -> dict:
+    """Greedy output (TINY_NEW_TOKENS) of one tensor-parallel rank without speculation: ``toy`` on
+    ``tiny_prompts``, ``copy`` on ``tiny_copy_prompts`` (one server answers both)."""
+    def compute(logs: Path) -> dict:
         with running_server(tiny_cpu, logs, "tiny-plain", speculative=False) as server:
-            greedy = server.generate(tiny_prompts, {"temperature": 0, "max_new_tokens": TINY_NEW_TOKENS})
-        return [answer["output_ids"] for answer in greedy]
+            toy, copy = (server.generate(prompts, {"temperature": 0, "max_new_tokens": TINY_NEW_TOKENS})
+                         for prompts in (tiny_prompts, tiny_copy_prompts))
+        return {"toy": [answer["output_ids"] for answer in toy], "copy": [answer["output_ids"] for answer in copy]}
 
     return once_per_run(tmp_path_factory, server_logs, "tiny-plain", compute)
+
+
+@pytest.fixture(scope="session")
+def tiny_plain(tiny_plain_runs) -> list[list[int]]:
+    """Greedy output (TINY_NEW_TOKENS) of one tensor-parallel rank without speculation on ``tiny_prompts``."""
+    return tiny_plain_runs["toy"]

@@ -112,9 +112,26 @@ def launch_args(cell: Mapping[str, str], profile) -> list[str]:
         args += ["--speculative-tree-context-on", "device"]
     if resting(cell):
         args += ["--speculative-tree-head-rest", "1"]
+    if cell["policy"] == "lookup" and cell["model"] == "tiny":
+        # the tiny model's plain step is a few milliseconds and a tree's host work more: under the default cap a
+        # tree step that emits four tokens a request is priced out after its first try, and the cell would verify
+        # one tree a request
+        args += ["--speculative-tree-step-cap", "4"]
     if cell["graphs"] == "on":
         args += ["--cuda-graph-backend-decode", "full", "--cuda-graph-bs-decode", *GRAPH_BATCH_SIZES]
     return args
+
+
+def tiny_requests(cell: Mapping[str, str], toy: Sequence[Sequence[int]], copy: Sequence[Sequence[int]],
+                  plain_runs: Mapping[str, list]) -> tuple[list, list]:
+    """(prompts, plain outputs) of a tiny-model cell. Lookup trees find next to nothing to copy in the toy prompts
+    (their predicted reach alone would leave a step's trees to the start-up timings), so a lookup cell takes two
+    prompts of the model's likeliest text beside two toy ones: trees that are accepted, beside trees with no match
+    in one batch."""
+    if cell["policy"] != "lookup":
+        return list(toy), list(plain_runs["toy"])
+    return [toy[0], copy[0], toy[1], copy[1]], [plain_runs["toy"][0], plain_runs["copy"][0], plain_runs["toy"][1],
+                                                plain_runs["copy"][1]]
 
 
 def resting(cell: Mapping[str, str]) -> bool:
@@ -127,16 +144,19 @@ def resting(cell: Mapping[str, str]) -> bool:
 @pytest.mark.sglang
 @pytest.mark.parametrize("cell", COVER, ids=cell_name)
 def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, tiny_cpu, server_logs, smollm2_plain_runs,
-                                             tiny_prompts, tiny_plain):
+                                             tiny_prompts, tiny_copy_prompts, tiny_plain_runs):
     """Greedy output equal to a one-rank plain server's; the planner planned the decode steps (its requests
     counted on /metrics) and verified trees for some, with its start-up table logged; no rank logged a fault.
     Under DP attention a rank decoded none beside a decoding one, and (where the head runs) fewer than another."""
     smollm2 = cell["model"] == "smollm2"
     model = smollm2_cpu if smollm2 else tiny_cpu
-    prompts = list(REPEAT_CONTEXT_PROMPTS) if smollm2 else tiny_prompts
-    lengths = [REPEAT_NEW_TOKENS] * len(prompts) if smollm2 else TINY_LENGTHS
-    expected = smollm2_plain_runs["repeat_context"] if smollm2 else [
-        output[:length] for output, length in zip(tiny_plain, lengths)]
+    if smollm2:
+        prompts, lengths = list(REPEAT_CONTEXT_PROMPTS), [REPEAT_NEW_TOKENS] * len(REPEAT_CONTEXT_PROMPTS)
+        expected = smollm2_plain_runs["repeat_context"]
+    else:
+        prompts, outputs = tiny_requests(cell, tiny_prompts, tiny_copy_prompts, tiny_plain_runs)
+        lengths = TINY_LENGTHS
+        expected = [output[:length] for output, length in zip(outputs, lengths)]
     with pytest.MonkeyPatch.context() as patch:
         if cell["loop"] == "overlap":
             patch.setenv(OVERLAP_ENV, "1")
@@ -154,6 +174,8 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, tiny_cpu, server
     assert info["disable_overlap_schedule"] is (cell["loop"] == "sync")
     planned, plain = (counter(metrics, f"sglang_spec_planner_{name}_total") for name in ("requests", "plain_requests"))
     assert 0 <= plain < planned, metrics[-1500:]  # trees were verified: plain decoding alone would match trivially
+    if cell["policy"] == "lookup":  # and (the copy prompts) accepted: steps committed several tokens a request
+        assert counter(metrics, "sglang_spec_tree_accepted_drafts_total") > 0, metrics[-1500:]
     assert "tree auto: verify sizes" in log
     replays = replays_in(log)
     if cell["graphs"] == "off":
