@@ -11,10 +11,12 @@ inputs this module keeps:
   the reach of every request it knows nothing of and of the one whose prediction is oldest (``stale``). A request
   its drafter has not drafted yet takes the traffic's: a moving average over the requests' reports by rank. A
   drafter that reports no reach (the head-only policies, trees grown on the device) is planned from each
-  request's own served accepted drafts at the full size; a request with no tree step of its own yet (or none
-  within the last ``TREE_PRICE_MEMORY`` steps) is planned at the drafter's prior (its calibrated reach by rank,
-  one accepted draft where it has none): each request is tried once where the batch allows, so one request
-  whose tree missed (SGLang's warm-up request, say) cannot keep trees off for the requests after it.
+  request's own served accepted drafts at the full size (``UnrankedRequest``). Only tree steps teach that
+  estimate, so it expires: a request with no tree step of its own, or whose last one is ``RETRY_STEPS`` steps old
+  (doubling with each tree step it was served, at most ``TREE_PRICE_MEMORY``), is planned at the drafter's prior
+  (its calibrated reach by rank), at least one accepted draft. Each request is tried where a tree step costs its
+  batch little, and tried again later (a continuation's first tokens often have nothing to copy, its later ones
+  do), and one request whose tree missed (SGLang's warm-up request, say) cannot keep trees off the others.
 * **What each size would cost.** The target's verify forward measured at start-up for each batch size and verify
   size (``CostTable``: SGLang's own dummy forward, ``step_costs``), scaled per batch-size bucket by what the served
   plain steps took over it; a tree step adds the rest of the step (drafting, host work), learnt per batch-size
@@ -57,6 +59,8 @@ SMOOTHING = 0.3  # weight of the newest step in the moving averages (the accept 
 WINDOW = 9  # served steps a cost correction is the median of (one slow step of a shared machine moves nothing)
 TREE_PRICE_MEMORY = 128  # steps a served tree step's price is kept: then trees are tried again at their verify's
 DEFAULT_CAP = 2.0  # a tree step's predicted time at most this many plain steps'
+EXPLORED_ACCEPTED = 1.0  # unranked drafters: accepted drafts a request with no tree step of its own is planned at
+RETRY_STEPS = 8  # unranked drafters: steps a request's first tree step is its estimate for (doubling each tree step)
 ACCEPT_SCALE_RANGE = (0.25, 2.0)  # the accept scale is kept within this range (one odd step cannot flip the plan)
 SPARE_REQUESTS = 256  # per-request predictions kept beyond the batch's before finished requests are dropped
 GPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # verify sizes a GPU server captures graphs for
@@ -80,6 +84,19 @@ def batch_bucket(batch_size: int) -> int:
 
 def moving_average(old: float | None, new: float) -> float:
     return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+
+@dataclass(frozen=True)
+class UnrankedRequest:
+    """What an unranked drafter's request showed in its served tree steps.
+
+    accepted:   its accepted drafts a tree step (a moving average).
+    served_at:  the planner's step count at its last tree step.
+    tree_steps: its tree steps served so far (>= 1)."""
+
+    accepted: float
+    served_at: int
+    tree_steps: int
 
 
 @dataclass
@@ -111,8 +128,7 @@ class StepPlanner:
     head_warmup: bool = False
     reach_of: dict[str, tuple[float, ...]] = field(default_factory=dict)  # rid -> its last tree's reach, best first
     prior: list[float] = field(default_factory=list)  # the traffic's reach by rank (moving averages)
-    accepted_of: dict[str, tuple[float, int]] = field(default_factory=dict)  # rid -> (its accepted drafts a tree
-    # step, a moving average; the step it was last served a tree at): unranked drafters
+    accepted_of: dict[str, UnrankedRequest] = field(default_factory=dict)  # rid -> its served trees (unranked)
     accept_scale: float = 1.0  # served accepted drafts over predicted (moving average, within ACCEPT_SCALE_RANGE)
     plain_seen: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> recent served plain / forward
     tree_seen: dict[int, deque[tuple[int, float, float]]] = field(default_factory=dict)  # bucket -> (step, served
@@ -151,14 +167,15 @@ class StepPlanner:
         return [min(value * self.accept_scale, 1.0) for value in list(own) + self.prior[len(own):self.full - 1]]
 
     def accepted_drafts(self, rid: str) -> float:
-        """An unranked drafter's request: its accepted drafts a tree step, as its served tree steps within the last
-        ``TREE_PRICE_MEMORY`` steps averaged them; else the drafter's prior (the sum of its reach by rank; one
-        accepted draft where it has none). Only tree steps teach it, so an estimate that keeps trees off expires
-        as a price does, and a new request gets its own try."""
+        """An unranked drafter's request: its accepted drafts a tree step, as its served tree steps averaged them,
+        while its last is recent (module doc); else the drafter's prior (the sum of its reach by rank), at least
+        ``EXPLORED_ACCEPTED``."""
         own = self.accepted_of.get(rid)
-        if own is not None and own[1] > self.steps - TREE_PRICE_MEMORY:
-            return own[0]
-        return sum(self.prior[: self.full - 1]) if self.prior else 1.0
+        if own is not None and self.steps - own.served_at < min(RETRY_STEPS << (own.tree_steps - 1),
+                                                               TREE_PRICE_MEMORY):
+            return own.accepted
+        # at least one: a calibrated average below a tree's break-even would never let a request show its own
+        return max(sum(self.prior[: self.full - 1]), EXPLORED_ACCEPTED)
 
     @property
     def steps(self) -> int:
@@ -269,7 +286,9 @@ class StepPlanner:
         if not self.ranked and plan.tokens == self.full:
             for rid, accepted in zip(rids, drafts):
                 own = self.accepted_of.get(rid)
-                self.accepted_of[rid] = (moving_average(None if own is None else own[0], accepted), self.steps)
+                self.accepted_of[rid] = UnrankedRequest(
+                    moving_average(None if own is None else own.accepted, accepted), self.steps,
+                    1 if own is None else own.tree_steps + 1)
         self._forget_finished(rids)
 
     def stale(self, rids: Sequence[str]) -> list[str]:

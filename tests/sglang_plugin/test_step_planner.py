@@ -15,7 +15,7 @@ import torch.distributed as dist
 from sglang_spec.costs import CostCurve, CostTable
 from sglang_spec.planner import StepPlan
 from sglang_spec.sglang_plugin.peers import PlanGroup
-from sglang_spec.sglang_plugin.step_planner import TREE_PRICE_MEMORY, StepPlanner, default_sizes
+from sglang_spec.sglang_plugin.step_planner import RETRY_STEPS, TREE_PRICE_MEMORY, StepPlanner, default_sizes
 
 FULL = 9
 
@@ -89,19 +89,28 @@ def test_a_drafter_without_reach_is_planned_whole_from_its_served_accepts():
 
 
 def test_a_request_whose_tree_missed_leaves_the_next_one_its_own_try_and_is_tried_again_later():
-    """Unranked drafters: a miss (SGLang's warm-up request, a prompt with nothing to copy) keeps that request
-    plain, not the requests after it; its estimate expires as a price does."""
+    """Unranked drafters: a miss (SGLang's warm-up request, a continuation's first tokens with nothing to copy)
+    keeps that request plain for a while, not the requests after it; it is tried again after RETRY_STEPS steps,
+    then twice as many after each further try, at most TREE_PRICE_MEMORY."""
     plan_state = StepPlanner(cpu_like_table(), (1, FULL), FULL, ranked=False, prior=[0.8, 0.6, 0.4])
     full = StepPlan(FULL, 2.8, 0.06, (8,))
     plan_state.observe(full, ["warm-up"], 0.07, [1])  # nothing accepted
     assert plan_state.choose(plan_state.table(["warm-up"]), 1).plain
     assert plan_state.predicted_reach("copy")[-1] == pytest.approx(1.8)  # the drafter's prior: a try of its own
     assert plan_state.choose(plan_state.table(["copy"]), 1).tokens == FULL
-    plain_steps = 0
-    while (plan := plan_state.choose(plan_state.table(["warm-up"]), 1)).plain and plain_steps <= TREE_PRICE_MEMORY:
-        plan_state.observe(plan, ["warm-up"], 0.05, [1])
-        plain_steps += 1
-    assert TREE_PRICE_MEMORY - 4 <= plain_steps < TREE_PRICE_MEMORY  # then its miss expired: it is tried again
+    plan_state.prior = [0.2, 0.1]  # a calibrated average below break-even: still at least one accepted draft
+    assert plan_state.predicted_reach("copy")[-1] == pytest.approx(1.0)
+    assert plan_state.choose(plan_state.table(["copy"]), 1).tokens == FULL
+    gaps, plain_steps = [], 0
+    while len(gaps) < 6:
+        plan = plan_state.choose(plan_state.table(["warm-up"]), 1)
+        plan_state.observe(plan, ["warm-up"], 0.05 if plan.plain else 0.07, [1])
+        if plan.plain:
+            plain_steps += 1
+        else:
+            gaps.append(plain_steps)
+            plain_steps = 0
+    assert gaps[1:] == [min(RETRY_STEPS << tries, TREE_PRICE_MEMORY) for tries in range(1, 6)], gaps
 
 
 def test_without_a_start_up_table_each_size_is_tried_then_priced_as_served():

@@ -71,7 +71,10 @@ def test_two_processes_reach_the_loss_and_weights_of_one(capture, one_process, t
     weights_one, weights_two = _weights(one_process), _weights(two)
     assert weights_one.keys() == weights_two.keys()
     for name in weights_one:
-        torch.testing.assert_close(weights_two[name], weights_one[name], atol=1e-6, rtol=1e-5, msg=name)
+        # AdamW divides each update by its gradient's running magnitude, so where a gradient is near zero the two
+        # ranks' summation order (a rounding difference) moves a weight by a small fraction of one step (lr 5e-3):
+        # a few millionths here, against the > 1e-3 another seed's batches move them
+        torch.testing.assert_close(weights_two[name], weights_one[name], atol=2e-5, rtol=1e-5, msg=name)
     # the agreement means something: another seed (other batches) ends elsewhere
     assert main([*TRAIN, "--capture", str(capture), "--out", str(other_seed), "--seed", "1"]) == 0
     capsys.readouterr()
