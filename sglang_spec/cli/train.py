@@ -83,6 +83,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
                         help="with --capture and --init: draft over the --init head's vocabulary, not the capture's "
                         "most frequent tokens (a head swapped into a running server keeps its token map; "
                         "`sglang-spec adapt` trains so)")
+    parser.add_argument("--teacher-store", type=path_arg, default=None, metavar="DIR",
+                        help="with --capture: keep each sequence's soft targets in DIR, so a later run over the same "
+                             "sequences (a rolling window) reads them instead of recomputing")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     parser.add_argument("--force", action="store_true", help="overwrite --out and its training state")
     parser.add_argument("--allow-model-mismatch", action="store_true",
@@ -116,6 +119,8 @@ def _run(args: argparse.Namespace, world: World) -> int:
         raise SpecError(f"--batch-size {args.batch_size} is smaller than the {world.size} processes; give each "
                         f"at least one sequence")
     # everything that can be checked without the model first: a bad --out fails now, not after the teacher pass
+    if args.teacher_store is not None and args.capture is None:
+        raise SpecError("--teacher-store keeps soft targets of captured sequences; use it with --capture, or drop it")
     if args.keep_draft_vocab and (args.capture is None or args.init is None):
         raise SpecError("--keep-draft-vocab keeps the --init head's vocabulary when training from --capture; give "
                         "both, or drop it")
@@ -155,7 +160,8 @@ def _run(args: argparse.Namespace, world: World) -> int:
                   world=world)
     if args.capture is not None:
         summary = train_head_from_capture(loaded, args.capture, config, args.out,
-                                          keep_draft_vocab=args.keep_draft_vocab, **common)
+                                          keep_draft_vocab=args.keep_draft_vocab, teacher_store=args.teacher_store,
+                                          **common)
     else:
         summary = train_head(loaded, records, config, args.out, **common)
     if not world.is_main:

@@ -9,7 +9,9 @@ One loop, in its own process beside a running tree server (HTTP only; the server
 2. **Train.** Every ``train_every`` new sequences, the window (hard-linked into a snapshot the capture cannot
    change) trains a candidate from the served head: ``sglang-spec train --capture --keep-draft-vocab`` in a child
    process (under ``torchrun`` with ``train_processes`` > 1; ``train_threads`` threads, ``train_nice`` niceness:
-   off the serving cores' critical path where the machine has room).
+   off the serving cores' critical path where the machine has room). The rounds share a teacher store
+   (``teacher_store``): a sequence's soft targets are computed in the first round that trains on it, read in the
+   later ones, and dropped once a round no longer does.
 3. **Screen.** A round trains on the window less a ``holdout`` share of its requests, and scores both the
    candidate and the head it was trained from on those (top-1 agreement with the target per drafting depth on
    their answers, as a chain's expected accept length): a candidate not above the served head is not swapped in.
@@ -57,6 +59,7 @@ from sglang_spec.train.capture import MANIFEST, CaptureManifest, CaptureWriter, 
 from sglang_spec.train.live_traffic import (TailPosition, TrafficTail, capture_served, disk_free_bytes,
                                             position_from_json, position_to_json)
 from sglang_spec.train.server_capture import post_json
+from sglang_spec.train.teacher_store import prune_untouched
 from sglang_spec.train.server_counts import (LAUNCH_HEAD, parse_head_counts, parse_rank_counts, rank_rows,
                                              subtract_counts)
 from sglang_spec.tree.policies import MAX_TOPK
@@ -65,6 +68,7 @@ from sglang_spec.tree.token_tree import MAX_DEPTH, TokenTree
 
 STATE_FILE = "adapt.json"
 EVENTS_FILE = "events.jsonl"
+TEACHER_STORE = "teacher"  # each window sequence's soft targets, kept across rounds (``train --teacher-store``)
 
 
 @dataclass(frozen=True)
@@ -349,6 +353,7 @@ class Adapter:
         self.tail = TrafficTail(job.log, job.encode, self.state.position)
         self.trainer: subprocess.Popen | None = None
         self.trainer_log: Path | None = None
+        self.round_started = 0.0  # time.time() at the running round's start (what the teacher store keeps)
         self.candidate: Path | None = None
         self.ready: tuple[Path, str] | None = None  # a head to swap in once the served head's baseline is measured
         self.capture_paused = False
@@ -461,7 +466,8 @@ class Adapter:
                  "--feedback", self.served_head.feedback, "--steps", str(settings.steps),
                  "--batch-size", str(settings.batch_size), "--seq-len", str(settings.seq_len),
                  "--unroll", str(settings.unroll), "--lr", str(settings.lr), "--eval-fraction", str(settings.holdout),
-                 "--checkpoint-every", str(settings.steps), "--force", "--json"]
+                 "--checkpoint-every", str(settings.steps), "--teacher-store", str(work / TEACHER_STORE), "--force",
+                 "--json"]
         if settings.bf16:
             train.append("--bf16")
         if settings.train_processes > 1:
@@ -470,6 +476,7 @@ class Adapter:
         else:
             command = [sys.executable, *train]
         environment = {**os.environ, "OMP_NUM_THREADS": str(settings.train_threads), "HF_HUB_OFFLINE": "1"}
+        self.round_started = time.time()
         niceness = settings.train_nice
         with open(self.trainer_log, "w") as log:
             self.trainer = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
@@ -481,6 +488,8 @@ class Adapter:
         assert self.trainer is not None and self.candidate is not None and self.trainer_log is not None
         code = self.trainer.returncode
         self.trainer = None
+        # the store holds the window's sequences: what this round neither read nor wrote has left the window
+        prune_untouched(self.job.work / TEACHER_STORE, self.round_started)
         if code != 0:
             lines = [line for line in self.trainer_log.read_text(errors="replace").splitlines() if line.strip()]
             self._event("train_fault", f"round {self.state.rounds}: the trainer failed (exit {code}: "

@@ -46,6 +46,7 @@ from sglang_spec.train.capture import CapturedSequence, iter_captured, read_mani
 from sglang_spec.train.distill import TeacherBatch, unrolled_loss
 from sglang_spec.train.distributed import World, full_state, load_full_state, rank_rows, shard_head
 from sglang_spec.train.records import EncodedRecord, encode_record, is_eval_record
+from sglang_spec.train.teacher_store import TeacherStore
 from sglang_spec.train.traffic import TrafficRecord
 
 
@@ -163,13 +164,20 @@ def soft_targets(hidden: torch.Tensor, output_weight: torch.Tensor, draft_vocab:
 
 
 def teacher_from_capture(data: TrainingData, hidden: Sequence[torch.Tensor], output_weight: torch.Tensor,
-                         top_k: int, progress: bool = True) -> TeacherCache:
-    """Step 3 from a capture: the captured hidden states (float16, [L, d] per record) and their soft targets."""
+                         top_k: int, progress: bool = True, store: Path | None = None) -> TeacherCache:
+    """Step 3 from a capture: the captured hidden states (float16, [L, d] per record) and their soft targets;
+    ``store``: a folder that keeps each sequence's targets for later runs over the same sequences
+    (``teacher_store``)."""
+    kept = None if store is None else TeacherStore(store, output_weight, data.draft_vocab, top_k)
     ids_list, probs_list = [], []
     for states in tqdm(hidden, desc="soft targets from captured states", unit="seq", disable=not progress):
-        ids, probs = soft_targets(states, output_weight, data.draft_vocab, top_k)
-        ids_list.append(ids)
-        probs_list.append(probs)
+        targets = None if kept is None else kept.get(states)
+        if targets is None:
+            targets = soft_targets(states, output_weight, data.draft_vocab, top_k)
+            if kept is not None:
+                kept.put(states, *targets)
+        ids_list.append(targets[0])
+        probs_list.append(targets[1])
     return TeacherCache(list(data.records), [states.to(torch.float16) for states in hidden], ids_list, probs_list)
 
 
@@ -650,11 +658,13 @@ def train_head_from_capture(
     metadata: dict[str, Any] | None = None,
     world: World = World(),
     keep_draft_vocab: bool = False,
+    teacher_store: Path | None = None,
 ) -> TrainSummary:
     """Trains an MTP head on the captured dataset in ``capture`` and writes it to ``out``. ``loaded`` needs only
     the target's config, tokenizer, embedding and output head: a target shell (``models/target_shell.py``).
     ``keep_draft_vocab``: draft over ``init``'s vocabulary instead of the capture's most frequent tokens (a head
-    swapped into a running server must keep the token map it launched with)."""
+    swapped into a running server must keep the token map it launched with). ``teacher_store``: a folder that
+    keeps each sequence's soft targets for later runs over the same sequences (``teacher_store``)."""
     out, capture = Path(out), Path(capture)
     check_train_paths(out, resume, force)
     manifest = read_manifest(capture)
@@ -671,7 +681,8 @@ def train_head_from_capture(
             raise SpecError("--keep-draft-vocab keeps the --init head's draft vocabulary; give --init")
         data = with_draft_vocab(data, init.draft_vocab, config)
     output_weight = loaded.model.get_output_embeddings().weight
-    cache = teacher_from_capture(data, hidden, output_weight, config.top_k_targets, progress and world.is_main)
+    cache = teacher_from_capture(data, hidden, output_weight, config.top_k_targets, progress and world.is_main,
+                                 teacher_store)
     return _fit_and_save(loaded, data, cache, config, out, init, resume, progress, metadata or {}, world)
 
 

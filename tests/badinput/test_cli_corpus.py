@@ -210,6 +210,7 @@ CASES = [
         ("init corrupt", ["--init", C + "head-truncated.safetensors"], "head-truncated.safetensors"),
         ("init of another model", ["--init", W + "smollm2-head.safetensors"], "trained for 'smollm2'"),
         ("resume nothing", ["--resume"], "nothing to resume"),
+        ("teacher-store without a capture", ["--teacher-store", W + "store"], "use it with --capture"),
     )],
     *[(f"train traffic {name}", ["train", *TINY, "--traffic", C + name, "--out", W + "h.safetensors"], name)
       for name in ("traffic-a-list.jsonl", "traffic-a-string.jsonl", "traffic-no-completion.jsonl",

@@ -234,3 +234,26 @@ def test_a_round_trains_with_bf16_autocast_only_when_asked(tmp_path, monkeypatch
     adapter._start_training()
     assert len(started) == 1 and "train" in started[0]
     assert ("--bf16" in started[0]) == bf16
+    store = started[0][started[0].index("--teacher-store") + 1]  # the rounds share one store in the work folder
+    assert store == str(tmp_path / "adapt" / adapt.TEACHER_STORE)
+
+
+def test_a_finished_round_drops_the_teacher_entries_it_did_not_touch(tmp_path):
+    import os
+    import time
+
+    import sglang_spec.train.adapt as adapt
+    from sglang_spec.train.teacher_store import SUFFIX
+
+    adapter = _adapter(tmp_path)
+    store = tmp_path / "adapt" / adapt.TEACHER_STORE
+    store.mkdir(parents=True)
+    left, read = store / f"left{SUFFIX}", store / f"read{SUFFIX}"
+    for path in (left, read):
+        path.write_bytes(b"")
+        os.utime(path, (time.time() - 600,) * 2)
+    adapter.round_started = time.time() - 60
+    os.utime(read)  # the round read it
+    _finished_round(adapter, tmp_path, {"eval_sequences": 0})
+    assert adapter._training()
+    assert not left.exists() and read.exists()
