@@ -174,7 +174,7 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, tiny_cpu, server
     assert info["disable_overlap_schedule"] is (cell["loop"] == "sync")
     planned, plain = (counter(metrics, f"sglang_spec_planner_{name}_total") for name in ("requests", "plain_requests"))
     assert 0 <= plain < planned, metrics[-1500:]  # trees were verified: plain decoding alone would match trivially
-    if cell["policy"] == "lookup":  # and (the copy prompts) accepted: steps committed several tokens a request
+    if cell["policy"] == "lookup":  # and accepted: the prompts hold context their continuations copy
         assert counter(metrics, "sglang_spec_tree_accepted_drafts_total") > 0, metrics[-1500:]
     assert "tree auto: verify sizes" in log
     replays = replays_in(log)
