@@ -59,9 +59,9 @@ from sglang_spec.train.capture import MANIFEST, CaptureManifest, CaptureWriter, 
 from sglang_spec.train.live_traffic import (TailPosition, TrafficTail, capture_served, disk_free_bytes,
                                             position_from_json, position_to_json)
 from sglang_spec.train.server_capture import post_json
-from sglang_spec.train.teacher_store import prune_untouched
 from sglang_spec.train.server_counts import (LAUNCH_HEAD, parse_head_counts, parse_rank_counts, rank_rows,
                                              subtract_counts)
+from sglang_spec.train.teacher_store import prune_untouched
 from sglang_spec.tree.policies import MAX_TOPK
 from sglang_spec.tree.profile import AcceptanceProfile
 from sglang_spec.tree.token_tree import MAX_DEPTH, TokenTree
@@ -488,14 +488,15 @@ class Adapter:
         assert self.trainer is not None and self.candidate is not None and self.trainer_log is not None
         code = self.trainer.returncode
         self.trainer = None
-        # the store holds the window's sequences: what this round neither read nor wrote has left the window
-        prune_untouched(self.job.work / TEACHER_STORE, self.round_started)
         if code != 0:
             lines = [line for line in self.trainer_log.read_text(errors="replace").splitlines() if line.strip()]
             self._event("train_fault", f"round {self.state.rounds}: the trainer failed (exit {code}: "
                         f"{brief(lines[-1] if lines else 'no output', 200)}); the server keeps serving head "
                         f"{self.state.served}")
             return True
+        # the store holds the window's sequences: what this round neither read nor wrote has left the window (a
+        # round that failed may have stopped before reading them all: its store stays)
+        prune_untouched(self.job.work / TEACHER_STORE, self.round_started)
         summary = self._summary(self.trainer_log)
         scores = screen_verdict(summary)
         if scores is not None:

@@ -1,6 +1,6 @@
 """Soft targets kept per captured sequence across training runs (``sglang-spec train --capture ... --teacher-store
-DIR``): a rolling window trains on mostly the same sequences round after round (``sglang-spec adapt``), and the
-target's full-vocabulary softmax over each sequence's captured states is a round's largest fixed cost on a CPU.
+DIR``): a rolling window trains on mostly the same sequences round after round (``sglang-spec adapt``), and
+without it every round computes the target's full-vocabulary softmax over every sequence's captured states again.
 
 An entry is named by a digest of what its targets are a function of: the sequence's captured states (float16
 bytes), the output head's weights, the draft vocabulary and ``top_k``; another model, head or vocabulary never
