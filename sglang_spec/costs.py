@@ -99,7 +99,7 @@ def verify_seconds(costs: CostCurve, nodes: int) -> float:
     return interpolate_seconds(costs.verify, nodes)
 
 
-def interpolate_seconds(measured: dict[int, float], size: int) -> float:
+def interpolate_seconds(measured: dict[int, float], size: float) -> float:
     """A time measured at some sizes (tokens, requests), read at ``size``: linear between measured sizes, the
     smallest's below them, proportional past the largest."""
     sizes = sorted(measured)

@@ -11,6 +11,11 @@ always allowed.
 The reference decoder asks it per step with its tree's own reach at batch 1 over every size (``tree.best_first``);
 the server asks it before each decode step with each request's predicted reach over the verify sizes it can run,
 the ranks of a tensor-parallel group agreeing on its inputs first (``sglang_plugin.step_planner``): one chooser.
+
+Where each request's verify forward covers its own tree (a ragged verify, ``sglang_plugin.ragged_verify``), a step
+need not give every request the same size: ``plan_ragged`` takes the batch's draft nodes best first across its
+requests, the step priced at the tokens it verifies, and gives each request its share (0: the request decodes
+plainly in that step).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+from sglang_spec.costs import interpolate_seconds
 
 
 @dataclass(frozen=True)
@@ -100,3 +107,58 @@ def plan_step(reach: Sequence[Sequence[float]], seconds: Callable[[int], float],
     cap_seconds: a size whose predicted step is longer is not taken (None: no cap); the plain step always is."""
     size, expected, time = choose_size(size_table(reach, seconds, sizes), cap_seconds)
     return StepPlan(size, expected, time, tuple(min(size - 1, len(nodes)) for nodes in reach))
+
+
+def ragged_seconds(table: SizeTable) -> Callable[[float], float]:
+    """A step's predicted seconds when its requests verify ``t`` tokens each on average (root included; a float),
+    read off a table priced by uniform sizes: the plain step at ``t`` 1, a tree step linear between the sizes
+    (below the smallest tree size, that size's: a tree step pays its drafting whatever its size)."""
+    plain = table.seconds[0]
+    trees = {size: seconds for size, seconds in zip(table.sizes, table.seconds) if size > 1}
+    if not trees:
+        return lambda tokens: plain
+    return lambda tokens: plain if tokens <= 1 else interpolate_seconds(trees, tokens)
+
+
+def plan_ragged(reach: Sequence[Sequence[float]], seconds: Callable[[float], float], sizes: Sequence[int],
+                cap_seconds: float | None = None) -> StepPlan:
+    """The plan of one step whose requests verify their own number of nodes (a ragged verify).
+
+    reach:       per request, its draft nodes' reach (taken best first; a request's share is its best nodes).
+    seconds:     the step's predicted seconds when its requests verify ``t`` tokens each on average, root
+                 included (``ragged_seconds``; ``t`` 1: a plain step).
+    sizes:       the widths a step may run at (ascending, 1 first): no request verifies more than the largest.
+    cap_seconds: a step predicted longer is not taken (None: no cap); the plain step always is.
+
+    The batch's nodes are taken best first across its requests (equal reach: the request with fewer taken so far,
+    then the earlier); of the first
+    m, the m with the least seconds per expected token wins (m = 0: a plain step). ``tokens`` is the smallest size
+    that holds the largest share plus the root, ``nodes`` each request's share."""
+    if not reach:
+        raise ValueError("a step plans at least one request")
+    batch = len(reach)
+    widest = max(sizes)
+    # (reach, rank within its request, request): equal reach goes to the request with fewer nodes so far
+    slots = sorted((value, rank, row) for row, nodes in enumerate(reach)
+                   for rank, value in enumerate(sorted(nodes, reverse=True)[: widest - 1]))
+    slots.sort(key=lambda slot: -slot[0])  # stable: within equal reach, by rank, then request
+    best, best_expected, best_time = 0, float(batch), seconds(1.0)
+    expected = float(batch)
+    for taken, (value, _, _) in enumerate(slots, start=1):
+        expected += value
+        time = seconds(1.0 + taken / batch)
+        if cap_seconds is not None and time > cap_seconds:
+            break  # the price only grows with the nodes taken
+        if time / expected < best_time / best_expected:
+            best, best_expected, best_time = taken, expected, time
+    nodes = [0] * batch
+    for _, _, row in slots[:best]:
+        nodes[row] += 1
+    return StepPlan(width_for(nodes, sizes), best_expected, best_time, tuple(nodes))
+
+
+def width_for(nodes: Sequence[int], sizes: Sequence[int]) -> int:
+    """The smallest of ``sizes`` that holds the largest of ``nodes`` plus its root; 1 (the plain step, always a
+    candidate) where every share is 0."""
+    needed = max(nodes, default=0) + 1
+    return 1 if needed == 1 else min(size for size in sizes if size >= needed)

@@ -1,10 +1,11 @@
-"""``plan_step``: the verify size with the least predicted seconds per token, under the step-time cap."""
+"""``plan_step``: the verify size with the least predicted seconds per token, under the step-time cap;
+``plan_ragged``: each request's share of a ragged step's nodes, under the same rule."""
 
 from __future__ import annotations
 
 import pytest
 
-from sglang_spec.planner import expected_tokens, plan_step
+from sglang_spec.planner import SizeTable, expected_tokens, plan_ragged, plan_step, ragged_seconds, size_table
 
 
 def linear_seconds(plain: float, per_token: float):
@@ -52,3 +53,42 @@ def test_ties_go_to_the_smaller_size_and_bad_input_is_refused():
         plan_step([], lambda tokens: 1.0, sizes=[1])
     with pytest.raises(ValueError, match=">= 1"):
         plan_step([[0.5]], lambda tokens: 1.0, sizes=[0, 2])
+
+
+def test_a_ragged_step_gives_a_copying_request_its_tree_and_a_chatting_one_a_plain_step():
+    copying, chatting = [0.95, 0.9, 0.85, 0.8, 0.75], [0.1, 0.05]
+    seconds = linear_seconds(1.0, 0.05)  # a token a request costs 5% of a plain step
+    plan = plan_ragged([chatting, copying, chatting, copying], seconds, sizes=range(1, 7))
+    assert plan.nodes == (0, 5, 0, 5) and plan.tokens == 6
+    assert plan.expected_tokens == pytest.approx(4 + 2 * sum(copying))
+    assert plan.predicted_seconds == pytest.approx(seconds(1 + 10 / 4))
+    # the uniform plan of the same batch pays for the chatting requests' nodes too: fewer tokens a second
+    uniform = plan_step([chatting, copying, chatting, copying], seconds, sizes=range(1, 7))
+    assert plan.seconds_per_token < uniform.seconds_per_token
+
+
+@pytest.mark.parametrize("reach", [[0.9, 0.8, 0.5, 0.2, 0.05], [0.3, 0.1], [0.99] * 8, []])
+def test_at_one_request_the_ragged_plan_is_the_uniform_one(reach):
+    """One chooser: at batch 1 (the reference decoder's case) both rules take the same size, read off the same
+    table."""
+    table = size_table([reach], linear_seconds(1.0, 0.15), range(1, 10))
+    seconds = ragged_seconds(table)
+    assert [seconds(size) for size in table.sizes] == list(table.seconds)
+    assert plan_ragged([reach], seconds, range(1, 10)).tokens == plan_step([reach], linear_seconds(1.0, 0.15),
+                                                                           range(1, 10)).tokens
+
+
+def test_a_ragged_step_keeps_under_the_cap_and_rounds_its_width_up_to_a_size():
+    reach = [[0.99] * 8, [0.99] * 8]
+    seconds = linear_seconds(1.0, 0.1)
+    capped = plan_ragged(reach, seconds, sizes=range(1, 10), cap_seconds=1.45)
+    assert capped.predicted_seconds <= 1.45 and sum(capped.nodes) == 9  # 1 + 9 / 2 tokens a request: 1.45 s
+    assert capped.nodes == (5, 4)  # equal reach: in turn, the earlier request first
+    assert plan_ragged(reach, seconds, sizes=[1, 4, 9], cap_seconds=1.45).tokens == 9  # 6 tokens: the next size
+    assert plan_ragged(reach, seconds, sizes=range(2, 10), cap_seconds=0.5).plain
+
+
+def test_a_tree_step_below_the_smallest_tree_size_pays_that_size():
+    table = SizeTable((1, 4, 8), (1.0, 2.0, 3.0), (1.0, 1.6, 2.0))
+    seconds = ragged_seconds(table)
+    assert seconds(1.0) == 1.0 and seconds(1.25) == 1.6 and seconds(6.0) == pytest.approx(1.8)

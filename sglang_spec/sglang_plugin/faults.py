@@ -34,6 +34,7 @@ RECORD = "record"  # after the accept: the accepted paths handed to the context 
 OBSERVE = "observe"  # at the next draft: the context drafter learns from the paths (lookup / hybrid)
 COUNTS = "counts"  # per request, after the step: the per-position acceptance counts
 AUTO = "auto"  # --speculative-tree-auto: the step's choice and its timing
+RAGGED = "ragged"  # a draft's ragged verify: its fillers unlinked, its lengths for the forward (hooks.draft)
 PENALTIES = "penalties"  # a penalised verify batch's penalties per tree node (hooks.accept)
 HEAD_FAULTS = "head_faults"  # the count of requests drafted from a non-finite head output (hooks.draft)
 HEAD_SKIP = "head_skip"  # the head's pass skipped where no tree reads it: SGLang's stub of its outputs (hooks.draft)

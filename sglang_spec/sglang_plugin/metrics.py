@@ -30,11 +30,15 @@ per decode step) gives the verify size the planner chose, ``sglang_spec_planner_
 ``sglang_spec_planner_head_{rested,warmup}_steps_total`` the plain steps that left the head's draft extend out and
 the trees taken as a plain step to run it (``PlannerMetrics``).
 
+Where steps verify ragged (each request's forward covers its own tree), ``sglang_spec_verify_tokens_computed_total``
+over ``sglang_spec_verify_tokens_dense_total`` is the share of SGLang's fixed-width verify tokens the forwards
+computed (``VerifyTokenMetrics``).
+
 ``sglang_spec_draft_faults_total{error}`` counts the batches whose draft raised inside the plugin and were verified
 without speculation instead (``hooks.draft.draft_forward_around``), by exception type;
 ``sglang_spec_accept_faults_total{stage,error}`` the faults in the plugin's accept and its other per-batch and
 per-request hooks (``faults.accept_fault``, ``faults.plugin_fault``), by stage (``faults``: accept, commit, record,
-observe, counts, auto, penalties; request_check, counted in the tokenizer manager's process) and exception type.
+observe, counts, auto, penalties, ragged; request_check, counted in the tokenizer manager's process) and exception type.
 """
 
 from __future__ import annotations
@@ -260,6 +264,39 @@ class PlannerMetrics:
 
 
 PLANS = PlannerMetrics()
+
+
+class VerifyTokenMetrics:
+    """Tokens the target's verify forwards computed on a server whose steps verify ragged (``ragged_verify``)
+    against the tokens SGLang's fixed width would have computed for the same steps (host counts; Prometheus once
+    enabled, attention-TP rank 0 with ``--enable-metrics``)."""
+
+    def __init__(self) -> None:
+        self.computed = 0
+        self.dense = 0
+        self._prometheus: tuple[Any, Any] | None = None
+
+    def enable_prometheus(self) -> None:
+        if self._prometheus is not None:
+            return
+        from prometheus_client import Counter as PrometheusCounter
+
+        self._prometheus = (
+            PrometheusCounter("sglang_spec_verify_tokens_computed", "tokens the verify forwards computed"),
+            PrometheusCounter("sglang_spec_verify_tokens_dense",
+                              "tokens the same verify forwards would compute at SGLang's fixed width"))
+
+    def record(self, computed: int, dense: int) -> None:
+        if not METRICS.counting:
+            return
+        self.computed += computed
+        self.dense += dense
+        if self._prometheus is not None:
+            self._prometheus[0].inc(computed)
+            self._prometheus[1].inc(dense)
+
+
+VERIFY_TOKENS = VerifyTokenMetrics()
 
 
 # ------------------------------------------------------------------------------------------- per-rank acceptance

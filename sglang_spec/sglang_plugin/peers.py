@@ -101,6 +101,13 @@ class PlanGroup:
         torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX, group=self.cpu_group)
         return SizeTable(table.sizes, tuple(expected.tolist()), tuple(seconds.tolist()))
 
+    def least(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        """Each of ``values`` (a ragged plan's per-request shares) as the group's least: the same on every rank,
+        and the rank's own wherever the ranks predicted alike (every rank calls this at the same steps)."""
+        tensor = torch.tensor(values, dtype=torch.int64)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self.cpu_group)
+        return tuple(tensor.tolist())
+
     def slowest(self, *seconds: float) -> tuple[float, ...]:
         """Each of ``seconds`` as the group's slowest rank measured it (every rank calls this at the same point of
         the same steps)."""

@@ -74,6 +74,8 @@ class WorkerState:
       committed:      each verify's committed tokens, with the overlap scheduler (``committed``).
       auto:           tree auto's planner (``--speculative-tree-auto``), made before the first step.
       shapes:         tree auto's verify sizes, each with SGLang's runtime state (made with the planner).
+      ragged:         each request's verify forward covers its real tree only (``ragged_verify``), where the
+                      target's back-end and the server's shape allow it (None until the first draft decides).
     The head served (``swap_head``, at every in-place update of the draft's weights, ``hooks.swap``):
       head_version:   swaps since launch (0: the launch head); what the acceptance estimates were made with.
       head_label:     the served head's label (``LAUNCH_HEAD`` at launch).
@@ -82,6 +84,10 @@ class WorkerState:
     Per step, set and cleared by the hooks that own them:
       draft_requests: the requests of the draft step in flight, in batch order (the draft hook).
       step_budget:    draft nodes a request this step where the plan verifies a smaller tree (None: ``budget``).
+      request_budgets: draft nodes of each request's tree this step (batch order) where the plan is ragged
+                      (``StepPlanner.ragged``), at most ``step_nodes`` each; None: ``step_nodes`` for all.
+      verified_tokens: the tokens the last verify forward computed, the batch's total (set by the verify hook
+                      on a ragged server; None elsewhere).
     """
 
     options: TreeServerOptions
@@ -97,8 +103,11 @@ class WorkerState:
     committed: CommittedOutputs | None = None
     auto: StepPlanner | None = None
     shapes: VerifyShapes | None = None
+    ragged: bool | None = None
     draft_requests: list[Any] | None = None
     step_budget: int | None = None
+    request_budgets: tuple[int, ...] | None = None
+    verified_tokens: int | None = None
     head_version: int = 0
     head_label: str = LAUNCH_HEAD
     head_swapped: list[Callable[[HeadSwap], None]] = field(default_factory=list)

@@ -39,10 +39,14 @@ tensor-parallel group rests the head at the same steps. (Under DP attention one 
 while another decodes, so there the head runs every step: ``head_rest`` None.)
 
 A step is capped at ``cap`` times a plain step's predicted time (the gap a streaming client sees between chunks).
-The plan is one size for the whole batch (SGLang verifies a fixed number of tokens a request per step); a request
-whose tree is smaller verifies filler nodes beside it. The ranks of a tensor-parallel group (and of every DP
-attention group) agree on the plan's inputs before choosing (``peers.PlanGroup``), so every rank takes the same
-step whatever its local timings.
+Where the server verifies ragged (``ragged``: each request's forward covers its own tree, ``ragged_verify``), the
+step gives each request its own share of nodes (``planner.plan_ragged``: the batch's nodes best first across its
+requests, the step priced at the tokens it verifies; a request with no share decodes plainly inside a tree step),
+and a served step is priced at the tokens it verified. Elsewhere the plan is one size for the whole batch (SGLang
+verifies a fixed number of tokens a request per step); a request whose tree is smaller verifies filler nodes beside
+it. The ranks of a tensor-parallel group (and of every DP attention group) agree on the plan's inputs before
+choosing (``peers.PlanGroup``), and on a ragged plan's shares (the least of each), so every rank takes the same step
+whatever its local timings.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 from sglang_spec.costs import CostTable, interpolate_seconds
-from sglang_spec.planner import SizeTable, StepPlan, choose_size, expected_tokens
+from sglang_spec.planner import (SizeTable, StepPlan, choose_size, expected_tokens, plan_ragged, ragged_seconds,
+                                  width_for)
 
 SMOOTHING = 0.3  # weight of the newest step in the moving averages (the accept scale, the prior)
 WINDOW = 9  # served steps a cost correction is the median of (one slow step of a shared machine moves nothing)
@@ -109,6 +114,8 @@ class StepPlanner:
     full:           the server's tree: budget + 1 tokens a request.
     cap:            a tree step's predicted time at most ``cap`` plain steps'.
     ranked:         whether the drafter reports per-node reach (lookup / hybrid on the host).
+    ragged:         whether each request's verify forward covers its own tree (``ragged_verify``): the step then
+                    gives each request its own share of nodes (``ragged_plan``), not one size to all.
     head_rest:      plain steps in a row after which a plain step leaves the head's draft extend out; None: never
                     (a drafter that never runs the head, DP attention, a pool whose slots cannot be zeroed).
     Per step, set by ``take`` (the agreed size as the step takes it):
@@ -122,6 +129,7 @@ class StepPlanner:
     full: int
     cap: float = DEFAULT_CAP
     ranked: bool = True
+    ragged: bool = False
     head_rest: int | None = None
     plain_run: int = 0
     skip_head: bool = False
@@ -159,12 +167,16 @@ class StepPlanner:
 
     # -------------------------------------------------------------------------------------------- the plan
     def predicted_reach(self, rid: str) -> list[float]:
-        """The request's draft nodes' predicted reach, best first: its drafter's estimates scaled by the served accept
-        scale (ranked drafters); its served accepted drafts at the full size (the others)."""
+        """The request's draft nodes' predicted reach, best first: its drafter's estimates, then the traffic's by rank
+        capped at its own worst, scaled by the served accept scale (ranked drafters); its served accepted drafts at
+        the full size (the others)."""
         if not self.ranked:  # the whole tree or nothing: its served accepted drafts, at the full size
             return [0.0] * (self.full - 2) + [self.accepted_drafts(rid)]
         own = self.reach_of.get(rid, ())
-        return [min(value * self.accept_scale, 1.0) for value in list(own) + self.prior[len(own):self.full - 1]]
+        # past its own nodes, the traffic's by rank, never above its own worst: a tree grows best first
+        ceiling = min(own, default=1.0)
+        rest = [min(value, ceiling) for value in self.prior[len(own):self.full - 1]]
+        return [min(value * self.accept_scale, 1.0) for value in list(own) + rest]
 
     def accepted_drafts(self, rid: str) -> float:
         """An unranked drafter's request: its accepted drafts a tree step, as its served tree steps averaged them,
@@ -243,6 +255,26 @@ class StepPlanner:
         self.chosen[taken] += 1
         return StepPlan(taken, expected, seconds, (taken - 1,) * batch_size)
 
+    def ragged_plan(self, table: SizeTable, rids: Sequence[str]) -> StepPlan:
+        """Each request's share of the step's nodes (``planner.plan_ragged``) from its predicted reach, priced by
+        the (agreed) table at the tokens the step verifies; not yet taken (``take_ragged``, once the group agreed
+        on the shares)."""
+        reach = [self.predicted_reach(rid) for rid in rids]
+        return plan_ragged(reach, ragged_seconds(table), self.sizes, self.cap * table.seconds[0])
+
+    def take_ragged(self, table: SizeTable, plan: StepPlan, nodes: Sequence[int]) -> StepPlan:
+        """The ragged plan with the group's agreed shares ``nodes`` (the same as ``plan``'s on every rank that
+        predicts alike), as the step takes it (``take``: a tree right after the head rested is a plain step)."""
+        width = width_for(nodes, self.sizes)
+        if tuple(nodes) != plan.nodes:
+            plan = StepPlan(width, plan.expected_tokens, ragged_seconds(table)(1.0 + sum(nodes) / len(nodes)),
+                            tuple(nodes))
+        taken = self.take(width)
+        self.chosen[taken] += 1
+        if taken != width:
+            return StepPlan(1, table.expected[0], table.seconds[0], (0,) * len(nodes))
+        return plan
+
     def size_for(self, table: SizeTable) -> int:
         """The verify size ``choose`` takes for the (agreed) table, not counted as a step: what a rank with no
         request of its own runs beside the group's (a function of the agreed table alone, as on every rank; its
@@ -262,15 +294,19 @@ class StepPlanner:
         return size
 
     # -------------------------------------------------------------------------------------------- learning
-    def observe(self, plan: StepPlan, rids: Sequence[str], seconds: float, accept_lens: Sequence[int]) -> None:
+    def observe(self, plan: StepPlan, rids: Sequence[str], seconds: float, accept_lens: Sequence[int],
+                verified_tokens: int | None = None) -> None:
         """A served step of ``plan`` took ``seconds`` and each request committed ``accept_lens`` tokens (accepted
-        drafts + 1): its costs, and for a tree step how its accepted drafts compare with the prediction."""
+        drafts + 1): its costs, and for a tree step how its accepted drafts compare with the prediction.
+        ``verified_tokens``: what a ragged step's forward verified, the batch's total (None: ``plan.tokens`` a
+        request)."""
         batch = len(rids)
         bucket = batch_bucket(batch)
         first = (bucket, plan.tokens) not in self.served  # a shape's first step also allocates: not its price
         self.served[bucket, plan.tokens] = moving_average(self.served.get((bucket, plan.tokens)), seconds)
         if self.costs is not None and not first:
-            forward = _verify_at(self.costs.at(batch).verify, plan.tokens)
+            size = plan.tokens if verified_tokens is None else verified_tokens / batch
+            forward = _verify_at(self.costs.at(batch).verify, size)
             if plan.plain:
                 self.plain_seen.setdefault(bucket, deque(maxlen=WINDOW)).append(seconds / forward)
             else:
@@ -352,6 +388,6 @@ def _median(values: Iterable[float]) -> float | None:
     return ordered[len(ordered) // 2] if ordered else None
 
 
-def _verify_at(verify: Mapping[int, float], size: int) -> float:
+def _verify_at(verify: Mapping[int, float], size: float) -> float:
     """The forward's time at ``size`` tokens a request, linear between measured sizes."""
     return interpolate_seconds(dict(verify), size)

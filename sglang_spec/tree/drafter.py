@@ -42,13 +42,13 @@ class TreeDrafter:
         (``builder.rounds()``), for callers that batch the head's forwards across requests (the SGLang plugin).
         ``costs``: this step's prices, in place of the policy's curve (a head level runs only where it pays);
         ``budget``, ``depth``: this step's draft nodes and levels at most, where below the policy's (a planned
-        smaller tree)."""
+        smaller tree; a budget of 0: the root alone, the request decoding plainly in a tree step)."""
         if not self.policy.uses_context:
             raise SpecError(f"{self.policy.name} trees are not grown round by round from a context")
         shape = self.policy.best_first_shape()
         if budget is not None or depth is not None:
-            shape = replace(shape, budget=min(budget or shape.budget, shape.budget),
-                            depth=min(depth or shape.depth, shape.depth))
+            shape = replace(shape, budget=min(shape.budget if budget is None else budget, shape.budget),
+                            depth=min(shape.depth if depth is None else depth, shape.depth))
         return BestFirstBuilder(shape, root_token, context, self.counts, costs)
 
     def observe(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:

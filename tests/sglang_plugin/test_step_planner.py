@@ -364,3 +364,62 @@ def test_an_idle_rank_rests_the_head_at_the_groups_steps():
 def test_a_head_rest_below_one_plain_step_is_refused():
     with pytest.raises(ValueError, match="head rests after >= 1 plain step"):
         planner(head_rest=0)
+
+
+def test_a_ragged_step_gives_each_request_its_share_and_a_warm_up_step_none():
+    plan_state = planner(ragged=True, head_rest=1)
+    plan_state.learn_reach({"copy": [0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6]})
+    plan_state.reach_of["chat"] = (0.05, 0.02)
+    rids = ["chat", "copy", "chat", "copy"]
+    table = plan_state.table(rids)
+    local = plan_state.ragged_plan(table, rids)
+    plan = plan_state.take_ragged(table, local, local.nodes)
+    assert plan.nodes[1] == plan.nodes[3] > 0 and plan.nodes[0] == plan.nodes[2] == 0
+    assert plan.tokens == plan.nodes[1] + 1
+    # served (a shape's first step allocates, so the second is priced): against the forward of the tokens it
+    # verified, not of its width for every request
+    for _ in range(2):
+        plan_state.observe(plan, rids, 0.2, [5, 1, 5, 1], verified_tokens=4 + sum(plan.nodes))
+    verified = 1 + sum(plan.nodes) / 4
+    assert plan_state.tree_seen[4][-1][2] == pytest.approx(0.06 + 0.008 * (verified - 1))
+    assert verified < plan.tokens
+    # after the head rested, a tree is a plain warm-up step: no request gets a share
+    plan_state.skip_head = True
+    warm_up = plan_state.take_ragged(table, plan, plan.nodes)
+    assert warm_up.plain and warm_up.nodes == (0,) * 4 and plan_state.head_warmup
+
+
+def rank_ragged_plans(rank: int, port: int, folder: str) -> None:
+    """Two ranks of one group whose timings differ and whose predictions for one request differ a little (as a
+    fault that left one rank's counts behind would make them): the agreed table and the least shares give both the
+    same ragged steps."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = PlanGroup(dist.group.WORLD)
+        plan_state = planner(ragged=True)
+        plan_state.learn_reach({"a": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4], "b": [0.3, 0.1], "c": [0.95] * 8,
+                                "d": [0.6, 0.5, 0.2 + 0.5 * rank, 0.15 + 0.5 * rank, 0.1]})
+        rids = list("abcd")
+        chosen, alone = [], []
+        for step in range(8):
+            table = group.agree(plan_state.table(rids))
+            local = plan_state.ragged_plan(table, rids)
+            plan = plan_state.take_ragged(table, local, group.least(local.nodes))
+            chosen.append(list(plan.nodes))
+            alone.append(list(local.nodes))
+            slow = (rank == 1) != plan.plain
+            plan_state.observe(plan, rids, (0.3 if slow else 0.05) * (1 + step % 3), [3, 1, 5, 2],
+                               verified_tokens=4 + sum(plan.nodes))
+        with open(f"{folder}/rank{rank}.json", "w") as handle:
+            json.dump({"chosen": chosen, "alone": alone}, handle)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_take_identical_ragged_steps(tmp_path):
+    torch.multiprocessing.spawn(rank_ragged_plans, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0]["chosen"] == ranks[1]["chosen"]
+    assert any(len(set(nodes)) > 1 for nodes in ranks[0]["chosen"])  # requests got different shares
+    assert ranks[0]["alone"] != ranks[1]["alone"]  # negative control: each rank's own shares differ

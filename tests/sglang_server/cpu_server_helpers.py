@@ -82,6 +82,11 @@ def assert_draft_faults_counted_and_logged(run: dict, also: Sequence[str] = ()) 
     assert "Traceback" not in run["log"]
 
 
+def counter(metrics: str, name: str) -> float:
+    """A counter's value on /metrics, summed over its labels (0 when absent)."""
+    return sum(float(value) for value in re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([\d.e+]+)$", metrics, re.M))
+
+
 def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 

@@ -17,8 +17,8 @@ import re
 
 import pytest
 
-from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS, accept_lengths, mean,
-                                running_server)
+from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS, accept_lengths, counter,
+                                mean, running_server)
 from sglang_spec.cli import main as cli_main
 from sglang_spec_testbed.linear import DRAFT_WEIGHTS_ENV
 from sglang_spec_testbed.patches import OVERLAP_ENV
@@ -130,6 +130,23 @@ def test_trees_grown_on_the_device_accept_what_the_hosts_accept(run):
             pytest.skip(f"compares with the host {host} server, which this selection did not run")
         assert _ACCEPTED[run["name"]] == _ACCEPTED[host]
         assert mean(accept_lengths(run["repeat"])) > 1.5  # the copies are found: not a tree of fillers
+
+
+def test_host_trees_verify_each_requests_own_tree_and_device_trees_the_full_width(run):
+    """Ragged verify (``sglang_plugin/ragged_verify.py``): a host-built tree's verify forward computes each request's
+    root and real nodes, not the fillers that pad it to SGLang's width, and its requests accept what plain decoding
+    gives (above) and what the same trees grown on the device accept at the full width (above: the device servers
+    count nothing here, their tree sizes live on the device). A fixed budget leaves fillers only where a lookup
+    tree finds fewer copies; under tree auto the planner's per-request budgets leave more
+    (``test_planner_matrix.py``)."""
+    computed, dense = (counter(run["metrics"], f"sglang_spec_verify_tokens_{kind}_total")
+                       for kind in ("computed", "dense"))
+    if run["name"].endswith("-device"):
+        assert computed == dense == 0
+    elif run["policy"] == "lookup":  # a context that offers fewer copies than the budget: a smaller tree
+        assert 0 < computed < dense, (computed, dense)
+    else:  # the head's branches fill a hybrid tree's budget whatever the context offers
+        assert 0 < computed <= dense, (computed, dense)
 
 
 def test_a_lookup_server_never_runs_the_head_and_a_hybrid_one_does(run):

@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 
 import pytest
 
-from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, TINY_NEW_TOKENS, running_server,
+from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, TINY_NEW_TOKENS, counter, running_server,
                                tree_args)
 from sglang_spec_testbed.graphs import GRAPHS_ENV, replays_in
 from sglang_spec_testbed.patches import OVERLAP_ENV
@@ -95,11 +95,6 @@ def test_the_servers_cover_every_pair_of_settings():
     assert not missing_pairs(COVER, FACTORS, servable)
     assert all(servable(cell) for cell in COVER) and len(COVER) <= 13
     assert missing_pairs(COVER[:-1], FACTORS, servable)  # the last server covers a pair no other does
-
-
-def counter(metrics: str, name: str) -> float:
-    """A counter's value on /metrics, summed over its labels (0 when absent)."""
-    return sum(float(value) for value in re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([\d.e+]+)$", metrics, re.M))
 
 
 def launch_args(cell: Mapping[str, str], profile) -> list[str]:

@@ -47,6 +47,8 @@ class DraftCall:
     depth:         draft tokens on a tree's path at most this step, what the verify input's accept holds (a head
                    tree's: ``steps``; a context tree's: deeper, its copies need no draft step).
     sglang_loop:   SGLang's own draft_forward for this call (no arguments).
+    budgets:       each request's draft nodes at most where the plan is ragged (batch order, each <= ``budget``;
+                   the tree is still padded to ``budget``); None: ``budget`` for every request.
     """
 
     worker: Any
@@ -56,6 +58,7 @@ class DraftCall:
     steps: int
     depth: int
     sglang_loop: Callable[[], Any]
+    budgets: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,6 +96,8 @@ class ServedDrafter:
     level_costs, rounds, rounds_seconds, priced_out: the prices of the head's levels under tree auto, the rounds
                the last draft ran and their seconds, and how many trees left a level out (a host context drafter's;
                None / 0 for the others).
+    ragged_trees: its trees' real nodes come first in verify order and it counts them on the host
+               (``verify_lengths``), so a step can verify each request's real tree alone (``ragged_verify``).
     all_head_rounds: every draft runs the step's ``steps - 1`` head forwards, those its trees did not ask for over
                dummy beams (``beams.pad_head_rounds``): set under DP attention, where the ranks' forwards pair up.
     """
@@ -109,6 +114,7 @@ class ServedDrafter:
     rounds_seconds: float = 0.0
     priced_out: int = 0
     all_head_rounds: bool = False
+    ragged_trees: bool = False
 
     def use_outputs(self, outputs: CommittedOutputs) -> None:
         """With the overlap scheduler: where each request's lagging output ids are completed from."""
@@ -131,6 +137,12 @@ class ServedDrafter:
         """rid -> the reach of the draft nodes of the tree it last drafted, best first (each request once: read
         after the step; empty where it reports none)."""
         return {}
+
+    def verify_lengths(self) -> list[int] | None:
+        """Per request of its last draft (batch order), the tokens of its real tree (the root and its draft nodes,
+        which come first in verify order, the fillers after them): what a ragged verify computes. None: every
+        node is real, or the drafter cannot tell without a device read (the step stays dense)."""
+        return None
 
     def learns(self) -> bool:
         """Whether ``record_outcome`` / ``observe_outcome`` teach it anything (the context drafters)."""

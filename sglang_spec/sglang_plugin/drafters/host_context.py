@@ -82,6 +82,7 @@ class HostContextDrafter(ContextDrafter):
 
     reads_outputs = True
     reports_reach = True
+    ragged_trees = True
 
     def __init__(self, policy: TreePolicy, steps: int, budget: int, metrics: SourceMetrics | None = None) -> None:
         super().__init__(policy, steps, budget, metrics)
@@ -99,7 +100,7 @@ class HostContextDrafter(ContextDrafter):
         assert call.requests is not None, "host-built trees are drafted eagerly, never in a draft graph capture"
         try:
             return context_draft_forward(call.worker, call.forward_batch, call.requests, self, call.budget, call.steps,
-                                         call.depth)
+                                         call.depth, call.budgets)
         finally:
             if self.outputs is not None:
                 self.outputs.report_first_unknown()
@@ -107,6 +108,9 @@ class HostContextDrafter(ContextDrafter):
     def drafted_reach(self) -> dict[str, list[float]]:
         reach, self._reach = self._reach, {}
         return reach
+
+    def verify_lengths(self) -> list[int] | None:
+        return [len(tree.tree.parents) for tree in self.proposed]
 
     def estimate_reach(self, requests: list[Any], budget: int) -> dict[str, list[float]]:
         """Each request's lookup tree from its context as SGLang holds it (the output ids may lag a step under the
@@ -157,9 +161,10 @@ class HostContextDrafter(ContextDrafter):
 
 
 def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], drafter: HostContextDrafter,
-                          budget: int, steps: int, depth: int) -> SGLangDraft:
+                          budget: int, steps: int, depth: int, budgets: Sequence[int] | None = None) -> SGLangDraft:
     """``draft_forward`` for ``worker`` (an EagleDraftWorker) over ``reqs`` (the ScheduleBatch's requests, in
-    batch order), each tree of at most ``budget`` draft nodes and ``depth`` levels, its head rounds within SGLang's
+    batch order), each tree of at most ``budget`` draft nodes (``budgets[row]`` where given: a ragged plan's share)
+    and ``depth`` levels, its head rounds within SGLang's
     ``steps`` draft steps, padded to the budget: SGLang's (parent_list,
     top_scores_index, draft_tokens, draft_probs=None). The caller has had the drafter observe the last accepted
     paths (``HostContextDrafter.observe_outcome``)."""
@@ -189,7 +194,8 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     for row, req in enumerate(reqs):
         index = drafter.contexts.index(req.rid, drafter.committed_tokens(req, kv_lengths[row], roots[row]),
                                        roots[row])
-        builder = drafter.drafter.propose_rounds(roots[row], index, costs, budget, depth)
+        builder = drafter.drafter.propose_rounds(roots[row], index, costs,
+                                                 budget if budgets is None else min(budgets[row], budget), depth)
         builders.append(builder)
         rounds.append(builder.rounds())
         _advance(rounds, trees, pending, row, None)

@@ -23,7 +23,8 @@
 | ``spec_utils.select_top_k_tokens`` | AROUND | draft: SGLang's loop (chain, eagle) with exact ancestry by KV column copy |
 | ``LogitsMetadata.from_forward_batch`` | AFTER | draft: the plugin's loop computes the head's logits for the beams that can grow only |
 | ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | auto: each decode step's verify size, planned for the batch, run and timed |
-| ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | accept: the worker's fused accept and committed outputs; the verify step's state |
+| ``EAGLEWorkerV2.__init__`` / ``.verify`` | AFTER / AROUND | accept: the worker's fused accept and committed outputs; the verify step's state, a ragged step's compacted forward |
+| ``IntelAMXAttnBackend._build_extend_metadata`` | AROUND | accept: a ragged verify forward's per-request lengths |
 | ``eagle_utils.eagle_sample`` | AROUND | accept: penalties per node; the fused accept or SGLang's; the accept to the drafter and the counts |
 | ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | accept: the fused path's KV moved by our kernel |
 | ``DecodeCudaGraphRunner.execute`` | AROUND | accept: fused under CUDA graphs: static tree links in, greedy accept out |
@@ -81,6 +82,8 @@ HOOKS: tuple[tuple[str, Callable, str], ...] = (
     (f"{_SPEC_WORKER}.forward_batch_generation", auto.forward_batch_generation_around, "AROUND"),
     (f"{_SPEC_WORKER}.__init__", accept.eagle_worker_init_after, "AFTER"),
     (f"{_SPEC_WORKER}.verify", accept.verify_around, "AROUND"),
+    ("sglang.srt.layers.attention.intel_amx_backend.IntelAMXAttnBackend._build_extend_metadata",
+     accept.build_extend_metadata_around, "AROUND"),
     ("sglang.srt.speculative.eagle_utils.eagle_sample", accept.eagle_sample_around, "AROUND"),
     ("sglang.srt.speculative.spec_utils.move_accept_tokens_to_target_kvcache", accept.move_accept_tokens_around,
      "AROUND"),

@@ -18,6 +18,7 @@ from sglang_spec.sglang_plugin.messages import log
 from sglang_spec.sglang_plugin.metrics import PLANS
 from sglang_spec.sglang_plugin.options import DEFAULT_HEAD_REST
 from sglang_spec.sglang_plugin.peers import dp_attention
+from sglang_spec.sglang_plugin.ragged_verify import decide as decide_ragged
 from sglang_spec.sglang_plugin.state import WorkerState, state_of
 from sglang_spec.sglang_plugin.step_costs import measure_step_costs
 from sglang_spec.sglang_plugin.step_planner import PLAN_LOG_ENV, StepPlanner, default_sizes
@@ -51,7 +52,7 @@ def forward_batch_generation_around(original, worker, batch, *args, **kwargs):
     _refresh_predictions(planner, state, batch.reqs)
     plan = _plan(planner, state, rids)
     start = time.perf_counter()
-    with _verify_size(worker, state, plan.tokens):
+    with _verify_size(worker, state, plan.tokens, plan.nodes if planner.ragged and not plan.plain else None):
         output = original(worker, batch, *args, **kwargs)
     try:
         _observe_step(planner, state, plan, rids, output, start)
@@ -84,6 +85,10 @@ def _plan(planner: StepPlanner, state: WorkerState, rids: list[str]) -> StepPlan
     if state.plan_group is not None:
         table = state.plan_group.agree(table)
     try:
+        if planner.ragged:
+            plan = planner.ragged_plan(table, rids)
+            nodes = plan.nodes if state.plan_group is None else state.plan_group.least(plan.nodes)
+            return planner.take_ragged(table, plan, nodes)
         return planner.choose(table, len(rids))
     except Exception as error:  # SGLang's own plain step: exact whatever the plan
         # choose reads the agreed table and the launch's cap alone, the same on every rank: a fault in it is
@@ -112,7 +117,8 @@ def _observe_step(planner: StepPlanner, state: WorkerState, plan: StepPlan, rids
         seconds, rounds_seconds = state.plan_group.slowest(seconds, rounds_seconds)
     # a new request's context index is built once: not a cost the step's size repeats
     setup = 0.0 if plan.plain else state.drafter.setup_seconds
-    planner.observe(plan, rids, seconds - setup, accept_lens)
+    planner.observe(plan, rids, seconds - setup, accept_lens,
+                    verified_tokens=None if plan.plain or not planner.ragged else state.verified_tokens)
     if not plan.plain:
         planner.learn_reach(state.drafter.drafted_reach())
         _price_levels(state, len(rids), seconds, rounds_seconds)
@@ -143,8 +149,11 @@ def _start_planner(worker, state: WorkerState) -> StepPlanner:
     ranked = state.drafter.reports_reach
     graphs = worker.target_worker.model_runner.decode_cuda_graph_runner is not None
     sizes = state.options.verify_sizes or default_sizes(full, graphs, ranked)
-    planner = StepPlanner(None, sizes, full, state.options.step_cap, ranked=ranked, head_rest=_head_rest(worker, state),
-                          prior=state.drafter.prior_reach(full - 1), log_path=os.environ.get(PLAN_LOG_ENV) or None)
+    if state.ragged is None and state.drafter.ragged_trees:
+        state.ragged = decide_ragged(worker.draft_worker)
+    planner = StepPlanner(None, sizes, full, state.options.step_cap, ranked=ranked, ragged=bool(state.ragged),
+                          head_rest=_head_rest(worker, state), prior=state.drafter.prior_reach(full - 1),
+                          log_path=os.environ.get(PLAN_LOG_ENV) or None)
     # a head swapped in place (adapt): the planner's acceptance follows the head served, from the drafter's prior
     state.head_swapped.append(lambda swap: planner.head_swapped(state.drafter.prior_reach(full - 1)))
     start = time.perf_counter()
@@ -176,23 +185,28 @@ def _head_rest(worker, state: WorkerState) -> int | None:
 
 
 @contextlib.contextmanager
-def _verify_size(worker, state: WorkerState, tokens: int):
+def _verify_size(worker, state: WorkerState, tokens: int, budgets: tuple[int, ...] | None = None):
     """The step verifies ``tokens`` a request under that size's SGLang runtime state (``verify_shapes``): the full
     tree as configured, SGLang's own plain step (1), or a smaller tree with the drafter's budget to match
-    (``WorkerState.step_budget``), for this step only. A plain step without captured graphs runs the target's DECODE
-    forward (``_as_decode``: a one-token TARGET_VERIFY costs more than a decode step)."""
+    (``WorkerState.step_budget``), for this step only; a ragged plan's ``budgets`` cap each request's tree
+    (``WorkerState.request_budgets``). A plain step without captured graphs runs the target's DECODE forward
+    (``_as_decode``: a one-token TARGET_VERIFY costs more than a decode step)."""
     shapes = state.shapes
-    if shapes is None or tokens == shapes.full:
-        yield
-        return
-    saved = state.step_budget
-    state.step_budget = tokens - 1 if tokens > 1 else None
+    state.request_budgets = budgets
     try:
-        with shapes.step(tokens), (_decode_forward(worker) if tokens == 1 and not shapes.graphs
-                                   else contextlib.nullcontext()):
+        if shapes is None or tokens == shapes.full:
             yield
+            return
+        saved = state.step_budget
+        state.step_budget = tokens - 1 if tokens > 1 else None
+        try:
+            with shapes.step(tokens), (_decode_forward(worker) if tokens == 1 and not shapes.graphs
+                                       else contextlib.nullcontext()):
+                yield
+        finally:
+            state.step_budget = saved
     finally:
-        state.step_budget = saved
+        state.request_budgets = None
 
 
 @contextlib.contextmanager

@@ -20,11 +20,13 @@ from sglang_spec.sglang_plugin.drafters.filler import filler_draft, filler_encod
 from sglang_spec.sglang_plugin.drafters.head_guard import ERROR as HEAD_FAULT
 from sglang_spec.sglang_plugin.drafters.head_guard import HeadGuard
 from sglang_spec.sglang_plugin.drafters.sglang_loop import keep_ancestry
-from sglang_spec.sglang_plugin.faults import (FAULT_ENV, HEAD_FAULTS, HEAD_SKIP, OBSERVE, FaultInjection,
+from sglang_spec.sglang_plugin.faults import (FAULT_ENV, HEAD_FAULTS, HEAD_SKIP, OBSERVE, RAGGED, FaultInjection,
                                               FaultOnAnotherRank, InjectedFault, accept_fault, capturing, plugin_fault)
 from sglang_spec.sglang_plugin.messages import StartupError, log
-from sglang_spec.sglang_plugin.metrics import METRICS, PLANS, RANKS, SOURCES
+from sglang_spec.sglang_plugin.metrics import METRICS, PLANS, RANKS, SOURCES, VERIFY_TOKENS
 from sglang_spec.sglang_plugin.peers import Peers, PlanGroup, attention_tp_rank, dp_attention
+from sglang_spec.sglang_plugin.ragged_verify import RAGGED_ATTRIBUTE, RaggedVerify, unlink_fillers
+from sglang_spec.sglang_plugin.ragged_verify import decide as decide_ragged
 from sglang_spec.sglang_plugin.state import (LOGIT_ROWS, SGLANG_LOOP_STEP, WorkerState, attach, options_of,
                                              state_of)
 
@@ -59,6 +61,7 @@ def claim_acceptance_metrics(server_args, rank: int) -> bool:
     if METRICS.counting and getattr(server_args, "enable_metrics", False):
         METRICS.enable_prometheus()
         PLANS.enable_prometheus()  # tree auto's choices
+        VERIFY_TOKENS.enable_prometheus()  # ragged verify's computed tokens
         RANKS.enable(prometheus=True)  # per-(depth, rank) acceptance, once per step (calibrate --from-server)
         SOURCES.enable()  # per-source outcomes of lookup / hybrid trees (calibrate --from-server)
     return METRICS.counting
@@ -98,6 +101,10 @@ def draft_around(original, worker, batch, *args, **kwargs):
         finally:
             worker.cuda_graph_runner = graph_runner
             state.draft_requests = None
+        if state.ragged is None and drafter.ragged_trees:
+            state.ragged = decide_ragged(worker)
+        if state.ragged:
+            _make_ragged(state, verify_input, len(batch.reqs))
     if getattr(verify_input, "spec_steps", None) is not None:
         # SGLang bounds the accepted path by its draft steps; a context tree's copies run deeper than its head
         # rounds (``TreeServerOptions.draft_steps``), so the bound is the tree's depth
@@ -109,6 +116,28 @@ def draft_around(original, worker, batch, *args, **kwargs):
             plugin_fault(HEAD_FAULTS, error, f"batch of {len(batch.reqs)}",
                          "drafted; its requests' non-finite head outputs since the last read not counted")
     return verify_input
+
+
+def _make_ragged(state: WorkerState, verify_input, batch_size: int) -> None:
+    """Each request's verify covers its real tree (``ragged_verify``): the fillers unlinked from the verify input's
+    tree and the step's lengths attached to it for the verify's forward. A fault leaves the step dense (the inputs
+    are every rank's, so under tensor parallelism every rank leaves it dense together)."""
+    try:
+        lengths = state.drafter.verify_lengths()
+        width = verify_input.draft_token_num
+        if lengths is None or len(lengths) != batch_size:
+            return
+        ragged = RaggedVerify.of([min(length, width) for length in lengths], width,
+                                 verify_input.retrieve_next_token.device)
+        if ragged.dense:
+            return
+        links = unlink_fillers(verify_input.retrieve_next_token, verify_input.retrieve_next_sibling,
+                               ragged.lengths_tensor())
+    except Exception as error:
+        plugin_fault(RAGGED, error, f"batch of {batch_size}", "verified at SGLang's width")
+        return
+    verify_input.retrieve_next_token, verify_input.retrieve_next_sibling = links
+    setattr(verify_input, RAGGED_ATTRIBUTE, ragged)
 
 
 def draft_forward_around(original, worker, forward_batch, *args, **kwargs):
@@ -162,7 +191,8 @@ def _draft(original, worker, forward_batch, state: WorkerState, *args, **kwargs)
         _observe_accepted(drafter, state, forward_batch.batch_size)
     # the worker's draft steps, not ``state.steps``: a planned smaller tree's runtime state sets them for this step
     return drafter.draft(DraftCall(worker, forward_batch, requests, state.step_nodes, worker.speculative_num_steps,
-                                   state.step_depth, lambda: original(worker, forward_batch, *args, **kwargs)))
+                                   state.step_depth, lambda: original(worker, forward_batch, *args, **kwargs),
+                                   state.request_budgets))
 
 
 def _observe_accepted(drafter: ServedDrafter, state: WorkerState, batch_size: int) -> None:

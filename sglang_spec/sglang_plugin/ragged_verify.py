@@ -1,0 +1,208 @@
+"""Ragged verify: each request's verify forward covers its own tree, not SGLang's fixed width.
+
+SGLang verifies ``width`` tokens a request (``speculative_num_draft_tokens``), so a request whose tree is smaller
+gets filler leaves (``drafters.padding``) and the forward computes them. The plugin's drafters place every
+request's real nodes first (node order is verify order: the root, then its tree, then fillers), so a request's
+real tree is a prefix of its verify block. A ragged step keeps SGLang's dense ``[bs, width]`` layout for
+everything after the forward (accept, KV move, penalties, metrics) and changes three things:
+
+* **the links** (``unlink_fillers``): no node's first child or next sibling is a filler, so no accept (greedy or
+  sampled) reaches a filler node, whose logits the forward no longer computes;
+* **the forward** (``compact_forward``): the target's verify forward runs over the ``sum(lengths)`` real tokens
+  (their ids, positions, KV slots, and the tree mask's real rows and columns), the attention back-end told each
+  request's length (``ragged_extend_metadata``); its logits and hidden states are scattered back into the dense
+  rows (filler rows zero: nothing reads them);
+* **nothing else**: the KV slots of a request's window stay allocated as SGLang allocated them; a filler's slot is
+  never written, and never read (the real nodes' attention reads their own prefix of the window).
+
+Ragged steps run where the target's attention back-end takes per-request lengths in a verify forward (SGLang's CPU
+back-end, ``intel_amx``), eager (no captured decode graph: graph tiers over the total token count are not built),
+without DP attention (its gathers are sized by the dense token count) and with an unpacked tree mask. Elsewhere the
+step is dense, as SGLang runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from sglang_spec.sglang_plugin.messages import log
+from sglang_spec.sglang_plugin.peers import dp_attention
+from sglang_spec.tree.encode_sglang import TreeMaskMode
+
+# the attribute of a verify input that carries its step's RaggedVerify (set by the draft hook)
+RAGGED_ATTRIBUTE = "sglang_spec_ragged"
+# the attribute of the compacted forward's spec_info that tells the attention back-end the lengths
+FORWARD_ATTRIBUTE = "sglang_spec_ragged_forward"
+RAGGED_BACKENDS = ("IntelAMXAttnBackend",)  # back-ends whose verify metadata ``ragged_extend_metadata`` builds
+
+
+@dataclass(frozen=True, eq=False)
+class RaggedVerify:
+    """One step's per-request verify lengths.
+
+    lengths: per request (batch order), the tokens its forward computes: the root and its real draft nodes,
+             1..width (host ints).
+    width:   tokens a request holds in SGLang's dense verify layout (``draft_token_num``).
+    rows:    [sum(lengths)] int64, on the verify's device: the dense row ``b * width + k`` of each computed token,
+             ``k < lengths[b]``, in batch order."""
+
+    lengths: tuple[int, ...]
+    width: int
+    rows: torch.Tensor
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], width: int, device: torch.device | str) -> RaggedVerify:
+        if any(length < 1 or length > width for length in lengths):
+            raise ValueError(f"verify lengths are 1..{width} (the root and the real nodes), got {list(lengths)}")
+        rows = [row * width + k for row, length in enumerate(lengths) for k in range(length)]
+        return cls(tuple(int(length) for length in lengths), width,
+                   torch.tensor(rows, dtype=torch.int64).to(device))
+
+    def lengths_tensor(self) -> torch.Tensor:
+        """[bs] int64 on the rows' device."""
+        return torch.tensor(self.lengths, dtype=torch.int64).to(self.rows.device)
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def dense(self) -> bool:
+        """Whether every request verifies its whole block (the step is SGLang's own)."""
+        return all(length == self.width for length in self.lengths)
+
+
+def unlink_fillers(next_token: torch.Tensor, next_sibling: torch.Tensor,
+                   lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's tree links (``retrieve_next_token`` / ``retrieve_next_sibling``, [bs, width] int64, node indices
+    within a request's block, -1 for none) with every node at or past ``lengths`` [bs] (a filler: a leaf) left out:
+    a link to a filler goes on along the filler's siblings to the next real one (or -1), and a filler's own links
+    are -1. No host read: ``width`` rounds of gathers, each following one more filler."""
+    width = next_token.shape[1]
+    bound = lengths.to(next_token.device, torch.int64)[:, None]
+    nodes = torch.arange(width, device=next_token.device)[None, :]
+    filler = nodes >= bound
+
+    def past_fillers(links: torch.Tensor) -> torch.Tensor:
+        for _ in range(width):
+            at_filler = links >= bound
+            links = torch.where(at_filler, torch.gather(next_sibling, 1, links.clamp(min=0)), links)
+        return links
+
+    siblings = past_fillers(next_sibling).masked_fill(filler, -1)
+    next_sibling = siblings  # the first child's skip reads the fixed sibling chain
+    children = past_fillers(next_token).masked_fill(filler, -1)
+    return children, siblings
+
+
+def compact_mask(mask: torch.Tensor, mode: TreeMaskMode, prefix_lens: Sequence[int], width: int,
+                 lengths: Sequence[int]) -> torch.Tensor:
+    """A dense tree mask (flat, ``mode``'s layout, ``width`` tokens a request after ``prefix_lens`` committed
+    ones) cut to each request's first ``lengths[b]`` tokens: QLEN_ONLY blocks ``width x width`` -> ``n x n``,
+    FULL_MASK blocks ``width x (prefix + width)`` -> ``n x (prefix + n)``. Packed masks are not cut
+    (``ValueError``: the step stays dense)."""
+    if mode not in (TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK):
+        raise ValueError(f"a {mode.name} tree mask is not cut per request")
+    pieces, offset = [], 0
+    for prefix, length in zip(prefix_lens, lengths):
+        columns = width + (prefix if mode == TreeMaskMode.FULL_MASK else 0)
+        block = mask[offset: offset + width * columns].view(width, columns)
+        kept = columns - width + length
+        pieces.append(block[:length, :kept].reshape(-1))
+        offset += width * columns
+    return torch.cat(pieces)
+
+
+def compacted_batch(forward_batch, ragged: RaggedVerify, mode: TreeMaskMode) -> None:
+    """``forward_batch`` (a dense TARGET_VERIFY batch) cut to the ragged tokens in place: ids, positions, KV slots,
+    and a copy of its spec_info with the cut tree mask and the lengths (``FORWARD_ATTRIBUTE``)."""
+    rows = ragged.rows
+    forward_batch.input_ids = forward_batch.input_ids[rows]
+    forward_batch.positions = forward_batch.positions[rows]
+    forward_batch.out_cache_loc = forward_batch.out_cache_loc[rows]
+    spec_info = copy.copy(forward_batch.spec_info)
+    mask = spec_info.custom_mask
+    if mask is not None and mask.numel() > 0:
+        prefix_lens = forward_batch.seq_lens_cpu.tolist()
+        spec_info.custom_mask = compact_mask(mask, mode, prefix_lens, ragged.width, ragged.lengths)
+    setattr(spec_info, FORWARD_ATTRIBUTE, ragged)
+    forward_batch.spec_info = spec_info
+
+
+def scatter_dense(values: torch.Tensor | None, ragged: RaggedVerify) -> torch.Tensor | None:
+    """[sum(lengths), ...] rows of the compacted forward -> [bs * width, ...], filler rows zero."""
+    if values is None or values.shape[0] != ragged.total:
+        return values
+    dense = values.new_zeros((len(ragged.lengths) * ragged.width, *values.shape[1:]))
+    dense.index_copy_(0, ragged.rows, values)
+    return dense
+
+
+@contextlib.contextmanager
+def compact_forward(target_worker, ragged: RaggedVerify, mode: TreeMaskMode):
+    """For this verify: the target's forward over the ragged tokens, its logits and hidden states back in SGLang's
+    dense rows. An instance attribute over the method, as tree auto's plain step does (``hooks.auto``)."""
+    forward = target_worker.forward_batch_generation
+
+    def ragged_forward(forward_batch=None, is_verify: bool = False, **kwargs):
+        if not (is_verify and forward_batch is not None and forward_batch.forward_mode.is_target_verify()):
+            return forward(forward_batch=forward_batch, is_verify=is_verify, **kwargs)
+        compacted_batch(forward_batch, ragged, mode)
+        output = forward(forward_batch=forward_batch, is_verify=is_verify, **kwargs)
+        logits = output.logits_output
+        logits.next_token_logits = scatter_dense(logits.next_token_logits, ragged)
+        logits.hidden_states = scatter_dense(logits.hidden_states, ragged)
+        return output
+
+    shadowed = vars(target_worker).get("forward_batch_generation")  # another step-scoped override, kept
+    target_worker.forward_batch_generation = ragged_forward
+    try:
+        yield
+    finally:
+        if shadowed is None:
+            del target_worker.forward_batch_generation
+        else:
+            target_worker.forward_batch_generation = shadowed
+
+
+def ragged_extend_metadata(forward_batch, device) -> tuple | None:
+    """(seq_lens, extend_seq_lens, extend_start_loc, tree_mask) of a compacted verify forward for SGLang's CPU
+    back-end (its ``_build_extend_metadata``), None for any other forward."""
+    spec_info = forward_batch.spec_info
+    ragged: RaggedVerify | None = getattr(spec_info, FORWARD_ATTRIBUTE, None)
+    if ragged is None or not forward_batch.forward_mode.is_target_verify():
+        return None
+    lengths = torch.tensor(ragged.lengths, dtype=torch.int32).to(device)
+    starts = torch.zeros_like(lengths)
+    starts[1:] = torch.cumsum(lengths, 0)[:-1]
+    mask = spec_info.custom_mask if spec_info.tree_topk != 1 else None
+    tree_mask = mask if mask is not None and mask.numel() > 0 else None
+    return forward_batch.seq_lens + lengths, lengths, starts, tree_mask
+
+
+def ragged_refusal(target_model_runner, mask_mode, dp_attention: bool) -> str | None:
+    """Why a server's verify forwards stay at SGLang's width (None: ragged verify runs)."""
+    backend = type(target_model_runner.attn_backend).__name__
+    if backend not in RAGGED_BACKENDS:
+        return f"the target's attention back-end {backend} takes one verify width"
+    if target_model_runner.decode_cuda_graph_runner is not None:
+        return "decode graphs are captured at one verify width"
+    if dp_attention:
+        return "DP attention gathers every rank's tokens at one verify width"
+    if int(mask_mode) not in (TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK):
+        return f"a {TreeMaskMode(int(mask_mode)).name} tree mask is not cut per request"
+    return None
+
+
+def decide(draft_worker) -> bool:
+    """Whether a server whose drafter grows ragged trees (``ServedDrafter.ragged_trees``) verifies them ragged;
+    decided once the target's attention back-end and decode graphs exist (the first decode step) and said once."""
+    refusal = ragged_refusal(draft_worker.target_worker.model_runner, draft_worker.tree_mask_mode, dp_attention())
+    log("ragged verify: each request's verify forward covers its own tree, not its fillers" if refusal is None else
+        f"ragged verify: off, every request verifies the full width ({refusal})")
+    return refusal is None
