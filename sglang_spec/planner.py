@@ -43,6 +43,11 @@ class StepPlan:
     def plain(self) -> bool:
         return self.tokens == 1
 
+    def verify_tokens(self, ragged: bool) -> tuple[int, ...]:
+        """Each request's verify tokens, root included: its share plus its root where the step is ragged, else the
+        step's size for every request."""
+        return tuple(1 + count for count in self.nodes) if ragged else (self.tokens,) * len(self.nodes)
+
     @property
     def seconds_per_token(self) -> float:
         return self.predicted_seconds / self.expected_tokens

@@ -47,7 +47,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -235,26 +235,28 @@ class PlannerMetrics:
                               "trees the planner chose taken as a plain step that ran the head's draft extend"),
         )
 
-    def record(self, tokens: int, requests: int, predicted: float, served: float, head_rested: bool = False,
-               head_warmup: bool = False) -> None:
-        """One decode step: ``requests`` requests each verified ``tokens``; predicted and served seconds; whether it
-        left the head's draft extend out, whether it was a tree taken plain to run it."""
+    def record(self, tokens: int, verify_tokens: Sequence[int], predicted: float, served: float,
+               head_rested: bool = False, head_warmup: bool = False) -> None:
+        """One decode step of verify size ``tokens``, each request's planned verify tokens ``verify_tokens`` (root
+        included; 1: the request decoded plainly, in a plain step or, ragged, beside others' trees); predicted and
+        served seconds; whether it left the head's draft extend out, whether it was a tree taken plain to run it."""
         if not METRICS.counting:
             return
+        plain_requests = sum(1 for count in verify_tokens if count == 1)
         self.steps[tokens] += 1
-        self.requests += requests
-        self.plain_requests += requests if tokens == 1 else 0
+        self.requests += len(verify_tokens)
+        self.plain_requests += plain_requests
         self.predicted_seconds += predicted
         self.served_seconds += served
         self.head_rested += int(head_rested)
         self.head_warmups += int(head_warmup)
         if self._prometheus is not None:
             histogram, total, plain, predicted_total, served_total, rested, warmups = self._prometheus
-            for _ in range(requests):
-                histogram.observe(tokens)
-            total.inc(requests)
-            if tokens == 1:
-                plain.inc(requests)
+            for count in verify_tokens:
+                histogram.observe(count)
+            total.inc(len(verify_tokens))
+            if plain_requests:
+                plain.inc(plain_requests)
             predicted_total.inc(predicted)
             served_total.inc(served)
             if head_rested:

@@ -24,7 +24,8 @@ arguments), attached to its ServerArgs, checked against the resolved configurati
                                          (``step_planner``); with it:
     --speculative-tree-verify-sizes S    the verify sizes a step may take, a comma list of tokens a request
                                          (default: every size without decode graphs, a few tiers with
-                                         them; "1,N" with N the full tree is the whole batch on or off)
+                                         them; "1,N" with N the full tree is the whole batch on or off,
+                                         never a share per request)
     --speculative-tree-step-cap C        a tree step's predicted time at most C plain steps' (default 2)
     --speculative-tree-head-rest N       after N plain steps in a row, plain steps leave the head's draft extend
                                          out until a tree is chosen (``step_planner``, the head at rest; default

@@ -20,6 +20,7 @@ import pytest
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, SMOLLM2_NEW_TOKENS, accept_lengths, counter,
                                 mean, running_server)
 from sglang_spec.cli import main as cli_main
+from sglang_spec.sglang_plugin.step_planner import PLAN_LOG_ENV
 from sglang_spec_testbed.linear import DRAFT_WEIGHTS_ENV
 from sglang_spec_testbed.patches import OVERLAP_ENV
 
@@ -220,8 +221,10 @@ def test_tree_auto_plans_each_step_and_stays_identical(smollm2_cpu, server_logs,
     layers and its token map's LM head, the target's float32; the outputs stay the target's. The head rests after
     one plain step (``--speculative-tree-head-rest 1``): plain steps leave its draft extend out, their tokens' head
     KV zeroed, and a tree chosen right after waits one warm-up step; outputs stay identical and trees still accept
-    (/metrics counts both kinds of step)."""
+    (/metrics counts both kinds of step). The steps verify ragged (``ragged_verify``): one step gives its requests
+    their own shares of the nodes (the plan log shows it)."""
     monkeypatch.setenv("SGLANG_SPEC_CPU_PROFILE", str(tmp_path))
+    monkeypatch.setenv(PLAN_LOG_ENV, str(tmp_path / "plans.jsonl"))
     if loop == "overlap":
         monkeypatch.setenv(OVERLAP_ENV, "1")
         monkeypatch.setenv(DRAFT_WEIGHTS_ENV, "bfloat16")
@@ -252,6 +255,9 @@ def test_tree_auto_plans_each_step_and_stays_identical(smollm2_cpu, server_logs,
                 for previous, size in zip([0, *sorted(sizes)], sorted(sizes))}
     chosen = [size for size, count in per_size.items() if count > 0]
     assert 1 in chosen and len(chosen) >= 3, per_size  # plain steps, and more than one tree size
+    # the steps verify ragged: in one step, requests verified their own shares of the nodes
+    plans = [json.loads(line) for line in (tmp_path / "plans.jsonl").read_text().splitlines()]
+    assert any(len(set(plan["verify_tokens"])) > 1 for plan in plans), plans[:5]
     predicted = float(re.search(r"sglang_spec_planner_predicted_seconds_total ([\d.e+-]+)", metrics).group(1))
     served = float(re.search(r"sglang_spec_planner_served_seconds_total ([\d.e+-]+)", metrics).group(1))
     assert 0.3 < predicted / served < 3.0, (predicted, served)  # the planner's costs follow the served steps

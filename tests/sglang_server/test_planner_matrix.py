@@ -97,6 +97,13 @@ def test_the_servers_cover_every_pair_of_settings():
     assert missing_pairs(COVER[:-1], FACTORS, servable)  # the last server covers a pair no other does
 
 
+def ragged(cell: Mapping[str, str]) -> bool:
+    """Whether the cell's steps verify ragged (``sglang_plugin/ragged_verify.py``): trees built on the host, on
+    SGLang's CPU back-end without captured graphs or DP attention."""
+    return (cell["context"] == "host" and cell["policy"] != "sequoia" and cell["graphs"] == "off"
+            and cell["parallel"] != "dp2")
+
+
 def launch_args(cell: Mapping[str, str], profile) -> list[str]:
     args = tree_args(cell["policy"], BUDGET, DEPTH, TOPK, profile) + [
         "--speculative-tree-auto", "--enable-metrics", "--speculative-tree-accept", cell["accept"],
@@ -141,7 +148,8 @@ def resting(cell: Mapping[str, str]) -> bool:
 def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, tiny_cpu, server_logs, smollm2_plain_runs,
                                              tiny_prompts, tiny_copy_prompts, tiny_plain_runs):
     """Greedy output equal to a one-rank plain server's; the planner planned the decode steps (its requests
-    counted on /metrics) and verified trees for some, with its start-up table logged; no rank logged a fault.
+    counted on /metrics) and verified trees for some, with its start-up table logged; where steps verify ragged,
+    the forwards computed fewer tokens than SGLang's width would have; no rank logged a fault.
     Under DP attention a rank decoded none beside a decoding one, and (where the head runs) fewer than another."""
     smollm2 = cell["model"] == "smollm2"
     model = smollm2_cpu if smollm2 else tiny_cpu
@@ -172,6 +180,12 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, tiny_cpu, server
     if cell["policy"] == "lookup":  # and accepted: the prompts hold context their continuations copy
         assert counter(metrics, "sglang_spec_tree_accepted_drafts_total") > 0, metrics[-1500:]
     assert "tree auto: verify sizes" in log
+    computed, dense = (counter(metrics, f"sglang_spec_verify_tokens_{kind}_total") for kind in ("computed", "dense"))
+    if ragged(cell):  # each request's share of the step's nodes: fewer tokens than SGLang's width for all
+        assert "ragged verify: each request's verify forward covers its own tree" in log
+        assert 0 < computed < dense, (computed, dense)
+    else:
+        assert computed == dense == 0
     replays = replays_in(log)
     if cell["graphs"] == "off":
         assert not replays

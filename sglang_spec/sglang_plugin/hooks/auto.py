@@ -122,7 +122,8 @@ def _observe_step(planner: StepPlanner, state: WorkerState, plan: StepPlan, rids
     if not plan.plain:
         planner.learn_reach(state.drafter.drafted_reach())
         _price_levels(state, len(rids), seconds, rounds_seconds)
-    PLANS.record(plan.tokens, len(rids), plan.predicted_seconds, seconds, head_rested=planner.skip_head,
+    PLANS.record(plan.tokens, plan.verify_tokens(planner.ragged), plan.predicted_seconds, seconds,
+                 head_rested=planner.skip_head,
                  head_warmup=planner.head_warmup)
     if planner.log_path is not None:
         planner.write_log(plan, rids, seconds, accept_lens)
@@ -151,7 +152,9 @@ def _start_planner(worker, state: WorkerState) -> StepPlanner:
     sizes = state.options.verify_sizes or default_sizes(full, graphs, ranked)
     if state.ragged is None and state.drafter.ragged_trees:
         state.ragged = decide_ragged(worker.draft_worker)
-    planner = StepPlanner(None, sizes, full, state.options.step_cap, ranked=ranked, ragged=bool(state.ragged),
+    # "1,N" is the whole batch on or off (docs): shares per request only where the plan may take sizes between
+    planner = StepPlanner(None, sizes, full, state.options.step_cap, ranked=ranked,
+                          ragged=bool(state.ragged) and len(sizes) > 2,
                           head_rest=_head_rest(worker, state), prior=state.drafter.prior_reach(full - 1),
                           log_path=os.environ.get(PLAN_LOG_ENV) or None)
     # a head swapped in place (adapt): the planner's acceptance follows the head served, from the drafter's prior
