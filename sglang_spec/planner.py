@@ -24,8 +24,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from sglang_spec.costs import interpolate_seconds
-
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -114,24 +112,13 @@ def plan_step(reach: Sequence[Sequence[float]], seconds: Callable[[int], float],
     return StepPlan(size, expected, time, tuple(min(size - 1, len(nodes)) for nodes in reach))
 
 
-def ragged_seconds(table: SizeTable) -> Callable[[float], float]:
-    """A step's predicted seconds when its requests verify ``t`` tokens each on average (root included; a float),
-    read off a table priced by uniform sizes: the plain step at ``t`` 1, a tree step linear between the sizes
-    (below the smallest tree size, that size's: a tree step pays its drafting whatever its size)."""
-    plain = table.seconds[0]
-    trees = {size: seconds for size, seconds in zip(table.sizes, table.seconds) if size > 1}
-    if not trees:
-        return lambda tokens: plain
-    return lambda tokens: plain if tokens <= 1 else interpolate_seconds(trees, tokens)
-
-
 def plan_ragged(reach: Sequence[Sequence[float]], seconds: Callable[[float], float], sizes: Sequence[int],
                 cap_seconds: float | None = None) -> StepPlan:
     """The plan of one step whose requests verify their own number of nodes (a ragged verify).
 
     reach:       per request, its draft nodes' reach (taken best first; a request's share is its best nodes).
     seconds:     the step's predicted seconds when its requests verify ``t`` tokens each on average, root
-                 included (``ragged_seconds``; ``t`` 1: a plain step).
+                 included (a float; ``t`` 1: a plain step).
     sizes:       the widths a step may run at (ascending, 1 first): no request verifies more than the largest.
     cap_seconds: a step predicted longer is not taken (None: no cap); the plain step always is.
 

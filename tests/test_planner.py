@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_spec.planner import SizeTable, expected_tokens, plan_ragged, plan_step, ragged_seconds, size_table
+from sglang_spec.planner import expected_tokens, plan_ragged, plan_step
 
 
 def linear_seconds(plain: float, per_token: float):
@@ -67,17 +67,6 @@ def test_a_ragged_step_gives_a_copying_request_its_tree_and_a_chatting_one_a_pla
     assert plan.seconds_per_token < uniform.seconds_per_token
 
 
-@pytest.mark.parametrize("reach", [[0.9, 0.8, 0.5, 0.2, 0.05], [0.3, 0.1], [0.99] * 8, []])
-def test_at_one_request_the_ragged_plan_is_the_uniform_one(reach):
-    """One chooser: at batch 1 (the reference decoder's case) both rules take the same size, read off the same
-    table."""
-    table = size_table([reach], linear_seconds(1.0, 0.15), range(1, 10))
-    seconds = ragged_seconds(table)
-    assert [seconds(size) for size in table.sizes] == list(table.seconds)
-    assert plan_ragged([reach], seconds, range(1, 10)).tokens == plan_step([reach], linear_seconds(1.0, 0.15),
-                                                                           range(1, 10)).tokens
-
-
 def test_a_ragged_step_keeps_under_the_cap_and_rounds_its_width_up_to_a_size():
     reach = [[0.99] * 8, [0.99] * 8]
     seconds = linear_seconds(1.0, 0.1)
@@ -86,9 +75,3 @@ def test_a_ragged_step_keeps_under_the_cap_and_rounds_its_width_up_to_a_size():
     assert capped.nodes == (5, 4)  # equal reach: in turn, the earlier request first
     assert plan_ragged(reach, seconds, sizes=[1, 4, 9], cap_seconds=1.45).tokens == 9  # 6 tokens: the next size
     assert plan_ragged(reach, seconds, sizes=range(2, 10), cap_seconds=0.5).plain
-
-
-def test_a_tree_step_below_the_smallest_tree_size_pays_that_size():
-    table = SizeTable((1, 4, 8), (1.0, 2.0, 3.0), (1.0, 1.6, 2.0))
-    seconds = ragged_seconds(table)
-    assert seconds(1.0) == 1.0 and seconds(1.25) == 1.6 and seconds(6.0) == pytest.approx(1.8)

@@ -57,8 +57,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 from sglang_spec.costs import CostTable, interpolate_seconds
-from sglang_spec.planner import (SizeTable, StepPlan, choose_size, expected_tokens, plan_ragged, ragged_seconds,
-                                  width_for)
+from sglang_spec.planner import SizeTable, StepPlan, choose_size, expected_tokens, plan_ragged, width_for
 
 SMOOTHING = 0.3  # weight of the newest step in the moving averages (the accept scale, the prior)
 WINDOW = 9  # served steps a cost correction is the median of (one slow step of a shared machine moves nothing)
@@ -373,6 +372,18 @@ class StepPlanner:
     def describe(self) -> str:
         """One log line: the steps taken by verify size so far."""
         return ", ".join(f"{size}: {count}" for size, count in sorted(self.chosen.items()))
+
+
+def ragged_seconds(table: SizeTable) -> Callable[[float], float]:
+    """A step's predicted seconds when its requests verify ``t`` tokens each on average (root included; a float),
+    read off a table priced by uniform sizes: the plain step at ``t`` 1, a tree step linear between the sizes
+    (below the smallest tree size, that size's: a tree step pays its drafting whatever its size)."""
+    plain = table.seconds[0]
+    trees = {size: seconds for size, seconds in zip(table.sizes, table.seconds) if size > 1}
+    if not trees:
+        return lambda tokens: plain
+    return lambda tokens: plain if tokens <= 1 else interpolate_seconds(trees, tokens)
+
 
 
 def _nearest(bucket: int, buckets: Iterable[int]) -> int | None:

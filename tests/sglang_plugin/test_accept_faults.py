@@ -324,7 +324,7 @@ class StubPlanner:
             raise KeyError("bucket")
         return StepPlan(self.size, 2.0 * batch_size, 0.1, (self.size - 1,) * batch_size)
 
-    def observe(self, *args):
+    def observe(self, *args, **kwargs):
         if self.broken == "observe":
             raise KeyError("bucket")
 

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from sglang_spec.costs import CostCurve, CostTable
-from sglang_spec.planner import StepPlan
+from sglang_spec.planner import SizeTable, StepPlan, plan_ragged, plan_step, size_table
 from sglang_spec.sglang_plugin.peers import PlanGroup
-from sglang_spec.sglang_plugin.step_planner import RETRY_STEPS, TREE_PRICE_MEMORY, StepPlanner, default_sizes
+from sglang_spec.sglang_plugin.step_planner import (RETRY_STEPS, TREE_PRICE_MEMORY, StepPlanner, default_sizes,
+                                                    ragged_seconds)
 
 FULL = 9
 
@@ -423,3 +424,24 @@ def test_two_ranks_take_identical_ragged_steps(tmp_path):
     assert ranks[0]["chosen"] == ranks[1]["chosen"]
     assert any(len(set(nodes)) > 1 for nodes in ranks[0]["chosen"])  # requests got different shares
     assert ranks[0]["alone"] != ranks[1]["alone"]  # negative control: each rank's own shares differ
+
+
+def linear(plain: float, per_token: float):
+    return lambda tokens: plain + per_token * (tokens - 1)
+
+
+@pytest.mark.parametrize("reach", [[0.9, 0.8, 0.5, 0.2, 0.05], [0.3, 0.1], [0.99] * 8, []])
+def test_at_one_request_the_ragged_plan_is_the_uniform_one(reach):
+    """One chooser: at batch 1 (the reference decoder's case) both rules take the same size, read off the same
+    table."""
+    table = size_table([reach], linear(1.0, 0.15), range(1, 10))
+    seconds = ragged_seconds(table)
+    assert [seconds(size) for size in table.sizes] == list(table.seconds)
+    assert plan_ragged([reach], seconds, range(1, 10)).tokens == plan_step([reach], linear(1.0, 0.15),
+                                                                           range(1, 10)).tokens
+
+
+def test_a_tree_step_below_the_smallest_tree_size_pays_that_size():
+    table = SizeTable((1, 4, 8), (1.0, 2.0, 3.0), (1.0, 1.6, 2.0))
+    seconds = ragged_seconds(table)
+    assert seconds(1.0) == 1.0 and seconds(1.25) == 1.6 and seconds(6.0) == pytest.approx(1.8)

@@ -1,7 +1,8 @@
 """Hooks of the verify step (SGLang's ``EAGLEWorkerV2``): a ragged step's forward over each request's real tree
 (``ragged_verify``: the compacted forward, SGLang's CPU back-end told the lengths), per-node penalties as plain
-decoding applies them, the fused accept and KV commit (``--speculative-tree-accept fused``, in or out of a CUDA graph), what the accept tells
-the drafter and the metrics, and each verify's committed tokens under the overlap scheduler. A fault in the
+decoding applies them, the fused accept and KV commit (``--speculative-tree-accept fused``, in or out of a CUDA
+graph), what the accept tells the drafter and the metrics, and each verify's committed tokens under the overlap
+scheduler. A fault in the
 plugin's accept gives SGLang's own accept for the batch, in its per-node penalties SGLang's relaxed ones, in the
 bookkeeping after the accept the batch's result as it is (counted, one log line; ``faults``)."""
 
@@ -24,8 +25,8 @@ from sglang_spec.sglang_plugin.hooks.draft import claim_acceptance_metrics
 from sglang_spec.sglang_plugin.messages import log
 from sglang_spec.sglang_plugin.metrics import METRICS, RANKS, VERIFY_TOKENS
 from sglang_spec.sglang_plugin.peers import accept_tp_group, attention_tp_rank
-from sglang_spec.sglang_plugin.ragged_verify import RAGGED_ATTRIBUTE, compact_forward, ragged_extend_metadata
 from sglang_spec.sglang_plugin.penalties import RequestPenalties, tree_penalties
+from sglang_spec.sglang_plugin.ragged_verify import RAGGED_ATTRIBUTE, compact_forward, ragged_extend_metadata
 from sglang_spec.sglang_plugin.state import VERIFY_STEP, VerifyStep, WorkerState, attach, state_of
 from sglang_spec.tree.encode_sglang import TreeMaskMode
 
@@ -92,8 +93,8 @@ def verify_around(original, worker, *args, **kwargs):
     if state.faults is not None and state.faults.accept is not None:
         state.faults.accept.arm()
     token = VERIFY_STEP.set(VerifyStep(state))
-    batch = args[0] if args else kwargs["batch"]
-    ragged = getattr(batch.spec_info, RAGGED_ATTRIBUTE, None)
+    batch = args[0] if args else kwargs.get("batch")
+    ragged = getattr(getattr(batch, "spec_info", None), RAGGED_ATTRIBUTE, None)
     if state.ragged and not batch.forward_mode.is_idle():
         dense = len(batch.reqs) * batch.spec_info.draft_token_num
         state.verified_tokens = dense if ragged is None else ragged.total
