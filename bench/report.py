@@ -163,10 +163,11 @@ SERVING_ABOUT = {
                               "gives and the per-step planner is meant to take a plain step or a small tree.",
     "serving_sweep_mixed_c4.json": "Four concurrent requests of code, of extraction and of a mixed stream (code, "
                                    "extraction and chat requests arriving together): the per-step planner (each "
-                                   "step one verify size, chosen from every request's predicted reach; each "
-                                   "request verifies its own best nodes) against the same planner choosing only a "
-                                   "plain step or the full tree, and against SGLang's own EAGLE tree and NGRAM, "
-                                   "all servers up together.",
+                                   "request its own share of the step's draft nodes, from every request's "
+                                   "predicted reach, verified ragged: a request's forward covers its own tree) "
+                                   "against the same planner choosing only a plain step or the full tree for the "
+                                   "whole batch, and against SGLang's own EAGLE tree and NGRAM, all servers up "
+                                   "together.",
     "serving_sweep_peers.json": "One request at a time, 15 draft tokens each: the project's hybrid trees against "
                                 "SGLang's own EAGLE tree (topk 4, 4 steps) and NGRAM drafting, as a user would "
                                 "launch them.",
