@@ -32,7 +32,7 @@ import torch
 
 from sglang_spec.sglang_plugin.messages import log
 from sglang_spec.sglang_plugin.peers import dp_attention
-from sglang_spec.tree.encode_sglang import TreeMaskMode
+from sglang_spec.tree.encode_sglang import TreeMaskMode, tree_mask_cells
 
 # the attribute of a verify input that carries its step's RaggedVerify (set by the draft hook)
 RAGGED_ATTRIBUTE = "sglang_spec_ragged"
@@ -108,13 +108,11 @@ def compact_mask(mask: torch.Tensor, mode: TreeMaskMode, prefix_lens: Sequence[i
     (``ValueError``: the step stays dense)."""
     if mode not in (TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK):
         raise ValueError(f"a {mode.name} tree mask is not cut per request")
-    pieces, offset = [], 0
-    for prefix, length in zip(prefix_lens, lengths):
-        columns = width + (prefix if mode == TreeMaskMode.FULL_MASK else 0)
-        block = mask[offset: offset + width * columns].view(width, columns)
-        kept = columns - width + length
-        pieces.append(block[:length, :kept].reshape(-1))
-        offset += width * columns
+    blocks = mask.split(tree_mask_cells(mode, prefix_lens, [width] * len(lengths)))  # the layout's own cells
+    pieces = []
+    for block, length in zip(blocks, lengths):
+        rows = block.view(width, -1)
+        pieces.append(rows[:length, : rows.shape[1] - width + length].reshape(-1))
     return torch.cat(pieces)
 
 
@@ -199,10 +197,14 @@ def ragged_refusal(target_model_runner, mask_mode, dp_attention: bool) -> str | 
     return None
 
 
-def decide(draft_worker) -> bool:
-    """Whether a server whose drafter grows ragged trees (``ServedDrafter.ragged_trees``) verifies them ragged;
-    decided once the target's attention back-end and decode graphs exist (the first decode step) and said once."""
-    refusal = ragged_refusal(draft_worker.target_worker.model_runner, draft_worker.tree_mask_mode, dp_attention())
-    log("ragged verify: each request's verify forward covers its own tree, not its fillers" if refusal is None else
-        f"ragged verify: off, every request verifies the full width ({refusal})")
-    return refusal is None
+def decide(state, draft_worker) -> bool:
+    """Whether the server (``state``: its ``WorkerState``) verifies ragged, decided at the first of its hooks that
+    asks, once the target's attention back-end and decode graphs exist (the first decode step), and said once:
+    never for a drafter whose trees are not ragged (``ServedDrafter.ragged_trees``)."""
+    if state.ragged is None and state.drafter.ragged_trees:
+        refusal = ragged_refusal(draft_worker.target_worker.model_runner, draft_worker.tree_mask_mode,
+                                 dp_attention())
+        log("ragged verify: each request's verify forward covers its own tree, not its fillers" if refusal is None
+            else f"ragged verify: off, every request verifies the full width ({refusal})")
+        state.ragged = refusal is None
+    return bool(state.ragged)

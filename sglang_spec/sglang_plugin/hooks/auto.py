@@ -150,11 +150,9 @@ def _start_planner(worker, state: WorkerState) -> StepPlanner:
     ranked = state.drafter.reports_reach
     graphs = worker.target_worker.model_runner.decode_cuda_graph_runner is not None
     sizes = state.options.verify_sizes or default_sizes(full, graphs, ranked)
-    if state.ragged is None and state.drafter.ragged_trees:
-        state.ragged = decide_ragged(worker.draft_worker)
     # "1,N" is the whole batch on or off (docs): shares per request only where the plan may take sizes between
     planner = StepPlanner(None, sizes, full, state.options.step_cap, ranked=ranked,
-                          ragged=bool(state.ragged) and len(sizes) > 2,
+                          ragged=decide_ragged(state, worker.draft_worker) and len(sizes) > 2,
                           head_rest=_head_rest(worker, state), prior=state.drafter.prior_reach(full - 1),
                           log_path=os.environ.get(PLAN_LOG_ENV) or None)
     # a head swapped in place (adapt): the planner's acceptance follows the head served, from the drafter's prior

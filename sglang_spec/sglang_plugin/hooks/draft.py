@@ -101,9 +101,7 @@ def draft_around(original, worker, batch, *args, **kwargs):
         finally:
             worker.cuda_graph_runner = graph_runner
             state.draft_requests = None
-        if state.ragged is None and drafter.ragged_trees:
-            state.ragged = decide_ragged(worker)
-        if state.ragged:
+        if decide_ragged(state, worker):
             _make_ragged(state, verify_input, len(batch.reqs))
     if getattr(verify_input, "spec_steps", None) is not None:
         # SGLang bounds the accepted path by its draft steps; a context tree's copies run deeper than its head
