@@ -134,6 +134,8 @@ class Section:
 SERVING_LABELS = {"plain": "plain decoding", "plain-sync": "plain decoding, overlap loop off",
                   "auto": "hybrid + `--speculative-tree-auto`",
                   "auto-batch": "the same planner, whole batch on or off (`--speculative-tree-verify-sizes 1,N`)",
+                  "auto-sync": "hybrid + `--speculative-tree-auto`, overlap loop off",
+                  "auto-batch-sync": "the same planner, whole batch on or off, overlap loop off",
                   "sglang-tree": "SGLang's EAGLE tree (topk 4)",
                   "sglang-ngram": "SGLang's NGRAM", "sglang-chain": "SGLang's EAGLE chain"}
 

@@ -6,7 +6,8 @@ overlap loop's host work competes with the forward for the cores); SGLang's own 
 it instead, ``sglang-chain`` (EAGLE / NEXTN, one candidate a step, 3 steps), ``sglang-tree`` (its topk-4 tree
 with the same number of draft tokens as ours) and ``sglang-ngram`` (its n-gram corpus, no draft model); ours,
 ``chain``, ``eagle``, ``sequoia``, ``specexec``, ``lookup``, ``hybrid`` (``--speculative-tree-policy``), ``auto``
-(hybrid with ``--speculative-tree-auto``), ``lookup-device`` and ``hybrid-device`` (lookup / hybrid with
+(hybrid with ``--speculative-tree-auto``), ``auto-batch`` (the same planner, the whole batch on or off),
+``auto-sync`` and ``auto-batch-sync`` (the same two with the overlap scheduler off, as ``plain-sync``), ``lookup-device`` and ``hybrid-device`` (lookup / hybrid with
 ``--speculative-tree-context-on device``: the same trees, grown on the device). For every method and budget the
 script launches ``python -m sglang.launch_server``, waits for ``/health``, runs ``python -m sglang.bench_serving``
 per workload and concurrency, stops the server (its whole process group), and collects the client's JSON lines
@@ -70,10 +71,11 @@ OUR_POLICIES = ("chain", "eagle", "sequoia", "specexec", "lookup", "hybrid")
 SGLANG_METHODS = ("sglang-chain", "sglang-tree", "sglang-ngram")
 AUTO = "auto"  # hybrid with --speculative-tree-auto: each step's verify size planned for its batch
 AUTO_BATCH = "auto-batch"  # the same planner choosing only a plain step or the full tree for the whole batch
+SYNC = "-sync"  # auto-sync, auto-batch-sync: the same with SGLang's overlap scheduler off (as plain-sync)
 LOOKUP_DEVICE = "lookup-device"  # lookup with --speculative-tree-context-on device
 HYBRID_DEVICE = "hybrid-device"  # hybrid with --speculative-tree-context-on device
 PLAIN_METHODS = ("plain", "plain-sync")  # no speculation: with SGLang's overlap scheduler, and without
-POLICIES = (*PLAIN_METHODS, *OUR_POLICIES, AUTO, AUTO_BATCH, LOOKUP_DEVICE, HYBRID_DEVICE, *SGLANG_METHODS)
+POLICIES = (*PLAIN_METHODS, *OUR_POLICIES, AUTO, AUTO_BATCH, AUTO + SYNC, AUTO_BATCH + SYNC, LOOKUP_DEVICE, HYBRID_DEVICE, *SGLANG_METHODS)
 TOGETHER_MEMORY_FRACTION = "0.9"  # the bed's servers started together: see extra_server_args
 SGLANG_CHAIN_STEPS = 3  # SGLang's usual EAGLE chain for NEXTN: 3 steps, 4 verified tokens
 SGLANG_TREE_TOPK = 4
@@ -217,6 +219,8 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
         return tree_arguments(args, "hybrid", budget, profile) + ["--speculative-tree-auto"]
     if policy == AUTO_BATCH:
         return tree_arguments(args, AUTO, budget, profile) + ["--speculative-tree-verify-sizes", f"1,{budget + 1}"]
+    if policy in (AUTO + SYNC, AUTO_BATCH + SYNC):
+        return tree_arguments(args, policy.removesuffix(SYNC), budget, profile) + ["--disable-overlap-schedule"]
     if policy in (LOOKUP_DEVICE, HYBRID_DEVICE):
         on_host = policy.removesuffix("-device")
         return tree_arguments(args, on_host, budget, profile) + ["--speculative-tree-context-on", "device"]

@@ -82,6 +82,10 @@ def test_speedups_are_over_the_faster_plain_decoding_and_plain_sync_turns_overla
         sweep.tree_arguments(args, "lookup", 15, None) + ["--speculative-tree-context-on", "device"]
     assert sweep.tree_arguments(args, "hybrid-device", 7, None) == \
         sweep.tree_arguments(args, "hybrid", 7, None) + ["--speculative-tree-context-on", "device"]
+    # the planner's servers with the overlap loop off: their own options and plain-sync's one
+    for policy in ("auto", "auto-batch"):
+        assert sweep.tree_arguments(args, f"{policy}-sync", 11, None) == \
+            sweep.tree_arguments(args, policy, 11, None) + ["--disable-overlap-schedule"]
 
     def row(policy, workload, throughput):
         return {**sweep.row_from_result(policy, 15, 1, {"output_throughput": throughput}, workload)}
