@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -41,10 +41,11 @@ def flashinfer_package_namespace() -> SimpleNamespace:
 
 @dataclass(frozen=True, eq=False)
 class MLATreeVerifyPlan:
-    """One verify batch's metadata, shared by every layer: B requests, n tree tokens each, T = B * n rows.
+    """One verify batch's metadata, shared by every layer: B requests, request b verifying n_b <= n tree tokens
+    (n_b = n everywhere but in a ragged verify), T = sum(n_b) rows.
 
     Device tensors (built without a host read):
-      qo_indptr:  [B + 1] int32, b * n: request b's tree queries.
+      qo_indptr:  [B + 1] int32, cumulative n_b: request b's tree queries.
       kv_indptr:  [B + 1] int32, cumulative pages of the prefixes (ceil(p_b / page_size) each).
       kv_indices: [B * max_pages] int32, the prefix pages, request after request from kv_indptr[b]; the tail past
                   kv_indptr[B] is unread padding (a fixed-size buffer keeps a captured graph's address).
@@ -52,7 +53,7 @@ class MLATreeVerifyPlan:
       mask_layout: where each request's n x n ancestor block sits in SGLang's tree mask.
     Host tensors (what FlashInfer's plan schedules from; taken from SGLang's host copy of the prefix lengths):
       qo_indptr_host, kv_indptr_host [B + 1], kv_lens_host [B] int32.
-    tree_tokens: n; page_size: tokens per KV page."""
+    tree_tokens: n, the most tree tokens a request verifies; page_size: tokens per KV page."""
 
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
@@ -112,12 +113,17 @@ def plan_tree_verify(
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
     prefix_lens_host: torch.Tensor, tree_tokens: int, page_size: int, mask_mode: TreeMaskMode,
     kv_indices_out: torch.Tensor | None = None, max_pages: int | None = None,
+    tree_lens: Sequence[int] | None = None,
 ) -> MLATreeVerifyPlan:
-    """The plan for B requests verifying ``tree_tokens`` each after ``prefix_lens`` [B] (device) /
-    ``prefix_lens_host`` [B] (host copy, what SGLang keeps as seq_lens_cpu). ``mask_mode``: the layout of the tree
-    mask SGLang built. max_pages defaults to the batch's largest page count (from the host copy)."""
+    """The plan for B requests verifying ``tree_tokens`` each (or, ragged, ``tree_lens[b]`` <= tree_tokens: host
+    ints) after ``prefix_lens`` [B] (device) / ``prefix_lens_host`` [B] (host copy, what SGLang keeps as
+    seq_lens_cpu). ``mask_mode``: the layout of the tree mask SGLang built (cut to ``tree_lens`` where ragged).
+    max_pages defaults to the batch's largest page count (from the host copy)."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
+    lengths = [tree_tokens] * prefix_lens.shape[0] if tree_lens is None else [int(n) for n in tree_lens]
+    if len(lengths) != prefix_lens.shape[0] or any(n < 1 or n > tree_tokens for n in lengths):
+        raise ValueError(f"tree_lens are 1..{tree_tokens} for each of {prefix_lens.shape[0]} requests, got {lengths}")
     device = req_to_token.device
     batch = prefix_lens.shape[0]
     prefix_lens_host = prefix_lens_host.to(device="cpu", dtype=torch.int32)
@@ -127,14 +133,15 @@ def plan_tree_verify(
     kv_indptr = _indptr(_pages(kv_lens, page_size))
     kv_indices = prefix_page_indices(req_to_token, req_pool_indices, kv_lens, kv_indptr, page_size, max_pages,
                                      out=kv_indices_out)
-    tree_lens = torch.full((batch,), tree_tokens, dtype=torch.int32, device=device)
+    tree_lens_host = torch.tensor(lengths, dtype=torch.int32)
+    tree_lens_device = tree_lens_host.to(device)
     return MLATreeVerifyPlan(
-        qo_indptr=_indptr(tree_lens),
+        qo_indptr=_indptr(tree_lens_device),
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
         kv_lens=kv_lens,
-        mask_layout=tree_mask_layout(mask_mode, kv_lens, tree_lens),
-        qo_indptr_host=torch.arange(0, (batch + 1) * tree_tokens, tree_tokens, dtype=torch.int32)[: batch + 1],
+        mask_layout=tree_mask_layout(mask_mode, kv_lens, tree_lens_device),
+        qo_indptr_host=_indptr(tree_lens_host),
         kv_indptr_host=_indptr(_pages(prefix_lens_host, page_size)),
         kv_lens_host=prefix_lens_host,
         tree_tokens=tree_tokens,
@@ -142,11 +149,11 @@ def plan_tree_verify(
     )
 
 
-def causal_tree_mask(batch: int, tree_tokens: int, device: torch.device | str) -> torch.Tensor:
-    """A chain's mask in the QLEN_ONLY layout ([B * n * n] bool, each block lower-triangular): what a verify
-    without a tree mask (topk 1) means."""
-    block = torch.ones(tree_tokens, tree_tokens, dtype=torch.bool, device=device).tril()
-    return block.reshape(-1).repeat(batch)
+def causal_tree_mask(tree_lens: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """A chain's mask in the QLEN_ONLY layout ([sum(n_b * n_b)] bool, request b's n_b x n_b block
+    lower-triangular): what a verify without a tree mask (topk 1) means."""
+    blocks = [torch.ones(n, n, dtype=torch.bool, device=device).tril().reshape(-1) for n in tree_lens]
+    return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool, device=device)
 
 
 @dataclass(frozen=True)

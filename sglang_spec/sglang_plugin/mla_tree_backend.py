@@ -12,6 +12,10 @@ FlashInfer's MLA back-end on a GPU, the bed's intel_amx on this CPU) and takes o
   FlashInfer's batched paged MLA decode over each prefix (n queries a request, no mask, base-2 lse), the tree
   kernel (``kernels/mla_tree_attention``) over the tree's rows with SGLang's ancestor mask read in place, merged by
   ``merge_state``;
+* a ragged verify (``ragged_verify``: each request's rows and tree mask cut to its own tree): the plan's query
+  offsets and mask blocks follow each request's length, FlashInfer's plan takes the ragged query offsets as they
+  are and the tree kernel reads each request's rows from them (eager forwards; a captured graph verifies SGLang's
+  width);
 * CUDA graphs: one graph wrapper per captured batch size, planned at capture, re-planned before each replay from
   host arrays into the same buffers (FlashInfer's FA2 / FA3 MLA plans allow re-planning a graph wrapper); the
   tree mask's n x n blocks gathered into a static buffer, since SGLang's FULL_MASK tensor is rebuilt each step.
@@ -45,6 +49,7 @@ from sglang_spec.sglang_plugin.mla_cascade import (
 )
 from sglang_spec.attention import flashinfer_mla
 from sglang_spec.sglang_plugin.messages import log
+from sglang_spec.sglang_plugin.ragged_verify import FORWARD_ATTRIBUTE, RaggedVerify
 from sglang_spec.sglang_plugin.state import options_of
 from sglang_spec.tree.encode_sglang import TreeMaskMode, complete_tree_mask
 
@@ -64,6 +69,26 @@ class VerifyState:
     plan: MLATreeVerifyPlan
     wrapper: object
     tree_mask: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyBatch:
+    """What a verify forward's plan reads off its batch.
+
+    batch:       B, the requests verified.
+    width:       n, SGLang's verify width (``draft_token_num``): the most tree tokens a request verifies.
+    tree_lens:   per request, the tree tokens its forward computes (host ints): n each, or a ragged verify's
+                 lengths (``ragged_verify.RaggedVerify``), each 1..n.
+    ragged:      whether the forward is a ragged verify's (its rows and tree mask cut to ``tree_lens``).
+    prefix_lens: [B] committed tokens of each request, on the device.
+    prefix_host: [B] their host copy (SGLang's ``seq_lens_cpu``)."""
+
+    batch: int
+    width: int
+    tree_lens: tuple[int, ...]
+    ragged: bool
+    prefix_lens: torch.Tensor
+    prefix_host: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,7 +115,7 @@ class MLATreeVerifyBackend(AttentionBackend):
                 setattr(self, name, getattr(base, name, value))
         self.prefill_attention_backend_str = base.prefill_attention_backend_str
         self.decode_attention_backend_str = base.decode_attention_backend_str
-        self.supports_ragged_verify_graph = False  # uniform trees only
+        self.supports_ragged_verify_graph = False  # SGLang's ragged layouts: the plugin's ragged verify is eager
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
@@ -196,49 +221,57 @@ class MLATreeVerifyBackend(AttentionBackend):
         self.graph_max_pages = -(-self.max_context_len // self.page_size)
         self.graph_kv_indices = torch.zeros(max_bs * self.graph_max_pages, dtype=torch.int32, device=self.device)
 
-    def _verify_inputs(self, forward_batch) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-        """(batch size, tree tokens a request, prefix lengths [B] on the device, their host copy)."""
+    def _verify_inputs(self, forward_batch) -> VerifyBatch:
         spec_info = forward_batch.spec_info
         if spec_info is None:
             raise RuntimeError("a TARGET_VERIFY batch without spec_info: nothing says how many tokens it verifies")
         if getattr(spec_info, "ragged_verify_layout", None) is not None:
-            raise NotImplementedError("MLA tree verify on FlashInfer verifies the same number of tree tokens a "
-                                      "request; a ragged verify layout is not served")
+            raise NotImplementedError("MLA tree verify on FlashInfer takes the plugin's ragged verify, not SGLang's "
+                                      "ragged verify layout")
         batch = forward_batch.batch_size
         prefix_lens = forward_batch.seq_lens[:batch]
         host = forward_batch.seq_lens_cpu
         # SGLang keeps a host copy of the prefix lengths for exactly this; without one the plan reads them back
         prefix_host = host[:batch] if host is not None else prefix_lens.cpu()
-        return batch, int(spec_info.draft_token_num), prefix_lens, prefix_host
+        width = int(spec_info.draft_token_num)
+        ragged: RaggedVerify | None = getattr(spec_info, FORWARD_ATTRIBUTE, None)
+        tree_lens = (width,) * batch if ragged is None else ragged.lengths
+        return VerifyBatch(batch, width, tree_lens, ragged is not None, prefix_lens, prefix_host)
 
-    def _tree_mask(self, forward_batch, batch: int, tree_tokens: int) -> tuple[torch.Tensor, TreeMaskMode]:
-        """SGLang's tree mask and its layout; a chain (topk 1) or a mask-less verify gets the causal chain mask."""
+    def _tree_mask(self, forward_batch, verify: VerifyBatch) -> tuple[torch.Tensor, TreeMaskMode]:
+        """SGLang's tree mask (a ragged forward's: cut to each request's tree) and its layout; a chain (topk 1) or
+        a mask-less verify gets the causal chain mask."""
         spec_info = forward_batch.spec_info
         custom_mask = getattr(spec_info, "custom_mask", None)
         if getattr(spec_info, "tree_topk", None) != 1 and custom_mask is not None and custom_mask.numel() > 0:
             return custom_mask, self.mask_mode
-        return causal_tree_mask(batch, tree_tokens, forward_batch.seq_lens.device), TreeMaskMode.QLEN_ONLY
+        return causal_tree_mask(verify.tree_lens, forward_batch.seq_lens.device), TreeMaskMode.QLEN_ONLY
 
     def _plan_eager(self, forward_batch) -> VerifyState:
-        batch, tree_tokens, prefix_lens, prefix_host = self._verify_inputs(forward_batch)
-        tree_mask, mode = self._tree_mask(forward_batch, batch, tree_tokens)
+        verify = self._verify_inputs(forward_batch)
+        tree_mask, mode = self._tree_mask(forward_batch, verify)
         # a batch DP attention padded after the mask was built: the padding rows' cells, not reads past the mask
-        tree_mask = complete_tree_mask(tree_mask, mode, prefix_host.tolist(), [tree_tokens] * batch)
-        plan = plan_tree_verify(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[:batch],
-                                prefix_lens, prefix_host, tree_tokens, self.page_size, mode)
+        tree_mask = complete_tree_mask(tree_mask, mode, verify.prefix_host.tolist(), verify.tree_lens)
+        plan = plan_tree_verify(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[:verify.batch],
+                                verify.prefix_lens, verify.prefix_host, verify.width, self.page_size, mode,
+                                tree_lens=verify.tree_lens if verify.ragged else None)
         plan_prefix_wrapper(self.flashinfer, self.wrapper, plan, self.shape)
         return VerifyState(plan, self.wrapper, tree_mask)
 
     def _plan_graph(self, forward_batch, in_capture: bool) -> VerifyState:
         """Capture: a graph wrapper and static buffers for this batch size. Replay: the same buffers re-planned
         (device copies and FlashInfer's host-array plan; nothing read back from the device)."""
-        batch, tree_tokens, prefix_lens, prefix_host = self._verify_inputs(forward_batch)
+        verify = self._verify_inputs(forward_batch)
+        if verify.ragged:
+            raise NotImplementedError("a ragged verify under a captured graph: ragged verify runs eager only")
+        batch, tree_tokens, prefix_lens, prefix_host = verify.batch, verify.width, verify.prefix_lens, \
+            verify.prefix_host
         if self.graph_kv_indices is None:
             raise RuntimeError("init_cuda_graph_state was not called before a graph verify")
         if in_capture or batch not in self.graph_buffers:
             self.graph_buffers[batch] = self._new_graph_buffers(batch, tree_tokens)
         buffers = self.graph_buffers[batch]
-        tree_mask, mode = self._tree_mask(forward_batch, batch, tree_tokens)
+        tree_mask, mode = self._tree_mask(forward_batch, verify)
         plan = plan_tree_verify(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[:batch],
                                 prefix_lens, prefix_host, tree_tokens, self.page_size, mode,
                                 kv_indices_out=self.graph_kv_indices, max_pages=self.graph_max_pages)

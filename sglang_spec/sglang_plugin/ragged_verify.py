@@ -16,7 +16,7 @@ everything after the forward (accept, KV move, penalties, metrics) and changes t
   never written, and never read (the real nodes' attention reads their own prefix of the window).
 
 Ragged steps run where the target's attention back-end takes per-request lengths in a verify forward (SGLang's CPU
-back-end, ``intel_amx``), eager (no captured decode graph: graph tiers over the total token count are not built),
+back-end, ``intel_amx``; the plugin's MLA tree verify on FlashInfer, ``--speculative-tree-mla-verify``), eager (no captured decode graph: graph tiers over the total token count are not built),
 without DP attention (its gathers are sized by the dense token count) and with an unpacked tree mask. Elsewhere the
 step is dense, as SGLang runs it.
 """
@@ -38,7 +38,9 @@ from sglang_spec.tree.encode_sglang import TreeMaskMode, tree_mask_cells
 RAGGED_ATTRIBUTE = "sglang_spec_ragged"
 # the attribute of the compacted forward's spec_info that tells the attention back-end the lengths
 FORWARD_ATTRIBUTE = "sglang_spec_ragged_forward"
-RAGGED_BACKENDS = ("IntelAMXAttnBackend",)  # back-ends whose verify metadata ``ragged_extend_metadata`` builds
+# back-ends whose verify forward takes per-request lengths: SGLang's CPU one (its metadata from
+# ``ragged_extend_metadata``) and the plugin's MLA cascade (``mla_tree_backend``, from the forward's RaggedVerify)
+RAGGED_BACKENDS = ("IntelAMXAttnBackend", "MLATreeVerifyBackend")
 
 
 @dataclass(frozen=True, eq=False)

@@ -156,8 +156,48 @@ def test_the_cascade_merges_deepseek_v3s_128_heads_of_512():
 
 
 def test_a_chain_without_a_mask_is_causal():
-    mask = causal_tree_mask(2, 3, "cpu").view(2, 3, 3)
+    mask = causal_tree_mask([3, 3], "cpu").view(2, 3, 3)
     assert torch.equal(mask[1], torch.ones(3, 3, dtype=torch.bool).tril())
+    ragged = causal_tree_mask([2, 3], "cpu")  # each request its own block
+    assert torch.equal(ragged[4:].view(3, 3), torch.ones(3, 3, dtype=torch.bool).tril()) and ragged[:4].tolist() == \
+        [True, False, True, True]
+
+
+@pytest.mark.parametrize("mode", [TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK])
+def test_a_ragged_cascade_equals_the_dense_one_on_each_requests_own_tree(kernel_device, mode):
+    """A ragged verify (``ragged_verify``: each request's first n_b tree tokens, the rest fillers it skips): the
+    cascade planned with per-request lengths over the cut rows and the cut mask gives the dense cascade's output on
+    those rows (a tree's first nodes hold all their ancestors). Negative control: the uncut mask read through the
+    ragged plan is noticed."""
+    from sglang_spec.sglang_plugin.ragged_verify import RaggedVerify, compact_mask
+
+    page_size, tree_tokens = 4, 6
+    data = paged_mla_batch(11, 3, tree_tokens, page_size, mode)
+    assert all(torch.equal(mask, mask.tril()) for mask in data["masks"])  # node order: ancestors first
+    dense = run_cascade(data, tree_tokens, page_size, mode, tree_attention=tree_reference)
+    lengths = [2, 6, 1]
+    rows = RaggedVerify.of(lengths, tree_tokens, "cpu").rows
+    cut = dict(data, q_latent=data["q_latent"][rows], q_rope=data["q_rope"][rows], tree_slots=data["tree_slots"][rows],
+               flat_mask=compact_mask(data["flat_mask"], mode, data["prefixes"], tree_tokens, lengths))
+    prefix_lens = torch.tensor(data["prefixes"], dtype=torch.int32)
+
+    def ragged_cascade(mask, tree_attention=tree_reference):
+        plan = plan_tree_verify(cut["req_to_token"], cut["rows"], prefix_lens, prefix_lens.clone(), tree_tokens,
+                                page_size, mode, tree_lens=lengths)
+        assert plan.qo_indptr.tolist() == plan.qo_indptr_host.tolist() == [0, 2, 8, 9]
+        flashinfer = twin.namespace()
+        wrapper = flashinfer.BatchMLAPagedAttentionWrapper(torch.empty(16, dtype=torch.uint8))
+        plan_prefix_wrapper(flashinfer, wrapper, plan, shape(cut))
+        return mla_tree_verify_attention(flashinfer, wrapper, plan, cut["q_latent"], cut["q_rope"], cut["kv_buffer"],
+                                         cut["tree_slots"], mask, cut["scale"], tree_attention=tree_attention)
+
+    assert torch.allclose(ragged_cascade(cut["flat_mask"]), dense[rows], atol=1e-5, rtol=1e-4)
+    with_kernel = ragged_cascade(cut["flat_mask"], tree_attention=on_device(mla_tree_attention, kernel_device))
+    assert torch.allclose(with_kernel, dense[rows], atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(ragged_cascade(data["flat_mask"]), dense[rows], atol=1e-3)
+    with pytest.raises(ValueError, match="tree_lens"):
+        plan_tree_verify(cut["req_to_token"], cut["rows"], prefix_lens, prefix_lens, tree_tokens, page_size, mode,
+                         tree_lens=[2, 7, 1])
 
 
 def test_a_graph_wrapper_plans_into_its_buffers_and_replans():

@@ -1,7 +1,8 @@
 """Ragged verify's pieces against the verify metadata of the real trees: a padded tree with its fillers unlinked
 links as the real tree does, and its tree mask cut to the real prefix is the real tree's mask, in both unpacked
-layouts; the compacted rows scatter back into SGLang's dense rows. (Through launch_server: every lookup / hybrid
-server of the suite on this CPU verifies ragged, ``test_ragged_verify_server.py`` checks it is on.)"""
+layouts; the compacted rows scatter back into SGLang's dense rows; which servers verify ragged. (Through launch_server: the
+host lookup / hybrid servers of ``test_context_trees.py``, the planner matrix's cells and the MLA cascade's lookup
+server, ``test_mla_tree_verify_server.py``.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from sglang_spec.sglang_plugin.drafters.padding import pad_to_budget
-from sglang_spec.sglang_plugin.ragged_verify import RaggedVerify, compact_mask, scatter_dense, unlink_fillers
+from sglang_spec.sglang_plugin.ragged_verify import (RaggedVerify, compact_mask, ragged_refusal, scatter_dense,
+                                                     unlink_fillers)
 from sglang_spec.tree.encode_sglang import TreeMaskMode, encode_sglang_verify
 from sglang_spec.tree.token_tree import TokenTree
 
@@ -65,3 +67,22 @@ def test_compacted_rows_scatter_back_to_their_dense_rows_and_bad_lengths_are_ref
     assert RaggedVerify.of([3, 3], 3, "cpu").dense
     with pytest.raises(ValueError, match="verify lengths are 1..3"):
         RaggedVerify.of([0, 4], 3, "cpu")
+
+
+def _runner(backend: str, graphs: bool = False):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(attn_backend=type(backend, (), {})(), decode_cuda_graph_runner=object() if graphs else None)
+
+
+def test_ragged_verify_runs_where_the_verify_forward_takes_per_request_lengths():
+    """SGLang's CPU back-end and the plugin's MLA cascade, eager, without DP attention, an unpacked mask; each other
+    case is refused with its reason."""
+    qlen, full, packed = TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK, TreeMaskMode.QLEN_ONLY_BITPACKING
+    assert ragged_refusal(_runner("IntelAMXAttnBackend"), qlen, False) is None
+    assert ragged_refusal(_runner("MLATreeVerifyBackend"), full, False) is None
+    assert "FlashInferAttnBackend takes one verify width" in ragged_refusal(_runner("FlashInferAttnBackend"), full,
+                                                                            False)
+    assert "decode graphs" in ragged_refusal(_runner("MLATreeVerifyBackend", graphs=True), full, False)
+    assert "DP attention" in ragged_refusal(_runner("IntelAMXAttnBackend"), qlen, True)
+    assert "QLEN_ONLY_BITPACKING" in ragged_refusal(_runner("IntelAMXAttnBackend"), packed, False)

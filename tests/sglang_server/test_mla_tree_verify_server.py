@@ -8,7 +8,9 @@ the stand-in ``extend_attention_cpu``), step for step (same accept lengths), in 
 (QLEN_ONLY) and in the GPU's (FULL_MASK, ``SGLANG_SPEC_CPU_TREE_MASK=full``) with pages of 4 tokens, and with
 tensor parallelism 2 (two heads a rank, gloo); seeded temperature-0.7 requests give the bed's sampled tokens (one
 rank: the same coins on the same logits); the server logs that the cascade served its verifies; and a launch it
-cannot serve (a model without MLA, a quantized KV cache) is refused in one line.
+cannot serve (a model without MLA, a quantized KV cache) is refused in one line. Host-built (``lookup``) trees are
+verified ragged through the cascade (each request's forward covers its own tree, ``ragged_verify``): greedy output
+plain decoding's, every token's log-probability the bed's ragged verify's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from cpu_server_helpers import accept_lengths, running_server, tree_args
+from cpu_server_helpers import accept_lengths, counter, running_server, tree_args
 from sglang_spec_testbed import server_environment
 from sglang_spec_testbed.server import cpu_launch_args, free_port
 from sglang_spec_testbed.tree_mask import TREE_MASK_ENV
@@ -51,6 +53,7 @@ class Served:
     greedy: list[dict]
     sampled: list[dict]
     log: str
+    metrics: str = ""  # /metrics after the requests, where the server was launched with --enable-metrics
 
 
 def serve(tiny_cpu, server_logs, prompts, name, extra=(), speculative=True, environment=None) -> Served:
@@ -61,8 +64,9 @@ def serve(tiny_cpu, server_logs, prompts, name, extra=(), speculative=True, envi
             greedy = server.request("/generate", {"input_ids": prompts, "sampling_params": GREEDY,
                                                   "return_logprob": True})
             sampled = server.generate(prompts, SAMPLED) if speculative else []
+            metrics = server.request("/metrics") if "--enable-metrics" in extra else ""
             log = server.log_path.read_text(errors="replace")
-    return Served(greedy, sampled, log)
+    return Served(greedy, sampled, log, metrics)
 
 
 def token_logprobs(answer: list[dict]) -> list[list[float]]:
@@ -133,6 +137,36 @@ def test_the_cascade_served_the_verifies(cascade, bed_tree):
     if name.startswith("full"):
         assert "first FULL_MASK tree mask built" in served.log
     assert FIRST_VERIFY not in bed_tree.log
+
+
+LOOKUP = tree_args("lookup", 6, 6, 2) + SEED + ["--enable-metrics"]  # context trees: each its own size
+RAGGED_ON = "ragged verify: each request's verify forward covers its own tree"
+
+
+@pytest.fixture(scope="module")
+def ragged_lookup(tiny_cpu, server_logs, prompts) -> tuple[Served, Served]:
+    """lookup trees verified ragged through the cascade, and through the bed's intel_amx extend attention."""
+    return (serve(tiny_cpu, server_logs, prompts, "mla-cascade-lookup", LOOKUP + CASCADE),
+            serve(tiny_cpu, server_logs, prompts, "mla-bed-lookup", LOOKUP))
+
+
+def test_the_cascade_verifies_host_trees_ragged(ragged_lookup, plain):
+    """Each request's verify forward covers its own tree (fewer tokens than SGLang's width a request), the
+    cascade's tree halves read each request's rows and cut mask: greedy output plain decoding's, and the same
+    accept lengths and log-probabilities (float32 tolerance) as the bed's ragged verify of the same trees (a
+    cascade that read another request's rows or mask blocks would change them: the dense comparison above shows
+    the tolerance tells the two attentions apart from a wrong one)."""
+    cascade, bed = ragged_lookup
+    assert RAGGED_ON in cascade.log and FIRST_VERIFY in cascade.log and FIRST_VERIFY not in bed.log
+    assert [item["output_ids"] for item in cascade.greedy] == [item["output_ids"] for item in plain]
+    computed, dense = (counter(cascade.metrics, f"sglang_spec_verify_tokens_{kind}_total")
+                       for kind in ("computed", "dense"))
+    assert 0 < computed < dense, (computed, dense)
+    assert max(accept_lengths(cascade.greedy)) >= 2  # copies were found and accepted
+    assert accept_lengths(cascade.greedy) == accept_lengths(bed.greedy)
+    ours, theirs = token_logprobs(cascade.greedy), token_logprobs(bed.greedy)
+    worst = max(abs(a - b) for row_a, row_b in zip(ours, theirs) for a, b in zip(row_a, row_b))
+    assert worst < 1e-4, worst
 
 
 @pytest.mark.parametrize(
