@@ -264,8 +264,7 @@ class MLATreeVerifyBackend(AttentionBackend):
         verify = self._verify_inputs(forward_batch)
         if verify.ragged:
             raise NotImplementedError("a ragged verify under a captured graph: ragged verify runs eager only")
-        batch, tree_tokens, prefix_lens, prefix_host = verify.batch, verify.width, verify.prefix_lens, \
-            verify.prefix_host
+        batch, tree_tokens = verify.batch, verify.width
         if self.graph_kv_indices is None:
             raise RuntimeError("init_cuda_graph_state was not called before a graph verify")
         if in_capture or batch not in self.graph_buffers:
@@ -273,7 +272,7 @@ class MLATreeVerifyBackend(AttentionBackend):
         buffers = self.graph_buffers[batch]
         tree_mask, mode = self._tree_mask(forward_batch, verify)
         plan = plan_tree_verify(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[:batch],
-                                prefix_lens, prefix_host, tree_tokens, self.page_size, mode,
+                                verify.prefix_lens, verify.prefix_host, tree_tokens, self.page_size, mode,
                                 kv_indices_out=self.graph_kv_indices, max_pages=self.graph_max_pages)
         # the tree's n x n blocks into the static QLEN_ONLY buffer (SGLang's FULL_MASK tensor changes each step);
         # a replay padded past the live requests has no mask for the padding: its cells read the last one (their

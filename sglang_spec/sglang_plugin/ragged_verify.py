@@ -16,9 +16,9 @@ everything after the forward (accept, KV move, penalties, metrics) and changes t
   never written, and never read (the real nodes' attention reads their own prefix of the window).
 
 Ragged steps run where the target's attention back-end takes per-request lengths in a verify forward (SGLang's CPU
-back-end, ``intel_amx``; the plugin's MLA tree verify on FlashInfer, ``--speculative-tree-mla-verify``), eager (no captured decode graph: graph tiers over the total token count are not built),
-without DP attention (its gathers are sized by the dense token count) and with an unpacked tree mask. Elsewhere the
-step is dense, as SGLang runs it.
+back-end, ``intel_amx``; the plugin's MLA tree verify on FlashInfer, ``--speculative-tree-mla-verify``), eager (no
+captured decode graph: graph tiers over the total token count are not built), without DP attention (its gathers
+are sized by the dense token count) and with an unpacked tree mask. Elsewhere the step is dense, as SGLang runs it.
 """
 
 from __future__ import annotations
