@@ -214,8 +214,11 @@ def serving_body(name: str) -> Callable[[Path], str]:
         rounds = max((len(row.get("output_throughput_rounds") or []) for row in rows), default=0)
         closed_loop = max(int(value) for value in (command_option(data, "--concurrency") or "1").split(",")) > 1
         lengths = (" " + (SPREAD if command_option(data, "--output-len-spread") else LOCKSTEP)) if closed_loop else ""
+        loop = (" The planner's servers marked \"overlap loop off\" run as the plain one so marked "
+                "(`--disable-overlap-schedule`): on this CPU SGLang's overlap loop competes with the forward for "
+                "the two cores.") if _loop(rows) else ""
         return "\n\n".join([
-            SERVING_ABOUT.get(name, "A run of the serving sweep.") + lengths
+            SERVING_ABOUT.get(name, "A run of the serving sweep.") + lengths + loop
             + (f" {rounds} rounds." if rounds > 1 else " One round."),
             run_lines(data, results, name, [name, f"{stem}.csv", f"{stem}.png"]),
             table(["workload", "method", "draft tokens", "concurrency", "output tok/s", "x plain", "per round",
