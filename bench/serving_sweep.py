@@ -7,8 +7,9 @@ it instead, ``sglang-chain`` (EAGLE / NEXTN, one candidate a step, 3 steps), ``s
 with the same number of draft tokens as ours) and ``sglang-ngram`` (its n-gram corpus, no draft model); ours,
 ``chain``, ``eagle``, ``sequoia``, ``specexec``, ``lookup``, ``hybrid`` (``--speculative-tree-policy``), ``auto``
 (hybrid with ``--speculative-tree-auto``), ``auto-batch`` (the same planner, the whole batch on or off),
-``auto-sync`` and ``auto-batch-sync`` (the same two with the overlap scheduler off, as ``plain-sync``), ``lookup-device`` and ``hybrid-device`` (lookup / hybrid with
-``--speculative-tree-context-on device``: the same trees, grown on the device). For every method and budget the
+``auto-sync`` and ``auto-batch-sync`` (the same two with the overlap scheduler off, as ``plain-sync``),
+``lookup-device`` and ``hybrid-device`` (lookup / hybrid with ``--speculative-tree-context-on device``: the same
+trees, grown on the device). For every method and budget the
 script launches ``python -m sglang.launch_server``, waits for ``/health``, runs ``python -m sglang.bench_serving``
 per workload and concurrency, stops the server (its whole process group), and collects the client's JSON lines
 into a CSV and a plot: output tokens/s and its ratio over plain in the same run (the faster of ``plain`` and
@@ -75,7 +76,8 @@ SYNC = "-sync"  # auto-sync, auto-batch-sync: the same with SGLang's overlap sch
 LOOKUP_DEVICE = "lookup-device"  # lookup with --speculative-tree-context-on device
 HYBRID_DEVICE = "hybrid-device"  # hybrid with --speculative-tree-context-on device
 PLAIN_METHODS = ("plain", "plain-sync")  # no speculation: with SGLang's overlap scheduler, and without
-POLICIES = (*PLAIN_METHODS, *OUR_POLICIES, AUTO, AUTO_BATCH, AUTO + SYNC, AUTO_BATCH + SYNC, LOOKUP_DEVICE, HYBRID_DEVICE, *SGLANG_METHODS)
+POLICIES = (*PLAIN_METHODS, *OUR_POLICIES, AUTO, AUTO_BATCH, AUTO + SYNC, AUTO_BATCH + SYNC, LOOKUP_DEVICE,
+            HYBRID_DEVICE, *SGLANG_METHODS)
 TOGETHER_MEMORY_FRACTION = "0.9"  # the bed's servers started together: see extra_server_args
 SGLANG_CHAIN_STEPS = 3  # SGLang's usual EAGLE chain for NEXTN: 3 steps, 4 verified tokens
 SGLANG_TREE_TOPK = 4

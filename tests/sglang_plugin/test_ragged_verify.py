@@ -1,8 +1,8 @@
 """Ragged verify's pieces against the verify metadata of the real trees: a padded tree with its fillers unlinked
 links as the real tree does, and its tree mask cut to the real prefix is the real tree's mask, in both unpacked
-layouts; the compacted rows scatter back into SGLang's dense rows; which servers verify ragged. (Through launch_server: the
-host lookup / hybrid servers of ``test_context_trees.py``, the planner matrix's cells and the MLA cascade's lookup
-server, ``test_mla_tree_verify_server.py``.)"""
+layouts; the compacted rows scatter back into SGLang's dense rows; which servers verify ragged. (Through
+launch_server: the host lookup / hybrid servers of ``test_context_trees.py``, the planner matrix's cells and the MLA
+cascade's lookup server, ``test_mla_tree_verify_server.py``.)"""
 
 from __future__ import annotations
 

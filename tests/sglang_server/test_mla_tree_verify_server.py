@@ -154,8 +154,8 @@ def test_the_cascade_verifies_host_trees_ragged(ragged_lookup, plain):
     """Each request's verify forward covers its own tree (fewer tokens than SGLang's width a request), the
     cascade's tree halves read each request's rows and cut mask: greedy output plain decoding's, and the same
     accept lengths and log-probabilities (float32 tolerance) as the bed's ragged verify of the same trees (a
-    cascade that read another request's rows or mask blocks would change them: the dense comparison above shows
-    the tolerance tells the two attentions apart from a wrong one)."""
+    mask block misread changes the cascade's output: ``tests/kernels/test_mla_tree_verify.py``'s ragged test and
+    its negative control)."""
     cascade, bed = ragged_lookup
     assert RAGGED_ON in cascade.log and FIRST_VERIFY in cascade.log and FIRST_VERIFY not in bed.log
     assert [item["output_ids"] for item in cascade.greedy] == [item["output_ids"] for item in plain]
