@@ -49,7 +49,7 @@ from sglang_spec.sglang_plugin.mla_cascade import (
 )
 from sglang_spec.attention import flashinfer_mla
 from sglang_spec.sglang_plugin.messages import log
-from sglang_spec.sglang_plugin.ragged_verify import FORWARD_ATTRIBUTE, RaggedVerify
+from sglang_spec.sglang_plugin.ragged_verify import forward_ragged
 from sglang_spec.sglang_plugin.state import options_of
 from sglang_spec.tree.encode_sglang import TreeMaskMode, complete_tree_mask
 
@@ -234,7 +234,7 @@ class MLATreeVerifyBackend(AttentionBackend):
         # SGLang keeps a host copy of the prefix lengths for exactly this; without one the plan reads them back
         prefix_host = host[:batch] if host is not None else prefix_lens.cpu()
         width = int(spec_info.draft_token_num)
-        ragged: RaggedVerify | None = getattr(spec_info, FORWARD_ATTRIBUTE, None)
+        ragged = forward_ragged(forward_batch)
         tree_lens = (width,) * batch if ragged is None else ragged.lengths
         return VerifyBatch(batch, width, tree_lens, ragged is not None, prefix_lens, prefix_host)
 
@@ -254,7 +254,7 @@ class MLATreeVerifyBackend(AttentionBackend):
         tree_mask = complete_tree_mask(tree_mask, mode, verify.prefix_host.tolist(), verify.tree_lens)
         plan = plan_tree_verify(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[:verify.batch],
                                 verify.prefix_lens, verify.prefix_host, verify.width, self.page_size, mode,
-                                tree_lens=verify.tree_lens if verify.ragged else None)
+                                tree_lens=verify.tree_lens)
         plan_prefix_wrapper(self.flashinfer, self.wrapper, plan, self.shape)
         return VerifyState(plan, self.wrapper, tree_mask)
 

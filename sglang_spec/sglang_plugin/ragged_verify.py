@@ -170,13 +170,21 @@ def compact_forward(target_worker, ragged: RaggedVerify, mode: TreeMaskMode):
             target_worker.forward_batch_generation = shadowed
 
 
+def forward_ragged(forward_batch) -> RaggedVerify | None:
+    """The lengths of a compacted verify forward (``compacted_batch``), None for any other forward: what an
+    attention back-end reads to verify each request's own tree."""
+    if not forward_batch.forward_mode.is_target_verify():
+        return None
+    return getattr(forward_batch.spec_info, FORWARD_ATTRIBUTE, None)
+
+
 def ragged_extend_metadata(forward_batch, device) -> tuple | None:
     """(seq_lens, extend_seq_lens, extend_start_loc, tree_mask) of a compacted verify forward for SGLang's CPU
     back-end (its ``_build_extend_metadata``), None for any other forward."""
-    spec_info = forward_batch.spec_info
-    ragged: RaggedVerify | None = getattr(spec_info, FORWARD_ATTRIBUTE, None)
-    if ragged is None or not forward_batch.forward_mode.is_target_verify():
+    ragged = forward_ragged(forward_batch)
+    if ragged is None:
         return None
+    spec_info = forward_batch.spec_info
     lengths = torch.tensor(ragged.lengths, dtype=torch.int32).to(device)
     starts = torch.zeros_like(lengths)
     starts[1:] = torch.cumsum(lengths, 0)[:-1]

@@ -144,19 +144,26 @@ RAGGED_ON = "ragged verify: each request's verify forward covers its own tree"
 
 
 @pytest.fixture(scope="module")
-def ragged_lookup(tiny_cpu, server_logs, prompts) -> tuple[Served, Served]:
-    """lookup trees verified ragged through the cascade, and through the bed's intel_amx extend attention."""
-    return (serve(tiny_cpu, server_logs, prompts, "mla-cascade-lookup", LOOKUP + CASCADE),
-            serve(tiny_cpu, server_logs, prompts, "mla-bed-lookup", LOOKUP))
+def bed_lookup(tiny_cpu, server_logs, prompts) -> Served:
+    """lookup trees verified ragged through the bed's intel_amx extend attention."""
+    return serve(tiny_cpu, server_logs, prompts, "mla-bed-lookup", LOOKUP)
 
 
-def test_the_cascade_verifies_host_trees_ragged(ragged_lookup, plain):
+@pytest.fixture(scope="module", params=["tp1", "tp2"])
+def cascade_lookup(request, tiny_cpu, server_logs, prompts) -> Served:
+    """lookup trees verified ragged through the cascade, on one rank and on two (two heads a rank, gloo)."""
+    tensor_parallel = ["--tp-size", "2"] if request.param == "tp2" else []
+    return serve(tiny_cpu, server_logs, prompts, f"mla-cascade-lookup-{request.param}",
+                 LOOKUP + CASCADE + tensor_parallel)
+
+
+def test_the_cascade_verifies_host_trees_ragged(cascade_lookup, bed_lookup, plain):
     """Each request's verify forward covers its own tree (fewer tokens than SGLang's width a request), the
     cascade's tree halves read each request's rows and cut mask: greedy output plain decoding's, and the same
-    accept lengths and log-probabilities (float32 tolerance) as the bed's ragged verify of the same trees (a
-    mask block misread changes the cascade's output: ``tests/kernels/test_mla_tree_verify.py``'s ragged test and
-    its negative control)."""
-    cascade, bed = ragged_lookup
+    accept lengths and log-probabilities (float32 tolerance) as the bed's ragged verify of the same trees on one
+    rank (a mask block misread changes the cascade's output: ``tests/kernels/test_mla_tree_verify.py``'s ragged
+    test and its negative control)."""
+    cascade, bed = cascade_lookup, bed_lookup
     assert RAGGED_ON in cascade.log and FIRST_VERIFY in cascade.log and FIRST_VERIFY not in bed.log
     assert [item["output_ids"] for item in cascade.greedy] == [item["output_ids"] for item in plain]
     computed, dense = (counter(cascade.metrics, f"sglang_spec_verify_tokens_{kind}_total")
