@@ -58,6 +58,7 @@ from pathlib import Path
 from sglang_spec.errors import SpecError, exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 from sglang_spec_testbed.linear import DRAFT_WEIGHT_DTYPES, DRAFT_WEIGHTS_ENV
+from sglang_spec_testbed.server import CPU_MODELS
 from sglang_spec_testbed.threads import PREFILL_THREADS_ENV
 from sglang_spec.sglang_plugin.options import default_depth
 from sglang_spec.sglang_plugin.step_planner import PLAN_LOG_ENV
@@ -66,7 +67,7 @@ from sglang_spec.train.prompts import PromptSpec, humaneval_prompts, load_prompt
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = ["policy", "budget", "concurrency", "request_throughput", "output_throughput", "mean_ttft_ms",
           "mean_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "p99_tpot_ms", "accept_length", "workload",
-          "speedup_over_plain"]
+          "tp_size", "speedup_over_plain"]
 MEASURED = FIELDS[3:FIELDS.index("workload")]  # the figures bench_serving reports, accept length last
 OUR_POLICIES = ("chain", "eagle", "sequoia", "specexec", "lookup", "hybrid")
 SGLANG_METHODS = ("sglang-chain", "sglang-tree", "sglang-ngram")
@@ -89,8 +90,9 @@ WORKLOADS_DIR = REPO / "bench" / "workloads" / "serving"
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     target = parser.add_mutually_exclusive_group()
-    target.add_argument("--cpu-model", choices=("smollm2", "tiny-deepseek"), default=None,
-                        help="serve on this CPU through the project's harness")
+    target.add_argument("--cpu-model", choices=CPU_MODELS, default=None,
+                        help="serve on this CPU through the project's harness (smollm2-split: SmolLM2 with zero "
+                             "attention heads added, the same outputs, for --tp-sizes 2)")
     target.add_argument("--model-path", default=None, help="a model for launch_server on a GPU host")
     parser.add_argument("--server-args", default="", help="extra launch_server arguments")
     parser.add_argument("--policies", default="plain,chain,eagle,sequoia,specexec")
@@ -103,6 +105,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mtp-levels", type=int, default=None, help="hybrid / auto: head levels below the root's "
                         "children (default 2)")
     parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--tp-sizes", default="1", metavar="N[,N...]",
+                        help="run every method at each tensor-parallel size (--tp-size), its ratio over plain decoding "
+                             "at the same size: whether a method's gain holds when the model is split (on the CPU "
+                             "bed: --cpu-model smollm2-split or tiny-deepseek)")
     parser.add_argument("--workloads", default=None,
                         help="heldout, serving (code, extraction, chat), or a comma list of those three and mixed "
                              "(their requests in turn, arriving together); default: heldout, or the domains of "
@@ -189,6 +195,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"({len(concurrencies)})")
     args.prompts_at = dict(zip(concurrencies, counts * len(concurrencies) if len(counts) == 1 else counts))
     args.prompts_at = {int(concurrency): int(count) for concurrency, count in args.prompts_at.items()}
+    sizes = args.tp_sizes.split(",")
+    if not all(size.strip().isdigit() and int(size) > 0 for size in sizes) or len(set(sizes)) != len(sizes):
+        parser.error(f"--tp-sizes {args.tp_sizes!r}: give distinct positive numbers, e.g. 1,2")
+    args.tp_sizes = [int(size) for size in sizes]
+    if max(args.tp_sizes) > 1 and args.cpu_model == "smollm2":
+        parser.error("--tp-sizes: SmolLM2's 9 query heads do not split over ranks; use --cpu-model smollm2-split "
+                     "(the same model with zero heads added)")
+    if args.tp_sizes != [1] and any(arg.split("=")[0] in ("--tp-size", "--tp", "--tensor-parallel-size")
+                                    for arg in shlex.split(args.server_args)):
+        parser.error("--server-args names a --tp-size and --tp-sizes sets one per server; give one of the two")
     if args.cpu_model is None and args.model_path is None:
         args.model_path = "deepseek-ai/DeepSeek-R1"
     return args
@@ -244,12 +260,19 @@ def tree_arguments(args, policy: str, budget: int, profile: str | None) -> list[
     return arguments
 
 
-def launch_command(args, policy: str, budget: int, profile: str | None = None, port: int | None = None) -> list[str]:
+def launch_command(args, policy: str, budget: int, profile: str | None = None, port: int | None = None,
+                   tp_size: int = 1) -> list[str]:
     """launch_server arguments on a GPU host (the CPU path builds them with the harness), on ``port`` (default
     ``--port``)."""
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model_path, "--port",
                str(args.port if port is None else port)]
-    return command + tree_arguments(args, policy, budget, profile or args.acceptance_profile) + extra_server_args(args)
+    return command + tree_arguments(args, policy, budget, profile or args.acceptance_profile) + \
+        parallel_arguments(tp_size) + extra_server_args(args)
+
+
+def parallel_arguments(tp_size: int) -> list[str]:
+    """launch_server's tensor-parallel size of a server of the sweep (none at 1, SGLang's default)."""
+    return [] if tp_size == 1 else ["--tp-size", str(tp_size)]
 
 
 def extra_server_args(args) -> list[str]:
@@ -417,16 +440,26 @@ def repeated(questions: list[str], count: int) -> list[str]:
     return [questions[index % len(questions)] for index in range(max(count, len(questions)))]
 
 
-def row_from_result(policy: str, budget: int, concurrency: int, result: dict, workload: str = "heldout") -> dict:
+def row_from_result(policy: str, budget: int, concurrency: int, result: dict, workload: str = "heldout",
+                    tp_size: int = 1) -> dict:
     """One CSV row from bench_serving's JSON result line (accept length when the server reports it)."""
     budget = 0 if policy in PLAIN_METHODS else SGLANG_CHAIN_STEPS if policy == "sglang-chain" else budget
     return {"policy": policy, "budget": budget, "concurrency": concurrency,
-            **{name: result.get(name) for name in MEASURED}, "workload": workload, "speedup_over_plain": None}
+            **{name: result.get(name) for name in MEASURED}, "workload": workload, "tp_size": tp_size,
+            "speedup_over_plain": None}
 
 
-def server_name(policy: str, budget: int) -> str:
-    """A server's name in logs and progress lines: the policy, with its budget where it has one."""
-    return policy if policy in PLAIN_METHODS else f"{policy}-{budget}"
+def server_name(policy: str, budget: int, tp_size: int = 1) -> str:
+    """A server's name in logs and progress lines: the policy, with its budget where it has one, and its
+    tensor-parallel size where above 1."""
+    name = policy if policy in PLAIN_METHODS else f"{policy}-{budget}"
+    return name if tp_size == 1 else f"{name}-tp{tp_size}"
+
+
+def method_label(row: dict) -> str:
+    """A row's method in the table and plot: its server's name, the budget spelt apart."""
+    label = row["policy"] if row["policy"] in PLAIN_METHODS else f"{row['policy']} {row['budget']}"
+    return label if row.get("tp_size", 1) == 1 else f"{label} TP{row['tp_size']}"
 
 
 def round_order(shapes: list, round_index: int) -> list:
@@ -443,7 +476,8 @@ def median_over_rounds(rows: list[dict]) -> list[dict]:
     round's, in order; ``output_throughput_rounds`` keeps every round's tokens/s)."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["policy"], row["budget"], row["workload"], row["concurrency"]), []).append(row)
+        groups.setdefault((row["policy"], row["budget"], row.get("tp_size", 1), row["workload"], row["concurrency"]),
+                          []).append(row)
     merged = []
     for group in groups.values():
         row = dict(group[0])
@@ -457,7 +491,8 @@ def median_over_rounds(rows: list[dict]) -> list[dict]:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Each row's output tokens/s over plain decoding's at the same workload and concurrency, in this run: the
+    """Each row's output tokens/s over plain decoding's at the same workload, concurrency and tensor-parallel size,
+    in this run: the
     faster of ``plain`` and ``plain-sync`` where both ran (a speedup is over the best plain decoding measured).
     Rows merged over rounds also get ``speedup_over_plain_rounds``: round r's tokens/s over the faster plain's in
     round r (the servers of one round share the machine's phase, which moves tokens/s by 10-20% between rounds
@@ -466,13 +501,13 @@ def add_speedups(rows: list[dict]) -> None:
     plain_rounds: dict[tuple, list[float]] = {}
     for row in rows:
         if row["policy"] in PLAIN_METHODS and row["output_throughput"] is not None:
-            key = (row["workload"], row["concurrency"])
+            key = (row["workload"], row["concurrency"], row.get("tp_size", 1))
             plain[key] = max(plain.get(key, 0.0), row["output_throughput"])
             rounds = [value or 0.0 for value in row.get("output_throughput_rounds") or []]  # None: not measured
             best = plain_rounds.setdefault(key, [0.0] * len(rounds))
             plain_rounds[key] = [max(a, b) for a, b in zip(best, rounds)]
     for row in rows:
-        key = (row["workload"], row["concurrency"])
+        key = (row["workload"], row["concurrency"], row.get("tp_size", 1))
         base = plain.get(key)
         if base and row["output_throughput"] is not None:
             row["speedup_over_plain"] = row["output_throughput"] / base
@@ -519,11 +554,10 @@ def _colour(index: int, count: int):
 def _lines(axes, panels, rows: list[dict], workload: str) -> None:
     """Several concurrencies, one workload (a row of panels): one line per method over concurrency, each method in
     the same colour in every row; one legend, right of the last panel."""
-    methods = sorted({(row["policy"], row["budget"]) for row in rows})
-    for index, (policy, budget) in enumerate(methods):
-        points = sorted(((row["concurrency"], row) for row in rows
-                         if (row["policy"], row["budget"]) == (policy, budget)), key=lambda point: point[0])
-        label = policy if policy in PLAIN_METHODS else f"{policy} {budget}"
+    methods = sorted({method_label(row) for row in rows})
+    for index, label in enumerate(methods):
+        points = sorted(((row["concurrency"], row) for row in rows if method_label(row) == label),
+                        key=lambda point: point[0])
         for axis, (field, _) in zip(axes, panels):
             values = [row[field] or (1.0 if field == "accept_length" else 0.0) for _, row in points]
             axis.plot([c for c, _ in points], values, marker="o", label=label, color=_colour(index, len(methods)))
@@ -539,16 +573,15 @@ def _bars(axes, panels, rows: list[dict]) -> None:
     """One concurrency: a group of bars per workload, one bar per method (a line over one x says nothing); the
     throughput bars carry their ratio over plain decoding."""
     workloads = list(dict.fromkeys(row.get("workload", "") for row in rows))
-    methods = list(dict.fromkeys((row["policy"], row["budget"]) for row in rows))
+    methods = list(dict.fromkeys(method_label(row) for row in rows))
     width = 0.8 / len(methods)
     for axis, (field, label) in zip(axes, panels):
-        for index, (policy, budget) in enumerate(methods):
-            found = {row.get("workload", ""): row for row in rows if (row["policy"], row["budget"]) == (policy, budget)}
+        for index, method in enumerate(methods):
+            found = {row.get("workload", ""): row for row in rows if method_label(row) == method}
             positions = [w + (index - (len(methods) - 1) / 2) * width for w in range(len(workloads))]
             values = [(found[name][field] if name in found else None) or (1.0 if field == "accept_length" else 0.0)
                       for name in workloads]
-            bars = axis.bar(positions, values, width, label=policy if policy in PLAIN_METHODS else f"{policy} {budget}",
-                            color=_colour(index, len(methods)))
+            bars = axis.bar(positions, values, width, label=method, color=_colour(index, len(methods)))
             if field == "output_throughput":
                 ratios = [found[name].get("speedup_over_plain") if name in found else None for name in workloads]
                 axis.bar_label(bars, labels=[f"{r:.2f}x" if r else "" for r in ratios], fontsize=6,
@@ -573,11 +606,16 @@ def print_table(rows: list[dict]) -> None:
         ratios = row.get("speedup_over_plain_rounds")
         return f"{f'{min(ratios):.2f}-{max(ratios):.2f}' if ratios else '':>12}"
 
-    print(f"{'workload':<11}{'policy':<13}{'budget':>7}{'conc':>6}{'out tok/s':>11}{'x plain':>8}"
+    parallel = any(row.get("tp_size", 1) > 1 for row in rows)  # a TP column only where a sweep ran several
+
+    def tp_column(row: dict | None) -> str:
+        return "" if not parallel else f"{'TP':>4}" if row is None else f"{row.get('tp_size', 1):>4}"
+
+    print(f"{'workload':<11}{'policy':<13}{'budget':>7}{tp_column(None)}{'conc':>6}{'out tok/s':>11}{'x plain':>8}"
           f"{rounds_column(None)}{'AL':>6}{'p50 ITL':>10}{'p99 ITL':>10}")
     for row in rows:
         ratio = row.get("speedup_over_plain")
-        print(f"{row.get('workload', ''):<11}{row['policy']:<13}{row['budget']:>7}{row['concurrency']:>6}"
+        print(f"{row.get('workload', ''):<11}{row['policy']:<13}{row['budget']:>7}{tp_column(row)}{row['concurrency']:>6}"
               f"{row['output_throughput'] or 0:>11.2f}{'' if ratio is None else f'{ratio:.2f}x':>8}"
               f"{rounds_column(row)}"
               f"{row['accept_length'] or 1.0:>6.2f}{row['median_itl_ms'] or 0:>10.1f}{row['p99_itl_ms'] or 0:>10.1f}")
@@ -605,17 +643,18 @@ def main(argv=None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     # plain decoding and SGLang's chain have no budget to sweep
-    shapes = [(policy, budget) for policy in policies
+    # a server of the sweep: (policy, budget, tensor-parallel size)
+    shapes = [(policy, budget, tp_size) for tp_size in args.tp_sizes for policy in policies
               for budget in (budgets[:1] if policy in (*PLAIN_METHODS, "sglang-chain") else budgets)]
     if args.dry_run:
-        for index, (policy, budget) in enumerate(shapes):
+        for index, (policy, budget, tp_size) in enumerate(shapes):
             port = server_port(args, index)
-            launch = launch_command(args, policy, budget, port=port) if args.cpu_model is None else \
+            launch = launch_command(args, policy, budget, port=port, tp_size=tp_size) if args.cpu_model is None else \
                 [*(f"{name}={value}" for name, value in bed_environment(args).items()), sys.executable, "-m",
                  "sglang_spec_testbed", "--model", args.cpu_model, "--port", str(port),
                  *(["--no-speculation"] if policy in PLAIN_METHODS else []),
                  *tree_arguments(args, policy, budget, args.acceptance_profile or "<shipped profile>"),
-                 *extra_server_args(args)]
+                 *parallel_arguments(tp_size), *extra_server_args(args)]
             print(" ".join(shlex.quote(part) for part in launch))
             for workload in workload_names(args):
                 for concurrency in concurrencies:
@@ -652,27 +691,29 @@ def main(argv=None) -> int:
     if args.plan_logs is not None:
         args.plan_logs.mkdir(parents=True, exist_ok=True)
 
-    def start(index: int, policy: str, budget: int) -> SGLangServer:
+    def start(index: int, policy: str, budget: int, tp_size: int) -> SGLangServer:
         """The started server of one method (SpecError naming it when it does not start)."""
-        name, port = server_name(policy, budget), server_port(args, index)
+        name, port = server_name(policy, budget, tp_size), server_port(args, index)
         plan_log = {} if args.plan_logs is None else {PLAN_LOG_ENV: str(args.plan_logs / f"{name}.jsonl")}
         if model is not None:
             launch = cpu_launch_args(model, port, speculative=policy not in PLAIN_METHODS,
-                                     extra=tree_arguments(args, policy, budget, profile) + extra_server_args(args))
+                                     extra=tree_arguments(args, policy, budget, profile) + parallel_arguments(tp_size)
+                                     + extra_server_args(args))
             server = SGLangServer(launch, port, scratch / f"{name}.log",
                                   env=dict(os.environ, **bed_environment(args), **plan_log))
         else:
-            launch = launch_command(args, policy, budget, profile, port)[3:]
+            launch = launch_command(args, policy, budget, profile, port, tp_size)[3:]
             server = SGLangServer(launch, port, scratch / f"{name}.log", env=dict(os.environ, **plan_log), cpu=False)
         try:
             return server.start(timeout=args.start_timeout)
         except SpecError as error:
             raise SpecError(f"{name}: {error}") from None
 
-    def measure(server: SGLangServer, policy: str, budget: int, position: int, workload: str,
+    def measure(server: SGLangServer, shape: tuple[str, int, int], position: int, workload: str,
                 dataset: Path | None, concurrency: int) -> dict:
         """One bench_serving run against a started server: its row (SpecError when the client fails)."""
-        name = server_name(policy, budget)
+        policy, budget, tp_size = shape
+        name = server_name(policy, budget, tp_size)
         stem = f"{name}-{workload}-c{concurrency}"
         output = scratch / f"{stem}.jsonl"
         output.unlink(missing_ok=True)
@@ -683,7 +724,7 @@ def main(argv=None) -> int:
             raise SpecError(f"bench_serving failed for {name} on {workload} at concurrency {concurrency}; see "
                             f"{client_log.name}")
         result = json.loads(output.read_text().strip().splitlines()[-1])
-        row = dict(row_from_result(policy, budget, concurrency, result, workload), position=position)
+        row = dict(row_from_result(policy, budget, concurrency, result, workload, tp_size), position=position)
         print(f"{name} {workload} concurrency {concurrency}: {row['output_throughput']:.2f} tok/s", flush=True)
         return row
 
@@ -693,7 +734,7 @@ def main(argv=None) -> int:
             print(f"round {round_index + 1} of {args.rounds}: {order}", flush=True)
 
     rows = []
-    servers: dict[tuple[str, int], SGLangServer] = {}
+    servers: dict[tuple[str, int, int], SGLangServer] = {}
     try:
         if args.servers_together:
             for index, shape in enumerate(shapes):
@@ -702,19 +743,17 @@ def main(argv=None) -> int:
                 announce(round_index)
                 for workload, dataset in datasets.items():
                     for concurrency in concurrencies:
-                        for position, (policy, budget) in enumerate(round_order(shapes, round_index)):
-                            rows.append(measure(servers[policy, budget], policy, budget, position, workload, dataset,
-                                                concurrency))
+                        for position, shape in enumerate(round_order(shapes, round_index)):
+                            rows.append(measure(servers[shape], shape, position, workload, dataset, concurrency))
         else:
             for round_index in range(args.rounds):
                 announce(round_index)
-                for position, (policy, budget) in enumerate(round_order(shapes, round_index)):
-                    servers[policy, budget] = start(0, policy, budget)
+                for position, shape in enumerate(round_order(shapes, round_index)):
+                    servers[shape] = start(0, *shape)
                     for workload, dataset in datasets.items():
                         for concurrency in concurrencies:
-                            rows.append(measure(servers[policy, budget], policy, budget, position, workload, dataset,
-                                                concurrency))
-                    servers.pop((policy, budget)).stop()
+                            rows.append(measure(servers[shape], shape, position, workload, dataset, concurrency))
+                    servers.pop(shape).stop()
     except SpecError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

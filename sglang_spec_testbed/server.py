@@ -26,15 +26,18 @@ from typing import Any, Sequence
 
 from sglang_spec.catalog import resolve_model_path
 from sglang_spec.errors import SpecError
+from sglang_spec.models.cache_dir import build_lock
 from sglang_spec.models.loading import shipped_head_path, shipped_profile_path
 from sglang_spec_testbed import server_environment, zygote
-from sglang_spec.sglang_plugin.export import export_llama_draft
+from sglang_spec_testbed.split_heads import pad_attention_heads
+from sglang_spec.sglang_plugin.export import TOKEN_MAP, export_llama_draft
 
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "intel_amx", "--dtype", "float32",
              "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
              "--mem-fraction-static", "0.3", "--max-total-tokens", "8192", "--max-running-requests", "8",
              "--random-seed", "0")
-CPU_MODELS = ("smollm2", "tiny-deepseek")
+CPU_MODELS = ("smollm2", "smollm2-split", "tiny-deepseek")
+SPLIT_KEY_VALUE_HEADS = 4  # smollm2-split: SmolLM2 padded to 12 query / 4 KV heads, which split over 2 or 4 ranks
 # speculative algorithms that take the model's draft arguments (the MTP head / layer); others run without them
 DRAFT_MODEL_ALGORITHMS = ("NEXTN", "EAGLE")
 
@@ -57,6 +60,8 @@ def prepare_model(name: str, progress: bool = True) -> CpuModel:
     SGLang draft folder beside it."""
     if name not in CPU_MODELS:
         raise SpecError(f"unknown CPU model {name!r}; choose one of {', '.join(CPU_MODELS)}")
+    if name == "smollm2-split":
+        return _split_model(prepare_model("smollm2", progress))
     _, target_dir = resolve_model_path(name, progress=progress)
     if name == "tiny-deepseek":
         # a toy vocabulary without a tokenizer: requests carry token ids
@@ -66,6 +71,27 @@ def prepare_model(name: str, progress: bool = True) -> CpuModel:
         raise SpecError(f"no MTP head is shipped for {name}")
     export = export_llama_draft(head, target_dir, target_dir.parent / f"{target_dir.name}-sglang-draft")
     return CpuModel(name, target_dir, tuple(export.server_args()), shipped_profile_path(name))
+
+
+def _split_model(model: CpuModel) -> CpuModel:
+    """SmolLM2 with zero attention heads appended (``split_heads``), target and draft: the same target outputs,
+    and ``--tp-size 2`` serves it. Its draft proposes over the whole vocabulary (no ``--speculative-token-map``),
+    as R1's MTP layer does: SGLang cuts a token map's rows out of the target's output head as if it were whole,
+    which under tensor parallelism it is not (each rank holds a slice of the vocabulary). The padded target is
+    built once (cached beside the original); the draft is padded again on every call, as the head's export is
+    rewritten on every call."""
+    target_dir = model.target_dir.parent / f"{model.target_dir.name}-split"
+    if not (target_dir / ".complete").exists():
+        with build_lock(target_dir):
+            if not (target_dir / ".complete").exists():
+                pad_attention_heads(model.target_dir, target_dir, SPLIT_KEY_VALUE_HEADS)
+                (target_dir / ".complete").write_text(f"{model.target_dir.name} padded to {SPLIT_KEY_VALUE_HEADS} "
+                                                      f"KV heads\n")
+    draft_source = Path(option_value(model.draft_args, "--speculative-draft-model-path") or "")
+    draft_dir = pad_attention_heads(draft_source, target_dir.parent / f"{target_dir.name}-sglang-draft",
+                                    SPLIT_KEY_VALUE_HEADS, skip=(TOKEN_MAP,))
+    return CpuModel("smollm2-split", target_dir, ("--speculative-draft-model-path", str(draft_dir)), model.profile,
+                    model.model_args)
 
 
 def option_value(args: Sequence[str], *flags: str) -> str | None:
