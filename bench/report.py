@@ -170,6 +170,13 @@ SERVING_ABOUT = {
                                    "against the same planner choosing only a plain step or the full tree for the "
                                    "whole batch, and against SGLang's own EAGLE tree and NGRAM, all servers up "
                                    "together.",
+    "serving_sweep_tp2_c1.json": "One request at a time, the model split over two ranks: SmolLM2 with zero "
+                                 "attention heads appended (`--cpu-model smollm2-split`: 12 query / 4 KV heads, the "
+                                 "same outputs; its draft proposes over the whole vocabulary, as R1's MTP layer "
+                                 "does) served at `--tp-size 1` and `--tp-size 2` (two scheduler ranks over gloo, a "
+                                 "core each), tree auto and plain decoding at each size, all servers up together. "
+                                 "Each ratio is over plain decoding at the same size: whether the planner's gain "
+                                 "holds when the model is split.",
     "serving_sweep_peers.json": "One request at a time, 15 draft tokens each: the project's hybrid trees against "
                                 "SGLang's own EAGLE tree (topk 4, 4 steps) and NGRAM drafting, as a user would "
                                 "launch them.",
@@ -178,6 +185,8 @@ SERVING_TITLES = {"serving_sweep_c1.json": "Serving, one request: tree auto agai
                   "serving_sweep_c16.json": "Serving, 16 requests: tree auto against plain decoding",
                   "serving_sweep_mixed_c4.json": "Serving, 4 requests: per-step plans against a plain-or-full "
                                                  "switch and SGLang's own speculation",
+                  "serving_sweep_tp2_c1.json": "Serving, one request, split over two ranks: tree auto at TP 1 "
+                                               "and TP 2",
                   "serving_sweep_peers.json": "Serving, accept length against SGLang's own speculation"}
 SERVING_NOTE = ("SmolLM2-135M-Instruct and its shipped MTP head served by SGLang's `launch_server` on the CPU test "
                 "bed, SGLang's `bench_serving` client, greedy, on prompts no head was trained on (code: held-out "
@@ -205,7 +214,7 @@ def serving_body(name: str) -> Callable[[Path], str]:
         for row in rows:
             rounds = row.get("speedup_over_plain_rounds") or []
             spread = f"{min(rounds):.2f}-{max(rounds):.2f}x" if len(rounds) > 1 else ""
-            label = SERVING_LABELS.get(row["policy"], row["policy"])
+            label = SERVING_LABELS.get(row["policy"], row["policy"]) + _tp(row)
             out.append([row.get("workload", ""), label, row["budget"], row["concurrency"],
                         f2(row["output_throughput"]), x(row.get("speedup_over_plain")), spread,
                         f2(row["accept_length"]), f1(row.get("median_itl_ms")), f1(row.get("p99_itl_ms"))]
@@ -223,9 +232,42 @@ def serving_body(name: str) -> Callable[[Path], str]:
             run_lines(data, results, name, [name, f"{stem}.csv", f"{stem}.png"]),
             table(["workload", "method", "draft tokens", "concurrency", "output tok/s", "x plain", "per round",
                    "accept length", "p50 ITL ms", "p99 ITL ms", *(["p99 TPOT ms"] if tpot else [])], out),
+            *_tp_comparison(rows),
         ])
 
     return body
+
+
+def _tp(row: dict[str, Any]) -> str:
+    """A row's tensor-parallel size as its label says it: nothing at 1."""
+    return f", TP {row['tp_size']}" if row.get("tp_size", 1) > 1 else ""
+
+
+def tp_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per workload and speculating method of a sweep over several tensor-parallel sizes: its ratio over plain
+    decoding at each size, and the largest size's ratio over the smallest's (1.0: the gain holds when split)."""
+    sizes = sorted({row.get("tp_size", 1) for row in rows})
+    found = []
+    for workload in _workloads(rows):
+        for policy in dict.fromkeys(row["policy"] for row in rows if not row["policy"].startswith("plain")):
+            ratios = {row.get("tp_size", 1): row["speedup_over_plain"] for row in rows
+                      if row["workload"] == workload and row["policy"] == policy}
+            if len(sizes) > 1 and all(ratios.get(size) for size in sizes):
+                found.append({"workload": workload, "policy": policy, "ratios": ratios,
+                              "held": ratios[sizes[-1]] / ratios[sizes[0]]})
+    return found
+
+
+def _tp_comparison(rows: list[dict[str, Any]]) -> list[str]:
+    """The TP comparison table of a sweep over several sizes (none otherwise)."""
+    found = tp_ratios(rows)
+    if not found:
+        return []
+    sizes = sorted(found[0]["ratios"])
+    return [table(["workload", "method", *(f"x plain, TP {size}" for size in sizes),
+                   f"TP {sizes[-1]} over TP {sizes[0]}"],
+                  [[item["workload"], SERVING_LABELS.get(item["policy"], item["policy"]),
+                    *(x(item["ratios"][size]) for size in sizes), f2(item["held"])] for item in found])]
 
 
 def sglang_trees_body(results: Path) -> str:
@@ -635,6 +677,14 @@ def render_headline(results: Path = RESULTS, page: str = "docs/results/README.md
             cells.append(f"{workload} **{x(auto['speedup_over_plain'])}** / {x(batch['speedup_over_plain'])}")
         add("SGLang server, 4 requests: the per-step planner / the same planner choosing a plain step or the full "
             "tree, over the faster plain decoding" + _loop(data), name, ", ".join(cells), SERVING_TITLES[name])
+    name = "serving_sweep_tp2_c1.json"
+    if (results / name).exists():
+        found = tp_ratios(_rows(results, name))
+        cells = [f"{item['workload']} **{x(item['ratios'][2])}** ({x(item['ratios'][1])})" for item in found
+                 if item["policy"] in ("auto", "auto-sync")]
+        add("SGLang server, 1 request, SmolLM2 split over 2 ranks (`--tp-size 2`, zero heads added): "
+            "`--speculative-tree-auto` over plain decoding at TP 2 (at TP 1)" + _loop(_rows(results, name)), name,
+            ", ".join(cells), SERVING_TITLES[name])
     name = "serving_sweep_peers.json"
     if (results / name).exists():
         data = _rows(results, name)

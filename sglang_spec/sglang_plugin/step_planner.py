@@ -6,7 +6,11 @@ inputs this module keeps:
 
 * **What each size would emit.** Each request's predicted reach: the reach of its last tree's nodes, best first, as
   its drafter reported them (``ServedDrafter.drafted_reach``: lookup / hybrid on the host), scaled by how much the
-  served steps' accepted tokens exceeded or fell short of such predictions (``accept_scale``). Where the plan keeps
+  served tree steps' accepted drafts exceeded or fell short of such predictions in the batch-size bucket
+  (``accept_scale``). The correction is of sums, not of each step's ratio: a step is chosen where its prediction
+  is high, and a step predicted to accept little that accepts much (a large ratio) must not outweigh the many
+  predicted high that accept less, or the steps the planner takes would accept fewer drafts in total than it
+  predicted (the winner's curse). Where the plan keeps
   a request plain its prediction would go stale, so before each step the drafter estimates, without a forward,
   the reach of every request it knows nothing of and of the one whose prediction is oldest (``stale``). A request
   its drafter has not drafted yet takes the traffic's: a moving average over the requests' reports by rank. A
@@ -65,7 +69,7 @@ TREE_PRICE_MEMORY = 128  # steps a served tree step's price is kept: then trees 
 DEFAULT_CAP = 2.0  # a tree step's predicted time at most this many plain steps'
 EXPLORED_ACCEPTED = 1.0  # unranked drafters: accepted drafts a request with no tree step of its own is planned at
 RETRY_STEPS = 8  # unranked drafters: steps a request's first tree step is its estimate for (doubling each tree step)
-ACCEPT_SCALE_RANGE = (0.25, 2.0)  # the accept scale is kept within this range (one odd step cannot flip the plan)
+ACCEPT_SCALE_RANGE = (0.25, 2.0)  # an accept scale is kept within this range (one odd step cannot flip the plan)
 SPARE_REQUESTS = 256  # per-request predictions kept beyond the batch's before finished requests are dropped
 GPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # verify sizes a GPU server captures graphs for
 PLAN_LOG_ENV = "SGLANG_SPEC_PLAN_LOG"  # a file: every planned step as a JSON line (read once, at start-up)
@@ -103,6 +107,26 @@ class UnrankedRequest:
     tree_steps: int
 
 
+@dataclass(frozen=True)
+class AcceptCorrection:
+    """How a batch-size bucket's served tree steps accepted against the planner's predictions.
+
+    scale:     the factor on the drafter's reach (within ``ACCEPT_SCALE_RANGE``).
+    predicted: the drafts its recent tree steps were predicted to accept, scale applied (a moving average): each
+               step moves the scale by its shortfall over this, so that over many steps the accepted drafts sum
+               to the predicted ones."""
+
+    scale: float
+    predicted: float
+
+    def after(self, predicted: float, accepted: float) -> AcceptCorrection:
+        """The correction after a tree step predicted to accept ``predicted`` drafts (> 0) accepted ``accepted``."""
+        average = moving_average(self.predicted, predicted) if self.predicted > 0 else predicted
+        low, high = ACCEPT_SCALE_RANGE
+        scale = self.scale * (1.0 + SMOOTHING * (accepted - predicted) / average)
+        return AcceptCorrection(min(max(scale, low), high), average)
+
+
 @dataclass
 class StepPlanner:
     """The server's plan state.
@@ -136,7 +160,8 @@ class StepPlanner:
     reach_of: dict[str, tuple[float, ...]] = field(default_factory=dict)  # rid -> its last tree's reach, best first
     prior: list[float] = field(default_factory=list)  # the traffic's reach by rank (moving averages)
     accepted_of: dict[str, UnrankedRequest] = field(default_factory=dict)  # rid -> its served trees (unranked)
-    accept_scale: float = 1.0  # served accepted drafts over predicted (moving average, within ACCEPT_SCALE_RANGE)
+    accepted_seen: dict[int, AcceptCorrection] = field(default_factory=dict)  # bucket -> its served tree steps'
+    # accepted drafts against the predictions
     plain_seen: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> recent served plain / forward
     tree_seen: dict[int, deque[tuple[int, float, float]]] = field(default_factory=dict)  # bucket -> (step, served
     # seconds, start-up verify forward) of its recent tree steps
@@ -162,20 +187,27 @@ class StepPlanner:
         self.prior = list(prior)
         self.accepted_of.clear()
         self.learnt_at.clear()
-        self.accept_scale = 1.0
+        self.accepted_seen.clear()
 
     # -------------------------------------------------------------------------------------------- the plan
-    def predicted_reach(self, rid: str) -> list[float]:
-        """The request's draft nodes' predicted reach, best first: its drafter's estimates, then the traffic's by rank
-        capped at its own worst, scaled by the served accept scale (ranked drafters); its served accepted drafts at
-        the full size (the others)."""
+    def accept_scale(self, bucket: int) -> float:
+        """The factor on the drafter's reach in a batch-size bucket: its served tree steps' correction; a bucket with
+        none takes the nearest one's (a smaller first), 1.0 before any tree step."""
+        nearest = _nearest(bucket, self.accepted_seen)
+        return 1.0 if nearest is None else self.accepted_seen[nearest].scale
+
+    def predicted_reach(self, rid: str, batch_size: int = 1) -> list[float]:
+        """The request's draft nodes' predicted reach, best first, in a batch of ``batch_size``: its drafter's
+        estimates, then the traffic's by rank capped at its own worst, scaled by the batch's accept scale (ranked
+        drafters); its served accepted drafts at the full size (the others)."""
         if not self.ranked:  # the whole tree or nothing: its served accepted drafts, at the full size
             return [0.0] * (self.full - 2) + [self.accepted_drafts(rid)]
         own = self.reach_of.get(rid, ())
         # past its own nodes, the traffic's by rank, never above its own worst: a tree grows best first
         ceiling = min(own, default=1.0)
         rest = [min(value, ceiling) for value in self.prior[len(own):self.full - 1]]
-        return [min(value * self.accept_scale, 1.0) for value in list(own) + rest]
+        scale = self.accept_scale(batch_bucket(batch_size))
+        return [min(value * scale, 1.0) for value in list(own) + rest]
 
     def accepted_drafts(self, rid: str) -> float:
         """An unranked drafter's request: its accepted drafts a tree step, as its served tree steps averaged them,
@@ -227,7 +259,7 @@ class StepPlanner:
 
     def table(self, rids: Sequence[str]) -> SizeTable:
         """What every size would give a batch of these requests (what the ranks of a group agree on)."""
-        reach = [self.predicted_reach(rid) for rid in rids]
+        reach = [self.predicted_reach(rid, len(rids)) for rid in rids]
         step_seconds = self._step_seconds(len(rids))
         return SizeTable(self.sizes, tuple(expected_tokens(reach, size) for size in self.sizes),
                          tuple(step_seconds(size) for size in self.sizes))
@@ -258,7 +290,7 @@ class StepPlanner:
         """Each request's share of the step's nodes (``planner.plan_ragged``) from its predicted reach, priced by
         the (agreed) table at the tokens the step verifies; not yet taken (``take_ragged``, once the group agreed
         on the shares)."""
-        reach = [self.predicted_reach(rid) for rid in rids]
+        reach = [self.predicted_reach(rid, len(rids)) for rid in rids]
         return plan_ragged(reach, ragged_seconds(table), self.sizes, self.cap * table.seconds[0])
 
     def take_ragged(self, table: SizeTable, plan: StepPlan, nodes: Sequence[int]) -> StepPlan:
@@ -315,9 +347,8 @@ class StepPlanner:
         drafts = [max(int(length) - 1, 0) for length in accept_lens]
         predicted = plan.expected_tokens - batch
         if predicted > 0 and self.ranked:
-            ratio = sum(drafts) / predicted * self.accept_scale
-            low, high = ACCEPT_SCALE_RANGE
-            self.accept_scale = min(max(moving_average(self.accept_scale, ratio), low), high)
+            held = self.accepted_seen.get(bucket) or AcceptCorrection(self.accept_scale(bucket), 0.0)
+            self.accepted_seen[bucket] = held.after(predicted, sum(drafts))
         if not self.ranked and plan.tokens == self.full:
             for rid, accepted in zip(rids, drafts):
                 own = self.accepted_of.get(rid)
@@ -362,7 +393,7 @@ class StepPlanner:
         record = {"batch": len(rids), "tokens": plan.tokens, "verify_tokens": list(plan.verify_tokens(self.ragged)),
                   "expected": round(plan.expected_tokens, 3),
                   "predicted_s": round(plan.predicted_seconds, 5), "served_s": round(seconds, 5),
-                  "committed": list(accept_lens), "accept_scale": round(self.accept_scale, 3),
+                  "committed": list(accept_lens), "accept_scale": round(self.accept_scale(batch_bucket(len(rids))), 3),
                   "head": "rest" if self.skip_head else "warmup" if self.head_warmup else "ran",
                   "tree_extra_s": self.tree_extra(batch_bucket(len(rids))),
                   "plain_scale": {bucket: self.plain_scale(bucket) for bucket in self.plain_seen}}

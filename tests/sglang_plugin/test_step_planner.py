@@ -71,8 +71,34 @@ def test_served_steps_correct_the_costs_and_the_accept_scale():
     # four requests, no tree step of theirs yet: one request's price as it is, not four times it
     assert plan_state.seconds(4, FULL) - plan_state.seconds(4, 1) == pytest.approx(
         0.05 + plan_state.plain_scale(4) * (0.06 + 0.008 * 8 - 0.06), rel=1e-2)
-    assert plan_state.accept_scale == pytest.approx(4 / 7.2, rel=1e-2)
+    assert plan_state.accept_scale(1) == pytest.approx(4 / 7.2, rel=1e-2)
     assert sum(plan_state.predicted_reach("a")) == pytest.approx(4.0, rel=1e-2)
+
+
+def test_the_accept_scale_makes_the_chosen_steps_accept_what_they_predicted_in_sum_per_batch_bucket():
+    """Steps predicted to accept little that accept more than predicted beside steps predicted to accept much that
+    accept less (the planner takes a tree where its prediction is high): the scale is set so that the steps' accepted
+    drafts sum to the predicted ones, not so that their ratios average 1, which would over-predict the high ones.
+    Each batch-size bucket keeps its own; a bucket with none takes the nearest smaller one's."""
+    plan_state = planner()
+    # unscaled predictions 1 and 9 drafts, served 2 and 7: 9 of 10 in sum (each step's ratio averages 1.39)
+    served = []
+    for step in range(200):
+        unscaled, accepted = (1.0, 2) if step % 2 else (9.0, 7)
+        predicted = unscaled * plan_state.accept_scale(1)
+        plan_state.observe(StepPlan(FULL, 1 + predicted, 0.06, (8,)), ["a"], 0.06, [1 + accepted])
+        served.append((predicted, accepted))
+    assert plan_state.accept_scale(1) == pytest.approx(0.9, abs=0.05)
+    recent = served[-50:]
+    assert sum(accepted for _, accepted in recent) == pytest.approx(sum(p for p, _ in recent), rel=0.05)
+    # a batch of 16 that accepts half its prediction moves its own bucket's scale, not the single request's
+    for _ in range(40):
+        predicted = 8.0 * plan_state.accept_scale(16)
+        plan_state.observe(StepPlan(FULL, 16 + predicted, 0.2, (8,) * 16), [f"r{i}" for i in range(16)], 0.2,
+                           [1 + 4] + [1] * 15)
+    assert plan_state.accept_scale(16) == pytest.approx(0.5, abs=0.05)
+    assert plan_state.accept_scale(1) == pytest.approx(0.9, abs=0.05)
+    assert plan_state.accept_scale(4) == plan_state.accept_scale(1)  # no tree step at 4: the smaller bucket's
 
 
 def test_a_drafter_without_reach_is_planned_whole_from_its_served_accepts():

@@ -50,6 +50,12 @@ def smollm2_cpu() -> CpuModel:
 
 
 @pytest.fixture(scope="session")
+def smollm2_split_cpu(smollm2_cpu) -> CpuModel:
+    """SmolLM2 with zero attention heads appended (12 query / 4 KV heads): its outputs, on two ranks."""
+    return prepare_model("smollm2-split", progress=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_cpu() -> CpuModel:
     require_sglang()
     return prepare_model("tiny-deepseek", progress=False)

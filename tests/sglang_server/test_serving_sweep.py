@@ -314,3 +314,44 @@ def test_servers_together_start_once_on_their_own_ports_and_take_each_workload_b
     assert {(row["policy"], row["workload"]) for row in rows} == {
         (policy, workload) for policy in ("plain", "plain-sync") for workload in ("code", "chat")}
     assert all(len(row["output_throughput_rounds"]) == 2 for row in rows)
+
+
+def test_tp_sizes_start_every_method_at_each_size_and_compare_each_with_plain_at_its_size(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """``--tp-sizes 1,2``: each policy's server at both sizes (the second with ``--tp-size 2``, its name and rows
+    marked), each ratio over plain decoding at the same size, and the report's TP table gives the TP 2 ratio over
+    the TP 1 ratio; SmolLM2 itself (heads that do not split) and a --tp-size in --server-args are refused."""
+    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    model = cpu_server.CpuModel("smollm2-split", tmp_path, ("--draft",), None)
+    monkeypatch.setattr(cpu_server, "prepare_model", lambda name: model)
+    monkeypatch.setattr(cpu_server, "SGLangServer", _ServerStandIn)
+    monkeypatch.setattr(sweep.subprocess, "run", _bench_stand_in)
+    monkeypatch.setattr(sweep, "REPO", tmp_path)
+    _ServerStandIn.events, _ServerStandIn.started = [], []
+    argv = ["--cpu-model", "smollm2-split", "--policies", "plain-sync,lookup", "--budgets", "6", "--tp-sizes", "1,2",
+            "--concurrency", "1", "--num-prompts", "2", "--workloads", "code", "--port", "31000", "--servers-together",
+            "--out", str(tmp_path / "s.csv")]
+    assert sweep.main(argv) == 0
+    assert "-tp2" in capsys.readouterr().out
+    started = _ServerStandIn.started
+    assert [option_value(server.args, "--tp-size") for server in started] == [None, None, "2", "2"]
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    by_server = {(row["policy"], row["tp_size"]): row for row in rows}
+    # the stand-in's tokens/s is the server's port: 31000 + its place in the list
+    assert by_server["lookup", 1]["speedup_over_plain"] == pytest.approx(31001 / 31000)
+    assert by_server["lookup", 2]["speedup_over_plain"] == pytest.approx(31003 / 31002)
+    assert by_server["plain-sync", 2]["speedup_over_plain"] == 1.0
+    report_spec = importlib.util.spec_from_file_location("report", REPO / "bench" / "report.py")
+    report = importlib.util.module_from_spec(report_spec)
+    report_spec.loader.exec_module(report)
+    [found] = report.tp_ratios(rows)
+    assert found["policy"] == "lookup" and found["held"] == pytest.approx((31003 / 31002) / (31001 / 31000))
+    for bad, message in ((["--cpu-model", "smollm2", "--tp-sizes", "1,2"], "smollm2-split"),
+                         (["--cpu-model", "smollm2-split", "--tp-sizes", "2", "--server-args", "--tp-size 2"],
+                          "give one of the two"),
+                         (["--cpu-model", "smollm2-split", "--tp-sizes", "0"], "distinct positive")):
+        with pytest.raises(SystemExit):
+            sweep.parse_args(bad)
+        assert message in capsys.readouterr().err

@@ -1,9 +1,9 @@
 """Tensor parallelism 2 through launch_server on this CPU: two scheduler ranks over gloo, for the plugin's own
 draft loop (specexec 6/3/2, wider than topk) with SGLang's accept and with ``--speculative-tree-accept fused``.
 
-SmolLM2 cannot be split in two (9 query heads: SGLang's ``LlamaAttention`` asserts ``total_num_heads % tp_size ==
-0``), so the model is the tiny DeepSeek-V3 (4 query heads, MLA's single latent KV head replicated, 4 routed experts
-sharded by their intermediate size). SGLang's CPU engine reduces over gloo here (its shared-memory all-reduce
+The model is the tiny DeepSeek-V3 (4 query heads, MLA's single latent KV head replicated, 4 routed experts
+sharded by their intermediate size); SmolLM2 serves on two ranks padded with zero heads (``smollm2-split``) in
+``test_planner_matrix.py``. SGLang's CPU engine reduces over gloo here (its shared-memory all-reduce
 needs sgl-kernel's AMX build, which the bed does not claim), and the bed names one core per rank for SGLang's
 per-rank NUMA check (``cpu.rank_cores``).
 
