@@ -272,6 +272,21 @@ def _bench_stand_in(command, env=None, stdout=None, stderr=None):
     return subprocess.CompletedProcess(command, 0)
 
 
+def _sweep_on_stand_ins(model_name: str, tmp_path: Path, monkeypatch):
+    """bench/serving_sweep.py with its servers and bench_serving stood in (``_ServerStandIn``, ``_bench_stand_in``),
+    its scratch files under ``tmp_path``."""
+    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    model = cpu_server.CpuModel(model_name, tmp_path, ("--draft",), None)
+    monkeypatch.setattr(cpu_server, "prepare_model", lambda name: model)
+    monkeypatch.setattr(cpu_server, "SGLangServer", _ServerStandIn)
+    monkeypatch.setattr(sweep.subprocess, "run", _bench_stand_in)
+    monkeypatch.setattr(sweep, "REPO", tmp_path)
+    _ServerStandIn.events, _ServerStandIn.started = [], []
+    return sweep
+
+
 @pytest.mark.parametrize("together", [False, True])
 def test_servers_together_start_once_on_their_own_ports_and_take_each_workload_back_to_back(
         together, tmp_path, monkeypatch):
@@ -280,15 +295,7 @@ def test_servers_together_start_once_on_their_own_ports_and_take_each_workload_b
     start-up check would refuse the last ones), and each round runs one workload on every server in
     the round's rotated order before the next workload. Without it, one server at a time on ``--port``, all its
     workloads, restarted every round."""
-    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    model = cpu_server.CpuModel("smollm2", tmp_path, ("--draft",), None)
-    monkeypatch.setattr(cpu_server, "prepare_model", lambda name: model)
-    monkeypatch.setattr(cpu_server, "SGLangServer", _ServerStandIn)
-    monkeypatch.setattr(sweep.subprocess, "run", _bench_stand_in)
-    monkeypatch.setattr(sweep, "REPO", tmp_path)  # scratch files under the test's folder
-    _ServerStandIn.events, _ServerStandIn.started = [], []
+    sweep = _sweep_on_stand_ins("smollm2", tmp_path, monkeypatch)
     argv = ["--cpu-model", "smollm2", "--policies", "plain,plain-sync", "--concurrency", "4", "--num-prompts", "4",
             "--workloads", "code,chat", "--rounds", "2", "--port", "31000", "--out", str(tmp_path / "s.csv")]
     assert sweep.main(argv + (["--servers-together"] if together else [])) == 0
@@ -321,15 +328,7 @@ def test_tp_sizes_start_every_method_at_each_size_and_compare_each_with_plain_at
     """``--tp-sizes 1,2``: each policy's server at both sizes (the second with ``--tp-size 2``, its name and rows
     marked), each ratio over plain decoding at the same size, and the report's TP table gives the TP 2 ratio over
     the TP 1 ratio; SmolLM2 itself (heads that do not split) and a --tp-size in --server-args are refused."""
-    spec = importlib.util.spec_from_file_location("serving_sweep", REPO / "bench" / "serving_sweep.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    model = cpu_server.CpuModel("smollm2-split", tmp_path, ("--draft",), None)
-    monkeypatch.setattr(cpu_server, "prepare_model", lambda name: model)
-    monkeypatch.setattr(cpu_server, "SGLangServer", _ServerStandIn)
-    monkeypatch.setattr(sweep.subprocess, "run", _bench_stand_in)
-    monkeypatch.setattr(sweep, "REPO", tmp_path)
-    _ServerStandIn.events, _ServerStandIn.started = [], []
+    sweep = _sweep_on_stand_ins("smollm2-split", tmp_path, monkeypatch)
     argv = ["--cpu-model", "smollm2-split", "--policies", "plain-sync,lookup", "--budgets", "6", "--tp-sizes", "1,2",
             "--concurrency", "1", "--num-prompts", "2", "--workloads", "code", "--port", "31000", "--servers-together",
             "--out", str(tmp_path / "s.csv")]
