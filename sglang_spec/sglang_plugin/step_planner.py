@@ -7,10 +7,12 @@ inputs this module keeps:
 * **What each size would emit.** Each request's predicted reach: the reach of its last tree's nodes, best first, as
   its drafter reported them (``ServedDrafter.drafted_reach``: lookup / hybrid on the host), scaled by how much the
   served tree steps' accepted drafts exceeded or fell short of such predictions in the batch-size bucket
-  (``accept_scale``). The correction is of sums, not of each step's ratio: a step is chosen where its prediction
+  (``accept_scale``): the drafts its last ``ACCEPT_WINDOW`` tree steps accepted over the drafts the drafter's reach
+  predicted for them. A ratio of sums, not an average of each step's ratio: a step is chosen where its prediction
   is high, and a step predicted to accept little that accepts much (a large ratio) must not outweigh the many
   predicted high that accept less, or the steps the planner takes would accept fewer drafts in total than it
-  predicted (the winner's curse). Where the plan keeps
+  predicted (the winner's curse); nor a moving factor nudged by each step's shortfall, which a noisy step pulls
+  down more than up and so settles below the ratio. Where the plan keeps
   a request plain its prediction would go stale, so before each step the drafter estimates, without a forward,
   the reach of every request it knows nothing of and of the one whose prediction is oldest (``stale``). A request
   its drafter has not drafted yet takes the traffic's: a moving average over the requests' reports by rank. A
@@ -70,6 +72,7 @@ DEFAULT_CAP = 2.0  # a tree step's predicted time at most this many plain steps'
 EXPLORED_ACCEPTED = 1.0  # unranked drafters: accepted drafts a request with no tree step of its own is planned at
 RETRY_STEPS = 8  # unranked drafters: steps a request's first tree step is its estimate for (doubling each tree step)
 ACCEPT_SCALE_RANGE = (0.25, 2.0)  # an accept scale is kept within this range (one odd step cannot flip the plan)
+ACCEPT_WINDOW = 32  # tree steps of a batch-size bucket its accept scale is the ratio of sums over
 SPARE_REQUESTS = 256  # per-request predictions kept beyond the batch's before finished requests are dropped
 GPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # verify sizes a GPU server captures graphs for
 PLAN_LOG_ENV = "SGLANG_SPEC_PLAN_LOG"  # a file: every planned step as a JSON line (read once, at start-up)
@@ -107,26 +110,6 @@ class UnrankedRequest:
     tree_steps: int
 
 
-@dataclass(frozen=True)
-class AcceptCorrection:
-    """How a batch-size bucket's served tree steps accepted against the planner's predictions.
-
-    scale:     the factor on the drafter's reach (within ``ACCEPT_SCALE_RANGE``).
-    predicted: the drafts its recent tree steps were predicted to accept, scale applied (a moving average): each
-               step moves the scale by its shortfall over this, so that over many steps the accepted drafts sum
-               to the predicted ones."""
-
-    scale: float
-    predicted: float
-
-    def after(self, predicted: float, accepted: float) -> AcceptCorrection:
-        """The correction after a tree step predicted to accept ``predicted`` drafts (> 0) accepted ``accepted``."""
-        average = moving_average(self.predicted, predicted) if self.predicted > 0 else predicted
-        low, high = ACCEPT_SCALE_RANGE
-        scale = self.scale * (1.0 + SMOOTHING * (accepted - predicted) / average)
-        return AcceptCorrection(min(max(scale, low), high), average)
-
-
 @dataclass
 class StepPlanner:
     """The server's plan state.
@@ -160,8 +143,8 @@ class StepPlanner:
     reach_of: dict[str, tuple[float, ...]] = field(default_factory=dict)  # rid -> its last tree's reach, best first
     prior: list[float] = field(default_factory=list)  # the traffic's reach by rank (moving averages)
     accepted_of: dict[str, UnrankedRequest] = field(default_factory=dict)  # rid -> its served trees (unranked)
-    accepted_seen: dict[int, AcceptCorrection] = field(default_factory=dict)  # bucket -> its served tree steps'
-    # accepted drafts against the predictions
+    accepted_seen: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)  # bucket -> (accepted
+    # drafts, drafts its reach predicted before the scale) of its last ACCEPT_WINDOW tree steps
     plain_seen: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> recent served plain / forward
     tree_seen: dict[int, deque[tuple[int, float, float]]] = field(default_factory=dict)  # bucket -> (step, served
     # seconds, start-up verify forward) of its recent tree steps
@@ -191,10 +174,16 @@ class StepPlanner:
 
     # -------------------------------------------------------------------------------------------- the plan
     def accept_scale(self, bucket: int) -> float:
-        """The factor on the drafter's reach in a batch-size bucket: its served tree steps' correction; a bucket with
-        none takes the nearest one's (a smaller first), 1.0 before any tree step."""
-        nearest = _nearest(bucket, self.accepted_seen)
-        return 1.0 if nearest is None else self.accepted_seen[nearest].scale
+        """The factor on the drafter's reach in a batch-size bucket: its recent tree steps' accepted drafts over their
+        predicted ones, within ``ACCEPT_SCALE_RANGE``; a bucket with none takes the nearest one's (a smaller first),
+        1.0 before any tree step."""
+        nearest = _nearest(bucket, [seen for seen, held in self.accepted_seen.items() if held])
+        if nearest is None:
+            return 1.0
+        held = self.accepted_seen[nearest]
+        predicted = sum(value for _, value in held)
+        low, high = ACCEPT_SCALE_RANGE
+        return high if predicted <= 0 else min(max(sum(value for value, _ in held) / predicted, low), high)
 
     def predicted_reach(self, rid: str, batch_size: int = 1) -> list[float]:
         """The request's draft nodes' predicted reach, best first, in a batch of ``batch_size``: its drafter's
@@ -347,8 +336,10 @@ class StepPlanner:
         drafts = [max(int(length) - 1, 0) for length in accept_lens]
         predicted = plan.expected_tokens - batch
         if predicted > 0 and self.ranked:
-            held = self.accepted_seen.get(bucket) or AcceptCorrection(self.accept_scale(bucket), 0.0)
-            self.accepted_seen[bucket] = held.after(predicted, sum(drafts))
+            # the plan's reach was scaled by the bucket's scale as it is now (only tree steps move it); a node scaled
+            # past 1 was capped there, so this may read a little under what the drafter predicted
+            unscaled = predicted / self.accept_scale(bucket)
+            self.accepted_seen.setdefault(bucket, deque(maxlen=ACCEPT_WINDOW)).append((float(sum(drafts)), unscaled))
         if not self.ranked and plan.tokens == self.full:
             for rid, accepted in zip(rids, drafts):
                 own = self.accepted_of.get(rid)

@@ -102,11 +102,13 @@ def test_a_traffic_log_that_cannot_be_written_is_counted_and_serving_goes_on(tmp
 
 
 def test_the_planner_forgets_the_old_heads_acceptance_and_keeps_its_costs():
-    from sglang_spec.sglang_plugin.step_planner import AcceptCorrection, StepPlanner, UnrankedRequest
+    from collections import deque
+
+    from sglang_spec.sglang_plugin.step_planner import StepPlanner, UnrankedRequest
 
     planner = StepPlanner(None, (1, 4, 7), 7, prior=[0.9, 0.5])
     planner.learn_reach({"a": (0.95, 0.8, 0.7)})
-    planner.accepted_seen[1], planner.accepted_of["b"] = AcceptCorrection(1.3, 2.0), UnrankedRequest(2.0, 0, 1)
+    planner.accepted_seen[1], planner.accepted_of["b"] = deque([(2.6, 2.0)]), UnrankedRequest(2.0, 0, 1)
     planner.served[(1, 4)] = 0.01
     learnt = planner.predicted_reach("a")
     state = plugin_worker_state()
