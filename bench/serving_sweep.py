@@ -492,8 +492,8 @@ def median_over_rounds(rows: list[dict]) -> list[dict]:
 
 def add_speedups(rows: list[dict]) -> None:
     """Each row's output tokens/s over plain decoding's at the same workload, concurrency and tensor-parallel size,
-    in this run: the
-    faster of ``plain`` and ``plain-sync`` where both ran (a speedup is over the best plain decoding measured).
+    in this run: the faster of ``plain`` and ``plain-sync`` where both ran (a speedup is over the best plain decoding
+    measured).
     Rows merged over rounds also get ``speedup_over_plain_rounds``: round r's tokens/s over the faster plain's in
     round r (the servers of one round share the machine's phase, which moves tokens/s by 10-20% between rounds
     here), so the spread of a median's ratio is in the JSON and the table."""
@@ -615,7 +615,8 @@ def print_table(rows: list[dict]) -> None:
           f"{rounds_column(None)}{'AL':>6}{'p50 ITL':>10}{'p99 ITL':>10}")
     for row in rows:
         ratio = row.get("speedup_over_plain")
-        print(f"{row.get('workload', ''):<11}{row['policy']:<13}{row['budget']:>7}{tp_column(row)}{row['concurrency']:>6}"
+        print(f"{row.get('workload', ''):<11}{row['policy']:<13}{row['budget']:>7}{tp_column(row)}"
+              f"{row['concurrency']:>6}"
               f"{row['output_throughput'] or 0:>11.2f}{'' if ratio is None else f'{ratio:.2f}x':>8}"
               f"{rounds_column(row)}"
               f"{row['accept_length'] or 1.0:>6.2f}{row['median_itl_ms'] or 0:>10.1f}{row['p99_itl_ms'] or 0:>10.1f}")

@@ -11,8 +11,7 @@ inputs this module keeps:
   predicted for them. A ratio of sums, not an average of each step's ratio: a step is chosen where its prediction
   is high, and a step predicted to accept little that accepts much (a large ratio) must not outweigh the many
   predicted high that accept less, or the steps the planner takes would accept fewer drafts in total than it
-  predicted (the winner's curse); nor a moving factor nudged by each step's shortfall, which a noisy step pulls
-  down more than up and so settles below the ratio. Where the plan keeps
+  predicted (the winner's curse). Where the plan keeps
   a request plain its prediction would go stale, so before each step the drafter estimates, without a forward,
   the reach of every request it knows nothing of and of the one whose prediction is oldest (``stale``). A request
   its drafter has not drafted yet takes the traffic's: a moving average over the requests' reports by rank. A

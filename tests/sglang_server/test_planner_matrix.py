@@ -6,13 +6,13 @@ Settings: tensor parallelism 1 or 2, DP attention 2 (``--tp-size 2 --dp-size 2 -
 overlap scheduler on or off, page size 1 or 4, the ``lookup`` / ``hybrid`` / ``sequoia`` trees, SGLang's accept or
 the fused one, context trees grown on the host or on the device, SmolLM2 (on two ranks ``smollm2-split``, the same
 model with zero attention heads appended: its own 9 query heads do not split in two; not under DP attention, which
-SGLang's Llama does not implement: its attention is always split over the whole TP group) and the tiny
-DeepSeek-V3 (MLA + MoE + NEXTN), and decode graphs off or on: SGLang's ``DecodeCudaGraphRunner`` with its bookkeeping (graphs per batch size and verify size, a batch padded to the next
-captured size, DP padding, static buffers, a plain step's one-token verify graph) and only the graph stood in
-(``sglang_spec_testbed/graphs.py``: a replay runs the captured forward again on the static buffers).
-``pairwise_cover`` picks the servers; a unit test checks the cover (and that it fails on a cover that misses a
-pair). The tensor-parallel servers whose trees run the head rest it after one plain step
-(``--speculative-tree-head-rest 1``), so their ranks skip its draft extend together.
+SGLang's Llama does not implement: its attention is always split over the whole TP group) and the tiny DeepSeek-V3
+(MLA + MoE + NEXTN), and decode graphs off or on: SGLang's ``DecodeCudaGraphRunner`` with its bookkeeping (graphs
+per batch size and verify size, a batch padded to the next captured size, DP padding, static buffers, a plain step's
+one-token verify graph) and only the graph stood in (``sglang_spec_testbed/graphs.py``: a replay runs the captured
+forward again on the static buffers). ``pairwise_cover`` picks the servers; a unit test checks the cover (and that
+it fails on a cover that misses a pair). The tensor-parallel servers whose trees run the head rest it after one
+plain step (``--speculative-tree-head-rest 1``), so their ranks skip its draft extend together.
 
 A host read inside a captured forward stops the capture here as on a GPU (``graphs.HostReadGuard``); a branch a
 real capture would freeze is not caught (the stand-in re-runs the forward's host code at each replay):
