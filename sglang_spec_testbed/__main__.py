@@ -5,8 +5,9 @@ runs). Every option SGLang's launch_server takes, the tree options included, pas
         --speculative-tree-policy sequoia --speculative-tree-budget 15 --speculative-tree-depth 4 \\
         --speculative-tree-topk 4 --enable-metrics
 
-``--model smollm2`` (SmolLM2-135M-Instruct with the shipped MTP head, exported as an SGLang draft) or
-``tiny-deepseek`` (a tiny DeepSeek-V3: MLA + MoE + its own MTP layer). For sequoia the shipped profile is used
+``--model smollm2`` (SmolLM2-135M-Instruct with the shipped MTP head, exported as an SGLang draft),
+``smollm2-split`` (the same with zero attention heads appended, for ``--tp-size 2``) or ``tiny-deepseek`` (a tiny
+DeepSeek-V3: MLA + MoE + its own MTP layer). For sequoia the shipped profile is used
 unless ``--speculative-acceptance-profile`` is given. ``--no-speculation`` serves plain decoding. The algorithm
 is NEXTN with the model's draft unless ``--speculative-algorithm`` says otherwise; SGLang's own n-gram drafting
 needs no draft model:
