@@ -188,13 +188,16 @@ class StepPlanner:
         """The request's draft nodes' predicted reach, best first, in a batch of ``batch_size``: its drafter's
         estimates, then the traffic's by rank capped at its own worst, scaled by the batch's accept scale (ranked
         drafters); its served accepted drafts at the full size (the others)."""
+        return self._scaled_reach(rid, self.accept_scale(batch_bucket(batch_size)))
+
+    def _scaled_reach(self, rid: str, scale: float) -> list[float]:
+        """``predicted_reach`` with the batch's accept scale read once for the whole batch by the caller."""
         if not self.ranked:  # the whole tree or nothing: its served accepted drafts, at the full size
             return [0.0] * (self.full - 2) + [self.accepted_drafts(rid)]
         own = self.reach_of.get(rid, ())
         # past its own nodes, the traffic's by rank, never above its own worst: a tree grows best first
         ceiling = min(own, default=1.0)
         rest = [min(value, ceiling) for value in self.prior[len(own):self.full - 1]]
-        scale = self.accept_scale(batch_bucket(batch_size))
         return [min(value * scale, 1.0) for value in list(own) + rest]
 
     def accepted_drafts(self, rid: str) -> float:
@@ -247,7 +250,8 @@ class StepPlanner:
 
     def table(self, rids: Sequence[str]) -> SizeTable:
         """What every size would give a batch of these requests (what the ranks of a group agree on)."""
-        reach = [self.predicted_reach(rid, len(rids)) for rid in rids]
+        scale = self.accept_scale(batch_bucket(len(rids)))
+        reach = [self._scaled_reach(rid, scale) for rid in rids]
         step_seconds = self._step_seconds(len(rids))
         return SizeTable(self.sizes, tuple(expected_tokens(reach, size) for size in self.sizes),
                          tuple(step_seconds(size) for size in self.sizes))
@@ -278,7 +282,8 @@ class StepPlanner:
         """Each request's share of the step's nodes (``planner.plan_ragged``) from its predicted reach, priced by
         the (agreed) table at the tokens the step verifies; not yet taken (``take_ragged``, once the group agreed
         on the shares)."""
-        reach = [self.predicted_reach(rid, len(rids)) for rid in rids]
+        scale = self.accept_scale(batch_bucket(len(rids)))
+        reach = [self._scaled_reach(rid, scale) for rid in rids]
         return plan_ragged(reach, ragged_seconds(table), self.sizes, self.cap * table.seconds[0])
 
     def take_ragged(self, table: SizeTable, plan: StepPlan, nodes: Sequence[int]) -> StepPlan:
