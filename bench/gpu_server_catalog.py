@@ -23,7 +23,8 @@ class ServerCheck:
     parity.POLICIES; ``oracle`` the plain check whose answers it is held to (same group, run first);
     ``reference`` a check whose seeded sampled answers it must equal (SGLang's accept against the fused one);
     ``model``: a folder of ``gpu_server_models.MODELS``; ``extra``: tree-server options beyond the policy's;
-    ``limit``: seconds on a GPU, servers started and stopped included (an estimate: none has run on a GPU)."""
+    ``limit``: seconds on a GPU, servers started and stopped included (an estimate: none has run on a GPU);
+    ``ragged``: its trees must be verified ragged (on SGLang's ragged verify graphs where graphs are on)."""
 
     name: str
     group: str
@@ -40,6 +41,7 @@ class ServerCheck:
     limit: int = 120
     model: str = "smollm2-random-k8"
     extra: tuple[str, ...] = ()
+    ragged: bool = False
 
     @property
     def gpus(self) -> int:
@@ -109,6 +111,14 @@ SERVER_CHECKS = (
                 "concurrent requests", policy="hybrid", oracle="server_plain", limit=180),
     ServerCheck("mla_plain", "server-mla", PLAIN, "plain decoding of the tiny DeepSeek-V3 (MLA, MoE): the oracle of "
                 "this group", limit=150, model="tiny-deepseek-random"),
+    # R1's launch first: the group's most telling check after its oracle
+    ServerCheck("mla_tree_auto_ragged", "server-mla", AUTO, "--speculative-tree-auto over hybrid 12/5 on the tiny "
+                "DeepSeek-V3 with --speculative-tree-mla-verify flashinfer (R1's launch) and decode CUDA graphs: "
+                "each request's tree verified ragged on SGLang's ragged verify graphs (one a tier of total verify "
+                "tokens; the log's line, /metrics' computed verify tokens below SGLang's width), greedy against "
+                "mla_plain (triton: near-ties reported)", policy="hybrid", oracle="mla_plain", backend="flashinfer",
+                model="tiny-deepseek-random", extra=("--speculative-tree-mla-verify", "flashinfer"), ragged=True,
+                limit=180),
     *(_policy_check(f"mla_{name.replace('-', '_')}", "server-mla", name, "mla_plain", model="tiny-deepseek-random",
                     reference="mla_sequoia" if name == "sequoia-fused" else None)
       for name in ("sequoia", "sequoia-fused", "specexec", "chain", "eagle")),

@@ -30,6 +30,10 @@ TOKEN_PROMPT_LENGTH = 24
 DRAFT_FAULT_ENV = "SGLANG_SPEC_INJECT_DRAFT_FAULT"
 CAPTURE_FAULT_EVERY = 3  # the first graph capture is the third draft: see capture_fault_run
 PLAIN, POLICY, AUTO, FAULTS, CAPTURE = "plain", "policy", "auto", "faults", "capture-fault"
+# what a host-tree server logs at its first decode step (``sglang_plugin/ragged_verify.decide``): ragged verify on
+# or off, and on its graphs
+RAGGED_SAID = "ragged verify: "
+RAGGED_GRAPHS = "SGLang's ragged verify graphs"
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -246,10 +250,29 @@ def auto_run(run: Any, model: Any, requests: Requests) -> str:
     run.data["planned_sizes"] = chosen
     if not chosen:
         run.problems.append("the planner planned no decode step (sglang_spec_planner_verify_tokens is empty)")
+    ragged = _judge_ragged(run, log, metrics) if RAGGED_SAID in log else ""
     findings = compare_with_oracle(run, answers, oracle)
     sizes = ", ".join(f"{size}: {count:.0f}" for size, count in chosen.items())
-    return (_judge_tree(run, findings, answers, metrics, None) + f"; steps by verify size {sizes or 'none'}; "
+    return (_judge_tree(run, findings, answers, metrics, None) + f"; steps by verify size {sizes or 'none'}{ragged}; "
             + record_steps(run, launch, answers, True))
+
+
+def _judge_ragged(run: Any, log: str, metrics: str) -> str:
+    """A host-tree server's ragged verify (``ragged_verify``): on (said once at the first decode step; with CUDA
+    graphs, on SGLang's ragged verify graphs) and its forwards computing fewer tokens than SGLang's width, or the
+    reason it is off. A server whose check expects it (``ServerCheck.ragged``) and logs it off is a problem."""
+    computed, dense = (metric(metrics, f"sglang_spec_verify_tokens_{kind}_total") for kind in ("computed", "dense"))
+    run.data["verify_tokens"] = {"computed": computed, "dense": dense}
+    off = re.search(r"ragged verify: off.*", log)
+    if off is not None:
+        if run.check.ragged:
+            run.problems.append(off.group(0))
+        return f"; {off.group(0)}"
+    if run.check.ragged and not (run.cpu_bed or RAGGED_GRAPHS in log):
+        run.problems.append("ragged verify ran eager: the decode graphs were not SGLang's ragged verify graphs")
+    if run.check.ragged and not 0 < computed < dense:
+        run.problems.append(f"ragged verify computed {computed:.0f} verify tokens of {dense:.0f} at SGLang's width")
+    return f"; ragged verify: {computed:.0f} verify tokens computed of {dense:.0f} at SGLang's width"
 
 
 def faults_run(run: Any, model: Any, requests: Requests) -> str:

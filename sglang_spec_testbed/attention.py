@@ -179,7 +179,7 @@ def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_t
     requests only is completed for the rows DP attention padded the batch with, as SGLang's GPU backends do
     (``complete_tree_mask``); any other shorter one is refused (a mask built in another mode). Rows
     ``req_pool_indices`` holds past the planned lengths (a batch padded after it was planned) are not attended,
-    their output rows zero."""
+    their output rows zero; a request of no new tokens (a ragged verify graph's pad slot) is skipped."""
     _unsupported(is_cross, sinks)
     # host lists once, not a tensor read per request and field (a verify of one token a request is a plain step)
     rows, totals = req_pool_indices.tolist(), seq_lens.tolist()
@@ -207,6 +207,8 @@ def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_t
     read = False
     for index, row in enumerate(rows):
         total, new, start = int(totals[index]), int(news[index]), int(starts[index])
+        if new == 0:  # a pad slot of a ragged verify graph past the tier's tokens: no query, as on a GPU kernel
+            continue
         prefix = total - new
         prefix_slots = req_to_token[row, :prefix].long()
         if k is not None and k.shape[1] != k_buffer.shape[1]:

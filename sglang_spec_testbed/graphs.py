@@ -21,12 +21,19 @@ refuses speculation), so none of that runs on the bed. With this module it does:
   capture does, unless it is in a stand-in of a device kernel (``DEVICE_KERNEL_STANDINS``: the bed's ops, SGLang's
   CPU twins), which on a GPU reads its metadata on the device;
 * the ``intel_amx`` backend's graph metadata: its eager metadata, rebuilt from the static batch before each replay
-  (``init_forward_metadata_out_graph``, the hook SGLang calls outside the graph).
+  (``init_forward_metadata_out_graph``, the hook SGLang calls outside the graph);
+* SGLang's ragged verify graphs (its compact mode, which a ragged tree server's runners are built in:
+  ``sglang_plugin.ragged_verify``): the backend declares it plans a ragged layout in a graph
+  (``supports_ragged_verify_graph``), and as a GPU back-end binds the capture layout's tensors, which the runner
+  refreshes in place before each replay (``_stage_ragged_verify_layout``), its replay metadata reads the layout
+  captured for the tier (``CAPTURED_LAYOUTS``), not the live batch's, so a request slot the runner pads is planned
+  as the runner staged it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
 import os
 import re
@@ -54,6 +61,12 @@ REPLAY_LOG = ("CPU bed: decode graph replayed: {width} token(s) a request, a bat
               "captured for {size}")
 REPLAY_PATTERN = re.compile(r"decode graph replayed: \d+ token\(s\) a request, a batch of (\d+) on the graph "
                             r"captured for (\d+)")
+# the same for a ragged verify graph (SGLang's compact mode: graphs per tier of total verify tokens), and its reading
+# (``ragged_replays_in``)
+RAGGED_REPLAY_LOG = ("CPU bed: ragged verify graph replayed: a batch of {batch} on the graph captured for {tier} "
+                     "verify tokens over {slots} request slots")
+RAGGED_REPLAY_PATTERN = re.compile(r"ragged verify graph replayed: a batch of (\d+) on the graph captured for (\d+) "
+                                   r"verify tokens over (\d+) request slots")
 
 HOOKS = (
     ("sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_decode_graph",
@@ -69,10 +82,17 @@ HOOKS = (
 )
 
 
+# the attribute of an intel_amx backend holding its ragged capture layouts: graph tier (tokens) -> layout
+CAPTURED_LAYOUTS = "_sglang_spec_bed_ragged_layouts"
+
+
 def install() -> None:
     """What the runner asks of ``torch.cpu`` as of ``torch.cuda``: whether a graph is being captured (during the
-    stand-in's capture run only)."""
+    stand-in's capture run only); the CPU backend's graph metadata planning a ragged layout (module docstring)."""
     torch.cpu.is_current_stream_capturing = lambda: StandInGraphBackend.capturing  # type: ignore[attr-defined]
+    from sglang.srt.layers.attention.intel_amx_backend import IntelAMXAttnBackend
+
+    IntelAMXAttnBackend.supports_ragged_verify_graph = True
 
 
 def graphs_from_environment() -> bool:
@@ -130,7 +150,17 @@ def amx_init_cuda_graph_state(backend, max_bs: int, max_num_tokens: int) -> None
 
 
 def amx_init_forward_metadata_out_graph(backend, forward_batch, in_capture: bool = False) -> None:
-    """Before a capture and each replay (outside the graph): the backend's eager metadata of the static batch."""
+    """Before a capture and each replay (outside the graph): the backend's eager metadata of the static batch; for a
+    ragged verify graph, of the layout captured for its tier, as the runner staged it (module docstring)."""
+    layout = getattr(forward_batch.spec_info, "ragged_verify_layout", None)
+    if layout is not None and forward_batch.forward_mode.is_target_verify():
+        layouts = backend.__dict__.setdefault(CAPTURED_LAYOUTS, {})
+        tier = forward_batch.input_ids.shape[0]
+        if in_capture:
+            layouts[tier] = layout
+        else:
+            forward_batch.spec_info = copy.copy(forward_batch.spec_info)
+            forward_batch.spec_info.ragged_verify_layout = layouts[tier]
     backend.init_forward_metadata(forward_batch)
 
 
@@ -172,8 +202,11 @@ class StandInGraphBackend:
     def replay(self, shape_key, static_forward_batch, **kwargs):
         if (shape_key, self.runner.raw_bs) not in self.replayed:
             self.replayed.add((shape_key, self.runner.raw_bs))
-            log(REPLAY_LOG.format(width=self.runner.captured_req_width, batch=self.runner.raw_bs,
-                                  size=shape_key.size))
+            if self.runner.ragged_verify_mode:
+                log(RAGGED_REPLAY_LOG.format(batch=self.runner.raw_bs, tier=shape_key.size, slots=self.runner.bs))
+            else:
+                log(REPLAY_LOG.format(width=self.runner.captured_req_width, batch=self.runner.raw_bs,
+                                      size=shape_key.size))
         output = self.outputs[shape_key]
         _copy_into(output, self.forwards[shape_key]())
         return output
@@ -239,3 +272,9 @@ def _copy_into(captured: Any, fresh: Any) -> None:
 def replays_in(log_text: str) -> list[tuple[int, int]]:
     """(batch size, captured size) of each replay a server's log shows (``REPLAY_LOG``)."""
     return [(int(batch), int(size)) for batch, size in REPLAY_PATTERN.findall(log_text)]
+
+
+def ragged_replays_in(log_text: str) -> list[tuple[int, int, int]]:
+    """(batch size, tier tokens, request slots) of each ragged verify replay a server's log shows
+    (``RAGGED_REPLAY_LOG``)."""
+    return [(int(batch), int(tier), int(slots)) for batch, tier, slots in RAGGED_REPLAY_PATTERN.findall(log_text)]

@@ -116,14 +116,14 @@ def plan_tree_verify(
     tree_lens: Sequence[int] | None = None,
 ) -> MLATreeVerifyPlan:
     """The plan for B requests verifying ``tree_tokens`` each (or, ragged, ``tree_lens[b]`` <= tree_tokens: host
-    ints) after ``prefix_lens`` [B] (device) / ``prefix_lens_host`` [B] (host copy, what SGLang keeps as
+    ints; 0 for a ragged verify graph's pad slot past its tier's tokens) after ``prefix_lens`` [B] (device) / ``prefix_lens_host`` [B] (host copy, what SGLang keeps as
     seq_lens_cpu). ``mask_mode``: the layout of the tree mask SGLang built (cut to ``tree_lens`` where ragged).
     max_pages defaults to the batch's largest page count (from the host copy)."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     lengths = [tree_tokens] * prefix_lens.shape[0] if tree_lens is None else [int(n) for n in tree_lens]
-    if len(lengths) != prefix_lens.shape[0] or any(n < 1 or n > tree_tokens for n in lengths):
-        raise ValueError(f"tree_lens are 1..{tree_tokens} for each of {prefix_lens.shape[0]} requests, got {lengths}")
+    if len(lengths) != prefix_lens.shape[0] or any(n < 0 or n > tree_tokens for n in lengths):
+        raise ValueError(f"tree_lens are 0..{tree_tokens} for each of {prefix_lens.shape[0]} requests, got {lengths}")
     device = req_to_token.device
     batch = prefix_lens.shape[0]
     prefix_lens_host = prefix_lens_host.to(device="cpu", dtype=torch.int32)

@@ -14,11 +14,14 @@ FlashInfer's MLA back-end on a GPU, the bed's intel_amx on this CPU) and takes o
   ``merge_state``;
 * a ragged verify (``ragged_verify``: each request's rows and tree mask cut to its own tree): the plan's query
   offsets and mask blocks follow each request's length, FlashInfer's plan takes the ragged query offsets as they
-  are and the tree kernel reads each request's rows from them (eager forwards; a captured graph verifies SGLang's
-  width);
+  are and the tree kernel reads each request's rows from them;
 * CUDA graphs: one graph wrapper per captured batch size, planned at capture, re-planned before each replay from
   host arrays into the same buffers (FlashInfer's FA2 / FA3 MLA plans allow re-planning a graph wrapper); the
   tree mask's n x n blocks gathered into a static buffer, since SGLang's FULL_MASK tensor is rebuilt each step.
+  A ragged verify replays SGLang's ragged verify graphs (one a tier of total verify tokens, keyed by tier as
+  SGLang's FlashInfer MLA back-end keys them): its request slots take the lengths the runner stages
+  (``ragged_verify.staged_lengths``, host ints: the plan reads nothing back), each slot's block the top-left of its
+  n x n cells.
 
 Every other mode (prefill, decode, draft extend) is the base back-end's. FlashInfer itself is reached through a
 namespace: the real package on a GPU, the CPU twin (``attention/flashinfer_mla``) on this CPU.
@@ -49,10 +52,13 @@ from sglang_spec.sglang_plugin.mla_cascade import (
 )
 from sglang_spec.attention import flashinfer_mla
 from sglang_spec.sglang_plugin.messages import log
-from sglang_spec.sglang_plugin.ragged_verify import forward_ragged
+from sglang_spec.sglang_plugin.ragged_verify import forward_ragged, staged_lengths, tier_mask
 from sglang_spec.sglang_plugin.state import options_of
 from sglang_spec.tree.encode_sglang import TreeMaskMode, complete_tree_mask
 
+# a verify carrying SGLang's ragged layout without the plugin's lengths (``ragged_verify``): DSpark's
+FOREIGN_LAYOUT = ("MLA tree verify on FlashInfer takes the plugin's ragged verify, not SGLang's own ragged verify "
+                  "layouts (DSpark's)")
 CPU_WORKSPACE_BYTES = 4096  # the CPU twin's wrappers keep their plan on the host: a token workspace
 
 
@@ -115,7 +121,7 @@ class MLATreeVerifyBackend(AttentionBackend):
                 setattr(self, name, getattr(base, name, value))
         self.prefill_attention_backend_str = base.prefill_attention_backend_str
         self.decode_attention_backend_str = base.decode_attention_backend_str
-        self.supports_ragged_verify_graph = False  # SGLang's ragged layouts: the plugin's ragged verify is eager
+        self.supports_ragged_verify_graph = True  # the plugin's ragged verify on SGLang's ragged graphs (_plan_graph)
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
@@ -143,7 +149,7 @@ class MLATreeVerifyBackend(AttentionBackend):
                           get_buffer("flashinfer_mla_workspace", lambda: torch.empty(
                               envs.SGLANG_FLASHINFER_WORKSPACE_SIZE.get(), dtype=torch.uint8, device=self.device)))
         self.wrapper = self.flashinfer.BatchMLAPagedAttentionWrapper(self.workspace)
-        self.graph_buffers: dict[int, GraphBuffers] = {}
+        self.graph_buffers: dict[int | tuple[str, int], GraphBuffers] = {}  # by batch size; ragged: by tier
         self.graph_kv_indices: torch.Tensor | None = None
         self.verify_state: VerifyState | None = None
         self.verify_forwards = 0  # target-verify forwards served (logged once, counted for the tests)
@@ -225,16 +231,13 @@ class MLATreeVerifyBackend(AttentionBackend):
         spec_info = forward_batch.spec_info
         if spec_info is None:
             raise RuntimeError("a TARGET_VERIFY batch without spec_info: nothing says how many tokens it verifies")
-        if getattr(spec_info, "ragged_verify_layout", None) is not None:
-            raise NotImplementedError("MLA tree verify on FlashInfer takes the plugin's ragged verify, not SGLang's "
-                                      "ragged verify layout")
+        ragged = forward_ragged(forward_batch)
         batch = forward_batch.batch_size
         prefix_lens = forward_batch.seq_lens[:batch]
         host = forward_batch.seq_lens_cpu
         # SGLang keeps a host copy of the prefix lengths for exactly this; without one the plan reads them back
         prefix_host = host[:batch] if host is not None else prefix_lens.cpu()
         width = int(spec_info.draft_token_num)
-        ragged = forward_ragged(forward_batch)
         tree_lens = (width,) * batch if ragged is None else ragged.lengths
         return VerifyBatch(batch, width, tree_lens, ragged is not None, prefix_lens, prefix_host)
 
@@ -249,6 +252,8 @@ class MLATreeVerifyBackend(AttentionBackend):
 
     def _plan_eager(self, forward_batch) -> VerifyState:
         verify = self._verify_inputs(forward_batch)
+        if getattr(forward_batch.spec_info, "ragged_verify_layout", None) is not None and not verify.ragged:
+            raise NotImplementedError(FOREIGN_LAYOUT)
         tree_mask, mode = self._tree_mask(forward_batch, verify)
         # a batch DP attention padded after the mask was built: the padding rows' cells, not reads past the mask
         tree_mask = complete_tree_mask(tree_mask, mode, verify.prefix_host.tolist(), verify.tree_lens)
@@ -259,21 +264,32 @@ class MLATreeVerifyBackend(AttentionBackend):
         return VerifyState(plan, self.wrapper, tree_mask)
 
     def _plan_graph(self, forward_batch, in_capture: bool) -> VerifyState:
-        """Capture: a graph wrapper and static buffers for this batch size. Replay: the same buffers re-planned
-        (device copies and FlashInfer's host-array plan; nothing read back from the device)."""
+        """Capture: a graph wrapper and static buffers for this batch size (a ragged verify graph: for its tier).
+        Replay: the same buffers re-planned (device copies and FlashInfer's host-array plan; nothing read back from
+        the device)."""
         verify = self._verify_inputs(forward_batch)
-        if verify.ragged:
-            raise NotImplementedError("a ragged verify under a captured graph: ragged verify runs eager only")
+        layout = getattr(forward_batch.spec_info, "ragged_verify_layout", None)
+        if verify.ragged and layout is None:
+            raise NotImplementedError("a ragged verify under a captured graph without SGLang's ragged verify layout")
+        if layout is not None and not verify.ragged and not in_capture:
+            raise NotImplementedError(FOREIGN_LAYOUT)
         batch, tree_tokens = verify.batch, verify.width
         if self.graph_kv_indices is None:
             raise RuntimeError("init_cuda_graph_state was not called before a graph verify")
-        if in_capture or batch not in self.graph_buffers:
-            self.graph_buffers[batch] = self._new_graph_buffers(batch, tree_tokens)
-        buffers = self.graph_buffers[batch]
+        key = batch if layout is None else ("ragged", layout.graph_num_tokens)
+        if in_capture or key not in self.graph_buffers:
+            self.graph_buffers[key] = self._new_graph_buffers(batch, tree_tokens)
+        buffers = self.graph_buffers[key]
         tree_mask, mode = self._tree_mask(forward_batch, verify)
+        tree_lens = None
+        if layout is not None:  # the slots' staged lengths; the mask completed to them (``ragged_verify``)
+            tree_lens = staged_lengths(layout, batch, tree_tokens)
+            tree_mask = tier_mask(tree_mask if verify.ragged else None, mode, verify.prefix_host.tolist(),
+                                  verify.tree_lens if verify.ragged else None, tree_lens, tree_mask.device)
         plan = plan_tree_verify(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[:batch],
                                 verify.prefix_lens, verify.prefix_host, tree_tokens, self.page_size, mode,
-                                kv_indices_out=self.graph_kv_indices, max_pages=self.graph_max_pages)
+                                kv_indices_out=self.graph_kv_indices, max_pages=self.graph_max_pages,
+                                tree_lens=tree_lens)
         # the tree's n x n blocks into the static QLEN_ONLY buffer (SGLang's FULL_MASK tensor changes each step);
         # a replay padded past the live requests has no mask for the padding: its cells read the last one (their
         # rows are never used), not past the tensor

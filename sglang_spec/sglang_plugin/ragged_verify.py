@@ -16,23 +16,37 @@ everything after the forward (accept, KV move, penalties, metrics) and changes t
   never written, and never read (the real nodes' attention reads their own prefix of the window).
 
 Ragged steps run where the target's attention back-end takes per-request lengths in a verify forward (SGLang's CPU
-back-end, ``intel_amx``; the plugin's MLA tree verify on FlashInfer, ``--speculative-tree-mla-verify``), eager (no
-captured decode graph: graph tiers over the total token count are not built), without DP attention (its gathers
-are sized by the dense token count) and with an unpacked tree mask. Elsewhere the step is dense, as SGLang runs it.
+back-end, ``intel_amx``; the plugin's MLA tree verify on FlashInfer, ``--speculative-tree-mla-verify``), without DP
+attention (its gathers are sized by the dense token count) and with an unpacked tree mask. Elsewhere the step is
+dense, as SGLang runs it.
+
+**Under decode graphs** a ragged step replays SGLang's own ragged verify graphs (SGLang's compact mode, which it
+keeps for DSpark: ``DecodeCudaGraphRunner.ragged_verify_mode``): a tree server's target verify runners wider than
+one token are built in that mode where the back-end plans a ragged layout inside a graph
+(``supports_ragged_verify_graph``; ``compact_graphs_wanted``), so their graphs are captured per tier of total verify
+tokens (the captured batch sizes times the width), each over ``min(tier, largest batch)`` request slots. A step's
+forward is then padded to its tier (pad tokens: id 0, position 0, KV slot 0, SGLang's padding slot) and carries
+SGLang's ``RaggedVerifyLayout`` (``spec_info.ragged_verify_layout``), which the runner stages into the captured
+graph's layout (the pad slots share the leftover tokens, each at most the width) and the back-end reads in its
+replay metadata; a dense step carries one too (every length the width). A step whose tier or batch no graph holds
+runs eager (no layout: the runner leaves a compact-mode verify without one to the eager forward).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from sglang_spec.sglang_plugin.drafters.choose import drafter_class
 from sglang_spec.sglang_plugin.messages import log
 from sglang_spec.sglang_plugin.peers import dp_attention
-from sglang_spec.tree.encode_sglang import TreeMaskMode, tree_mask_cells
+from sglang_spec.sglang_plugin.state import options_of
+from sglang_spec.tree.encode_sglang import TreeMaskMode, complete_tree_mask, tree_mask_cells
 
 # the attribute of a verify input that carries its step's RaggedVerify (set by the draft hook)
 RAGGED_ATTRIBUTE = "sglang_spec_ragged"
@@ -41,6 +55,9 @@ FORWARD_ATTRIBUTE = "sglang_spec_ragged_forward"
 # back-ends whose verify forward takes per-request lengths: SGLang's CPU one (its metadata from
 # ``ragged_extend_metadata``) and the plugin's MLA cascade (``mla_tree_backend``, from the forward's RaggedVerify)
 RAGGED_BACKENDS = ("IntelAMXAttnBackend", "MLATreeVerifyBackend")
+# set while a decode graph runner is built: whether it is built in SGLang's compact ragged mode
+# (``compact_graphs_wanted``), read by SGLang's ``ragged_verify_compact_graphs_enabled`` in the runner's constructor
+COMPACT_GRAPHS: contextvars.ContextVar[bool] = contextvars.ContextVar("sglang_spec_compact_graphs", default=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,28 +135,59 @@ def compact_mask(mask: torch.Tensor, mode: TreeMaskMode, prefix_lens: Sequence[i
     return torch.cat(pieces)
 
 
-def compacted_batch(forward_batch, ragged: RaggedVerify, mode: TreeMaskMode) -> None:
+def graph_tier(graph_runner, ragged: RaggedVerify) -> int | None:
+    """The token tier of ``graph_runner``'s ragged verify graphs (``DecodeCudaGraphRunner`` in SGLang's compact
+    mode) that replays this step: the smallest captured tier holding its tokens, None where the runner is not in
+    that mode or no graph holds the step (more tokens than the largest tier, more requests than its slots)."""
+    if graph_runner is None or not getattr(graph_runner, "ragged_verify_mode", False):
+        return None
+    from sglang.srt.speculative.ragged_verify import round_up_grid
+
+    tiers = graph_runner.capture_num_tokens
+    if ragged.total > tiers[-1]:
+        return None
+    tier = round_up_grid(ragged.total, tiers)
+    return tier if len(ragged.lengths) <= graph_runner._ragged_capture_slots(tier) else None
+
+
+def compacted_batch(forward_batch, ragged: RaggedVerify, mode: TreeMaskMode, tiers: Sequence[int] | None = None,
+                    tier: int | None = None) -> None:
     """``forward_batch`` (a dense TARGET_VERIFY batch) cut to the ragged tokens in place: ids, positions, KV slots,
-    and a copy of its spec_info with the cut tree mask and the lengths (``FORWARD_ATTRIBUTE``)."""
+    and a copy of its spec_info with the cut tree mask and the lengths (``FORWARD_ATTRIBUTE``). With a graph
+    ``tier`` (one of ``tiers``, the runner's): the tokens padded to it and SGLang's ``RaggedVerifyLayout`` on the
+    spec_info (see the module docstring)."""
     rows = ragged.rows
-    forward_batch.input_ids = forward_batch.input_ids[rows]
-    forward_batch.positions = forward_batch.positions[rows]
-    forward_batch.out_cache_loc = forward_batch.out_cache_loc[rows]
+    pad = 0 if tier is None else tier - ragged.total
+    forward_batch.input_ids = _padded(forward_batch.input_ids[rows], pad)
+    forward_batch.positions = _padded(forward_batch.positions[rows], pad)
+    forward_batch.out_cache_loc = _padded(forward_batch.out_cache_loc[rows], pad)
     spec_info = copy.copy(forward_batch.spec_info)
     mask = spec_info.custom_mask
     if mask is not None and mask.numel() > 0:
         prefix_lens = forward_batch.seq_lens_cpu.tolist()
         spec_info.custom_mask = compact_mask(mask, mode, prefix_lens, ragged.width, ragged.lengths)
     setattr(spec_info, FORWARD_ATTRIBUTE, ragged)
+    if tier is not None:
+        from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
+
+        assert tiers is not None
+        spec_info.ragged_verify_layout = RaggedVerifyLayout.from_verify_lens(
+            verify_lens_cpu=ragged.lengths, device=rows.device, grid=tiers, graph_num_tokens_floor=tier)
     forward_batch.spec_info = spec_info
 
 
+def _padded(values: torch.Tensor, pad: int) -> torch.Tensor:
+    """``values`` [n] with ``pad`` zeros after (a graph tier's pad tokens: id 0, position 0, SGLang's KV slot 0)."""
+    return values if pad == 0 else torch.cat([values, values.new_zeros(pad)])
+
+
 def scatter_dense(values: torch.Tensor | None, ragged: RaggedVerify) -> torch.Tensor | None:
-    """[sum(lengths), ...] rows of the compacted forward -> [bs * width, ...], filler rows zero."""
-    if values is None or values.shape[0] != ragged.total:
+    """[sum(lengths), ...] rows of the compacted forward (or [tier, ...], the tier's pad rows last) -> [bs * width,
+    ...], filler rows zero."""
+    if values is None or values.shape[0] < ragged.total:
         return values
     dense = values.new_zeros((len(ragged.lengths) * ragged.width, *values.shape[1:]))
-    dense.index_copy_(0, ragged.rows, values)
+    dense.index_copy_(0, ragged.rows, values[:ragged.total])
     return dense
 
 
@@ -152,7 +200,9 @@ def compact_forward(target_worker, ragged: RaggedVerify, mode: TreeMaskMode):
     def ragged_forward(forward_batch=None, is_verify: bool = False, **kwargs):
         if not (is_verify and forward_batch is not None and forward_batch.forward_mode.is_target_verify()):
             return forward(forward_batch=forward_batch, is_verify=is_verify, **kwargs)
-        compacted_batch(forward_batch, ragged, mode)
+        graph_runner = target_worker.model_runner.decode_cuda_graph_runner  # the step's size's (``verify_shapes``)
+        tier = graph_tier(graph_runner, ragged)
+        compacted_batch(forward_batch, ragged, mode, None if tier is None else graph_runner.capture_num_tokens, tier)
         output = forward(forward_batch=forward_batch, is_verify=is_verify, **kwargs)
         logits = output.logits_output
         logits.next_token_logits = scatter_dense(logits.next_token_logits, ragged)
@@ -180,26 +230,96 @@ def forward_ragged(forward_batch) -> RaggedVerify | None:
 
 def ragged_extend_metadata(forward_batch, device) -> tuple | None:
     """(seq_lens, extend_seq_lens, extend_start_loc, tree_mask) of a compacted verify forward for SGLang's CPU
-    back-end (its ``_build_extend_metadata``), None for any other forward."""
-    ragged = forward_ragged(forward_batch)
-    if ragged is None:
+    back-end (its ``_build_extend_metadata``), None for any other forward. A forward carrying SGLang's
+    ``RaggedVerifyLayout`` (a graph tier's, captured or staged for a replay: one length per request slot, the pad
+    slots' included) is read from the layout; its tree mask holds each real request's cut block and, for the pad
+    tokens, causal blocks (``tier_mask``)."""
+    if not forward_batch.forward_mode.is_target_verify():
         return None
     spec_info = forward_batch.spec_info
-    lengths = torch.tensor(ragged.lengths, dtype=torch.int32).to(device)
+    layout = getattr(spec_info, "ragged_verify_layout", None)
+    ragged = getattr(spec_info, FORWARD_ATTRIBUTE, None)
+    if layout is None and ragged is None:
+        return None
+    if layout is not None:
+        lengths = layout.verify_lens.to(device, torch.int32)
+    else:
+        lengths = torch.tensor(ragged.lengths, dtype=torch.int32).to(device)
     starts = torch.zeros_like(lengths)
     starts[1:] = torch.cumsum(lengths, 0)[:-1]
     mask = spec_info.custom_mask if spec_info.tree_topk != 1 else None
     tree_mask = mask if mask is not None and mask.numel() > 0 else None
+    if tree_mask is not None and layout is not None:
+        from sglang.srt.speculative.eagle_utils import default_tree_mask_mode  # the workers' layout (one a process)
+
+        mode = TreeMaskMode(int(default_tree_mask_mode()))
+        tree_mask = tier_mask(tree_mask if ragged is not None else None, mode, forward_batch.seq_lens.tolist(),
+                              None if ragged is None else ragged.lengths, lengths.tolist(), tree_mask.device)
     return forward_batch.seq_lens + lengths, lengths, starts, tree_mask
 
 
-def ragged_refusal(target_model_runner, mask_mode, dp_attention: bool) -> str | None:
+def staged_lengths(layout, slots: int, width: int) -> tuple[int, ...]:
+    """The lengths of a graph's ``slots`` request slots that SGLang's runner stages for a live ``RaggedVerifyLayout``
+    (``DecodeCudaGraphRunner._stage_ragged_verify_layout``: the pad slots share the tier's leftover tokens, or the
+    last request takes them, each at most ``width``), from its host lengths: what a back-end planning on the host
+    reads (a capture's layout is its own staging)."""
+    from sglang.kernels.ops.speculative.ragged_verify_kernels import pad_verify_lens_to_bucket
+
+    if layout.verify_lens_cpu is None:
+        raise ValueError("a ragged verify layout without host lengths: the plan would read them from the device")
+    lengths = torch.tensor(layout.verify_lens_cpu, dtype=torch.int32)
+    padded = pad_verify_lens_to_bucket(verify_lens=lengths, graph_num_tokens=layout.graph_num_tokens,
+                                       bs=len(lengths), padded_bs=slots)
+    return tuple(int(length) for length in padded.clamp(max=width).tolist())
+
+
+def tier_mask(cut: torch.Tensor | None, mode: TreeMaskMode, prefix_lens: Sequence[int],
+              real_lengths: Sequence[int] | None, lengths: Sequence[int],
+              device: torch.device | str = "cpu") -> torch.Tensor:
+    """The tree mask of a graph tier's forward (``mode``'s layout, one block a request slot of ``lengths[b]``
+    tokens after ``prefix_lens[b]`` committed ones) from ``cut``, the real requests' cut blocks (of
+    ``real_lengths``): a real request the runner's staging gave pad tokens (the last one, where no slot is left
+    for them) keeps its block, its rows blind to the pad tokens, the pad rows attending everywhere; the pad slots
+    are completed as a padded batch is (``complete_tree_mask``: attend-everything cells). ``cut`` None (a capture):
+    every cell attends everywhere (on ``device``)."""
+    if cut is None or real_lengths is None:
+        return torch.ones(sum(tree_mask_cells(mode, list(prefix_lens), list(lengths))), dtype=torch.bool,
+                          device=device)
+    count = len(real_lengths)
+    if any(length < real for real, length in zip(real_lengths, lengths)) or len(lengths) < count:
+        raise ValueError(f"a tier's lengths {list(lengths)} cut the trees of {list(real_lengths)} tokens")
+    prefixes = list(prefix_lens[:count]) if mode == TreeMaskMode.FULL_MASK else [0] * count
+    blocks = list(cut.split(tree_mask_cells(mode, list(prefix_lens[:count]), list(real_lengths))))
+    for slot, (prefix, real, length) in enumerate(zip(prefixes, real_lengths, lengths)):
+        if length > real:  # the runner's staging gave this request pad tokens: only their rows see them
+            block = blocks[slot].view(real, prefix + real)
+            widened = block.new_ones((length, prefix + length))
+            widened[:real] = torch.nn.functional.pad(block, (0, length - real))
+            blocks[slot] = widened.reshape(-1)
+    return complete_tree_mask(torch.cat(blocks), mode, list(prefix_lens), list(lengths))
+
+
+def compact_graphs_wanted(model_runner, attn_backend, width: int) -> bool:
+    """Whether a decode graph runner of ``model_runner`` verifying ``width`` tokens a request is built in SGLang's
+    compact ragged mode (module docstring): a tree server's target runner wider than one token, whose drafter grows
+    ragged trees, on a back-end that plans a ragged layout in a graph, with an unpacked tree mask and without DP
+    attention. Read once per runner, at its construction."""
+    options = options_of(getattr(model_runner, "server_args", None))
+    if options is None or model_runner.is_draft_worker or width <= 1 or not drafter_class(options).ragged_trees:
+        return False
+    from sglang.srt.speculative.eagle_utils import default_tree_mask_mode
+
+    return ragged_refusal(attn_backend, None, default_tree_mask_mode(), dp_attention()) is None \
+        and bool(getattr(attn_backend, "supports_ragged_verify_graph", False))
+
+
+def ragged_refusal(attn_backend, graph_runner, mask_mode, dp_attention: bool) -> str | None:
     """Why a server's verify forwards stay at SGLang's width (None: ragged verify runs)."""
-    backend = type(target_model_runner.attn_backend).__name__
+    backend = type(attn_backend).__name__
     if backend not in RAGGED_BACKENDS:
         return f"the target's attention back-end {backend} takes one verify width"
-    if target_model_runner.decode_cuda_graph_runner is not None:
-        return "decode graphs are captured at one verify width"
+    if graph_runner is not None and not graph_runner.ragged_verify_mode:
+        return f"decode graphs are captured at one verify width ({backend} plans no ragged layout inside a graph)"
     if dp_attention:
         return "DP attention gathers every rank's tokens at one verify width"
     if int(mask_mode) not in (TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK):
@@ -212,9 +332,12 @@ def decide(state, draft_worker) -> bool:
     asks, once the target's attention back-end and decode graphs exist (the first decode step), and said once:
     never for a drafter whose trees are not ragged (``ServedDrafter.ragged_trees``)."""
     if state.ragged is None and state.drafter.ragged_trees:
-        refusal = ragged_refusal(draft_worker.target_worker.model_runner, draft_worker.tree_mask_mode,
+        target = draft_worker.target_worker.model_runner
+        refusal = ragged_refusal(target.attn_backend, target.decode_cuda_graph_runner, draft_worker.tree_mask_mode,
                                  dp_attention())
-        log("ragged verify: each request's verify forward covers its own tree, not its fillers" if refusal is None
-            else f"ragged verify: off, every request verifies the full width ({refusal})")
+        graphs = target.decode_cuda_graph_runner is not None
+        log(("ragged verify: each request's verify forward covers its own tree, not its fillers"
+             + (" (decode graphs: SGLang's ragged verify graphs, one a tier of total verify tokens)" if graphs else ""))
+            if refusal is None else f"ragged verify: off, every request verifies the full width ({refusal})")
         state.ragged = refusal is None
     return bool(state.ragged)

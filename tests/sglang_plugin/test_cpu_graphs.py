@@ -26,7 +26,7 @@ class ShapeKey:
 def captured(static_input: torch.Tensor):
     """A stand-in backend with one shape captured whose forward doubles the static input (a tensor and a field of an
     output object, as SGLang's LogitsProcessorOutput holds them)."""
-    backend = graphs.StandInGraphBackend(SimpleNamespace(captured_req_width=3, raw_bs=2))
+    backend = graphs.StandInGraphBackend(SimpleNamespace(captured_req_width=3, raw_bs=2, ragged_verify_mode=False))
     calls = []
 
     def forward():
@@ -59,11 +59,18 @@ def test_the_replay_line_reads_back_as_batch_and_graph_size():
     assert graphs.replays_in(log_text) == [(6, 8), (3, 4)]
 
 
+def test_the_ragged_replay_line_reads_back_as_batch_tier_and_slots():
+    line = graphs.RAGGED_REPLAY_LOG.format(batch=3, tier=16, slots=4)
+    log_text = "\n".join(["[sglang_spec] " + line, "[sglang_spec] " + graphs.REPLAY_LOG.format(width=1, batch=3,
+                                                                                               size=4)])
+    assert graphs.ragged_replays_in(log_text) == [(3, 16, 4)] and graphs.replays_in(log_text) == [(3, 4)]
+
+
 def test_a_host_read_inside_a_capture_stops_it_as_a_cuda_capture_would():
     """``.item()`` in the captured run (here, this test's code: neither torch nor a device kernel's stand-in)
     raises, naming the line; the warm-up runs before it read freely."""
     static_input = torch.arange(4.0)
-    backend = graphs.StandInGraphBackend(SimpleNamespace(captured_req_width=1, raw_bs=1))
+    backend = graphs.StandInGraphBackend(SimpleNamespace(captured_req_width=1, raw_bs=1, ragged_verify_mode=False))
     reads = []
 
     def forward():

@@ -223,3 +223,60 @@ def test_only_the_targets_backend_of_a_cascade_server_is_wrapped(backend_module)
     plain = SimpleNamespace(server_args=SimpleNamespace(**{ATTRIBUTE: TreeServerOptions("eagle", 6, 3, 2, 2)}),
                             is_draft_worker=False)
     assert backend_module.build_backend_after(base, model_runner=plain) is base
+
+
+@pytest.mark.parametrize("mode", [TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK])
+@pytest.mark.parametrize("lengths", [[3, 2], [4, 3]])
+def test_a_ragged_verify_replays_its_tiers_graph(backend_module, monkeypatch, mode, lengths):
+    """SGLang's ragged verify graphs: a tier of 8 tokens captured over 4 request slots, then replayed by 2 live
+    requests verifying the first 3 and 2 (or 4 and 3) of their 4 tree tokens (the runner's padding: 2 pad slots at
+    the fill prefix sharing the 3 (or 1) tokens left: a slot may get none). Each real token's output is the dense
+    verify's (its ancestors come first); a second tier with the same slot count keeps its own buffers. A layout
+    without host lengths is refused (the plan would read them from the device)."""
+    from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout, build_capture_verify_lens
+
+    from sglang_spec.sglang_plugin.ragged_verify import FORWARD_ATTRIBUTE, RaggedVerify, compact_mask
+
+    width, page_size, tiers = 4, 4, [4, 8, 16]
+    live = paged_mla_batch(60, 2, width, page_size, mode)
+    backend, _ = make_backend(backend_module, monkeypatch, live, page_size, mode)
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
+
+    def slots_batch(layout, ragged=None, mask=None, slots=4):  # the runner's view: 4 request slots
+        batch = verify_batch(dict(live, prefixes=live["prefixes"] + [1] * (slots - 2)), width, mask=mask)
+        batch.batch_size = slots
+        batch.req_pool_indices = torch.cat([live["rows"], torch.zeros(slots - 2, dtype=live["rows"].dtype)])
+        batch.spec_info.ragged_verify_layout = layout
+        if ragged is not None:
+            setattr(batch.spec_info, FORWARD_ATTRIBUTE, ragged)
+        return batch
+
+    for tier in (8, 16):  # captures: every cell of the capture mask attends (no live requests yet)
+        capture = RaggedVerifyLayout.from_verify_lens(
+            verify_lens_cpu=build_capture_verify_lens(num_tokens=tier, num_slots=4, num_draft_tokens=width),
+            device="cpu", grid=tiers)
+        backend.init_forward_metadata_out_graph(slots_batch(capture), in_capture=True)
+    assert set(backend.graph_buffers) == {("ragged", 8), ("ragged", 16)}
+
+    ragged = RaggedVerify.of(lengths, width, "cpu")
+    cut = compact_mask(live["flat_mask"], mode, live["prefixes"], width, lengths)
+    layout = RaggedVerifyLayout.from_verify_lens(verify_lens_cpu=lengths, device="cpu", grid=tiers,
+                                                 graph_num_tokens_floor=8)
+    replay = slots_batch(layout, ragged, cut)
+    rows = ragged.rows
+    pad = 8 - ragged.total
+    replay.out_cache_loc = torch.cat([live["tree_slots"][rows], torch.zeros(pad, dtype=torch.int32)])
+    backend.init_forward_metadata_out_graph(replay)
+    assert backend.verify_state.wrapper is backend.graph_buffers[("ragged", 8)].wrapper
+    assert backend.verify_state.plan.qo_indptr.tolist()[:3] == [0, lengths[0], sum(lengths)]
+    padded = dict(live, tree_slots=replay.out_cache_loc,
+                  q_latent=torch.cat([live["q_latent"][rows], torch.zeros(pad, MLA_HEADS, MLA_LATENT)]),
+                  q_rope=torch.cat([live["q_rope"][rows], torch.zeros(pad, MLA_HEADS, MLA_ROPE)]))
+    out = layer_forward(backend, padded, replay)
+    assert torch.allclose(out[:ragged.total], paged_mla_reference(live, width)[rows], atol=1e-5, rtol=1e-4)
+
+    unstaged = RaggedVerifyLayout.from_verify_lens(verify_lens_cpu=lengths, device="cpu", grid=tiers)
+    unstaged = type(unstaged)(**{**{f: getattr(unstaged, f) for f in unstaged.__struct_fields__},
+                                 "verify_lens_cpu": None})
+    with pytest.raises(ValueError, match="without host lengths"):
+        backend.init_forward_metadata_out_graph(slots_batch(unstaged, ragged, cut))

@@ -9,9 +9,11 @@ model with zero attention heads appended: its own 9 query heads do not split in 
 SGLang's Llama does not implement: its attention is always split over the whole TP group) and the tiny DeepSeek-V3
 (MLA + MoE + NEXTN), and decode graphs off or on: SGLang's ``DecodeCudaGraphRunner`` with its bookkeeping (graphs
 per batch size and verify size, a batch padded to the next captured size, DP padding, static buffers, a plain step's
-one-token verify graph) and only the graph stood in (``sglang_spec_testbed/graphs.py``: a replay runs the captured
-forward again on the static buffers). ``pairwise_cover`` picks the servers; a unit test checks the cover (and that
-it fails on a cover that misses a pair). The tensor-parallel servers whose trees run the head rest it after one
+one-token verify graph; for ragged verifies SGLang's ragged verify graphs, one a tier of total verify tokens) and
+only the graph stood in (``sglang_spec_testbed/graphs.py``: a replay runs the captured forward again on the static
+buffers). ``pairwise_cover`` picks the servers; a unit test checks the cover (and that it fails on a cover that
+misses a pair); one more server (``RAGGED_GRAPHS``) verifies ragged trees on those graphs, a setting of three factors
+no pair holds. The tensor-parallel servers whose trees run the head rest it after one
 plain step (``--speculative-tree-head-rest 1``), so their ranks skip its draft extend together.
 
 A host read inside a captured forward stops the capture here as on a GPU (``graphs.HostReadGuard``); a branch a
@@ -29,7 +31,7 @@ import pytest
 
 from cpu_server_helpers import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, TINY_NEW_TOKENS, counter, running_server,
                                tree_args)
-from sglang_spec_testbed.graphs import GRAPHS_ENV, replays_in
+from sglang_spec_testbed.graphs import GRAPHS_ENV, ragged_replays_in, replays_in
 from sglang_spec_testbed.patches import OVERLAP_ENV
 
 FACTORS = {
@@ -86,6 +88,13 @@ def missing_pairs(cover: Sequence[Mapping[str, str]], factors: Mapping[str, Sequ
 
 
 COVER = pairwise_cover(FACTORS, servable)
+# ragged verify on SGLang's ragged verify graphs is a three-way setting (host trees other than sequoia, graphs on,
+# no DP attention) no pair of the cover holds: one more server serves it, in R1's shape otherwise (two ranks, the
+# overlap loop, pages of 4, the fused accept, MLA + MoE), with lookup trees (the tiny model's lookup cells serve
+# prompts with copies beside prompts without: trees of different sizes in one step)
+RAGGED_GRAPHS = {"parallel": "tp2", "loop": "overlap", "page": "4", "policy": "lookup", "model": "tiny",
+                 "accept": "fused", "context": "host", "graphs": "on"}
+SERVERS = COVER + [RAGGED_GRAPHS]
 
 
 def cell_name(cell: Mapping[str, str]) -> str:
@@ -100,9 +109,8 @@ def test_the_servers_cover_every_pair_of_settings():
 
 def ragged(cell: Mapping[str, str]) -> bool:
     """Whether the cell's steps verify ragged (``sglang_plugin/ragged_verify.py``): trees built on the host, on
-    SGLang's CPU back-end without captured graphs or DP attention."""
-    return (cell["context"] == "host" and cell["policy"] != "sequoia" and cell["graphs"] == "off"
-            and cell["parallel"] != "dp2")
+    SGLang's CPU back-end (with graphs on: SGLang's ragged verify graphs) without DP attention."""
+    return cell["context"] == "host" and cell["policy"] != "sequoia" and cell["parallel"] != "dp2"
 
 
 def launch_args(cell: Mapping[str, str], profile) -> list[str]:
@@ -145,7 +153,7 @@ def resting(cell: Mapping[str, str]) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.sglang
-@pytest.mark.parametrize("cell", COVER, ids=cell_name)
+@pytest.mark.parametrize("cell", SERVERS, ids=cell_name)
 def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, smollm2_split_cpu, tiny_cpu, server_logs,
                                              smollm2_plain_runs, tiny_prompts, tiny_copy_prompts, tiny_plain_runs):
     """Greedy output equal to a one-rank plain server's (for SmolLM2 on two ranks: of the original, unpadded
@@ -188,9 +196,14 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, smollm2_split_cp
         assert 0 < computed < dense, (computed, dense)
     else:
         assert computed == dense == 0
-    replays = replays_in(log)
+    replays, ragged_replays = replays_in(log), ragged_replays_in(log)
     if cell["graphs"] == "off":
-        assert not replays
+        assert not replays and not ragged_replays
+    elif ragged(cell):  # tree steps on SGLang's ragged verify graphs (token tiers), plain steps on the 1-token one
+        assert "graphs captured" in log and ragged_replays and replays, log[-3000:]
+        assert "SGLang's ragged verify graphs" in log
+        # a batch of 3 on the tier of 4 requests' full trees or less: its slots padded past its requests
+        assert any(batch < slots for batch, tier, slots in ragged_replays), ragged_replays
     else:  # the steps ran on SGLang's graph runner, and a batch ran padded to a larger captured size
         assert "graphs captured" in log and replays, log[-3000:]
         if not smollm2:  # the tiny model's requests end apart: a batch of 3 (or, per DP rank, 1) is padded

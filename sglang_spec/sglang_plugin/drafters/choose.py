@@ -1,4 +1,5 @@
-"""``drafter_for``: the one place a server's drafter is chosen, at the draft worker's start-up."""
+"""``drafter_class`` and ``drafter_for``: the one place a server's drafter is chosen (its class before start-up, the
+drafter at the draft worker's start-up)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,18 @@ from sglang_spec.sglang_plugin.options import TreeServerOptions
 from sglang_spec.tree.encode_sglang import SGLangDraftEncoding
 
 
+def drafter_class(options: TreeServerOptions) -> type[ServedDrafter]:
+    """The drafter a server with ``options`` serves, as a class: what ``drafter_for`` builds, known before the
+    draft worker starts (the target's decode graphs are captured first, and ragged trees shape them)."""
+    if options.own_loop:
+        return HeadLoopDrafter
+    if not options.uses_context:
+        return SGLangLoopDrafter
+    if options.context_on == "device":
+        return DeviceHybridDrafter if options.tree_policy().uses_head else DeviceLookupDrafter
+    return HostContextDrafter
+
+
 def drafter_for(options: TreeServerOptions, width: int, steps: int, budget: int, device: torch.device | str,
                 filler: SGLangDraftEncoding, dp_attention: bool = False) -> ServedDrafter:
     """The drafter of a server with ``options`` and SGLang's draft shape (``width`` beams, ``steps`` draft steps,
@@ -24,24 +37,24 @@ def drafter_for(options: TreeServerOptions, width: int, steps: int, budget: int,
     logits processor gathers every rank's rows, so the head runs over all the beams (no live-row budget), and a
     context tree's draft runs every head level (the ranks' head forwards pair up).
     Raises ``SpecError`` (one line) where the options do not fit the shape."""
-    if options.own_loop:
+    chosen = drafter_class(options)
+    if chosen is HeadLoopDrafter:
         loop = DraftLoop.build(width, options.topk, steps, options.draft_plan(), device,
                                budget=None if dp_attention else budget)
         return HeadLoopDrafter(loop, HeadGuard.build(filler, device))
-    if options.uses_context:
-        policy = options.tree_policy()
-        context: ServedDrafter
-        if options.context_on == "device" and policy.uses_head:
-            context = DeviceHybridDrafter(policy, steps, budget, HeadGuard.build(filler, device), SOURCES)
-        elif options.context_on == "device":
-            context = DeviceLookupDrafter(policy, steps, budget, SOURCES)
-        else:
-            context = HostContextDrafter(policy, steps, budget, SOURCES)
-            # head levels priced per batch size from the served steps (``level_costs``); not under DP attention,
-            # where every rank runs every level anyway (``all_head_rounds``): leaving one out saves nothing
-            if options.auto and not dp_attention:
-                context.level_costs = LevelCosts()
-        context.all_head_rounds = dp_attention
-        return context
-    return SGLangLoopDrafter(width, steps)
-
+    if chosen is SGLangLoopDrafter:
+        return SGLangLoopDrafter(width, steps)
+    policy = options.tree_policy()
+    context: ServedDrafter
+    if chosen is DeviceHybridDrafter:
+        context = DeviceHybridDrafter(policy, steps, budget, HeadGuard.build(filler, device), SOURCES)
+    elif chosen is DeviceLookupDrafter:
+        context = DeviceLookupDrafter(policy, steps, budget, SOURCES)
+    else:
+        context = HostContextDrafter(policy, steps, budget, SOURCES)
+        # head levels priced per batch size from the served steps (``level_costs``); not under DP attention,
+        # where every rank runs every level anyway (``all_head_rounds``): leaving one out saves nothing
+        if options.auto and not dp_attention:
+            context.level_costs = LevelCosts()
+    context.all_head_rounds = dp_attention
+    return context

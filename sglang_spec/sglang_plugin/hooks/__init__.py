@@ -28,6 +28,8 @@
 | ``eagle_utils.eagle_sample`` | AROUND | accept: penalties per node; the fused accept or SGLang's; the accept to the drafter and the counts |
 | ``spec_utils.move_accept_tokens_to_target_kvcache`` | AROUND | accept: the fused path's KV moved by our kernel |
 | ``DecodeCudaGraphRunner.execute`` | AROUND | accept: fused under CUDA graphs: static tree links in, greedy accept out |
+| ``DecodeCudaGraphRunner.__init__``, ``ragged_verify_compact_graphs_enabled`` | AROUND | accept: a ragged server's verify graphs in SGLang's compact ragged mode (token tiers) |
+| ``DecodeCudaGraphRunner.get_spec_info`` | AFTER | accept: a tier's capture carries its ragged layout |
 | ``Req.update_spec_correct_drafts_histogram`` | AFTER | accept: per-position acceptance metrics |
 | ``TokenizerManager.__init__``, ``RequestLogger.log_finished_request`` | AFTER | adapt: finished requests' token ids to ``--speculative-tree-traffic-log`` |
 | ``SchedulerWeightUpdaterManager.update_weights_from_{tensor,distributed,disk}`` | AFTER | adapt: an update that reached the draft runner is a head swap (``WorkerState.swap_head``, metrics per head) |
@@ -48,6 +50,7 @@ _WORKER = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
 _SPEC_WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
 _REGISTRY = "sglang.srt.models.registry._ModelRegistry"
 _RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+_GRAPHS = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
 _UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 # (target, function, HookType name) for SGLang's HookRegistry
 HOOKS: tuple[tuple[str, Callable, str], ...] = (
@@ -87,8 +90,10 @@ HOOKS: tuple[tuple[str, Callable, str], ...] = (
     ("sglang.srt.speculative.eagle_utils.eagle_sample", accept.eagle_sample_around, "AROUND"),
     ("sglang.srt.speculative.spec_utils.move_accept_tokens_to_target_kvcache", accept.move_accept_tokens_around,
      "AROUND"),
-    ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
-     accept.graph_execute_around, "AROUND"),
+    (f"{_GRAPHS}.DecodeCudaGraphRunner.execute", accept.graph_execute_around, "AROUND"),
+    (f"{_GRAPHS}.DecodeCudaGraphRunner.__init__", accept.graph_runner_init_around, "AROUND"),
+    (f"{_GRAPHS}.ragged_verify_compact_graphs_enabled", accept.compact_graphs_around, "AROUND"),
+    (f"{_GRAPHS}.DecodeCudaGraphRunner.get_spec_info", accept.graph_spec_info_after, "AFTER"),
     ("sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram", accept.correct_drafts_after,
      "AFTER"),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__", adapt.tokenizer_manager_init_after, "AFTER"),

@@ -26,7 +26,8 @@ from sglang_spec.sglang_plugin.messages import log
 from sglang_spec.sglang_plugin.metrics import METRICS, RANKS, VERIFY_TOKENS
 from sglang_spec.sglang_plugin.peers import accept_tp_group, attention_tp_rank
 from sglang_spec.sglang_plugin.penalties import RequestPenalties, tree_penalties
-from sglang_spec.sglang_plugin.ragged_verify import RAGGED_ATTRIBUTE, compact_forward, ragged_extend_metadata
+from sglang_spec.sglang_plugin.ragged_verify import (COMPACT_GRAPHS, RAGGED_ATTRIBUTE, compact_forward,
+                                                    compact_graphs_wanted, ragged_extend_metadata)
 from sglang_spec.sglang_plugin.state import VERIFY_STEP, VerifyStep, WorkerState, attach, state_of
 from sglang_spec.tree.encode_sglang import TreeMaskMode
 
@@ -111,6 +112,34 @@ def build_extend_metadata_around(original, backend, forward_batch, *args, **kwar
     """SGLang's CPU attention back-end: a compacted verify forward's per-request lengths (``ragged_verify``)."""
     metadata = ragged_extend_metadata(forward_batch, backend.device)
     return original(backend, forward_batch, *args, **kwargs) if metadata is None else metadata
+
+
+def graph_runner_init_around(original, runner, model_runner, *args, **kwargs):
+    """A decode graph runner of a tree server: built in SGLang's compact ragged mode where its verifies are ragged
+    (``ragged_verify.compact_graphs_wanted``: graphs per tier of total verify tokens)."""
+    from sglang.srt.runtime_context import get_spec
+
+    width = kwargs.get("speculative_num_draft_tokens") or get_spec().speculative_num_draft_tokens or 1
+    backend = kwargs.get("attn_backend") or model_runner.attn_backend
+    token = COMPACT_GRAPHS.set(compact_graphs_wanted(model_runner, backend, width))
+    try:
+        return original(runner, model_runner, *args, **kwargs)
+    finally:
+        COMPACT_GRAPHS.reset(token)
+
+
+def compact_graphs_around(original, spec_algorithm) -> bool:
+    """SGLang's switch of its compact ragged verify graphs (DSpark's, by ``SGLANG_RAGGED_VERIFY_MODE``), on too for
+    a tree server's runner built with ragged verifies (``graph_runner_init_around``)."""
+    return COMPACT_GRAPHS.get() or original(spec_algorithm)
+
+
+def graph_spec_info_after(result, runner, num_tokens: int, *args, **kwargs):
+    """The verify input a compact-mode runner captures a tier with: SGLang's capture layout on it (SGLang puts it
+    on DFlash's only), which the back-end's capture metadata reads."""
+    if runner.ragged_verify_mode and result is not None and getattr(result, "ragged_verify_layout", None) is None:
+        result.ragged_verify_layout = runner._capture_ragged_verify_layout(num_tokens)
+    return result
 
 
 def eagle_sample_around(original, verify_input, batch, logits_output, *args, **kwargs):

@@ -102,7 +102,9 @@ def draft_around(original, worker, batch, *args, **kwargs):
             worker.cuda_graph_runner = graph_runner
             state.draft_requests = None
         if decide_ragged(state, worker):
-            _make_ragged(state, verify_input, len(batch.reqs))
+            runner = worker.target_worker.model_runner.decode_cuda_graph_runner  # this step's size's
+            _make_ragged(state, verify_input, len(batch.reqs),
+                         ragged_graphs=bool(getattr(runner, "ragged_verify_mode", False)))
     if getattr(verify_input, "spec_steps", None) is not None:
         # SGLang bounds the accepted path by its draft steps; a context tree's copies run deeper than its head
         # rounds (``TreeServerOptions.draft_steps``), so the bound is the tree's depth
@@ -116,10 +118,12 @@ def draft_around(original, worker, batch, *args, **kwargs):
     return verify_input
 
 
-def _make_ragged(state: WorkerState, verify_input, batch_size: int) -> None:
+def _make_ragged(state: WorkerState, verify_input, batch_size: int, ragged_graphs: bool) -> None:
     """Each request's verify covers its real tree (``ragged_verify``): the fillers unlinked from the verify input's
-    tree and the step's lengths attached to it for the verify's forward. A fault leaves the step dense (the inputs
-    are every rank's, so under tensor parallelism every rank leaves it dense together)."""
+    tree and the step's lengths attached to it for the verify's forward; a dense step's too where the step's
+    verify graphs are SGLang's ragged ones (``ragged_graphs``: they replay only a forward carrying its layout). A
+    fault leaves the step dense (the inputs are every rank's, so under tensor parallelism every rank leaves it
+    dense together)."""
     try:
         lengths = state.drafter.verify_lengths()
         width = verify_input.draft_token_num
@@ -127,7 +131,7 @@ def _make_ragged(state: WorkerState, verify_input, batch_size: int) -> None:
             return
         ragged = RaggedVerify.of([min(length, width) for length in lengths], width,
                                  verify_input.retrieve_next_token.device)
-        if ragged.dense:
+        if ragged.dense and not ragged_graphs:
             return
         links = unlink_fillers(verify_input.retrieve_next_token, verify_input.retrieve_next_sibling,
                                ragged.lengths_tensor())
