@@ -24,12 +24,16 @@
 # nodes to verify (a plain step under load), from each request's tree, a cost table SGLang's own dummy forward
 # measures at start-up for every batch size and verify size, and the served steps; the 8 ranks agree on each plan.
 # --speculative-tree-step-cap bounds a tree step at that many plain steps' time (the longest gap a streaming client
-# sees). Each verify size gets its own CUDA graphs (SGLang's adaptive runtime states); /metrics shows the sizes
-# chosen (sglang_spec_planner_verify_tokens) and the predicted against the served step time.
+# sees). Each verify size gets its own CUDA graphs (SGLang's adaptive runtime states); the hybrid trees are verified
+# ragged (each request's forward covers its own tree, not the fillers that pad it to the step's width) on SGLang's
+# ragged verify graphs, one a tier of total verify tokens. /metrics shows the sizes chosen
+# (sglang_spec_planner_verify_tokens), the verify tokens computed against SGLang's width and the predicted against
+# the served step time.
 #
 # Not run by this project on a GPU (docs/gpu-validation.md): the MLA cascade passed below the server on an H200;
-# the server itself, and the planner's per-size graphs, have not run there (scripts/gpu_check.sh --group planner
-# checks them on a lent GPU). The tests check every flag here against SGLang's parser.
+# the server itself, the planner's per-size graphs and the ragged verify graphs have not run there
+# (scripts/gpu_check.sh --group server-mla checks them, at one GPU, on a lent machine). The tests check every flag
+# here against SGLang's parser.
 set -euo pipefail
 MODEL=${MODEL:-deepseek-ai/DeepSeek-R1}
 python -m sglang.launch_server \

@@ -232,8 +232,8 @@ def ragged_extend_metadata(forward_batch, device) -> tuple | None:
     """(seq_lens, extend_seq_lens, extend_start_loc, tree_mask) of a compacted verify forward for SGLang's CPU
     back-end (its ``_build_extend_metadata``), None for any other forward. A forward carrying SGLang's
     ``RaggedVerifyLayout`` (a graph tier's, captured or staged for a replay: one length per request slot, the pad
-    slots' included) is read from the layout; its tree mask holds each real request's cut block and, for the pad
-    tokens, causal blocks (``tier_mask``)."""
+    slots' included) is read from the layout; its tree mask holds each real request's cut block, the pad tokens'
+    cells attending everywhere (``tier_mask``)."""
     if not forward_batch.forward_mode.is_target_verify():
         return None
     spec_info = forward_batch.spec_info
@@ -309,8 +309,9 @@ def compact_graphs_wanted(model_runner, attn_backend, width: int) -> bool:
         return False
     from sglang.srt.speculative.eagle_utils import default_tree_mask_mode
 
-    return ragged_refusal(attn_backend, None, default_tree_mask_mode(), dp_attention()) is None \
-        and bool(getattr(attn_backend, "supports_ragged_verify_graph", False))
+    if not getattr(attn_backend, "supports_ragged_verify_graph", False):
+        return False
+    return ragged_refusal(attn_backend, None, default_tree_mask_mode(), dp_attention()) is None
 
 
 def ragged_refusal(attn_backend, graph_runner, mask_mode, dp_attention: bool) -> str | None:
