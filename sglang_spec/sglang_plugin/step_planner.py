@@ -123,6 +123,10 @@ class StepPlanner:
                     gives each request its own share of nodes (``ragged_plan``), not one size to all.
     head_rest:      plain steps in a row after which a plain step leaves the head's draft extend out; None: never
                     (a drafter that never runs the head, DP attention, a pool whose slots cannot be zeroed).
+    tiers:          where ragged steps replay SGLang's ragged verify graphs (``ragged_verify``): the full tree's
+                    token tiers, ascending; a ragged step then runs at the full width and is priced at its tier
+                    (the tier's pad tokens are computed anyway, so the plan fills them with its next-best nodes).
+                    None: priced at the tokens it verifies.
     Per step, set by ``take`` (the agreed size as the step takes it):
     plain_run:      plain steps the group took in a row, this one included.
     skip_head:      this step leaves the head's draft extend out (read by the draft extend's hook).
@@ -136,6 +140,7 @@ class StepPlanner:
     ranked: bool = True
     ragged: bool = False
     head_rest: int | None = None
+    tiers: tuple[int, ...] | None = None
     plain_run: int = 0
     skip_head: bool = False
     head_warmup: bool = False
@@ -284,15 +289,22 @@ class StepPlanner:
         on the shares)."""
         scale = self.accept_scale(batch_bucket(len(rids)))
         reach = [self._scaled_reach(rid, scale) for rid in rids]
-        return plan_ragged(reach, ragged_seconds(table), self.sizes, self.cap * table.seconds[0])
+        seconds = tiered_seconds(ragged_seconds(table), self.tiers, len(rids))
+        return plan_ragged(reach, seconds, self.ragged_widths, self.cap * table.seconds[0])
+
+    @property
+    def ragged_widths(self) -> tuple[int, ...]:
+        """The widths a ragged step may run at: every size, or on ragged verify graphs (``tiers``, the full
+        tree's) a plain step or the full width."""
+        return self.sizes if self.tiers is None else (1, self.full)
 
     def take_ragged(self, table: SizeTable, plan: StepPlan, nodes: Sequence[int]) -> StepPlan:
         """The ragged plan with the group's agreed shares ``nodes`` (the same as ``plan``'s on every rank that
         predicts alike), as the step takes it (``take``: a tree right after the head rested is a plain step)."""
-        width = width_for(nodes, self.sizes)
+        width = width_for(nodes, self.ragged_widths)
         if tuple(nodes) != plan.nodes:
-            plan = StepPlan(width, plan.expected_tokens, ragged_seconds(table)(1.0 + sum(nodes) / len(nodes)),
-                            tuple(nodes))
+            seconds = tiered_seconds(ragged_seconds(table), self.tiers, len(nodes))
+            plan = StepPlan(width, plan.expected_tokens, seconds(1.0 + sum(nodes) / len(nodes)), tuple(nodes))
         taken = self.take(width)
         self.chosen[taken] += 1
         if taken != width:
@@ -323,13 +335,13 @@ class StepPlanner:
         """A served step of ``plan`` took ``seconds`` and each request committed ``accept_lens`` tokens (accepted
         drafts + 1): its costs, and for a tree step how its accepted drafts compare with the prediction.
         ``verified_tokens``: what a ragged step's forward verified, the batch's total (None: ``plan.tokens`` a
-        request)."""
+        request); on ragged verify graphs its forward computed its tier's."""
         batch = len(rids)
         bucket = batch_bucket(batch)
         first = (bucket, plan.tokens) not in self.served  # a shape's first step also allocates: not its price
         self.served[bucket, plan.tokens] = moving_average(self.served.get((bucket, plan.tokens)), seconds)
         if self.costs is not None and not first:
-            size = plan.tokens if verified_tokens is None else verified_tokens / batch
+            size = plan.tokens if verified_tokens is None else tier_tokens(verified_tokens, self.tiers) / batch
             forward = _verify_at(self.costs.at(batch).verify, size)
             if plan.plain:
                 self.plain_seen.setdefault(bucket, deque(maxlen=WINDOW)).append(seconds / forward)
@@ -410,6 +422,26 @@ def ragged_seconds(table: SizeTable) -> Callable[[float], float]:
         return lambda tokens: plain
     return lambda tokens: plain if tokens <= 1 else interpolate_seconds(trees, tokens)
 
+
+
+def tiered_seconds(seconds: Callable[[float], float], tiers: Sequence[int] | None,
+                   batch: int) -> Callable[[float], float]:
+    """``seconds`` (of a step whose ``batch`` requests verify ``t`` tokens each on average) for a step on ragged
+    verify graphs: a tree step computes the tokens of its tier, the smallest of ``tiers`` holding the batch's (past
+    the largest, its own: it runs eager); a plain step is as it is. None: ``seconds`` itself."""
+    if not tiers:
+        return seconds
+
+    def priced(tokens: float) -> float:
+        return seconds(tokens) if tokens <= 1 else seconds(tier_tokens(round(tokens * batch), tiers) / batch)
+
+    return priced
+
+
+def tier_tokens(total: int, tiers: Sequence[int] | None) -> int:
+    """The tokens a ragged step of ``total`` verify tokens computes: its tier's (the smallest of ``tiers`` holding
+    it), its own past the largest tier or without tiers."""
+    return next((tier for tier in tiers or () if tier >= total), total)
 
 
 def _nearest(bucket: int, buckets: Iterable[int]) -> int | None:

@@ -17,7 +17,7 @@ from sglang_spec.costs import CostCurve, CostTable
 from sglang_spec.planner import SizeTable, StepPlan, plan_ragged, plan_step, size_table
 from sglang_spec.sglang_plugin.peers import PlanGroup
 from sglang_spec.sglang_plugin.step_planner import (RETRY_STEPS, TREE_PRICE_MEMORY, StepPlanner, default_sizes,
-                                                    ragged_seconds)
+                                                    ragged_seconds, tier_tokens)
 
 FULL = 9
 
@@ -426,6 +426,34 @@ def test_a_ragged_step_gives_each_request_its_share_and_a_warm_up_step_none():
     plan_state.skip_head = True
     warm_up = plan_state.take_ragged(table, plan, plan.nodes)
     assert warm_up.plain and warm_up.nodes == (0,) * 4 and plan_state.head_warmup
+
+
+def test_on_ragged_verify_graphs_a_step_is_priced_at_its_tier_and_fills_it():
+    """The tier's pad tokens are computed anyway: a step priced at its tier takes the next-best nodes up to it
+    (here every node of positive reach that fits), runs at the full width, and its served time is read against
+    the forward of its tier's tokens. Without tiers the same requests stop where the next node's reach no longer
+    pays for its own tokens (negative control)."""
+    reach = {"copy": [0.95, 0.9, 0.6, 0.3, 0.2, 0.15, 0.1, 0.05], "chat": [0.1, 0.05]}
+    rids = ["copy", "chat"]
+    plans = {}
+    for tiers in (None, (9, 18, 36)):
+        plan_state = planner(ragged=True)
+        plan_state.tiers = tiers
+        plan_state.learn_reach(reach)
+        table = plan_state.table(rids)
+        plans[tiers] = plan_state.take_ragged(table, plan_state.ragged_plan(table, rids),
+                                              plan_state.ragged_plan(table, rids).nodes)
+    untiered, tiered = plans[None], plans[(9, 18, 36)]
+    assert untiered.nodes == (5, 0) and untiered.tokens == 6  # 7 tokens: the 6th copy node does not pay
+    assert 2 + sum(tiered.nodes) == 9 and tiered.tokens == FULL  # the 9-token tier filled, at the full width
+    assert tiered.expected_tokens > untiered.expected_tokens
+    for plan_state, plan in ((planner(ragged=True, tiers=(9, 18, 36)), tiered), (planner(ragged=True), untiered)):
+        for _ in range(2):  # a shape's first step allocates: the second is priced
+            plan_state.observe(plan, rids, 0.2, [3, 1], verified_tokens=2 + sum(plan.nodes))
+        # read against the forward it was priced at: the tier's 9 tokens, or the 7 it verified without tiers
+        assert plan_state.tree_seen[2][-1][2] == pytest.approx(plan.predicted_seconds)
+    assert tiered.predicted_seconds > untiered.predicted_seconds
+    assert tier_tokens(11, (9, 18, 36)) == 18 and tier_tokens(40, (9, 18, 36)) == 40 and tier_tokens(7, None) == 7
 
 
 def rank_ragged_plans(rank: int, port: int, folder: str) -> None:

@@ -159,6 +159,11 @@ def _start_planner(worker, state: WorkerState) -> StepPlanner:
     state.head_swapped.append(lambda swap: planner.head_swapped(state.drafter.prior_reach(full - 1)))
     start = time.perf_counter()
     state.shapes = VerifyShapes.build(worker, planner.sizes)
+    full_runner = state.shapes.states[full].target_graph_runner
+    if planner.ragged and getattr(full_runner, "ragged_verify_mode", False):  # ragged steps replay its tiers
+        planner.tiers = tuple(full_runner.capture_num_tokens)
+        log(f"tree auto: ragged steps run at the full width on its ragged verify graphs, each priced at its tier of "
+            f"verify tokens ({', '.join(map(str, planner.tiers))})")
     try:
         planner.costs = measure_step_costs(worker, planner.sizes)
     except Exception as error:  # a backend whose dummy forward fails: the planner prices sizes from served steps
