@@ -285,8 +285,8 @@ class StepPlanner:
 
     def ragged_plan(self, table: SizeTable, rids: Sequence[str]) -> StepPlan:
         """Each request's share of the step's nodes (``planner.plan_ragged``) from its predicted reach, priced by
-        the (agreed) table at the tokens the step verifies; not yet taken (``take_ragged``, once the group agreed
-        on the shares)."""
+        the (agreed) table at the tokens the step verifies (on ragged verify graphs: its tier's); not yet taken
+        (``take_ragged``, once the group agreed on the shares)."""
         scale = self.accept_scale(batch_bucket(len(rids)))
         reach = [self._scaled_reach(rid, scale) for rid in rids]
         seconds = tiered_seconds(ragged_seconds(table), self.tiers, len(rids))
