@@ -319,12 +319,12 @@ def ragged_refusal(attn_backend, graph_runner, mask_mode, dp_attention: bool) ->
     backend = type(attn_backend).__name__
     if backend not in RAGGED_BACKENDS:
         return f"the target's attention back-end {backend} takes one verify width"
-    if graph_runner is not None and not graph_runner.ragged_verify_mode:
-        return f"decode graphs are captured at one verify width ({backend} plans no ragged layout inside a graph)"
     if dp_attention:
         return "DP attention gathers every rank's tokens at one verify width"
     if int(mask_mode) not in (TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK):
         return f"a {TreeMaskMode(int(mask_mode)).name} tree mask is not cut per request"
+    if graph_runner is not None and not graph_runner.ragged_verify_mode:  # the reasons above come first
+        return f"decode graphs are captured at one verify width ({backend} plans no ragged layout inside a graph)"
     return None
 
 
