@@ -4,24 +4,25 @@ import here; the hooks that run the plan are ``hooks/auto.py``).
 The choice is the core planner's (``planner.choose_size``) over the verify sizes the server can run, from two
 inputs this module keeps:
 
-* **What each size would emit.** Each request's predicted reach: the reach of its last tree's nodes, best first, as
-  its drafter reported them (``ServedDrafter.drafted_reach``: lookup / hybrid on the host), scaled by how much the
-  served tree steps' accepted drafts exceeded or fell short of such predictions in the batch-size bucket
-  (``accept_scale``): the drafts its last ``ACCEPT_WINDOW`` tree steps accepted over the drafts the drafter's reach
-  predicted for them. A ratio of sums, not an average of each step's ratio: a step is chosen where its prediction
-  is high, and a step predicted to accept little that accepts much (a large ratio) must not outweigh the many
-  predicted high that accept less, or the steps the planner takes would accept fewer drafts in total than it
-  predicted (the winner's curse). Where the plan keeps
-  a request plain its prediction would go stale, so before each step the drafter estimates, without a forward,
-  the reach of every request it knows nothing of and of the one whose prediction is oldest (``stale``). A request
-  its drafter has not drafted yet takes the traffic's: a moving average over the requests' reports by rank. A
-  drafter that reports no reach (the head-only policies, trees grown on the device) is planned from each
-  request's own served accepted drafts at the full size (``UnrankedRequest``). Only tree steps teach that
-  estimate, so it expires: a request with no tree step of its own, or whose last one is ``RETRY_STEPS`` steps old
-  (doubling with each tree step it was served, at most ``TREE_PRICE_MEMORY``), is planned at the drafter's prior
-  (its calibrated reach by rank), at least one accepted draft. Each request is tried where a tree step costs its
-  batch little, and tried again later (a continuation's first tokens often have nothing to copy, its later ones
-  do), and one request whose tree missed (SGLang's warm-up request, say) cannot keep trees off the others.
+* **What each size would emit.** Each request's predicted reach: the reach of its last tree's nodes, best first, as its
+  drafter reported them (``ServedDrafter.drafted_reach``: lookup / hybrid on the host), scaled by how much the served
+  tree steps' accepted drafts exceeded or fell short of such predictions in the batch-size bucket (``accept_scale``):
+  the drafts its last ``ACCEPT_WINDOW`` tree steps accepted over the drafts the drafter's reach predicted for them
+  (while fewer are held, ``ACCEPT_PRIOR_STEPS`` steps that accept what they predict weigh in, fading as the window
+  fills: two missed trees of SGLang's warm-up request must not price the first requests' trees at a quarter of their
+  reach). A ratio of sums, not an average of each step's ratio: a step is chosen where its prediction is high, and a
+  step predicted to accept little that accepts much (a large ratio) must not outweigh the many predicted high that
+  accept less, or the steps the planner takes would accept fewer drafts in total than it predicted (the winner's curse).
+  Where the plan keeps a request plain its prediction would go stale, so before each step the drafter estimates, without
+  a forward, the reach of every request it knows nothing of and of the one whose prediction is oldest (``stale``). A
+  request its drafter has not drafted yet takes the traffic's: a moving average over the requests' reports by rank. A
+  drafter that reports no reach (the head-only policies, trees grown on the device) is planned from each request's own
+  served accepted drafts at the full size (``UnrankedRequest``). Only tree steps teach that estimate, so it expires: a
+  request with no tree step of its own, or whose last one is ``RETRY_STEPS`` steps old (doubling with each tree step it
+  was served, at most ``TREE_PRICE_MEMORY``), is planned at the drafter's prior (its calibrated reach by rank), at least
+  one accepted draft. Each request is tried where a tree step costs its batch little, and tried again later (a
+  continuation's first tokens often have nothing to copy, its later ones do), and one request whose tree missed
+  (SGLang's warm-up request, say) cannot keep trees off the others.
 * **What each size would cost.** The target's verify forward measured at start-up for each batch size and verify
   size (``CostTable``: SGLang's own dummy forward, ``step_costs``), scaled per batch-size bucket by what the served
   plain steps took over it; a tree step adds the rest of the step (drafting, host work), learnt per batch-size
@@ -72,6 +73,7 @@ EXPLORED_ACCEPTED = 1.0  # unranked drafters: accepted drafts a request with no 
 RETRY_STEPS = 8  # unranked drafters: steps a request's first tree step is its estimate for (doubling each tree step)
 ACCEPT_SCALE_RANGE = (0.25, 2.0)  # an accept scale is kept within this range (one odd step cannot flip the plan)
 ACCEPT_WINDOW = 32  # tree steps of a batch-size bucket its accept scale is the ratio of sums over
+ACCEPT_PRIOR_STEPS = 4.0  # tree steps at scale 1 an empty window holds, fading as served ones fill it
 SPARE_REQUESTS = 256  # per-request predictions kept beyond the batch's before finished requests are dropped
 GPU_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # verify sizes a GPU server captures graphs for
 PLAN_LOG_ENV = "SGLANG_SPEC_PLAN_LOG"  # a file: every planned step as a JSON line (read once, at start-up)
@@ -179,15 +181,21 @@ class StepPlanner:
     # -------------------------------------------------------------------------------------------- the plan
     def accept_scale(self, bucket: int) -> float:
         """The factor on the drafter's reach in a batch-size bucket: its recent tree steps' accepted drafts over their
-        predicted ones, within ``ACCEPT_SCALE_RANGE``; a bucket with none takes the nearest one's (a smaller first),
-        1.0 before any tree step."""
+        predicted ones (beside fading prior steps at 1 while its window is not full), within
+        ``ACCEPT_SCALE_RANGE``; a bucket with none takes the nearest one's (a smaller first), 1.0 before any tree
+        step."""
         nearest = _nearest(bucket, [seen for seen, held in self.accepted_seen.items() if held])
         if nearest is None:
             return 1.0
         held = self.accepted_seen[nearest]
         predicted = sum(value for _, value in held)
         low, high = ACCEPT_SCALE_RANGE
-        return high if predicted <= 0 else min(max(sum(value for value, _ in held) / predicted, low), high)
+        if predicted <= 0:
+            return high
+        # a few steps are not yet the traffic's (SGLang's warm-up request misses its tree): until the window fills,
+        # prior steps that accept what they predicted (the window's mean) weigh in, fewer the more steps are served
+        prior = ACCEPT_PRIOR_STEPS * (1 - len(held) / ACCEPT_WINDOW) * predicted / len(held)
+        return min(max((sum(value for value, _ in held) + prior) / (predicted + prior), low), high)
 
     def predicted_reach(self, rid: str, batch_size: int = 1) -> list[float]:
         """The request's draft nodes' predicted reach, best first, in a batch of ``batch_size``: its drafter's

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from sglang_spec.costs import CostCurve, CostTable
 from sglang_spec.planner import SizeTable, StepPlan, plan_ragged, plan_step, size_table
 from sglang_spec.sglang_plugin.peers import PlanGroup
-from sglang_spec.sglang_plugin.step_planner import (RETRY_STEPS, TREE_PRICE_MEMORY, StepPlanner, default_sizes,
-                                                    ragged_seconds, tier_tokens)
+from sglang_spec.sglang_plugin.step_planner import (ACCEPT_PRIOR_STEPS, ACCEPT_WINDOW, RETRY_STEPS, TREE_PRICE_MEMORY,
+                                                    StepPlanner, default_sizes, ragged_seconds, tier_tokens)
 
 FULL = 9
 
@@ -111,6 +111,24 @@ def test_the_accept_scale_makes_the_chosen_steps_accept_what_they_predicted_in_s
     assert plan_state.accept_scale(16) == pytest.approx(0.5, abs=0.05)
     assert plan_state.accept_scale(1) == pytest.approx(0.9, abs=0.05)
     assert plan_state.accept_scale(4) == plan_state.accept_scale(1)  # no tree step at 4: the smaller bucket's
+
+
+def test_a_few_missed_trees_do_not_floor_the_accept_scale_and_many_do():
+    """SGLang's warm-up request misses both its trees (0 of 2 predicted drafts each): the bucket's scale is not
+    pinned at the range's floor for the first real requests, whose copies a tree accepts, as the bare ratio (0)
+    would; a run of misses still brings it down, and a full window is the bare ratio of sums."""
+    plan_state = planner()
+    miss = StepPlan(FULL, 1 + 2.0, 0.06, (8,))
+    for _ in range(2):
+        plan_state.observe(miss, ["warm-up"], 0.06, [1])
+    prior = ACCEPT_PRIOR_STEPS * (1 - 2 / ACCEPT_WINDOW)
+    assert plan_state.accept_scale(1) == pytest.approx(prior / (2 + prior)) and plan_state.accept_scale(1) > 0.6
+    for _ in range(8):
+        plan_state.observe(StepPlan(FULL, 1 + 2.0 * plan_state.accept_scale(1), 0.06, (8,)), ["chat"], 0.06, [1])
+    assert plan_state.accept_scale(1) < 0.3
+    for _ in range(ACCEPT_WINDOW):  # a full window of steps accepting half their prediction: exactly half
+        plan_state.observe(StepPlan(FULL, 1 + 4.0 * plan_state.accept_scale(1), 0.06, (8,)), ["copy"], 0.06, [1 + 2])
+    assert plan_state.accept_scale(1) == pytest.approx(0.5)
 
 
 def test_a_drafter_without_reach_is_planned_whole_from_its_served_accepts():
