@@ -211,6 +211,8 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, smollm2_split_cp
     elif ragged(cell):  # tree steps on SGLang's ragged verify graphs (token tiers), plain steps on the 1-token one
         assert "graphs captured" in log and ragged_replays and replays, log[-3000:]
         assert "SGLang's ragged verify graphs" in log and "each priced at its tier of verify tokens" in log
+        # the sizes between only price the tiers: runtime states (and graphs) for a plain step and the full tree
+        assert "(2 runtime states, graphs captured)" in log, [line for line in log.splitlines() if "sizes" in line]
         # a batch of 3 on the tier of 4 requests' full trees or less: its slots padded past its requests
         assert any(batch < slots for batch, tier, slots in ragged_replays), ragged_replays
     else:  # the steps ran on SGLang's graph runner, and a batch ran padded to a larger captured size

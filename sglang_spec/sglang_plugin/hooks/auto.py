@@ -158,12 +158,14 @@ def _start_planner(worker, state: WorkerState) -> StepPlanner:
     # a head swapped in place (adapt): the planner's acceptance follows the head served, from the drafter's prior
     state.head_swapped.append(lambda swap: planner.head_swapped(state.drafter.prior_reach(full - 1)))
     start = time.perf_counter()
-    state.shapes = VerifyShapes.build(worker, planner.sizes)
-    full_runner = state.shapes.states[full].target_graph_runner
+    full_runner = worker.target_worker.model_runner.decode_cuda_graph_runner  # the full tree's, captured at launch
     if planner.ragged and getattr(full_runner, "ragged_verify_mode", False):  # ragged steps replay its tiers
         planner.tiers = tuple(full_runner.capture_num_tokens)
         log(f"tree auto: ragged steps run at the full width on its ragged verify graphs, each priced at its tier of "
             f"verify tokens ({', '.join(map(str, planner.tiers))})")
+    # the sizes a step runs at get SGLang's runtime state (and graphs); the others only price (the eager runner's
+    # forward is timed at each, ``step_costs``)
+    state.shapes = VerifyShapes.build(worker, planner.ragged_widths if planner.ragged else planner.sizes)
     try:
         planner.costs = measure_step_costs(worker, planner.sizes)
     except Exception as error:  # a backend whose dummy forward fails: the planner prices sizes from served steps
