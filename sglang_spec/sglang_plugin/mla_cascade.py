@@ -117,7 +117,8 @@ def plan_tree_verify(
 ) -> MLATreeVerifyPlan:
     """The plan for B requests verifying ``tree_tokens`` each (or, ragged, ``tree_lens[b]`` <= tree_tokens: host
     ints; 0 for a ragged verify graph's pad slot past its tier's tokens) after ``prefix_lens`` [B] (device) /
-    ``prefix_lens_host`` [B] (host copy, what SGLang keeps as seq_lens_cpu). ``mask_mode``: the layout of the tree mask SGLang built (cut to ``tree_lens`` where ragged).
+    ``prefix_lens_host`` [B] (host copy, what SGLang keeps as seq_lens_cpu). ``mask_mode``: the layout of the tree
+    mask SGLang built (cut to ``tree_lens`` where ragged).
     max_pages defaults to the batch's largest page count (from the host copy)."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
