@@ -401,12 +401,12 @@ class StepPlanner:
                     del held[rid]
 
     def write_log(self, plan: StepPlan, rids: Sequence[str], seconds: float, accept_lens: Sequence[int]) -> None:
-        """One planned step as a JSON line in ``log_path``: batch, size, each request's verify tokens, expected
-        tokens, predicted and served seconds, tokens each request committed, and the corrections the planner
-        holds."""
+        """One planned step as a JSON line in ``log_path``: the step's index (``steps``, the same on every rank of a
+        tensor-parallel group), batch, size, each request's verify tokens, expected tokens, predicted and served
+        seconds, tokens each request committed, and the corrections the planner holds."""
         assert self.log_path is not None
-        record = {"batch": len(rids), "tokens": plan.tokens, "verify_tokens": list(plan.verify_tokens(self.ragged)),
-                  "expected": round(plan.expected_tokens, 3),
+        record = {"step": self.steps, "batch": len(rids), "tokens": plan.tokens,
+                  "verify_tokens": list(plan.verify_tokens(self.ragged)), "expected": round(plan.expected_tokens, 3),
                   "predicted_s": round(plan.predicted_seconds, 5), "served_s": round(seconds, 5),
                   "committed": list(accept_lens), "accept_scale": round(self.accept_scale(batch_bucket(len(rids))), 3),
                   "head": "rest" if self.skip_head else "warmup" if self.head_warmup else "ran",
