@@ -357,12 +357,15 @@ def test_the_planned_size_is_the_steps_and_only_its(metrics, size, seen):
 def test_a_tree_auto_fault_decodes_the_batch(metrics, capsys, broken):
     """The plan's table raises: the step is planned without this rank's inputs (a plain step here); choosing raises:
     SGLang's own plain step (0 draft steps); observe raises: the step's output stands and the planner learns
-    nothing from it."""
-    worker = AutoWorker(StubPlanner(13, broken))
+    nothing from it. The plain step a failed choice gives counts as a planned step, as any other (the stub's own
+    choice counts none)."""
+    planner = StubPlanner(13, broken)
+    worker = AutoWorker(planner)
     output = auto_hooks.forward_batch_generation_around(worker.step, worker, decode_batch())
     assert output.accept_lens.tolist() == [1, 1]
     steps = worker.seen[0][0]
     assert steps == (0 if broken == "choose" else 5) and worker.speculative_num_steps == 5
+    assert planner.inner.chosen == ({1: 1} if broken == "choose" else {})
     assert metrics.accept_faults == {(AUTO, "KeyError"): 1}
     lines = fault_lines(capsys)
     expected = {"table": "without this rank's inputs", "choose": "plain step", "observe": "did not learn"}[broken]
