@@ -288,7 +288,6 @@ class StepPlanner:
         taken = self.take(size)
         if taken != size:
             expected, seconds = table.expected[0], table.seconds[0]
-        self.chosen[taken] += 1
         return StepPlan(taken, expected, seconds, (taken - 1,) * batch_size)
 
     def ragged_plan(self, table: SizeTable, rids: Sequence[str]) -> StepPlan:
@@ -314,7 +313,6 @@ class StepPlanner:
             seconds = tiered_seconds(ragged_seconds(table), self.tiers, len(nodes))
             plan = StepPlan(width, plan.expected_tokens, seconds(1.0 + sum(nodes) / len(nodes)), tuple(nodes))
         taken = self.take(width)
-        self.chosen[taken] += 1
         if taken != width:
             return StepPlan(1, table.expected[0], table.seconds[0], (0,) * len(nodes))
         return plan
@@ -323,12 +321,20 @@ class StepPlanner:
         """The verify size ``choose`` takes for the (agreed) table, not counted as a step: what a rank with no
         request of its own runs beside the group's (a function of the agreed table alone, as on every rank; its
         head rests at the group's steps, ``take``)."""
-        return self.take(choose_size(table, self.cap * table.seconds[0])[0])
+        return self._rest_head(choose_size(table, self.cap * table.seconds[0])[0])
 
     def take(self, size: int) -> int:
-        """The verify size the step takes for the group's agreed ``size``, with the head's part in it (module doc,
+        """The verify size this rank's decode step takes for the group's agreed ``size`` (``_rest_head``), counted
+        in ``chosen``: called once a step with the agreed size (a failed plan: 1)."""
+        taken = self._rest_head(size)
+        self.chosen[taken] += 1
+        return taken
+
+    def _rest_head(self, size: int) -> int:
+        """The verify size a step takes for the group's agreed ``size``, with the head's part in it (module doc,
         the head at rest): a tree right after a step that left the head out is a plain warm-up step. Every rank
-        calls it once a decode step with the agreed size (a failed plan: 1), so ``skip_head`` is the group's."""
+        calls it once a decode step with the agreed size (``take``, or ``size_for`` on a rank with no request), so
+        ``skip_head`` is the group's."""
         self.head_warmup = size > 1 and self.skip_head
         if self.head_warmup:
             size = 1

@@ -203,6 +203,7 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, smollm2_split_cp
             metrics = server.request("/metrics")
             info = server.request("/server_info")
     log = server.log_path.read_text(errors="replace")
+    plans = [json.loads(line) for line in plan_log.read_text().splitlines()]
     assert [answer["output_ids"] for answer in answers] == expected
     assert info["page_size"] == int(cell["page"])
     assert info["disable_overlap_schedule"] is (cell["loop"] == "sync")
@@ -214,7 +215,7 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, smollm2_split_cp
     computed, dense = (counter(metrics, f"sglang_spec_verify_tokens_{kind}_total") for kind in ("computed", "dense"))
     if ragged(cell):  # each request's forward covers its share of the step's nodes, not SGLang's width
         assert "ragged verify: each request's verify forward covers its own tree" in log
-        trees = [plan for plan in map(json.loads, plan_log.read_text().splitlines()) if plan["tokens"] > 1]
+        trees = [plan for plan in plans if plan["tokens"] > 1]
         # a request's share below its step's width: fewer tokens than SGLang's width (else at most as many: a
         # lookup tree may find fewer copies than its share)
         cut = any(min(plan["verify_tokens"]) < plan["tokens"] for plan in trees)
@@ -245,7 +246,7 @@ def test_tree_auto_answers_as_plain_decoding(cell, smollm2_cpu, smollm2_split_cp
         print(cell_name(cell), "head rested", rested, "warm-ups", warmups)
         # the head rests at the second plain step in a row (head rest 1): whether the plans hold such a run follows
         # this machine's timings (a tree every step is a legitimate plan); that the head then rests does not
-        runs = plain_runs(json.loads(line) for line in plan_log.read_text().splitlines())
+        runs = plain_runs(plans)
         assert (rested > 0) if max(runs, default=0) >= 2 else (rested == 0), (rested, runs)
     faults = [line for line in log.splitlines() if re.match(r"\[sglang_spec\] \S+ fault", line)]
     assert not faults, faults

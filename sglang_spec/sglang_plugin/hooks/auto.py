@@ -94,7 +94,7 @@ def _plan(planner: StepPlanner, state: WorkerState, rids: list[str]) -> StepPlan
         # choose reads the agreed table and the launch's cap alone, the same on every rank: a fault in it is
         # every rank's, so this plain step is the group's too (and so is its part in the head's rest)
         accept_fault(AUTO, error, len(rids), "decoded by a plain step")
-        planner.chosen[planner.take(1)] += 1
+        planner.take(1)
         return StepPlan(1, float(len(rids)), 0.0, (0,) * len(rids))
 
 
