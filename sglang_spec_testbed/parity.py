@@ -225,8 +225,21 @@ def _close(sock: socket.socket) -> None:
     sock.close()
 
 
-def stream_and_close(port: int, case: Case, chunks: int) -> int:
-    """A streaming request closed after ``chunks`` data chunks; returns how many were read."""
+@dataclass(frozen=True)
+class StreamRead:
+    """What a client read of a stream before it closed the socket.
+
+    chunks: the data chunks read, the stream's end marker (``data: [DONE]``) not among them; a socket read may
+        bring several chunks at once, so at least the number asked for unless the stream ended first.
+    ended: whether the stream's end marker was read (the request ran to its end before the client closed).
+    """
+
+    chunks: int
+    ended: bool
+
+
+def stream_and_close(port: int, case: Case, chunks: int) -> StreamRead:
+    """A streaming request closed once ``chunks`` data chunks were read (or the stream ended)."""
     sock = _send(port, json.dumps({**case.body, "stream": True}).encode())
     received = b""
     try:
@@ -237,7 +250,8 @@ def stream_and_close(port: int, case: Case, chunks: int) -> int:
             received += data
     finally:
         _close(sock)
-    return received.count(b"data: ")
+    ended = b"data: [DONE]" in received
+    return StreamRead(received.count(b"data: ") - int(ended), ended)
 
 
 def disconnect_before_answer(port: int, case: Case, seconds: float) -> None:

@@ -186,6 +186,9 @@ def test_sampled_requests_go_through_the_tree(run, plain_repeat):
 PENALISED_PROMPTS = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):",
                      "Order list: apple, banana, apple, cherry, banana, apple,")
 PENALTY, PENALISED_TOKENS = 0.8, 24
+# token ids no text holds twice and no head predicts: no context copy, little reach; sent beside a copy-heavy prompt,
+# the one batch's requests predict unlike reach, so a ragged step gives them unlike shares
+NOISE_PROMPT = list(range(3001, 3001 + 7 * 40, 7))
 
 
 def penalised_greedy(model, prompt: list[int], new_tokens: int, frequency: float) -> list[int]:
@@ -222,7 +225,8 @@ def test_tree_auto_plans_each_step_and_stays_identical(smollm2_cpu, server_logs,
     one plain step (``--speculative-tree-head-rest 1``): plain steps leave its draft extend out, their tokens' head
     KV zeroed, and a tree chosen right after waits one warm-up step; outputs stay identical and trees still accept
     (/metrics counts both kinds of step). The steps verify ragged (``ragged_verify``): one step gives its requests
-    their own shares of the nodes (the plan log shows it)."""
+    their own shares of the nodes (the plan log shows it; a copy-heavy prompt and one of noise, sent together,
+    predict unlike reach)."""
     monkeypatch.setenv("SGLANG_SPEC_CPU_PROFILE", str(tmp_path))
     monkeypatch.setenv(PLAN_LOG_ENV, str(tmp_path / "plans.jsonl"))
     if loop == "overlap":
@@ -231,12 +235,16 @@ def test_tree_auto_plans_each_step_and_stays_identical(smollm2_cpu, server_logs,
     args = context_args("hybrid", smollm2_cpu.profile) + ["--speculative-tree-auto", "--speculative-tree-head-rest", "1"]
     with running_server(smollm2_cpu, server_logs, f"smollm2-context-auto-{loop}", args) as server:
         answers = server.generate(repeat_prompts * 3, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
+        pair = server.generate([repeat_prompts[0], NOISE_PROMPT],
+                               {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
         penalised = [server.generate([prompt], {"temperature": 0, "max_new_tokens": PENALISED_TOKENS,
                                                 "frequency_penalty": PENALTY})[0] for prompt in PENALISED_PROMPTS]
         metrics = server.request("/metrics")
         log = server.log_path.read_text(errors="replace")
     assert [answer["output_ids"] for answer in answers] == plain_repeat * 3
     loaded, _ = smollm2
+    assert [answer["output_ids"] for answer in pair] == [
+        plain_repeat[0], penalised_greedy(loaded.model, NOISE_PROMPT, REPEAT_NEW_TOKENS, 0.0)]
     for prompt, answer in zip(PENALISED_PROMPTS, penalised):
         ids = loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         expected = penalised_greedy(loaded.model, ids, PENALISED_TOKENS, PENALTY)
@@ -255,7 +263,8 @@ def test_tree_auto_plans_each_step_and_stays_identical(smollm2_cpu, server_logs,
                 for previous, size in zip([0, *sorted(sizes)], sorted(sizes))}
     chosen = [size for size, count in per_size.items() if count > 0]
     assert 1 in chosen and len(chosen) >= 3, per_size  # plain steps, and more than one tree size
-    # the steps verify ragged: in one step, requests verified their own shares of the nodes
+    # the steps verify ragged: in one step, requests verified their own shares of the nodes (the copy-heavy prompt
+    # beside the noise one, if no step of the repeat prompts' batch did)
     plans = [json.loads(line) for line in (tmp_path / "plans.jsonl").read_text().splitlines()]
     assert any(len(set(plan["verify_tokens"])) > 1 for plan in plans), plans[:5]
     predicted = float(re.search(r"sglang_spec_planner_predicted_seconds_total ([\d.e+-]+)", metrics).group(1))

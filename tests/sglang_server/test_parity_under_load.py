@@ -17,7 +17,7 @@ and read and no QLEN_ONLY one, as test_full_mask.py checks NGRAM's; the bed's ot
 QLEN_ONLY), answers:
 
 * 32 concurrent requests cycling through those kinds (a thread pool; 8 run at a time, the rest queue);
-* a streaming request closed after 3 chunks, then a client that disconnects a second after sending its request: the
+* a streaming request closed once 3 chunks arrived, then a client that disconnects a second after sending its request: the
   server must drop each (idle again well before the request could have run to its end) and then answer a normal
   request as plain decoding does;
 * bad bodies (malformed JSON, a negative max_new_tokens, top_p above 1, a prompt plus max_new_tokens past the
@@ -139,7 +139,7 @@ def aborts(port: int, after: Case, long: Case) -> dict[str, Any]:
     sending each to the server's being idle, against what the request would take to finish (``after``'s seconds
     a token, times the long request's tokens); then ``after``'s answer."""
     began = time.monotonic()
-    chunks = stream_and_close(port, long, 3)
+    stream = stream_and_close(port, long, 3)
     wait_idle(port, 120)
     stream_seconds = time.monotonic() - began
     began = time.monotonic()
@@ -149,7 +149,7 @@ def aborts(port: int, after: Case, long: Case) -> dict[str, Any]:
     began = time.monotonic()
     answer = generate(port, after)
     per_token = (time.monotonic() - began) / answer["meta_info"]["completion_tokens"]
-    return {"chunks": chunks, "stream_seconds": stream_seconds, "disconnect_seconds": disconnect_seconds,
+    return {"stream": stream, "stream_seconds": stream_seconds, "disconnect_seconds": disconnect_seconds,
             "long_seconds": per_token * long.body["sampling_params"]["max_new_tokens"], "after": answer}
 
 
@@ -298,7 +298,8 @@ def test_aborted_and_disconnected_requests_leave_the_server_serving(tree_run, or
     print(f"\n{tree_run.name}: idle {aborted['stream_seconds']:.1f} s after the stream began, "
           f"{aborted['disconnect_seconds']:.1f} s after the disconnecting request was sent; the request would take "
           f"about {aborted['long_seconds']:.0f} s")
-    assert aborted["chunks"] == 3
+    # closed mid-stream: one socket read may bring several chunks, so three or more were read, never the end
+    assert aborted["stream"].chunks >= 3 and not aborted["stream"].ended, aborted["stream"]
     assert aborted["stream_seconds"] < aborted["long_seconds"] / 2
     assert aborted["disconnect_seconds"] < aborted["long_seconds"] / 2
     assert_same(f"{tree_run.name} after the aborts", aborted["after"], oracle["single"]["greedy"])
