@@ -186,8 +186,8 @@ def test_sampled_requests_go_through_the_tree(run, plain_repeat):
 PENALISED_PROMPTS = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):",
                      "Order list: apple, banana, apple, cherry, banana, apple,")
 PENALTY, PENALISED_TOKENS = 0.8, 24
-# token ids no text holds twice and no head predicts: no context copy, little reach; sent beside a copy-heavy prompt,
-# the one batch's requests predict unlike reach, so a ragged step gives them unlike shares
+# forty distinct token ids at a fixed stride: nothing for a lookup to copy and little a head predicts; sent beside a
+# copy-heavy prompt, one batch's requests predict unlike reach, so a ragged step gives them unlike shares
 NOISE_PROMPT = list(range(3001, 3001 + 7 * 40, 7))
 
 

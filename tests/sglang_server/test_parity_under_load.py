@@ -17,9 +17,9 @@ and read and no QLEN_ONLY one, as test_full_mask.py checks NGRAM's; the bed's ot
 QLEN_ONLY), answers:
 
 * 32 concurrent requests cycling through those kinds (a thread pool; 8 run at a time, the rest queue);
-* a streaming request closed once 3 chunks arrived, then a client that disconnects a second after sending its request: the
-  server must drop each (idle again well before the request could have run to its end) and then answer a normal
-  request as plain decoding does;
+* a streaming request closed once 3 chunks arrived, then a client that disconnects a second after sending its
+  request: the server must drop each (idle again well before the request could have run to its end) and then answer
+  a normal request as plain decoding does;
 * bad bodies (malformed JSON, a negative max_new_tokens, top_p above 1, a prompt plus max_new_tokens past the
   context length): the plain server's status and error;
 * with ``SGLANG_SPEC_PARITY_FULL=1`` also every request alone first (batch 1), and the plain server's own 32
