@@ -26,9 +26,10 @@ inputs this module keeps:
 * **What each size would cost.** The target's verify forward measured at start-up for each batch size and verify
   size (``CostTable``: SGLang's own dummy forward, ``step_costs``), scaled per batch-size bucket by what the served
   plain steps took over it; a tree step adds the rest of the step (drafting, host work), learnt per batch-size
-  bucket from its served tree steps. A bucket with no tree step of its own borrows a neighbour's price, as it
-  would be at the most: a smaller bucket's as it is (the rest grows with the batch), a larger one's per request
-  (part of it is the step's whatever the batch), so one slow step at one request cannot price trees out at four.
+  bucket from its served tree steps. A bucket with no tree step of its own borrows a neighbour's price: a smaller
+  bucket's grown as the start-up plain forward grows between the two (the rest grows with the batch, and a tree
+  that loses costs a large batch most), a larger one's per request, at the most it would be (part of it is the
+  step's whatever the batch), so one slow step at four requests cannot price trees out at one.
   Both corrections are the median of the last ``WINDOW`` served steps of their kind; the tree steps' is forgotten
   after ``TREE_PRICE_MEMORY`` steps (plain steps run whatever the plan, tree steps only where it predicts they
   pay: a price that keeps trees off is never corrected by a served tree step, so it expires and a tree is tried
@@ -233,8 +234,11 @@ class StepPlanner:
         """A tree step's time beyond its verify in a batch-size bucket: the median of its served tree steps within the
         last ``TREE_PRICE_MEMORY`` steps, each over its verify as the plain steps price it now (a tree step served
         before the plain steps showed how far the start-up table is off is not charged for that); a bucket with
-        none takes the nearest smaller bucket's as it is, else the nearest larger one's per request times the
-        bucket (both at most what it would be); None: no bucket has one that recent. The median, not the least:
+        none takes the nearest smaller bucket's grown as the start-up plain forward grows between the two
+        (``_forward_growth``: the head's forwards over the batch's beams and the host's work a request grow with
+        the batch, and a wrong try costs a large batch most), else the nearest larger one's per request times the
+        bucket (at most what it would be: a try at a smaller batch costs little); None: no bucket has one that
+        recent. The median, not the least:
         one fast tree step among slower ones must not keep buying trees that lose to a plain step. A price that
         expires: only tree steps can correct it, so a slow spell of a busy machine must not keep trees off for
         good; where trees do not pay, one is retried every ``TREE_PRICE_MEMORY`` steps."""
@@ -248,7 +252,18 @@ class StepPlanner:
         nearest = _nearest(bucket, recent)
         if nearest is None:
             return None
-        return recent[nearest] * (bucket / nearest if nearest > bucket else 1.0)
+        if nearest > bucket:
+            return recent[nearest] * bucket / nearest
+        return recent[nearest] * self._forward_growth(nearest, bucket)
+
+    def _forward_growth(self, smaller: int, bucket: int) -> float:
+        """The start-up table's plain forward at ``bucket`` requests over its forward at ``smaller``, at least 1
+        (1 without a table): where the forward is compute-bound the batch's rest grows with it, where it is
+        memory-bound (a GPU's decode) neither grows much."""
+        if self.costs is None or smaller == bucket:
+            return 1.0
+        grown = _verify_at(self.costs.at(bucket).verify, 1) / _verify_at(self.costs.at(smaller).verify, 1)
+        return max(grown, 1.0)
 
     def plain_scale(self, bucket: int) -> float:
         """Served plain steps over the start-up forward in a batch-size bucket (the median of its recent ones); a

@@ -69,9 +69,10 @@ def test_served_steps_correct_the_costs_and_the_accept_scale():
         plan_state.observe(tree, ["a"], plan_state.seconds(1, FULL) - (plan_state.tree_extra(1) or 0) + 0.05,
                            [1 + 4])
     assert plan_state.tree_extra(1) == pytest.approx(0.05, rel=1e-2)
-    # four requests, no tree step of theirs yet: one request's price as it is, not four times it
+    # four requests, no tree step of theirs yet: one request's price grown as the start-up forward grows
+    # (0.05 -> 0.06 s), not four times it
     assert plan_state.seconds(4, FULL) - plan_state.seconds(4, 1) == pytest.approx(
-        0.05 + plan_state.plain_scale(4) * (0.06 + 0.008 * 8 - 0.06), rel=1e-2)
+        0.05 * 0.06 / 0.05 + plan_state.plain_scale(4) * (0.06 + 0.008 * 8 - 0.06), rel=1e-2)
     assert plan_state.accept_scale(1) == pytest.approx(4 / 7.2, rel=1e-2)
     assert sum(plan_state.predicted_reach("a")) == pytest.approx(4.0, rel=1e-2)
 
@@ -225,16 +226,19 @@ def test_one_slow_step_of_a_shared_machine_moves_no_price():
     assert plan_state.seconds(4, 1) == pytest.approx(0.06)
 
 
-def test_a_bucket_without_tree_steps_borrows_a_neighbours_price_at_the_most_it_would_be():
-    """One slow tree step served to one request must not price trees out at four (a step's extra is partly the
-    step's, whatever the batch); a bucket's own served tree steps replace the borrowed price."""
+def test_a_bucket_without_tree_steps_borrows_a_neighbours_price():
+    """One slow tree step served to one request must not price trees out at four: a smaller bucket's price grows as
+    the start-up plain forward does (0.05 -> 0.06 s), not per request (a step's extra is partly the step's, whatever
+    the batch); a bucket's own served tree steps replace the borrowed price; a larger bucket's is borrowed per
+    request."""
     plan_state = planner()
     plan_state.learn_reach({rid: [0.9] * 8 for rid in "abcd"})
     verify = plan_state.seconds(1, FULL)
     plan_state.observe(StepPlan(FULL, 5.0, verify, (8,)), ["a"], verify + 0.03, [5])  # the shape's first: not priced
     plan_state.observe(StepPlan(FULL, 5.0, verify, (8,)), ["a"], verify + 0.03, [5])
     assert plan_state.tree_extra(1) == pytest.approx(0.03)
-    assert plan_state.tree_extra(4) == pytest.approx(0.03)  # a smaller bucket's, as it is
+    assert plan_state.tree_extra(4) == pytest.approx(0.03 * 0.06 / 0.05)  # a smaller bucket's, grown
+    assert plan_state.tree_extra(16) == pytest.approx(0.03 * 0.10 / 0.05)
     assert not plan_state.choose(plan_state.table(list("abcd")), 4).plain
     # the control: priced per request (0.12 s for four), the same trees are priced out
     per_request = planner()
@@ -242,14 +246,30 @@ def test_a_bucket_without_tree_steps_borrows_a_neighbours_price_at_the_most_it_w
     per_request.tree_seen[4] = deque([(0, 0.12, 0.0)])
     assert per_request.choose(per_request.table(list("abcd")), 4).plain
     # four requests' own tree steps replace the borrowed price; one request borrows theirs per request
-    verify = plan_state.seconds(4, FULL) - 0.03
+    verify = plan_state.seconds(4, FULL) - plan_state.tree_extra(4)
     for _ in range(2):
         plan_state.observe(StepPlan(FULL, 20.0, verify, (8,) * 4), list("abcd"), verify + 0.12, [5] * 4)
     assert plan_state.tree_extra(4) == pytest.approx(0.12)
     fresh = planner()
     fresh.tree_seen[4] = deque([(0, 0.12, 0.0)])
     assert fresh.tree_extra(1) == pytest.approx(0.03)
-    assert fresh.tree_extra(16) == pytest.approx(0.12)
+    assert fresh.tree_extra(16) == pytest.approx(0.12 * 0.10 / 0.06)
+
+
+def test_a_large_batch_does_not_try_trees_at_one_requests_price():
+    """Where the forward is compute-bound (a batch of 16 twice one request's), a tree's rest served to one request
+    is priced grown at 16: a thin predicted gain at that price would cost the whole batch a slow step."""
+    plan_state = planner()
+    crowd = [f"r{index}" for index in range(16)]
+    plan_state.learn_reach({rid: [0.9] * 8 for rid in crowd})
+    plan_state.tree_seen[1] = deque([(0, 0.03, 0.0)])
+    assert plan_state.tree_extra(16) == pytest.approx(0.06)
+    assert plan_state.choose(plan_state.table(crowd), 16).plain
+    # the control: the same trees at one request's price, as it is, are taken
+    as_is = planner()
+    as_is.learn_reach({rid: [0.9] * 8 for rid in crowd})
+    as_is.tree_seen[16] = deque([(0, 0.03, 0.0)])
+    assert not as_is.choose(as_is.table(crowd), 16).plain
 
 
 def test_one_fast_tree_step_among_slower_ones_does_not_price_the_trees():
