@@ -238,10 +238,10 @@ class StepPlanner:
         (``_forward_growth``: the head's forwards over the batch's beams and the host's work a request grow with
         the batch, and a wrong try costs a large batch most), else the nearest larger one's per request times the
         bucket (at most what it would be: a try at a smaller batch costs little); None: no bucket has one that
-        recent. The median, not the least:
-        one fast tree step among slower ones must not keep buying trees that lose to a plain step. A price that
-        expires: only tree steps can correct it, so a slow spell of a busy machine must not keep trees off for
-        good; where trees do not pay, one is retried every ``TREE_PRICE_MEMORY`` steps."""
+        recent. The median, not the least: one fast tree step among slower ones must not keep buying trees that
+        lose to a plain step. A price that expires: only tree steps can correct it, so a slow spell of a busy
+        machine must not keep trees off for good; where trees do not pay, one is retried every
+        ``TREE_PRICE_MEMORY`` steps."""
         recent = {}
         for seen, held in self.tree_seen.items():
             scale = self.plain_scale(seen)
