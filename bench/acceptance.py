@@ -396,7 +396,8 @@ def draw_plots(report: dict[str, Any], folder: Path, stem: str) -> None:
                         axis.plot(*zip(*points), marker="o", label=policy)
                 if metric == "speedup":
                     axis.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-                    lookup = [r["speedup"] for r in rows if r["method"] == "prompt_lookup" and r["temperature"] == temperature]
+                    lookup = [r["speedup"] for r in rows
+                              if r["method"] == "prompt_lookup" and r["temperature"] == temperature]
                     if lookup:
                         axis.axhline(lookup[0], color="black", linestyle=":", label="HF prompt lookup")
                 axis.set_xscale("log", base=2)

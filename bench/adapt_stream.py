@@ -156,7 +156,8 @@ def plot(results: dict, path: Path) -> None:
                 back = row["head"] in seen  # a head served before: a rollback
                 axes[0].axvline(row["request"], color="red" if back else "green", alpha=0.4)
                 seen.add(row["head"])
-    axes[0].set_title(f"accept length (mean of the last {window} requests)\nlines: a new head served (red: rolled back)",
+    axes[0].set_title(f"accept length (mean of the last {window} requests)\n"
+                      "lines: a new head served (red: rolled back)",
                       fontsize=10)
     axes[1].set_title(f"tokens/s (mean of the last {window} requests)")
     for axis in axes:

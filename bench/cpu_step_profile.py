@@ -4,7 +4,7 @@ the target's forward, the draft's forwards and everything else (the step's overh
     python bench/cpu_step_profile.py                       # plain, sequoia 15/4/4, specexec 15/4/4; 1 and 8 requests
     python bench/cpu_step_profile.py --configs plain,sequoia --concurrency 1 --max-new-tokens 16   # quicker
     python bench/cpu_step_profile.py --cprofile            # also cProfile's top functions per server (slower steps)
-    python bench/cpu_step_profile.py --configs plain,plain-sync,auto --depth 8 --concurrency 16   # tree auto's cold steps
+    python bench/cpu_step_profile.py --configs plain,plain-sync,auto --depth 8 --concurrency 16 # tree auto's cold steps
 
 Each server (SmolLM2-135M + shipped head, through the CPU harness) is started with ``SGLANG_SPEC_CPU_PROFILE``
 (``sglang_spec_testbed/profile.py``), warmed up with one short request, then decodes greedily ``--max-new-tokens``

@@ -37,7 +37,8 @@ from sglang_spec.files import check_output_path, write_text_atomic
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,4,16,64,256")
     parser.add_argument("--budgets", default="4,8,16,32,64,128", help="draft nodes per request (root excluded)")
     parser.add_argument("--vocab", type=int, default=129280, help="DeepSeek-V3/R1 vocabulary by default")
@@ -373,7 +374,8 @@ def print_table(rows: list[dict]) -> None:
     for op, batch, budget in keys:
         cells = []
         for provider in providers:
-            match = [r for r in rows if (r["op"], r["batch"], r["budget"], r["provider"]) == (op, batch, budget, provider)]
+            match = [r for r in rows
+                     if (r["op"], r["batch"], r["budget"], r["provider"]) == (op, batch, budget, provider)]
             cells.append(f"{match[0]['median_us']:>11.1f} us" if match else f"{'-':>14}")
         print(" | ".join([f"{op:>16}", f"{batch:>4}", f"{budget:>6}"] + cells))
 

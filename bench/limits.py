@@ -139,7 +139,8 @@ def measure(model: Any, context: int, sizes: tuple[int, ...] = LIMIT_SIZES, repe
 
 def render(limits: dict[str, Any]) -> str:
     lines = [
-        f"Machine: {limits['threads']} thread(s); memory bandwidth {limits['memory_bandwidth_gbs']:.1f} GB/s (streaming "
+        f"Machine: {limits['threads']} thread(s); memory bandwidth "
+        f"{limits['memory_bandwidth_gbs']:.1f} GB/s (streaming "
         f"read), float32 matmul {limits['matmul_peak_gflops']:.0f} GFLOP/s "
         f"({limits.get('matmul_peak_size', 2048)}^3), "
         + ", ".join(f"{v:.1f} GFLOP/s at {n} token(s) x the MLP weights" for n, v in

@@ -419,7 +419,8 @@ def copy_ceiling_body(results: Path) -> str:
              f"timing): `best-copy` always copies the best span, `lookup-chain` is prompt lookup's chain, "
              f"`lookup-tree` any of the context lookup's first {data['lookup_width']} candidates at every depth.")
     return "\n\n".join([about, run_lines(data, results, name, [name]),
-                        table(["workload", *drafters], [[w, *(cell.get((w, d)) for d in drafters)] for w in workloads])])
+                        table(["workload", *drafters],
+                              [[w, *(cell.get((w, d)) for d in drafters)] for w in workloads])])
 
 
 def planner_projection_body(results: Path) -> str:

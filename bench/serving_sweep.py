@@ -322,7 +322,8 @@ def write_sharegpt(path: Path, questions: list[str], replies: list[str] | None =
     """Single-turn requests in ShareGPT's format, what bench_serving reads. The reply is a placeholder: the output
     length comes from --sharegpt-output-len, or without it from the reply's tokens (``replies``, one a question)."""
     replies = replies or ["."] * len(questions)
-    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": reply}]}
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": question},
+                                                   {"from": "gpt", "value": reply}]}
                                 for question, reply in zip(questions, replies, strict=True)]))
     return path
 
@@ -685,7 +686,8 @@ def main(argv=None) -> int:
             tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as error:
             raise SpecError(f"--output-len-spread counts each reply with the served model's tokenizer, and {source} "
-                            f"has none that loads ({str(error).splitlines()[0][:120]}); run without the spread") from None
+                            f"has none that loads ({str(error).splitlines()[0][:120]}); "
+                            "run without the spread") from None
     datasets: dict[str, Path | None] = dict(workload_datasets(args, scratch, tokenizer)) \
         if args.dataset == "heldout" else {args.dataset: None}
 

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
             outputs[(policy, budget)] = [answer["output_ids"] for answer in answers]
             rows.append({"policy": policy, "budget": budget, "depth": args.depth, "topk": args.topk, "width": width,
                          "accept_length": sum(lengths) / len(lengths), "verify_steps": len(lengths)})
-            print(f"{policy:<9} budget {budget:>3}: width {width:>3}, mean accept length {rows[-1]['accept_length']:.3f}",
+            print(f"{policy:<9} budget {budget:>3}: width {width:>3}, "
+                  f"mean accept length {rows[-1]['accept_length']:.3f}",
                   flush=True)
     identical = len({json.dumps(tokens) for tokens in outputs.values()}) == 1
     command = "python bench/sglang_trees.py " + " ".join(argv if argv is not None else sys.argv[1:])

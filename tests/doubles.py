@@ -43,8 +43,8 @@ class SyntheticCandidates(CandidateSource):
 
 def plugin_worker_state(options=None, drafter=None, **fields):
     """A tree server's ``WorkerState`` for tests that drive the plugin's hooks with stand-in workers: ``options``
-    (default eagle 8/4/4/4), ``drafter`` (default SGLang's loop in that shape); ``width``, ``steps``, ``budget``: SGLang's
-    draft shape where it differs from the options'; the other fields as given."""
+    (default eagle 8/4/4/4), ``drafter`` (default SGLang's loop in that shape); ``width``, ``steps``, ``budget``:
+    SGLang's draft shape where it differs from the options'; the other fields as given."""
     from sglang_spec.sglang_plugin.drafters.filler import filler_encoding
     from sglang_spec.sglang_plugin.drafters.sglang_loop import SGLangLoopDrafter
     from sglang_spec.sglang_plugin.options import TreeServerOptions

@@ -45,7 +45,8 @@ class RejectionStep:
     draft_after_reject: torch.Tensor
 
 
-def rejection_step(target: torch.Tensor, draft: torch.Tensor, token: torch.Tensor, rule: RejectionKind) -> RejectionStep:
+def rejection_step(target: torch.Tensor, draft: torch.Tensor, token: torch.Tensor,
+                   rule: RejectionKind) -> RejectionStep:
     """target, draft: [R, V] float64 distributions; token: [R] int64 candidate drawn from ``draft``."""
     rows = torch.arange(target.shape[0], device=target.device)
     target_at = target[rows, token]

@@ -27,7 +27,8 @@ def test_wheel_contains_kernels_and_data(tmp_path):
         shutil.copy(REPO / name, source / name)
     shutil.copytree(REPO / "sglang_spec", source / "sglang_spec", ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+         str(source)],
         check=True,
         capture_output=True,
     )

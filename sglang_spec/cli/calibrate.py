@@ -41,8 +41,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         "(the positional table of sequoia trees and --auto). --prompts: decodes prompts with a wide hybrid tree and "
         "counts, for every candidate offered at an accepted node, whether it was the accepted child, per lookup "
         "match length and rank, head depth and draft probability, and match length where both sources agree (the "
-        "per-source counts of lookup / hybrid trees). --from-server URL: reads the per-depth, per-rank acceptance a live "
-        "SGLang server with the sglang_spec plugin and --enable-metrics counted on its own traffic (for targets "
+        "per-source counts of lookup / hybrid trees). --from-server URL: reads the per-depth, per-rank acceptance "
+        "a live SGLang server with the sglang_spec plugin and --enable-metrics counted on its own traffic (for targets "
         "that transformers cannot load); the server counts the MTP head's tree nodes only, so per-source counts "
         "(lookup / hybrid) are not served yet. Use prompts and traffic your benchmarks never see.",
     )

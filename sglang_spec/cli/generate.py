@@ -275,7 +275,8 @@ def _print_table(
             print("sampling: outputs are compared in distribution (tests), not token by token")
 
 
-def costs_for(loaded: LoadedModel, head: MTPHead | None, costs_path: Path | None, sampling: SamplingParams) -> tuple[CostCurve, Path]:
+def costs_for(loaded: LoadedModel, head: MTPHead | None, costs_path: Path | None,
+              sampling: SamplingParams) -> tuple[CostCurve, Path]:
     """This machine's cost curve for the runner the decoder uses (measured once, cached per model, dtype,
     sampling mode, runner and its GEMM backend, and host)."""
     if head is None:

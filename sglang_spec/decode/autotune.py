@@ -120,7 +120,8 @@ def _verify_times(
 
     forwards: dict[Any, Callable[[], object]] = {"copy": fresh_batch}  # not part of a step: timed and subtracted
     for size in sizes:
-        tree = TokenTree.from_parents(list(range(-1, size - 1)), tokens=torch.randint(vocab, (size,), generator=generator))
+        tree = TokenTree.from_parents(list(range(-1, size - 1)),
+                                      tokens=torch.randint(vocab, (size,), generator=generator))
 
         def forward(tree: TokenTree = tree) -> None:
             fresh_batch()

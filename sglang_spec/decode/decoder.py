@@ -206,7 +206,8 @@ def generate_plain(
 Verifier = Callable[[TreeBatch, torch.Tensor, GenerationConfig, torch.Generator], VerifyResult]
 
 
-def lossless_verify(batch: TreeBatch, logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> VerifyResult:
+def lossless_verify(batch: TreeBatch, logits: torch.Tensor, config: GenerationConfig,
+                    generator: torch.Generator) -> VerifyResult:
     """Greedy at temperature 0, else SpecExec's sample-and-match (one coin per node). logits: [B, N, V]."""
     if config.sampling.greedy:
         return verify_greedy(batch, logits.argmax(-1))

@@ -60,7 +60,8 @@ def supports(model: PreTrainedModel) -> bool:
     if base is None or not layers:
         return False
     attention = layers[0].self_attn
-    if any(getattr(getattr(attention, name), "bias", None) is not None for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
+    if any(getattr(getattr(attention, name), "bias", None) is not None
+           for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return False
     if hasattr(attention, "q_norm"):  # Qwen3's per-head norms: not reproduced here
         return False
@@ -210,7 +211,9 @@ class StaticTargetRunner:
             normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.input_norm, self.eps)
             qkv = layer.qkv(normed)  # [B*T, q + 2k]
             rotated = torch.view_as_real(
-                torch.view_as_complex(qkv[:, : q_size + k_size].reshape(batch * width, heads + kv_heads, head_dim // 2, 2))
+                torch.view_as_complex(
+                    qkv[:, : q_size + k_size].reshape(batch * width, heads + kv_heads, head_dim // 2, 2)
+                )
                 * rotation
             )  # [B*T, heads + kv_heads, D/2, 2]
             if causal:

@@ -93,7 +93,8 @@ def render_html(requests: Sequence[TracedRequest], decode: Callable[[list[int]],
             for token, source in pairs:
                 label = f"step {index}, {SOURCE_NAMES[source]}, tree {nodes} nodes, t={seconds * 1e3:.1f} ms"
                 text = html.escape(decode([token]))
-                parts.append(f"<span class='t' style='background:{_HTML_COLOURS[source]}' title='{label}'>{text}</span>")
+                parts.append(f"<span class='t' style='background:{_HTML_COLOURS[source]}' title='{label}'>"
+                             f"{text}</span>")
         parts.append("</div><details><summary>steps</summary><table><tr><th>step</th><th>tree nodes</th>"
                      "<th>accepted drafts</th><th>by source</th><th>target token</th><th>time (ms)</th></tr>")
         previous = 0.0

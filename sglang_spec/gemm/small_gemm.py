@@ -3,8 +3,8 @@
 
 On the 2-core AVX-512 machine this project runs on, SmolLM2-135M's weights (538 MB, streamed from memory) at 16-17
 rows take 47-55 ms through ``F.linear`` and 36-41 ms through MKL's packed GEMM, and 26-33 ms here; at one row
-19.5-24 ms here against 21-27 ms (``python bench/packed_gemm.py``, four runs). The weight is packed once into 32-column panels
-(``pack_weight``) that serve every row count.
+19.5-24 ms here against 21-27 ms (``python bench/packed_gemm.py``, four runs). The weight is packed once into 32-column
+panels (``pack_weight``) that serve every row count.
 
 Panels may hold the weight rounded to bfloat16 (``pack_weight(weight, torch.bfloat16)``): the kernel widens them
 in registers and multiplies in float32, the product of the rounded weight at half the memory stream. That is for
@@ -43,7 +43,8 @@ class SmallGemmUnavailable(RuntimeError):
 @functools.lru_cache(maxsize=1)
 def _build() -> Any:
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        raise SmallGemmUnavailable(f"the CPU's vector capability is {torch.backends.cpu.get_cpu_capability()}, not AVX512")
+        raise SmallGemmUnavailable(f"the CPU's vector capability is {torch.backends.cpu.get_cpu_capability()}, "
+                                   "not AVX512")
     try:
         directory: Path | None = Path(cpp_extension._get_build_directory(_NAME, verbose=False))
     except Exception:  # a private helper: only decides whether to announce the build and checks its lock

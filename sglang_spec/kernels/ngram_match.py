@@ -178,7 +178,8 @@ def _ngram_match_kernel(
 
 
 def ngram_match(history: torch.Tensor, lengths: torch.Tensor, query_rows: torch.Tensor, tails: torch.Tensor,
-                tail_lengths: torch.Tensor, max_ngram: int, width: int, out: NgramMatches | None = None) -> NgramMatches:
+                tail_lengths: torch.Tensor, max_ngram: int, width: int,
+                out: NgramMatches | None = None) -> NgramMatches:
     """Launcher: one program per query (module doc for the layouts; every tensor int64 on one device). Writes
     ``out`` (made when None) and returns it. The history's rows may be strided (a view of a wider buffer); the
     per-query inputs are made contiguous, because the kernel indexes them densely: a batch of one request builds

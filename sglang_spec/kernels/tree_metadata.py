@@ -135,7 +135,8 @@ def _tree_metadata_kernel(
             up = current >= 0
             ancestors = ancestors | ((current[:, None] == columns[None, :]) & up[:, None])
             depth += up.to(tl.int64)
-            next_up = tl.load(parents_ptr + b * parents_stride + tl.maximum(current, 0), mask=up & (current > 0), other=-1)
+            next_up = tl.load(parents_ptr + b * parents_stride + tl.maximum(current, 0), mask=up & (current > 0),
+                              other=-1)
             current = tl.where(up & (current > 0), next_up, -1)
 
         child_of_row = (column_parent[None, :] == rows[:, None]) & column_real[None, :] & real[:, None]

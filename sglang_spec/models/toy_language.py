@@ -15,7 +15,8 @@ class ToyLanguage:
         self.generator = torch.Generator().manual_seed(seed)
         self.branch_probs = torch.tensor(branch_probs)
         self.successors = torch.stack(
-            [torch.randperm(vocab_size - 2, generator=self.generator)[: len(branch_probs)] + 2 for _ in range(vocab_size)]
+            [torch.randperm(vocab_size - 2, generator=self.generator)[: len(branch_probs)] + 2
+             for _ in range(vocab_size)]
         )
 
     def sample(self, count: int, length: int) -> torch.Tensor:

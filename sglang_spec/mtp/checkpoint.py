@@ -211,7 +211,8 @@ def _load_state(head: MTPHead, tensors: dict[str, torch.Tensor], source: str) ->
     for name, tensor in tensors.items():
         if tensor.shape != expected[name].shape:
             raise SpecError(
-                f"{source}: {name} has shape {tuple(tensor.shape)}, the target's head needs {tuple(expected[name].shape)}"
+                f"{source}: {name} has shape {tuple(tensor.shape)}, "
+                f"the target's head needs {tuple(expected[name].shape)}"
             )
     head.load_state_dict({name: tensor.to(expected[name].dtype) for name, tensor in tensors.items()})
 
@@ -255,7 +256,8 @@ def load_deepseek_mtp(checkpoint: str | Path, target: PreTrainedModel, feedback:
     checkpoint = Path(checkpoint)
     layer = target.config.num_hidden_layers
     if getattr(target.config, "num_nextn_predict_layers", 0) in (0, None):
-        raise SpecError(f"{checkpoint}: the model config has num_nextn_predict_layers = 0 (no MTP layer); pass --mtp PATH")
+        raise SpecError(f"{checkpoint}: the model config has num_nextn_predict_layers = 0 (no MTP layer); "
+                        "pass --mtp PATH")
     raw = _read_prefixed(checkpoint, f"model.layers.{layer}.")
     if not raw:
         raise SpecError(

@@ -138,7 +138,8 @@ class MTPDrafter:
             tokens.append(tree.tokens[node])
             positions.append(state.committed - 1 + tree.depths[node])
         # a lone node whose ancestors fill the cache (a chain) needs no mask: the cheap chain path
-        mask = None if count == 1 and bool(allowed.all()) else attention_mask_for(self.config, allowed[None, None], self._dtype)
+        mask = (None if count == 1 and bool(allowed.all())
+                else attention_mask_for(self.config, allowed[None, None], self._dtype))
         output = self.head(
             torch.tensor([tokens], device=device),
             torch.stack(hidden)[None],

@@ -4,8 +4,8 @@ SGLang appends a step's accepted tokens to ``req.output_ids`` when it processes 
 overlap scheduler that happens before the next step runs. With it (SGLang's default on a GPU) a step's result is
 processed after the next step has been launched, so while a step drafts and verifies, ``output_ids`` lacks the
 previous step's tokens (on a request's first decode step, the prefill's token). Two things the plugin reads on
-the host need the output complete: a host context tree's history (``drafters.host_context``) and exact penalties in a tree's
-verify (``penalties``). They get ``output_ids`` plus the missing tail, which this module keeps: the tokens each
+the host need the output complete: a host context tree's history (``drafters.host_context``) and exact penalties in a
+tree's verify (``penalties``). They get ``output_ids`` plus the missing tail, which this module keeps: the tokens each
 verify committed (its accepted drafts and the bonus token), recorded on the device where the verify samples them
 and read on the host when the next step asks (SGLang's NGRAM worker splices its previous round's tokens the same
 way).

@@ -35,7 +35,8 @@ class LevelCosts:
         bucket = batch_bucket(batch_size)
         if rounds > 0:
             self.round_seconds[bucket] = moving_average(self.round_seconds.get(bucket), rounds_seconds / rounds)
-        self.rest_seconds[bucket] = moving_average(self.rest_seconds.get(bucket), max(step_seconds - rounds_seconds, 0.0))
+        self.rest_seconds[bucket] = moving_average(self.rest_seconds.get(bucket),
+                                                   max(step_seconds - rounds_seconds, 0.0))
 
     def curve(self, batch_size: int) -> CostCurve | None:
         """This batch size's prices for the builder, or None while its bucket lacks a measurement."""

@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sglang_spec.errors import SpecError
-from sglang_spec.sglang_plugin.drafters.beam_selection import DraftPlan, live_beams, specexec_width, usable_slots, widest_level
+from sglang_spec.sglang_plugin.drafters.beam_selection import (DraftPlan, live_beams, specexec_width, usable_slots,
+                                                               widest_level)
 from sglang_spec.tree.encode_sglang import fewest_spec_steps
 from sglang_spec.tree.policies import CONTEXT_POLICY_NAMES, HEAD_FREE_POLICY_NAMES, POLICY_NAMES, TreePolicy
 from sglang_spec.tree.profile import AcceptanceProfile
@@ -81,7 +82,8 @@ KEYWORDS = ("speculative_tree_policy", "speculative_tree_budget", "speculative_t
 ACCEPT_CHOICES = ("sglang", "fused")
 # --speculative-tree-mla-verify: the target's MLA tree verify as a cascade on FlashInfer (``mla_tree_backend``)
 MLA_VERIFY_CHOICES = ("flashinfer",)
-# --speculative-tree-context-on: where lookup / hybrid trees grow (``drafters.host_context``; ``drafters.device_context``)
+# --speculative-tree-context-on: where lookup / hybrid trees grow (``drafters.host_context``;
+# ``drafters.device_context``)
 CONTEXT_ON_CHOICES = ("host", "device")
 # the target backends it serves under: FlashInfer's MLA back-end on a GPU (prefill / decode stay SGLang's), the
 # CPU bed's intel_amx (prefill / decode the bed's stand-ins, the verify through the CPU twin of FlashInfer)
@@ -144,7 +146,8 @@ class TreeServerOptions:
 
     @property
     def uses_context(self) -> bool:
-        """Whether trees copy from the request's context (lookup, hybrid: ``drafters.host_context``, ``drafters.device_context``)."""
+        """Whether trees copy from the request's context (lookup, hybrid: ``drafters.host_context``,
+        ``drafters.device_context``)."""
         return self.policy in CONTEXT_POLICY_NAMES
 
     def load_profile(self) -> AcceptanceProfile | None:
@@ -443,7 +446,8 @@ def validate_model(options: TreeServerOptions, is_dsa: bool) -> None:
                         "plugin does not carry their index state; drop the --speculative-tree-* options")
 
 
-def validate_backends(options: TreeServerOptions, backends: Mapping[str, str | None], is_mla: bool, device: str) -> None:
+def validate_backends(options: TreeServerOptions, backends: Mapping[str, str | None], is_mla: bool,
+                      device: str) -> None:
     """After SGLang's capability adjustments: every attention backend the tree goes through (``backends``: field
     name -> resolved backend, None = falls back to attention_backend) must handle a tree."""
     if options.mla_verify is not None:

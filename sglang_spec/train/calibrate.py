@@ -1,7 +1,8 @@
 """Measuring an acceptance profile (``sglang-spec calibrate``): both of its sections.
 
 * ``calibrate``, the positional table (``rank_acceptance``), from traffic as token ids (``records.EncodedRecord``:
-  prompt and completion, where the completion starts). For every completion position b of the traffic, the head drafts a chain along the target's own continuation,
+  prompt and completion, where the completion starts). For every completion position b of the traffic, the head drafts a
+  chain along the target's own continuation,
 exactly as a tree node at depth d sees it (exact pairs up to b, its own recursive pairs after). At depth d the
 head ranks its candidates x_1, x_2, ...; with deterministic top-k children and the lossless sample-and-match
 rule, the rank-k child of an accepted node is the accepted one with probability p_T(x_k), the target's tempered

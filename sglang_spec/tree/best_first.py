@@ -235,7 +235,8 @@ class BestFirstBuilder:
         depth_limit = self.shape.depth
         while True:
             selected = self._best(count)
-            todo = [node for node in [0, *selected] if node not in self.lookup_done and self.tree.depths[node] < depth_limit]
+            todo = [node for node in [0, *selected]
+                    if node not in self.lookup_done and self.tree.depths[node] < depth_limit]
             if not todo:
                 return selected
             for node in todo:

@@ -256,7 +256,8 @@ def decode_sglang_draft(
                 continue
             parent_value = int(parent_list[row, slot])
             if parent_value not in position_of:
-                raise SpecError(f"invalid eagle tree: request {row} has a node whose parent slot {slot} is not selected")
+                raise SpecError(f"invalid eagle tree: request {row} has a node whose parent slot {slot} "
+                                "is not selected")
             parents.append(position_of[parent_value] + 1)
         probs = None if draft_probs is None else [1.0, *draft_probs[row].tolist()]
         trees.append(

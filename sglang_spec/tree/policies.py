@@ -114,7 +114,8 @@ class TreePolicy:
             if self.budget > slots:
                 raise SpecError(
                     f"eagle with topk {self.effective_topk} and depth {self.depth} has only {slots} candidate "
-                    f"slots (topk + (depth-1)*topk^2) for budget {self.budget}; raise topk or depth, or lower the budget"
+                    f"slots (topk + (depth-1)*topk^2) for budget {self.budget}; "
+                    "raise topk or depth, or lower the budget"
                 )
 
     @property

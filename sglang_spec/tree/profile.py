@@ -247,15 +247,18 @@ class SourceCounts:
         return counts
 
     def _check(self, source: str) -> None:
-        shape = f"expected lookup [n][{LOOKUP_RANKS}], mtp [{MTP_DEPTHS}][{MTP_BINS}], both [n], mtp_top1 [{MTP_DEPTHS}]"
+        shape = (f"expected lookup [n][{LOOKUP_RANKS}], mtp [{MTP_DEPTHS}][{MTP_BINS}], both [n], "
+                 f"mtp_top1 [{MTP_DEPTHS}]")
         if (not self.lookup or len(self.mtp) != MTP_DEPTHS or len(self.both) != len(self.lookup)
                 or len(self.mtp_top1) != MTP_DEPTHS):
             raise SpecError(f"{source}: {shape}")
         if any(len(row) != LOOKUP_RANKS for row in self.lookup) or any(len(row) != MTP_BINS for row in self.mtp):
             raise SpecError(f"{source}: {shape}")
         for accepted, offered in self._cells():
-            if not (math.isfinite(accepted) and math.isfinite(offered)) or accepted < 0 or offered <= 0 or accepted > offered:
-                raise SpecError(f"{source}: a cell has counts ({accepted}, {offered}); need 0 <= accepted <= offered, offered > 0")
+            if (not (math.isfinite(accepted) and math.isfinite(offered)) or accepted < 0 or offered <= 0
+                    or accepted > offered):
+                raise SpecError(f"{source}: a cell has counts ({accepted}, {offered}); "
+                                "need 0 <= accepted <= offered, offered > 0")
 
     def _cap(self, weight: float) -> None:
         for cell in self._cells():
@@ -264,7 +267,8 @@ class SourceCounts:
                 cell[1] = weight
 
     def _cells(self) -> list[list[float]]:
-        return [cell for row in self.lookup for cell in row] + [c for row in self.mtp for c in row] + self.both + self.mtp_top1
+        return ([cell for row in self.lookup for cell in row] + [c for row in self.mtp for c in row] + self.both
+                + self.mtp_top1)
 
     def to_obj(self) -> dict[str, Any]:
         return {"lookup": self.lookup, "mtp": self.mtp, "both": self.both, "mtp_top1": self.mtp_top1}

@@ -78,7 +78,8 @@ class SequoiaTable:
         return result[::-1]
 
 
-def sequoia_table(profile: AcceptanceProfile, max_nodes: int, levels: int, max_branch: int | None = None) -> SequoiaTable:
+def sequoia_table(profile: AcceptanceProfile, max_nodes: int, levels: int,
+                  max_branch: int | None = None) -> SequoiaTable:
     """Runs the DP for all node counts up to ``max_nodes`` with ``levels`` levels (cached per profile)."""
     branch = profile.max_rank if max_branch is None else min(max_branch, profile.max_rank)
     rows = tuple(profile.row(depth)[:branch] for depth in range(1, levels + 1))

@@ -54,4 +54,5 @@ class _SampleOnVisit(MatchRule):
         visiting, at = rows[active], node[active]
         temperature, top_k, top_p = (param[visiting.to(param.device)] for param in self.params)
         probs = target_probs_from_logits(self.logits[visiting, at][:, None], temperature, top_k, top_p)[:, 0]
-        self.target_tokens[visiting, at] = sample_from_probs(probs, self.coins[visiting, at]).to(self.target_tokens.dtype)
+        self.target_tokens[visiting, at] = (sample_from_probs(probs, self.coins[visiting, at])
+                                            .to(self.target_tokens.dtype))

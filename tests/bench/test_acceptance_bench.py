@@ -32,7 +32,8 @@ def test_auto_and_the_bench_predict_the_same_speedup(tiny, acceptance, capsys, t
     costs_path.write_text(json.dumps(costs.to_json()))
     profile_path = tmp_path / "profile.json"
     profile_path.write_text(json.dumps({"rank_acceptance": [[0.7, 0.15, 0.05], [0.6, 0.2, 0.05]]}))
-    assert cli_main(["generate", "--model", "tiny-deepseek", "--policy", "sequoia", "--auto", "--depth", "6", "--costs", str(costs_path),
+    assert cli_main(["generate", "--model", "tiny-deepseek", "--policy", "sequoia", "--auto", "--depth", "6",
+                     "--costs", str(costs_path),
                      "--acceptance", str(profile_path), "--prompt", "abc", "--max-new-tokens", "4", "--json"]) == 0
     auto = json.loads(capsys.readouterr().out)["auto"]
     assert auto["budget"] > 0

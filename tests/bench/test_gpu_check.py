@@ -134,7 +134,8 @@ def test_a_run_keeps_one_row_per_device_and_check_and_escapes_pipes(tmp_path):
     docs = tmp_path / "log.md"
     kept = "| old.json | NVIDIA Y | `" + first + "` | **failed**: x |"
     replaced = "| old.json | NVIDIA X | `" + first + "` | **failed**: x |"
-    docs.write_text("# log\n\n| record | device | check | result |\n|---|---|---|---|\n" + kept + "\n" + replaced + "\n")
+    docs.write_text("# log\n\n| record | device | check | result |\n"
+                    "|---|---|---|---|\n" + kept + "\n" + replaced + "\n")
     gpu_check.record_rows(docs, rows)
     table = docs.read_text().splitlines()[2:]
     assert table[2:] == [kept, *rows]  # the other device's row kept; this device's replaced where it stood
@@ -162,7 +163,8 @@ def test_checks_are_chosen_by_name_within_the_groups_and_an_unknown_one_is_one_l
     groups = gpu_check.selected_groups("kernels,mla")
     chosen = gpu_check.selected_checks("mla_tree_kernel, kernel_bench", groups)
     assert [check.name for check in chosen] == ["kernel_bench", "mla_tree_kernel"]
-    assert gpu_check.selected_checks(None, groups) == tuple(c for c in gpu_check.CHECKS if c.group in ("kernels", "mla"))
+    assert gpu_check.selected_checks(None, groups) == tuple(c for c in gpu_check.CHECKS
+                                                            if c.group in ("kernels", "mla"))
     with pytest.raises(SpecError, match=r"--checks 'server_plain': server_plain is not a check of the groups chosen"):
         gpu_check.selected_checks("server_plain", groups)
     assert gpu_check.main(["--list", "--group", "kernels,mla", "--checks", "device_hybrid,mla_tree_kernel"]) == 0

@@ -8,7 +8,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("gpu_flashinfer_payload", REPO / "bench" / "gpu_flashinfer_payload.py")
+    spec = importlib.util.spec_from_file_location("gpu_flashinfer_payload",
+                                                  REPO / "bench" / "gpu_flashinfer_payload.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -114,7 +114,8 @@ def snapshot(step):
 MODE_CONFIGS = {
     "greedy": dict(mode="greedy"),
     "sample": dict(mode="sample"),
-    "relaxed": dict(mode="relaxed", relaxed=RelaxedAcceptance(top_n=3, delta=0.4, think_begin_token=5, think_end_token=6)),
+    "relaxed": dict(mode="relaxed",
+                    relaxed=RelaxedAcceptance(top_n=3, delta=0.4, think_begin_token=5, think_end_token=6)),
 }
 
 

@@ -40,7 +40,8 @@ def biased_verify(batch, logits, config, generator):
     """Negative control: accepts the most likely child whenever its target probability is >= 0.25 (a relaxed
     threshold, like a single-token threshold below 1), else SpecExec's rule."""
     probs = target_probs_from_logits(
-        logits, torch.ones(batch.batch_size), torch.full((batch.batch_size,), SAMPLING.top_k), torch.ones(batch.batch_size)
+        logits, torch.ones(batch.batch_size), torch.full((batch.batch_size,), SAMPLING.top_k),
+        torch.ones(batch.batch_size)
     )
     targets = sample_from_probs(probs, torch.rand(batch.batch_size, batch.max_nodes, generator=generator))
     for row in range(batch.batch_size):

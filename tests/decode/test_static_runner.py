@@ -1,6 +1,6 @@
 """The static-cache runner computes what transformers computes: same logits (to float32 rounding) as
-``TransformersRunner`` for prefill, plain steps, tree verifies, commits of accepted paths (chains and branches), batches of
-requests with different lengths, finished requests leaving, and a cache that grows past its first capacity."""
+``TransformersRunner`` for prefill, plain steps, tree verifies, commits of accepted paths (chains and branches), batches
+of requests with different lengths, finished requests leaving, and a cache that grows past its first capacity."""
 
 import numpy as np
 import pytest

@@ -33,12 +33,13 @@ def test_serving_sweep_compares_sglangs_own_speculation_on_held_out_workloads(tm
     would; the serving workloads and a user's own prompt file become datasets; ratios are over plain in the run."""
     sweep = load("bench/serving_sweep.py", "serving_sweep")
     assert sweep.main(["--dry-run", "--cpu-model", "smollm2", "--policies",
-                       "sglang-chain,sglang-tree,sglang-ngram,hybrid,lookup,auto", "--budgets", "15", "--concurrency", "1",
-                       "--workloads", "serving"]) == 0
+                       "sglang-chain,sglang-tree,sglang-ngram,hybrid,lookup,auto", "--budgets", "15",
+                       "--concurrency", "1", "--workloads", "serving"]) == 0
     out = capsys.readouterr().out
     assert "--speculative-tree-policy hybrid --speculative-tree-budget 15 --speculative-tree-depth 15 " \
            "--speculative-tree-topk 4 --speculative-acceptance-profile" in out
-    assert "--speculative-tree-topk 4 --speculative-acceptance-profile '<shipped profile>' --speculative-tree-auto" in out
+    assert "--speculative-tree-topk 4 --speculative-acceptance-profile '<shipped profile>' " \
+           "--speculative-tree-auto" in out
     assert "--speculative-tree-policy lookup --speculative-tree-budget 15 --speculative-tree-depth 15 " \
            "--speculative-acceptance-profile" in out
     assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in out

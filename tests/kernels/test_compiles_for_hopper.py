@@ -1,7 +1,8 @@
 """The sampled target-token kernel and the n-gram match kernel compiled for an H100 (sm90) on this CPU: Triton's
 compiler, unlike its interpreter, refuses a loop-carried variable that changes type (the first 16-way search passed
-every interpreted test and failed to compile on the GPU). Compiling needs no GPU: Triton lowers to PTX and runs its bundled ptxas. It runs in a
-subprocess because the suite's kernels are interpreted (TRITON_INTERPRET=1 is set before they are defined)."""
+every interpreted test and failed to compile on the GPU). Compiling needs no GPU: Triton lowers to PTX and runs its
+bundled ptxas. It runs in a subprocess because the suite's kernels are interpreted (TRITON_INTERPRET=1 is set before
+they are defined)."""
 
 from __future__ import annotations
 

@@ -167,7 +167,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
 
 def test_the_tree_part_compiles_for_sm90():
     """Triton's compiler is stricter than its interpreter (types of loop-carried values, dot shapes): the kernel
-    compiled for an H100 at DeepSeek-V3's widths, in bf16 and float32, on this CPU (no GPU needed to lower to a cubin)."""
+    compiled for an H100 at DeepSeek-V3's widths, in bf16 and float32, on this CPU (no GPU needed to lower to a
+    cubin)."""
     pytest.importorskip("triton.backends.nvidia")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True,

@@ -44,7 +44,8 @@ def test_round_trip_through_deepseeks_weight_names(random_tiny, tmp_path):
     names = [name for name in index if name.startswith(f"model.layers.{layer}.")]
     assert index[f"model.layers.{layer}.eh_proj.weight"] == MTP_SHARD
     assert f"model.layers.{layer}.mlp.experts.3.gate_proj.weight" in names
-    assert f"model.layers.{layer}.shared_head.head.weight" in names and f"model.layers.{layer}.embed_tokens.weight" in names
+    assert (f"model.layers.{layer}.shared_head.head.weight" in names
+            and f"model.layers.{layer}.embed_tokens.weight" in names)
     loaded = load_deepseek_mtp(tmp_path / "ckpt", model)
     for name, tensor in head.state_dict().items():
         assert torch.equal(tensor, loaded.state_dict()[name]), name

@@ -1,5 +1,5 @@
-"""The host side of lookup / hybrid trees in SGLang (``sglang_plugin/drafters/host_context.py``): the requests' contexts,
-the padding to SGLang's fixed verify size, and the live calibration from SGLang's accepted paths."""
+"""The host side of lookup / hybrid trees in SGLang (``sglang_plugin/drafters/host_context.py``): the requests'
+contexts, the padding to SGLang's fixed verify size, and the live calibration from SGLang's accepted paths."""
 
 import numpy as np
 import pytest

@@ -73,7 +73,8 @@ def test_the_hooks_reach_sglangs_callers(sglang_with_plugin):
         return inspect.getclosurevars(function).nonlocals.get("hook")
 
     assert hook_of(allocation_sizing.get_req_to_token_extra_context_len) is hooks.req_to_token_headroom_around
-    assert kv_cache_configurator.get_req_to_token_extra_context_len is allocation_sizing.get_req_to_token_extra_context_len
+    assert kv_cache_configurator.get_req_to_token_extra_context_len is \
+        allocation_sizing.get_req_to_token_extra_context_len
     assert hook_of(kv_cache_configurator.KVCacheConfigurator._build_req_to_token_pool) is \
         hooks.build_req_to_token_pool_around
     wrappers, layer = [], TokenizerManager.__init__  # another concern (adapt) hooks it too: each wrapper in turn

@@ -1,6 +1,6 @@
-"""The environment the CPU bed gives every SGLang process (``sglang_spec_testbed.server_environment``): glibc's malloc thresholds
-fixed, so a decode step's large temporaries stay in the heap (``MALLOC_ENV``), and a caller's own values kept; one
-OpenMP thread a process unless ``SGLANG_SPEC_CPU_THREADS`` names a count."""
+"""The environment the CPU bed gives every SGLang process (``sglang_spec_testbed.server_environment``): glibc's malloc
+thresholds fixed, so a decode step's large temporaries stay in the heap (``MALLOC_ENV``), and a caller's own values
+kept; one OpenMP thread a process unless ``SGLANG_SPEC_CPU_THREADS`` names a count."""
 
 from __future__ import annotations
 

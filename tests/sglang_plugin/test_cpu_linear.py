@@ -1,7 +1,7 @@
-"""The CPU bed's stand-in for sgl-kernel's packed GEMM (``sglang_spec_testbed/linear.py``): the product equals ``F.linear``'s, the
-pack is made once and rides on the weight, a token's row does not depend on the rows beside it (a tree verify's
-logits equal a plain step's), SGLang's linear layers and LM head are routed to it, and a bad backend name is one
-line. Through the real server: tests/sglang_server/test_smollm2_through_launch_server.py."""
+"""The CPU bed's stand-in for sgl-kernel's packed GEMM (``sglang_spec_testbed/linear.py``): the product equals
+``F.linear``'s, the pack is made once and rides on the weight, a token's row does not depend on the rows beside it (a
+tree verify's logits equal a plain step's), SGLang's linear layers and LM head are routed to it, and a bad backend name
+is one line. Through the real server: tests/sglang_server/test_smollm2_through_launch_server.py."""
 
 from __future__ import annotations
 

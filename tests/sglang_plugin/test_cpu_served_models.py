@@ -1,5 +1,6 @@
-"""The CPU bed's registry imports only the architectures it serves (``sglang_spec_testbed/architectures``): SGLang's registry reads
-them as an external model package, and still loads every model it ships when asked for one missing there."""
+"""The CPU bed's registry imports only the architectures it serves (``sglang_spec_testbed/architectures``): SGLang's
+registry reads them as an external model package, and still loads every model it ships when asked for one missing
+there."""
 
 from __future__ import annotations
 

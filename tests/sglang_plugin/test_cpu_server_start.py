@@ -1,6 +1,6 @@
-"""``SGLangServer.start`` (``sglang_spec_testbed/server.py``) against stand-in launchers: it reads only what the log gained since
-its last poll, so a bind failure written in two pieces across polls must still be seen, and a launcher that dies
-is reported with its last error line, and one that dies on a taken port is a port race (start again);
+"""``SGLangServer.start`` (``sglang_spec_testbed/server.py``) against stand-in launchers: it reads only what the log
+gained since its last poll, so a bind failure written in two pieces across polls must still be seen, and a launcher that
+dies is reported with its last error line, and one that dies on a taken port is a port race (start again);
 ``stop(wait=False)`` returns before the group has gone, and a thread ends it; a SIGTERM to the caller stops the
 servers it started."""
 

@@ -1,6 +1,6 @@
-"""The CPU bed's prefill threads (``sglang_spec_testbed/threads.py``, ``SGLANG_SPEC_CPU_PREFILL_THREADS``): the variable's parsing,
-and which forwards the hook gives more threads. Through launch_server: ``tests/sglang_server/test_serving_sweep.py``
-(``--prefill-threads``)."""
+"""The CPU bed's prefill threads (``sglang_spec_testbed/threads.py``, ``SGLANG_SPEC_CPU_PREFILL_THREADS``): the
+variable's parsing, and which forwards the hook gives more threads. Through launch_server:
+``tests/sglang_server/test_serving_sweep.py`` (``--prefill-threads``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The CPU bed's tree-mask switch (``sglang_spec_testbed/tree_mask.py``) and the extend-attention stand-in in both of SGLang's
-layouts: FULL_MASK (the GPU's, ``n x (prefix + n)`` per request) and QLEN_ONLY (the CPU's, ``n x n``), each against
-an explicit masked softmax on random trees, prefixes and head groupings. The server tests through launch_server
+"""The CPU bed's tree-mask switch (``sglang_spec_testbed/tree_mask.py``) and the extend-attention stand-in in both of
+SGLang's layouts: FULL_MASK (the GPU's, ``n x (prefix + n)`` per request) and QLEN_ONLY (the CPU's, ``n x n``), each
+against an explicit masked softmax on random trees, prefixes and head groupings. The server tests through launch_server
 are ``tests/sglang_server/test_full_mask.py``."""
 
 from __future__ import annotations

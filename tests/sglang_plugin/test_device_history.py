@@ -1,7 +1,8 @@
 """``lookup`` trees grown on the device (--speculative-tree-context-on device): each request's history kept there
-(``device_history``), and a draft step that reads nothing on the host (``drafters.device_context.device_lookup_draft_forward``).
-The server tests (``tests/sglang_server/test_context_trees.py``, ``lookup-device``) check that such a server accepts
-what the host-built trees accept, step for step."""
+(``device_history``), and a draft step that reads nothing on the host
+(``drafters.device_context.device_lookup_draft_forward``). The server tests
+(``tests/sglang_server/test_context_trees.py``, ``lookup-device``) check that such a server accepts what the host-built
+trees accept, step for step."""
 
 from __future__ import annotations
 

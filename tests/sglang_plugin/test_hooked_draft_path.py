@@ -48,8 +48,8 @@ class FakePool:
 
 def run_draft_loop(spec_utils, eagle_utils, source, roots, topk, steps, num_draft_tokens, exact_ancestry, pool=None):
     """SGLang's draft loop (draft_forward's select / organize calls) with a synthetic drafter; the hooks see an
-    ``SGLangLoopStep`` exactly as ``SGLangLoopDrafter.draft`` would set it. Returns organize's outputs and, per step, the
-    beams' paths (token lists) to check ancestry against."""
+    ``SGLangLoopStep`` exactly as ``SGLangLoopDrafter.draft`` would set it. Returns organize's outputs and, per step,
+    the beams' paths (token lists) to check ancestry against."""
     batch = len(roots)
 
     def top(paths):
@@ -64,7 +64,8 @@ def run_draft_loop(spec_utils, eagle_utils, source, roots, topk, steps, num_draf
         score_list, token_list, parents_list = [], [], []
         scores = None
         for step in range(steps):
-            input_ids, _, scores, tree_info = spec_utils.select_top_k_tokens(step, topk_p, topk_index, None, scores, topk)
+            input_ids, _, scores, tree_info = spec_utils.select_top_k_tokens(step, topk_p, topk_index, None, scores,
+                                                                             topk)
             if step > 0:
                 chosen = tree_info[2] - (topk * topk * (step - 1) + topk)
                 tokens = input_ids.view(batch, topk)
@@ -100,8 +101,8 @@ def check_columns(pool, step_locs, beam_paths, batch, topk, step):
 
 
 def run_own_loop(loop: DraftLoop, source, roots, budget, pool=None):
-    """``draft_forward.draft_forward`` with a synthetic drafter in place of SGLang's draft model: the same DraftLoop calls,
-    the same per-step KV slots and the same ancestry permutation. Returns SGLang's (parent_list,
+    """``draft_forward.draft_forward`` with a synthetic drafter in place of SGLang's draft model: the same DraftLoop
+    calls, the same per-step KV slots and the same ancestry permutation. Returns SGLang's (parent_list,
     top_scores_index, draft_tokens)."""
     batch, width, steps = len(roots), loop.width, loop.steps
 
@@ -212,7 +213,8 @@ def test_specexec_through_the_own_loop_is_the_reference_tree(budget, steps, topk
     parent_list, top_scores_index, draft_tokens = run_own_loop(loop, source, roots, budget)
     decoded = decode_sglang_draft(parent_list, top_scores_index, draft_tokens, torch.tensor(roots), width)
     for root, got in zip(roots, decoded):
-        reference = TreePolicy("specexec", budget=budget, depth=steps, topk=topk, width=width).build(root, DraftSources(mtp=source)).tree
+        reference = TreePolicy("specexec", budget=budget, depth=steps, topk=topk,
+                               width=width).build(root, DraftSources(mtp=source)).tree
         assert paths_of(got) == paths_of(reference)
         assert int(got.ranks[1:].max()) < topk
 

@@ -1,6 +1,6 @@
-"""``sglang_spec_testbed/zygote.py``: which environments share a zygote, and a forked launch that fails the way ``python -m
-sglang.launch_server`` fails (status and last error line) with its output in the server's log. The forked launches
-that serve are every test under ``tests/sglang_server`` (``running_server``)."""
+"""``sglang_spec_testbed/zygote.py``: which environments share a zygote, and a forked launch that fails the way
+``python -m sglang.launch_server`` fails (status and last error line) with its output in the server's log. The forked
+launches that serve are every test under ``tests/sglang_server`` (``running_server``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from sglang_spec.sglang_plugin.fused_accept import ACCEPT_KERNELS_ENV
 def test_late_variables_are_left_out_of_the_key_and_the_rest_kept():
     base = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
     late = {name: "1" for name in (FAULT_ENV, ACCEPT_FAULT_ENV, FAULT_RANK_ENV, HEAD_POISON_ENV,
-                                   patches.OVERLAP_ENV, step_timing.PROFILE_ENV, step_timing.CPROFILE_ENV, THREADS_BIND_ENV,
-                                   ACCEPT_KERNELS_ENV, "PYTEST_CURRENT_TEST")}
+                                   patches.OVERLAP_ENV, step_timing.PROFILE_ENV, step_timing.CPROFILE_ENV,
+                                   THREADS_BIND_ENV, ACCEPT_KERNELS_ENV, "PYTEST_CURRENT_TEST")}
     assert zygote.import_key({**base, **late}) == zygote.import_key(base)
     # read by the bed's sitecustomize while a launcher starts (before the fork): a zygote of their own
     for early in (tree_mask.TREE_MASK_ENV, linear.GEMM_ENV, linear.DRAFT_WEIGHTS_ENV, "OMP_NUM_THREADS"):

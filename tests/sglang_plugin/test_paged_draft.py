@@ -4,8 +4,8 @@ CPU bed's draft-metadata stand-in that reads it.
 
 The ancestry test drives SGLang's real ``prepare_for_draft`` (its page > 1, topk > 1 branch: the draft slots and
 the prefix-tail copy through a real ``MLATokenToKVPool``) and the plugin's own draft loop (``DraftLoop`` with the
-KV column permutation, ``drafters.beams.permute_kv``) with a synthetic drafter, and reads every beam's attention rows two
-ways at every draft step: token by token as SGLang's Triton backend lists them (the bed's stand-in, checked equal
+KV column permutation, ``drafters.beams.permute_kv``) with a synthetic drafter, and reads every beam's attention rows
+two ways at every draft step: token by token as SGLang's Triton backend lists them (the bed's stand-in, checked equal
 to SGLang's ``generate_draft_decode_kv_indices`` under the Triton interpreter) and page by page as FlashInfer /
 FA3 read them (the prefix's whole pages, then the branch's pages from their start, the copied tail included).
 Each beam must see exactly the prefix and its own ancestors. Negative controls: the page-1 layout read over

@@ -117,14 +117,17 @@ def test_width_is_the_trees_widest_level_or_the_specexec_beams_that_can_grow(sgl
     sequoia = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "sequoia",
                      "--speculative-tree-budget", "31", "--speculative-tree-depth", "6", "--speculative-tree-topk", "4",
                      "--speculative-acceptance-profile", profile])
-    assert (sequoia._sglang_spec_tree.topk, sequoia._sglang_spec_tree.width, sequoia.speculative_eagle_topk) == (4, 5, 5)
+    assert (sequoia._sglang_spec_tree.topk, sequoia._sglang_spec_tree.width,
+            sequoia.speculative_eagle_topk) == (4, 5, 5)
     specexec = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "specexec",
-                      "--speculative-tree-budget", "32", "--speculative-tree-depth", "6", "--speculative-tree-topk", "4"])
+                      "--speculative-tree-budget", "32", "--speculative-tree-depth", "6",
+                      "--speculative-tree-topk", "4"])
     assert (specexec.speculative_eagle_topk, specexec.speculative_num_draft_tokens) == (23, 33)
     bounded = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "specexec",
                      "--speculative-tree-budget", "32", "--speculative-tree-width", "8"])
     assert bounded.speculative_eagle_topk == 8 and bounded._sglang_spec_tree.tree_policy().width == 8
-    eagle = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "eagle", "--speculative-tree-topk", "3"])
+    eagle = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "eagle",
+                   "--speculative-tree-topk", "3"])
     assert eagle.speculative_eagle_topk == 3
     # lookup / hybrid: a node's children (the head's topk, hybrid, and the context's 2 continuations), at least
     # budget / (depth - 1) for SGLang's tree encoding; the overlap scheduler stays as the user set it (the context is
@@ -144,7 +147,8 @@ def test_width_is_the_trees_widest_level_or_the_specexec_beams_that_can_grow(sgl
     assert rest._sglang_spec_tree.head_rest == 0
     levels = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid",
                     "--speculative-tree-depth", "8", "--speculative-tree-mtp-levels", "3"])
-    assert levels._sglang_spec_tree.tree_policy().mtp_levels == 3 and hybrid._sglang_spec_tree.tree_policy().mtp_levels == 2
+    assert (levels._sglang_spec_tree.tree_policy().mtp_levels == 3
+            and hybrid._sglang_spec_tree.tree_policy().mtp_levels == 2)
     # unset, a context tree's depth is its budget (copies run deep), a head tree's stays DEFAULTS' 4
     deep = parse(["--speculative-algorithm", "NEXTN", "--speculative-tree-policy", "hybrid",
                   "--speculative-tree-budget", "15"])

@@ -66,7 +66,8 @@ def batch_of_trees(seed: int, batch: int, nodes: int, depth: int):
     requests = []
     for b in range(batch):
         output = [int(token) for token in rng.integers(VOCAB, size=int(rng.integers(0, 6)))] + [int(tokens[b, 0])]
-        requests.append(RequestPenalties(frequency=float(rng.choice([0.0, 0.7])), presence=float(rng.choice([0.0, 0.4])),
+        requests.append(RequestPenalties(frequency=float(rng.choice([0.0, 0.7])),
+                                         presence=float(rng.choice([0.0, 0.4])),
                                          repetition=float(rng.choice([1.0, 1.3])),
                                          min_new_tokens=len(output) + int(rng.integers(0, depth + 1)),
                                          output_ids=output))
@@ -129,7 +130,8 @@ def test_output_ids_behind_the_tree_give_none():
     """With the overlap scheduler the output ids lag the tree's root: no exact penalty can be had."""
     batch, nodes, depth = 2, 6, 3
     trees, meta, tokens, requests, logits = batch_of_trees(2, batch, nodes, depth)
-    lagging = [RequestPenalties(0.7, 0.0, 1.0, 0, list(requests[0].output_ids[:-1]) + [(int(tokens[0, 0]) + 1) % VOCAB]),
+    lagging = [RequestPenalties(0.7, 0.0, 1.0, 0,
+                                list(requests[0].output_ids[:-1]) + [(int(tokens[0, 0]) + 1) % VOCAB]),
                requests[1]]
     assert tree_penalties(lagging, tokens, meta.retrieve_next_token, meta.retrieve_next_sibling, stop_set(batch),
                           VOCAB) is None

@@ -10,7 +10,8 @@ from typing import Iterator, Mapping, Sequence
 
 import pytest
 
-from sglang_spec_testbed.parity import REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, accept_lengths, tree_args  # noqa: F401
+from sglang_spec_testbed.parity import (REPEAT_CONTEXT_PROMPTS, REPEAT_NEW_TOKENS, accept_lengths,  # noqa: F401
+                                        tree_args)
 from sglang_spec_testbed.server import CpuModel, PortTaken, SGLangServer, cpu_launch_args, free_port
 
 START_TIMEOUT = float(os.environ.get("SGLANG_SPEC_SERVER_TIMEOUT", "240"))

@@ -82,7 +82,8 @@ BAD_NUMBERS = st.sampled_from([float("nan"), float("inf"), float("-inf"), -1.0, 
 UNICODE = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=24)
 SURROGATES = st.text(st.characters(categories=("Cs",)), min_size=1, max_size=2)
 WORDS = st.sampled_from(["Hello", "The capital of France is", "def add(a, b):\n    return", "1, 2, 3, 4,",
-                         "Write a haiku about rain.", "日本語で答えて: 空は", "🙂🙃 emoji", " x", "\n\nQ:", "<|im_end|>"])
+                         "Write a haiku about rain.", "日本語で答えて: 空は", "🙂🙃 emoji",
+                         " x", "\n\nQ:", "<|im_end|>"])
 
 
 class Fields:

@@ -4,8 +4,8 @@ SGLang.
 
 Greedy output must equal plain decoding on held-out chat prompts and on prompts whose continuation repeats their
 context; the mean accept length through SGLang must be within 5% of the reference decoder's for the same policy,
-tree bounds, head and prompts (both printed); a sampled request goes through the tree. (The trees learn online, so a sampled request's
-tree, and with it SGLang's coins per candidate, differs from run to run: the sampling law is SGLang's
+tree bounds, head and prompts (both printed); a sampled request goes through the tree. (The trees learn online, so a
+sampled request's tree, and with it SGLang's coins per candidate, differs from run to run: the sampling law is SGLang's
 target-only rule, checked against its exact law with a biased negative control in
 ``tests/sglang_plugin/test_cpu_harness.py``, for any candidates.)
 """
@@ -232,7 +232,8 @@ def test_tree_auto_plans_each_step_and_stays_identical(smollm2_cpu, server_logs,
     if loop == "overlap":
         monkeypatch.setenv(OVERLAP_ENV, "1")
         monkeypatch.setenv(DRAFT_WEIGHTS_ENV, "bfloat16")
-    args = context_args("hybrid", smollm2_cpu.profile) + ["--speculative-tree-auto", "--speculative-tree-head-rest", "1"]
+    args = (context_args("hybrid", smollm2_cpu.profile)
+            + ["--speculative-tree-auto", "--speculative-tree-head-rest", "1"])
     with running_server(smollm2_cpu, server_logs, f"smollm2-context-auto-{loop}", args) as server:
         answers = server.generate(repeat_prompts * 3, {"temperature": 0, "max_new_tokens": REPEAT_NEW_TOKENS})
         pair = server.generate([repeat_prompts[0], NOISE_PROMPT],

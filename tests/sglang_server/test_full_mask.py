@@ -2,9 +2,9 @@
 
 On a CPU SGLang builds QLEN_ONLY tree masks (``n x n`` per request) and on a GPU FULL_MASK ones (``n x (prefix + n)``
 per request: the prefix's columns too), so without the switch the bed's server tests never reach the GPU's layout.
-With it, SGLang's ``default_tree_mask_mode()`` answers FULL_MASK (``sglang_spec_testbed/tree_mask.py``): its workers build FULL_MASK
-trees on their own path and the extend-attention stand-in reads them. Every policy of ours (chain, eagle, sequoia,
-specexec, hybrid, lookup, sequoia with the fused accept) runs FULL_MASK in the parity suite
+With it, SGLang's ``default_tree_mask_mode()`` answers FULL_MASK (``sglang_spec_testbed/tree_mask.py``): its workers
+build FULL_MASK trees on their own path and the extend-attention stand-in reads them. Every policy of ours (chain,
+eagle, sequoia, specexec, hybrid, lookup, sequoia with the fused accept) runs FULL_MASK in the parity suite
 (test_parity_under_load.py: 32 concurrent mixed requests against plain decoding, and the same mask checks as
 here); this module runs SGLang's NGRAM with the switch, two prompts in one batch (different prefixes: the layout's
 per-request offsets differ): greedy output must equal plain decoding, drafts must be accepted, and the log must

@@ -3,8 +3,8 @@ and the plugin's own loop (specexec, wider than topk, with ``--speculative-tree-
 
 SGLang lays each beam's draft slots out on its own pages at page size > 1 (``prepare_for_draft``, the prefix's
 partial tail page copied into every branch) and refuses it on ``intel_amx``, whose sgl-kernel draft metadata op
-assumes page size 1; the bed reads the paged layout (``sglang_spec_testbed/patches.py``) and lets that refusal through for
-``intel_amx``. Greedy output must equal the plain server's (page size 1; the attention reads token slots, so the
+assumes page size 1; the bed reads the paged layout (``sglang_spec_testbed/patches.py``) and lets that refusal through
+for ``intel_amx``. Greedy output must equal the plain server's (page size 1; the attention reads token slots, so the
 page size changes no number), drafts must be accepted, SGLang must run at page size 4 (``/server_info``) and the
 log must say that the draft decode read the paged layout.
 """

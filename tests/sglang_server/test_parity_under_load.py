@@ -2,10 +2,10 @@
 gives it, through the real server on this CPU (SmolLM2 + shipped head).
 
 The oracle is the session's plain server (conftest.py ``smollm2_plain_runs``, no speculation, the same
-``--context-length``), each request alone (``sglang_spec_testbed/parity.py``): greedy decoding, a stop string, max_new_tokens
-1 and 2, logprobs with top logprobs, a frequency penalty, a JSON schema, a regex, n = 2, ignore_eos (past an EOS),
-and a prompt within a tree's length of the context limit (7 free positions; every tree here verifies 8-16 tokens).
-Then one server per policy (chain, hybrid, lookup, sequoia with the fused accept, hybrid with SGLang's overlap
+``--context-length``), each request alone (``sglang_spec_testbed/parity.py``): greedy decoding, a stop string,
+max_new_tokens 1 and 2, logprobs with top logprobs, a frequency penalty, a JSON schema, a regex, n = 2, ignore_eos (past
+an EOS), and a prompt within a tree's length of the context limit (7 free positions; every tree here verifies 8-16
+tokens). Then one server per policy (chain, hybrid, lookup, sequoia with the fused accept, hybrid with SGLang's overlap
 scheduler, the GPU's default loop, which SGLang turns off for speculative servers on a CPU: ``OVERLAP_ENV`` keeps
 it, and the requests' output ids then lag a step behind each tree; and sequoia with the fused accept, the overlap
 scheduler and SGLang's decode graph runner, the graph stood in (``sglang_spec_testbed/graphs.py``): each batch
@@ -26,9 +26,9 @@ QLEN_ONLY), answers:
   concurrent requests.
 
 Greedy everywhere, so every answer must be token-identical: output ids, text, finish reason and, with logprobs, the
-chosen and top-logprob token ids; logprob values to ``LOGPROB_TOLERANCE`` (why: sglang_spec_testbed/parity.py). Each server
-must not log a traceback (``running_server``), which also covers SGLang's idle memory check: a KV slot or request row
-an aborted request leaked raises in the scheduler.
+chosen and top-logprob token ids; logprob values to ``LOGPROB_TOLERANCE`` (why: sglang_spec_testbed/parity.py). Each
+server must not log a traceback (``running_server``), which also covers SGLang's idle memory check: a KV slot or request
+row an aborted request leaked raises in the scheduler.
 
 The plain server's own answers to concurrent requests are not the oracle: SGLang's plain decoding gives the
 penalised request other greedy outputs when it shares batches with other requests (three different ones among 32,

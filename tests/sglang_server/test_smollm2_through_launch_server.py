@@ -65,7 +65,8 @@ def test_per_position_acceptance_reaches_metrics(tree_run):
     """/metrics counts exactly the verify steps and per-position acceptances SGLang reports per request."""
     shape, answers, before, after, _ = tree_run
     lengths = accept_lengths(answers)
-    steps = _counter(after, "sglang_spec_tree_verify_steps_total") - _counter(before, "sglang_spec_tree_verify_steps_total")
+    steps = (_counter(after, "sglang_spec_tree_verify_steps_total")
+             - _counter(before, "sglang_spec_tree_verify_steps_total"))
     assert steps == len(lengths)
     for position in range(1, shape[2] + 1):
         counted = (_counter(after, "sglang_spec_tree_accepted_drafts_total", position)
@@ -154,8 +155,8 @@ def test_accept_length_matches_the_reference_decoder(tree_run, smollm2_prompts, 
 
 def test_the_bed_packs_its_gemms_and_decodes_as_f_linear_does(smollm2_plain, smollm2_cpu, server_logs,
                                                               smollm2_prompts, monkeypatch):
-    """The CPU bed runs SGLang's linear layers and LM head on packed float32 weights (``sglang_spec_testbed/linear.py``, the
-    target's and the draft's): the plain server's log says so, and a server on SGLang's own ``F.linear`` path
+    """The CPU bed runs SGLang's linear layers and LM head on packed float32 weights (``sglang_spec_testbed/linear.py``,
+    the target's and the draft's): the plain server's log says so, and a server on SGLang's own ``F.linear`` path
     (``SGLANG_SPEC_CPU_GEMM=linear``) decodes the held-out prompts to the same greedy tokens."""
     from sglang_spec.gemm.packed_linear import available_backends
     from sglang_spec_testbed.linear import GEMM_ENV

@@ -39,7 +39,8 @@ class RecordingSource(CandidateSource):
 
     def expand(self, tree, node_ids, k):
         for node in node_ids:
-            assert node == 0 or tree.parents[node] in self.expanded, "expanded a node whose parent the head never ran on"
+            assert node == 0 or tree.parents[node] in self.expanded, (
+                "expanded a node whose parent the head never ran on")
             self.depth_of[node] = tree.depths[node]
         self.calls.append(list(node_ids))
         self.expanded.update(node_ids)
@@ -88,7 +89,8 @@ def test_lookup_tree_copies_the_context_and_never_calls_a_head():
     assert set(built.sources[1:]) == {SOURCE_LOOKUP} and built.mtp_forwards == 0
     # the best path is the copy of the phrase after "7 8 9 10"
     tokens = built.tree.tokens.tolist()
-    chain = [tokens[node] for node in built.tree.path(max(range(built.tree.num_nodes), key=lambda n: built.tree.depths[n]))]
+    chain = [tokens[node]
+             for node in built.tree.path(max(range(built.tree.num_nodes), key=lambda n: built.tree.depths[n]))]
     assert chain[1:5] == [11, 12, 13, 14]
 
 

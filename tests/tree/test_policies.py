@@ -131,7 +131,8 @@ def test_eagle_matches_sglangs_own_draft_selection(sglang_eagle):
         parent_list, top_scores_index, draft_tokens = sglang_eagle.run(source, roots, topk, steps, num_draft_tokens)
         theirs = decode_sglang_draft(parent_list, top_scores_index, draft_tokens, torch.tensor(roots), topk)
         for root, their_tree in zip(roots, theirs):
-            ours = TreePolicy("eagle", budget=num_draft_tokens - 1, depth=steps, topk=topk).build(root, DraftSources(mtp=source)).tree
+            ours = TreePolicy("eagle", budget=num_draft_tokens - 1, depth=steps,
+                              topk=topk).build(root, DraftSources(mtp=source)).tree
             assert ours.parents.tolist() == their_tree.parents.tolist()
             assert ours.tokens.tolist() == their_tree.tokens.tolist()
             assert ours.ranks.tolist() == their_tree.ranks.tolist()

@@ -63,7 +63,8 @@ def test_observe_counts_the_children_offered_along_the_accepted_path_only():
         assert all(counted[id(cell)] >= 1 for cell in drafted.cells[child])
     assert sum(accepted.values()) == pytest.approx(1.0)  # exactly the accepted child, once
     for child in off_path:  # a child of a rejected node was never offered at an accepted node
-        if all(cell not in [c for other in offered_at_path for c in drafted.cells[other]] for cell in drafted.cells[child]):
+        if all(cell not in [c for other in offered_at_path for c in drafted.cells[other]]
+               for cell in drafted.cells[child]):
             assert all(counted[id(cell)] == 0 for cell in drafted.cells[child])
 
 

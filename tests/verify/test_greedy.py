@@ -45,7 +45,8 @@ def test_agrees_with_sglangs_verify_tree_greedy(sglang_kernels, seed):
     depth_limit = int(rng.integers(1, 8))
     num_nodes = min(num_nodes, 1 + sum(4**level for level in range(1, depth_limit + 1)))
     vocab = 12
-    trees = [random_tree(rng, num_nodes, max_fanout=4, max_depth=depth_limit, vocab_size=vocab) for _ in range(batch_size)]
+    trees = [random_tree(rng, num_nodes, max_fanout=4, max_depth=depth_limit, vocab_size=vocab)
+             for _ in range(batch_size)]
     batch = TreeBatch.from_trees(trees)
     target = targets_following_drafts(rng, trees, num_nodes, accept_rate=0.85, vocab_size=vocab)
     ours = verify_greedy(batch, target)
@@ -56,7 +57,8 @@ def test_agrees_with_sglangs_verify_tree_greedy(sglang_kernels, seed):
         batch.tokens, meta.retrieve_index, meta.retrieve_next_token, meta.retrieve_next_sibling, target, depth + 1
     )
     assert accept_num.tolist() == (ours.accept_length - 1).tolist()
-    global_ids = torch.where(ours.accepted_nodes >= 0, ours.accepted_nodes + num_nodes * torch.arange(batch_size)[:, None], -1)
+    global_ids = torch.where(ours.accepted_nodes >= 0,
+                             ours.accepted_nodes + num_nodes * torch.arange(batch_size)[:, None], -1)
     assert accept_index.long().tolist() == global_ids.tolist()
     for row in range(batch_size):
         for j in range(int(ours.accept_length[row])):

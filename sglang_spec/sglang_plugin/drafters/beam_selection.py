@@ -317,7 +317,8 @@ class DraftLoop:
         return parent_list, top_scores_index, draft_tokens
 
 
-def ancestry_permutation(parent_beam: torch.Tensor, step_locs: torch.Tensor, steps_done: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ancestry_permutation(parent_beam: torch.Tensor, step_locs: torch.Tensor,
+                         steps_done: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(target, source) KV slots that give every new beam its parent beam's history.
 
     parent_beam: [b, W] the previous-step beam each new beam descends from.

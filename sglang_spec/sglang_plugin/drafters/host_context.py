@@ -5,8 +5,8 @@ n-gram continuations and the MTP head's top-k under one budget, ranked by the ca
 the host. The builders of all the batch's requests advance in lock-step: each head round's nodes (all at one
 depth, at most W a request) become the beams of one SGLang draft forward, run exactly as the plugin's own loop
 runs it (``beams.forward_beams``: same backends, per-step KV slots, hot-token map, softmax; every beam's
-KV column rewritten with its parent's history first, so each node sees its own ancestors only). The trees are then padded
-to the budget (SGLang verifies a fixed number of tokens per request) and handed to SGLang in the UNO encoding
+KV column rewritten with its parent's history first, so each node sees its own ancestors only). The trees are then
+padded to the budget (SGLang verifies a fixed number of tokens per request) and handed to SGLang in the UNO encoding
 (``tree/encode_sglang.encode_sglang_draft``), which takes any tree.
 
 The host reads the roots, the root candidates and each round's candidates (one copy each, ``to_host``), so this

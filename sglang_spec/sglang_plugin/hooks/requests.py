@@ -183,8 +183,8 @@ def _prompt_refusal(obj: Any, input_ids: Sequence[int] | None, vocab_size: int) 
 def _sampling_refusal(params: dict, vocab_size: int) -> str | None:
     top_k = params.get("top_k")
     if isinstance(top_k, int) and top_k > INT32_MAX:
-        return (f"top_k {top_k} is past the largest SGLang's sampler holds ({INT32_MAX}): give at most the vocabulary's "
-                f"{vocab_size}, or -1 for all of it")
+        return (f"top_k {top_k} is past the largest SGLang's sampler holds ({INT32_MAX}): "
+                f"give at most the vocabulary's {vocab_size}, or -1 for all of it")
     patterns = params.get("stop_regex")
     for pattern in [patterns] if isinstance(patterns, str) else patterns if isinstance(patterns, list) else []:
         if not isinstance(pattern, str):
