@@ -26,7 +26,9 @@ inputs this module keeps:
 * **What each size would cost.** The target's verify forward measured at start-up for each batch size and verify
   size (``CostTable``: SGLang's own dummy forward, ``step_costs``), scaled per batch-size bucket by what the served
   plain steps took over it; a tree step adds the rest of the step (drafting, host work), learnt per batch-size
-  bucket from its served tree steps. A bucket with no tree step of its own borrows a neighbour's price: a smaller
+  bucket from its served tree steps: their time beyond the verify as the plain steps scale it, never less than the
+  head rounds they measured (``ServedTreeStep``: a scale learnt from a bucket's few slow plain steps must not price
+  its trees' drafting at nothing, nor lend that nothing to a large batch). A bucket with no tree step of its own borrows a neighbour's price: a smaller
   bucket's grown as the start-up plain forward grows between the two (the rest grows with the batch, and a tree
   that loses costs a large batch most), a larger one's per request, at the most it would be (part of it is the
   step's whatever the batch), so one slow step at four requests cannot price trees out at one.
@@ -112,6 +114,27 @@ class UnrankedRequest:
     tree_steps: int
 
 
+@dataclass(frozen=True)
+class ServedTreeStep:
+    """One served tree step, as its bucket's tree price reads it.
+
+    step:     the planner's step count when it was served.
+    seconds:  its served time (a new request's one-time set-up left out).
+    forward:  the start-up table's verify forward of the tokens it verified (scaled by the plain steps when read).
+    drafting: the seconds its head rounds took, measured (0: none, or not measured): the least its rest can be,
+              whatever the plain steps' scale says of the verify."""
+
+    step: int
+    seconds: float
+    forward: float
+    drafting: float = 0.0
+
+    def rest(self, plain_scale: float) -> float:
+        """Its time beyond its verify forward as a plain step scaled by ``plain_scale`` would take it, at least
+        its drafting."""
+        return max(self.seconds - plain_scale * self.forward, self.drafting, 0.0)
+
+
 @dataclass
 class StepPlanner:
     """The server's plan state.
@@ -153,8 +176,7 @@ class StepPlanner:
     accepted_seen: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)  # bucket -> (accepted
     # drafts, drafts its reach predicted before the scale) of its last ACCEPT_WINDOW tree steps
     plain_seen: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> recent served plain / forward
-    tree_seen: dict[int, deque[tuple[int, float, float]]] = field(default_factory=dict)  # bucket -> (step, served
-    # seconds, start-up verify forward) of its recent tree steps
+    tree_seen: dict[int, deque[ServedTreeStep]] = field(default_factory=dict)  # bucket -> its recent tree steps
     served: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, size) -> seconds, no start-up table
     chosen: Counter[int] = field(default_factory=Counter)  # steps by verify size
     idle_steps: int = 0  # steps this rank ran with no request of its own at the group's size (DP attention)
@@ -233,7 +255,8 @@ class StepPlanner:
     def tree_extra(self, bucket: int) -> float | None:
         """A tree step's time beyond its verify in a batch-size bucket: the median of its served tree steps within the
         last ``TREE_PRICE_MEMORY`` steps, each over its verify as the plain steps price it now (a tree step served
-        before the plain steps showed how far the start-up table is off is not charged for that); a bucket with
+        before the plain steps showed how far the start-up table is off is not charged for that), at least its
+        measured drafting (``ServedTreeStep.rest``); a bucket with
         none takes the nearest smaller bucket's grown as the start-up plain forward grows between the two
         (``_forward_growth``: the head's forwards over the batch's beams and the host's work a request grow with
         the batch, and a wrong try costs a large batch most), else the nearest larger one's per request times the
@@ -245,8 +268,7 @@ class StepPlanner:
         recent = {}
         for seen, held in self.tree_seen.items():
             scale = self.plain_scale(seen)
-            extras = [max(seconds - scale * forward, 0.0) for step, seconds, forward in held
-                      if step > self.steps - TREE_PRICE_MEMORY]
+            extras = [served.rest(scale) for served in held if served.step > self.steps - TREE_PRICE_MEMORY]
             if extras:
                 recent[seen] = _median(extras)
         nearest = _nearest(bucket, recent)
@@ -360,11 +382,12 @@ class StepPlanner:
 
     # -------------------------------------------------------------------------------------------- learning
     def observe(self, plan: StepPlan, rids: Sequence[str], seconds: float, accept_lens: Sequence[int],
-                verified_tokens: int | None = None) -> None:
+                verified_tokens: int | None = None, drafting_seconds: float = 0.0) -> None:
         """A served step of ``plan`` took ``seconds`` and each request committed ``accept_lens`` tokens (accepted
         drafts + 1): its costs, and for a tree step how its accepted drafts compare with the prediction.
         ``verified_tokens``: what a ragged step's forward verified, the batch's total (None: ``plan.tokens`` a
-        request); on ragged verify graphs its forward computed its tier's."""
+        request); on ragged verify graphs its forward computed its tier's. ``drafting_seconds``: what a tree step's
+        head rounds took, measured (``ServedTreeStep.drafting``)."""
         batch = len(rids)
         bucket = batch_bucket(batch)
         first = (bucket, plan.tokens) not in self.served  # a shape's first step also allocates: not its price
@@ -375,7 +398,8 @@ class StepPlanner:
             if plan.plain:
                 self.plain_seen.setdefault(bucket, deque(maxlen=WINDOW)).append(seconds / forward)
             else:
-                self.tree_seen.setdefault(bucket, deque(maxlen=WINDOW)).append((self.steps, seconds, forward))
+                self.tree_seen.setdefault(bucket, deque(maxlen=WINDOW)).append(
+                    ServedTreeStep(self.steps, seconds, forward, drafting_seconds))
         if plan.plain:
             return
         drafts = [max(int(length) - 1, 0) for length in accept_lens]

@@ -17,7 +17,8 @@ from sglang_spec.costs import CostCurve, CostTable
 from sglang_spec.planner import SizeTable, StepPlan, plan_ragged, plan_step, size_table
 from sglang_spec.sglang_plugin.peers import PlanGroup
 from sglang_spec.sglang_plugin.step_planner import (ACCEPT_PRIOR_STEPS, ACCEPT_WINDOW, RETRY_STEPS, TREE_PRICE_MEMORY,
-                                                    StepPlanner, default_sizes, ragged_seconds, tier_tokens)
+                                                    ServedTreeStep, StepPlanner, default_sizes, ragged_seconds,
+                                                    tier_tokens)
 
 FULL = 9
 
@@ -243,7 +244,7 @@ def test_a_bucket_without_tree_steps_borrows_a_neighbours_price():
     # the control: priced per request (0.12 s for four), the same trees are priced out
     per_request = planner()
     per_request.learn_reach({rid: [0.9] * 8 for rid in "abcd"})
-    per_request.tree_seen[4] = deque([(0, 0.12, 0.0)])
+    per_request.tree_seen[4] = deque([ServedTreeStep(0, 0.12, 0.0)])
     assert per_request.choose(per_request.table(list("abcd")), 4).plain
     # four requests' own tree steps replace the borrowed price; one request borrows theirs per request
     verify = plan_state.seconds(4, FULL) - plan_state.tree_extra(4)
@@ -251,7 +252,7 @@ def test_a_bucket_without_tree_steps_borrows_a_neighbours_price():
         plan_state.observe(StepPlan(FULL, 20.0, verify, (8,) * 4), list("abcd"), verify + 0.12, [5] * 4)
     assert plan_state.tree_extra(4) == pytest.approx(0.12)
     fresh = planner()
-    fresh.tree_seen[4] = deque([(0, 0.12, 0.0)])
+    fresh.tree_seen[4] = deque([ServedTreeStep(0, 0.12, 0.0)])
     assert fresh.tree_extra(1) == pytest.approx(0.03)
     assert fresh.tree_extra(16) == pytest.approx(0.12 * 0.10 / 0.06)
 
@@ -262,14 +263,39 @@ def test_a_large_batch_does_not_try_trees_at_one_requests_price():
     plan_state = planner()
     crowd = [f"r{index}" for index in range(16)]
     plan_state.learn_reach({rid: [0.9] * 8 for rid in crowd})
-    plan_state.tree_seen[1] = deque([(0, 0.03, 0.0)])
+    plan_state.tree_seen[1] = deque([ServedTreeStep(0, 0.03, 0.0)])
     assert plan_state.tree_extra(16) == pytest.approx(0.06)
     assert plan_state.choose(plan_state.table(crowd), 16).plain
     # the control: the same trees at one request's price, as it is, are taken
     as_is = planner()
     as_is.learn_reach({rid: [0.9] * 8 for rid in crowd})
-    as_is.tree_seen[16] = deque([(0, 0.03, 0.0)])
+    as_is.tree_seen[16] = deque([ServedTreeStep(0, 0.03, 0.0)])
     assert not as_is.choose(as_is.table(crowd), 16).plain
+
+
+def test_a_trees_rest_is_at_least_the_drafting_it_measured():
+    """A bucket's plain scale learnt from its few slow plain steps (a server's first) reads its trees' verify as
+    dearer than the whole served step: the rest beyond it is still the head rounds the trees were measured to
+    take, and a batch of 16 borrowing that price (grown) keeps a plain step its thin predicted gain would not
+    pay for. The control: the same steps with no measured drafting price the rest at nothing, and 16 requests
+    try the tree."""
+    crowd = [f"r{index}" for index in range(16)]
+    chosen = {}
+    for drafting in (0.02, 0.0):
+        plan_state = planner()
+        for _ in range(3):  # a shape's first step is not priced; then two slow plain steps (scale 1.6)
+            plan_state.observe(StepPlan(1, 1.0, 0.05, (0,)), ["a"], 0.08, [1])
+        verify = plan_state.costs.at(1).verify[FULL]
+        for _ in range(2):  # tree steps that accept what they predicted, their head rounds 0.02 s of them
+            plan_state.observe(StepPlan(FULL, 5.0, verify, (8,)), ["a"], verify + 0.02, [5],
+                               drafting_seconds=drafting)
+        assert plan_state.plain_scale(1) == pytest.approx(1.6)
+        assert plan_state.tree_extra(1) == pytest.approx(drafting)
+        assert plan_state.tree_extra(16) == pytest.approx(drafting * 0.10 / 0.05)
+        plan_state.learn_reach({rid: [0.6, 0.1, 0.05] for rid in crowd})
+        chosen[drafting] = plan_state.choose(plan_state.table(crowd), 16)
+    assert chosen[0.02].plain
+    assert chosen[0.0].tokens == 2  # the control
 
 
 def test_one_fast_tree_step_among_slower_ones_does_not_price_the_trees():
@@ -288,7 +314,7 @@ def test_one_fast_tree_step_among_slower_ones_does_not_price_the_trees():
     fastest = planner()
     fastest.learn_reach({rid: [0.5, 0.2] + [0.05] * 6 for rid in "abcd"})
     fastest.plain_seen = plan_state.plain_seen
-    fastest.tree_seen[4] = deque([min(plan_state.tree_seen[4], key=lambda entry: entry[1])])
+    fastest.tree_seen[4] = deque([min(plan_state.tree_seen[4], key=lambda entry: entry.seconds)])
     assert not fastest.choose(fastest.table(list("abcd")), 4).plain
 
 
@@ -331,7 +357,7 @@ def test_a_slow_spell_of_tree_steps_does_not_keep_trees_off_for_good():
     # the negative control: with the price kept for good, no tree comes back
     stuck = planner()
     stuck.learn_reach({"copy": [0.9] * 8})
-    stuck.tree_seen[1] = deque([(10 ** 9, 1.0, 0.0)] * 3)
+    stuck.tree_seen[1] = deque([ServedTreeStep(10 ** 9, 1.0, 0.0)] * 3)
     assert all(stuck.choose(stuck.table(["copy"]), 1).plain for _ in range(2 * TREE_PRICE_MEMORY))
 
 
@@ -458,7 +484,7 @@ def test_a_ragged_step_gives_each_request_its_share_and_a_warm_up_step_none():
     for _ in range(2):
         plan_state.observe(plan, rids, 0.2, [5, 1, 5, 1], verified_tokens=4 + sum(plan.nodes))
     verified = 1 + sum(plan.nodes) / 4
-    assert plan_state.tree_seen[4][-1][2] == pytest.approx(0.06 + 0.008 * (verified - 1))
+    assert plan_state.tree_seen[4][-1].forward == pytest.approx(0.06 + 0.008 * (verified - 1))
     assert verified < plan.tokens
     # after the head rested, a tree is a plain warm-up step: no request gets a share
     plan_state.skip_head = True
@@ -489,7 +515,7 @@ def test_on_ragged_verify_graphs_a_step_is_priced_at_its_tier_and_fills_it():
         for _ in range(2):  # a shape's first step allocates: the second is priced
             plan_state.observe(plan, rids, 0.2, [3, 1], verified_tokens=2 + sum(plan.nodes))
         # read against the forward it was priced at: the tier's 9 tokens, or the 7 it verified without tiers
-        assert plan_state.tree_seen[2][-1][2] == pytest.approx(plan.predicted_seconds)
+        assert plan_state.tree_seen[2][-1].forward == pytest.approx(plan.predicted_seconds)
     assert tiered.predicted_seconds > untiered.predicted_seconds
     assert tier_tokens(11, (9, 18, 36)) == 18 and tier_tokens(40, (9, 18, 36)) == 40 and tier_tokens(7, None) == 7
 

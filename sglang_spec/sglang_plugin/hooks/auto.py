@@ -118,7 +118,8 @@ def _observe_step(planner: StepPlanner, state: WorkerState, plan: StepPlan, rids
     # a new request's context index is built once: not a cost the step's size repeats
     setup = 0.0 if plan.plain else state.drafter.setup_seconds
     planner.observe(plan, rids, seconds - setup, accept_lens,
-                    verified_tokens=None if plan.plain or not planner.ragged else state.verified_tokens)
+                    verified_tokens=None if plan.plain or not planner.ragged else state.verified_tokens,
+                    drafting_seconds=0.0 if plan.plain else rounds_seconds)
     if not plan.plain:
         planner.learn_reach(state.drafter.drafted_reach())
         _price_levels(state, len(rids), seconds, rounds_seconds)
