@@ -13,10 +13,10 @@ of serving_sweep.py's held-out serving workloads). The scheduler records every
 batch: its start, target and draft ``ModelRunner.forward`` time and the target forwards' modes (a step whose
 target forward ran in DECODE mode is plain decoding's, or tree auto's cold step). ``plain-sync`` is plain decoding
 with SGLang's overlap scheduler off (as the context policies run), ``auto`` is ``hybrid`` with
-``--speculative-tree-auto``. A step's time is the scheduler loop's period (the
-CPU server runs SGLang's overlap loop, which processes a step's result after launching the next); overhead = step
-- target - draft. ms per token = mean step time / tokens decoded per step; the speedup is plain's ms per token over
-the row's. Greedy outputs are checked identical to plain's. Writes JSON (``--out``) and prints a table.
+``--speculative-tree-auto`` (``auto-sync``: with the overlap scheduler off). A step's time is the scheduler loop's
+period (the CPU server runs SGLang's overlap loop, which processes a step's result after launching the next);
+overhead = step - target - draft. ms per token = mean step time / tokens decoded per step; the speedup is plain's
+ms per token over the row's. Greedy outputs are checked identical to plain's. Writes JSON (``--out``) and prints a table.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from sglang_spec.cli.parser import OneLineErrorParser, comma_list, integer, one_
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
 
-CONFIGS = ("plain", "plain-sync", "sequoia", "specexec", "hybrid", "auto")
+CONFIGS = ("plain", "plain-sync", "sequoia", "specexec", "hybrid", "auto", "auto-sync")
 DEFAULT_CONFIGS = ("plain", "sequoia", "specexec")
 PLAIN_CONFIGS = ("plain", "plain-sync")
 CPU_RUNNING_CAP = 8  # the CPU server's default --max-running-requests
@@ -69,13 +69,14 @@ def tree_args(config: str, args: argparse.Namespace, profile: Path) -> list[str]
     cap = ["--max-running-requests", str(running)] if running > CPU_RUNNING_CAP else []
     if config in PLAIN_CONFIGS:
         return cap + (["--disable-overlap-schedule"] if config == "plain-sync" else [])
-    policy = "hybrid" if config == "auto" else config
+    policy = "hybrid" if config.startswith("auto") else config
     tree = ["--speculative-tree-policy", policy, "--speculative-tree-budget", str(args.budget),
             "--speculative-tree-depth", str(args.depth), "--speculative-tree-topk", str(args.topk)]
     tree += ["--speculative-acceptance-profile", str(profile)] if policy in ("sequoia", "hybrid") else []
     if policy == "hybrid" and args.mtp_levels is not None:
         tree += ["--speculative-tree-mtp-levels", str(min(args.mtp_levels, args.depth - 1))]
-    return cap + tree + (["--speculative-tree-auto"] if config == "auto" else [])
+    auto = ["--speculative-tree-auto"] if config.startswith("auto") else []
+    return cap + tree + auto + (["--disable-overlap-schedule"] if config == "auto-sync" else [])
 
 
 def read_steps(path: Path, after: int, timeout: float = 30.0) -> list[dict]:

@@ -26,11 +26,13 @@ def test_a_step_lasts_until_the_next_batch_starts_and_the_rest_is_overhead(bench
     assert row["ms_per_token"] == pytest.approx(275.0)
 
 
-def test_auto_and_plain_sync_servers_get_their_options_and_a_running_cap_for_sixteen(bench_script, tmp_path):
+def test_auto_and_sync_servers_get_their_options_and_a_running_cap_for_sixteen(bench_script, tmp_path):
     profile = bench_script("cpu_step_profile")
     args = profile.parse_args(["--configs", "plain-sync,auto", "--concurrency", "1,16", "--depth", "8"])
     assert profile.tree_args("plain-sync", args, tmp_path) == ["--max-running-requests", "16",
                                                                "--disable-overlap-schedule"]
     auto = profile.tree_args("auto", args, tmp_path)
     assert auto[-1] == "--speculative-tree-auto" and auto[auto.index("--speculative-tree-policy") + 1] == "hybrid"
+    # auto-sync: the same server with the overlap scheduler off, as plain-sync
+    assert profile.tree_args("auto-sync", args, tmp_path) == auto + ["--disable-overlap-schedule"]
     assert profile.tree_args("plain", profile.parse_args(["--concurrency", "1,8"]), tmp_path) == []
