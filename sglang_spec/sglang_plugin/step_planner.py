@@ -28,10 +28,12 @@ inputs this module keeps:
   plain steps took over it; a tree step adds the rest of the step (drafting, host work), learnt per batch-size
   bucket from its served tree steps: their time beyond the verify as the plain steps scale it, never less than the
   head rounds they measured (``ServedTreeStep``: a scale learnt from a bucket's few slow plain steps must not price
-  its trees' drafting at nothing, nor lend that nothing to a large batch). A bucket with no tree step of its own borrows a neighbour's price: a smaller
-  bucket's grown as the start-up plain forward grows between the two (the rest grows with the batch, and a tree
-  that loses costs a large batch most), a larger one's per request, at the most it would be (part of it is the
-  step's whatever the batch), so one slow step at four requests cannot price trees out at one.
+  its trees' drafting at nothing, nor lend that nothing to a large batch). A bucket with no tree step of its own
+  borrows a neighbour's price: a smaller bucket's grown to it (its drafting as the start-up verify forward of the
+  head's beams a request grows between the two, the rest as the plain forward grows: both grow with the batch
+  where the forward is compute-bound, and a tree that loses costs a large batch most), a larger one's per request,
+  at the most it would be (part of it is the step's whatever the batch), so one slow step at four requests cannot
+  price trees out at one.
   Both corrections are the median of the last ``WINDOW`` served steps of their kind; the tree steps' is forgotten
   after ``TREE_PRICE_MEMORY`` steps (plain steps run whatever the plan, tree steps only where it predicts they
   pay: a price that keeps trees off is never corrected by a served tree step, so it expires and a tree is tried
@@ -144,6 +146,8 @@ class StepPlanner:
                     among them.
     full:           the server's tree: budget + 1 tokens a request.
     cap:            a tree step's predicted time at most ``cap`` plain steps'.
+    width:          the beams a request the head's rounds run (SGLang's ``speculative_eagle_topk``): a borrowed
+                    tree price's drafting grows as a forward of that many tokens a request (``_grown_rest``).
     ranked:         whether the drafter reports per-node reach (lookup / hybrid on the host).
     ragged:         whether each request's verify forward covers its own tree (``ragged_verify``): the step then
                     gives each request its own share of nodes (``ragged_plan``), not one size to all.
@@ -163,6 +167,7 @@ class StepPlanner:
     sizes: tuple[int, ...]
     full: int
     cap: float = DEFAULT_CAP
+    width: int = 1
     ranked: bool = True
     ragged: bool = False
     head_rest: int | None = None
@@ -188,6 +193,8 @@ class StepPlanner:
             raise ValueError(f"verify sizes must be ascending from 1 and include the tree's {self.full}: {self.sizes}")
         if not self.cap >= 1.0:
             raise ValueError(f"the step cap must be >= 1 plain step, got {self.cap}")
+        if self.width < 1:
+            raise ValueError(f"the head's rounds run >= 1 beam a request, got {self.width}")
         if self.head_rest is not None and self.head_rest < 1:
             raise ValueError(f"the head rests after >= 1 plain step, got {self.head_rest}")
 
@@ -256,35 +263,43 @@ class StepPlanner:
         """A tree step's time beyond its verify in a batch-size bucket: the median of its served tree steps within the
         last ``TREE_PRICE_MEMORY`` steps, each over its verify as the plain steps price it now (a tree step served
         before the plain steps showed how far the start-up table is off is not charged for that), at least its
-        measured drafting (``ServedTreeStep.rest``); a bucket with
-        none takes the nearest smaller bucket's grown as the start-up plain forward grows between the two
-        (``_forward_growth``: the head's forwards over the batch's beams and the host's work a request grow with
-        the batch, and a wrong try costs a large batch most), else the nearest larger one's per request times the
-        bucket (at most what it would be: a try at a smaller batch costs little); None: no bucket has one that
-        recent. The median, not the least: one fast tree step among slower ones must not keep buying trees that
-        lose to a plain step. A price that expires: only tree steps can correct it, so a slow spell of a busy
-        machine must not keep trees off for good; where trees do not pay, one is retried every
+        measured drafting (``ServedTreeStep.rest``); a bucket with none takes the nearest smaller bucket's steps
+        grown to it (``_grown_rest``: a wrong try costs a large batch most), else the nearest larger one's per
+        request times the bucket (at most what it would be: a try at a smaller batch costs little); None: no bucket
+        has one that recent. The median, not the least: one fast tree step among slower ones must not keep buying
+        trees that lose to a plain step. A price that expires: only tree steps can correct it, so a slow spell of a
+        busy machine must not keep trees off for good; where trees do not pay, one is retried every
         ``TREE_PRICE_MEMORY`` steps."""
         recent = {}
         for seen, held in self.tree_seen.items():
-            scale = self.plain_scale(seen)
-            extras = [served.rest(scale) for served in held if served.step > self.steps - TREE_PRICE_MEMORY]
-            if extras:
-                recent[seen] = _median(extras)
+            kept = [served for served in held if served.step > self.steps - TREE_PRICE_MEMORY]
+            if kept:
+                recent[seen] = kept
         nearest = _nearest(bucket, recent)
         if nearest is None:
             return None
+        scale = self.plain_scale(nearest)
         if nearest > bucket:
-            return recent[nearest] * bucket / nearest
-        return recent[nearest] * self._forward_growth(nearest, bucket)
+            return _median(served.rest(scale) for served in recent[nearest]) * bucket / nearest
+        return _median(self._grown_rest(served, scale, nearest, bucket) for served in recent[nearest])
 
-    def _forward_growth(self, smaller: int, bucket: int) -> float:
-        """The start-up table's plain forward at ``bucket`` requests over its forward at ``smaller``, at least 1
-        (1 without a table): where the forward is compute-bound the batch's rest grows with it, where it is
+    def _grown_rest(self, served: ServedTreeStep, plain_scale: float, smaller: int, bucket: int) -> float:
+        """A tree step served at ``smaller`` requests, its rest as a step of ``bucket`` requests would take it: its
+        drafting grown as the start-up verify forward of ``width`` tokens a request grows between the two (the
+        head's rounds run ``width`` beams a request), the rest of it as the plain forward grows (host work a
+        request). Where the forward is compute-bound both grow with the batch, the head's rows faster; where it is
         memory-bound (a GPU's decode) neither grows much."""
+        rest = served.rest(plain_scale)
+        drafting = min(served.drafting, rest)
+        return (drafting * self._forward_growth(smaller, bucket, min(self.width, self.full))
+                + (rest - drafting) * self._forward_growth(smaller, bucket, 1))
+
+    def _forward_growth(self, smaller: int, bucket: int, tokens: int) -> float:
+        """The start-up table's forward of ``tokens`` a request at ``bucket`` requests over its forward at
+        ``smaller``, at least 1 (1 without a table)."""
         if self.costs is None or smaller == bucket:
             return 1.0
-        grown = _verify_at(self.costs.at(bucket).verify, 1) / _verify_at(self.costs.at(smaller).verify, 1)
+        grown = _verify_at(self.costs.at(bucket).verify, tokens) / _verify_at(self.costs.at(smaller).verify, tokens)
         return max(grown, 1.0)
 
     def plain_scale(self, bucket: int) -> float:

@@ -298,6 +298,27 @@ def test_a_trees_rest_is_at_least_the_drafting_it_measured():
     assert chosen[0.0].tokens == 2  # the control
 
 
+def test_a_borrowed_drafting_grows_as_a_forward_of_the_heads_beams():
+    """One request's tree step lent to sixteen: its head rounds (0.02 s of its 0.03 s rest) grow as the start-up
+    forward of the head's 4 beams a request grows (0.056 -> 0.25 s), its host work as the plain forward (0.05 ->
+    0.10 s), and trees near break-even at that price stay off. The control: drafting grown as the plain forward
+    (one beam a request) prices the same trees in."""
+    crowd = [f"r{index}" for index in range(16)]
+    chosen = {}
+    for width in (4, 1):
+        plan_state = planner(width=width, cap=10.0)
+        forward = plan_state.costs.at(1).verify[FULL]
+        plan_state.tree_seen[1] = deque([ServedTreeStep(0, forward + 0.03, forward, 0.02)])
+        plan_state.learn_reach({rid: [0.6] * 8 for rid in crowd})
+        chosen[width] = plan_state.choose(plan_state.table(crowd), 16)
+        if width == 4:
+            assert plan_state.tree_extra(16) == pytest.approx(0.02 * 0.25 / 0.056 + 0.01 * 0.10 / 0.05)
+        else:
+            assert plan_state.tree_extra(16) == pytest.approx(0.03 * 0.10 / 0.05)
+    assert chosen[4].plain
+    assert chosen[1].tokens == FULL  # the control
+
+
 def test_one_fast_tree_step_among_slower_ones_does_not_price_the_trees():
     """Trees that lose to a plain step stay off when one of their steps happened to run fast: the price is the
     median of the recent tree steps, not the least (the least kept buying trees that lost)."""

@@ -152,7 +152,7 @@ def _start_planner(worker, state: WorkerState) -> StepPlanner:
     graphs = worker.target_worker.model_runner.decode_cuda_graph_runner is not None
     sizes = state.options.verify_sizes or default_sizes(full, graphs, ranked)
     # "1,N" is the whole batch on or off (docs): shares per request only where the plan may take sizes between
-    planner = StepPlanner(None, sizes, full, state.options.step_cap, ranked=ranked,
+    planner = StepPlanner(None, sizes, full, state.options.step_cap, width=state.width, ranked=ranked,
                           ragged=decide_ragged(state, worker.draft_worker) and len(sizes) > 2,
                           head_rest=_head_rest(worker, state), prior=state.drafter.prior_reach(full - 1),
                           log_path=os.environ.get(PLAN_LOG_ENV) or None)
