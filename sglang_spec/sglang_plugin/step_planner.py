@@ -280,7 +280,7 @@ class StepPlanner:
             return None
         scale = self.plain_scale(nearest)
         if nearest > bucket:
-            return _median(served.rest(scale) for served in recent[nearest]) * bucket / nearest
+            return _median(served.rest(scale) * bucket / nearest for served in recent[nearest])
         return _median(self._grown_rest(served, scale, nearest, bucket) for served in recent[nearest])
 
     def _grown_rest(self, served: ServedTreeStep, plain_scale: float, smaller: int, bucket: int) -> float:
