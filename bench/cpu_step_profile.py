@@ -16,7 +16,8 @@ with SGLang's overlap scheduler off (as the context policies run), ``auto`` is `
 ``--speculative-tree-auto`` (``auto-sync``: with the overlap scheduler off). A step's time is the scheduler loop's
 period (the CPU server runs SGLang's overlap loop, which processes a step's result after launching the next);
 overhead = step - target - draft. ms per token = mean step time / tokens decoded per step; the speedup is plain's
-ms per token over the row's. Greedy outputs are checked identical to plain's. Writes JSON (``--out``) and prints a table.
+ms per token over the row's. Greedy outputs are checked identical to plain's. Writes JSON (``--out``) and prints a
+table.
 """
 
 from __future__ import annotations
