@@ -281,18 +281,10 @@ class StepPlanner:
         scale = self.plain_scale(nearest)
         if nearest > bucket:
             return _median(served.rest(scale) * bucket / nearest for served in recent[nearest])
-        return _median(self._grown_rest(served, scale, nearest, bucket) for served in recent[nearest])
-
-    def _grown_rest(self, served: ServedTreeStep, plain_scale: float, smaller: int, bucket: int) -> float:
-        """A tree step served at ``smaller`` requests, its rest as a step of ``bucket`` requests would take it: its
-        drafting grown as the start-up verify forward of ``width`` tokens a request grows between the two (the
-        head's rounds run ``width`` beams a request), the rest of it as the plain forward grows (host work a
-        request). Where the forward is compute-bound both grow with the batch, the head's rows faster; where it is
-        memory-bound (a GPU's decode) neither grows much."""
-        rest = served.rest(plain_scale)
-        drafting = min(served.drafting, rest)
-        return (drafting * self._forward_growth(smaller, bucket, min(self.width, self.full))
-                + (rest - drafting) * self._forward_growth(smaller, bucket, 1))
+        # the head's rounds run ``width`` beams a request, the host's work is per request (``_grown_rest``)
+        drafting_growth = self._forward_growth(nearest, bucket, min(self.width, self.full))
+        host_growth = self._forward_growth(nearest, bucket, 1)
+        return _median(_grown_rest(served, scale, drafting_growth, host_growth) for served in recent[nearest])
 
     def _forward_growth(self, smaller: int, bucket: int, tokens: int) -> float:
         """The start-up table's forward of ``tokens`` a request at ``bucket`` requests over its forward at
@@ -510,6 +502,16 @@ def tier_tokens(total: int, tiers: Sequence[int] | None) -> int:
     """The tokens a ragged step of ``total`` verify tokens computes: its tier's (the smallest of ``tiers`` holding
     it), its own past the largest tier or without tiers."""
     return next((tier for tier in tiers or () if tier >= total), total)
+
+
+def _grown_rest(served: ServedTreeStep, plain_scale: float, drafting_growth: float, host_growth: float) -> float:
+    """A tree step's rest as a larger batch would take it: its drafting grown by ``drafting_growth`` (the start-up
+    verify forward of the head's beams a request, between the two batch sizes), the rest of it by ``host_growth``
+    (the plain forward's). Where the forward is compute-bound both grow with the batch, the head's rows faster;
+    where it is memory-bound (a GPU's decode) neither grows much."""
+    rest = served.rest(plain_scale)
+    drafting = min(served.drafting, rest)
+    return drafting * drafting_growth + (rest - drafting) * host_growth
 
 
 def _nearest(bucket: int, buckets: Iterable[int]) -> int | None:
