@@ -15,9 +15,12 @@ target forward ran in DECODE mode is plain decoding's, or tree auto's cold step)
 with SGLang's overlap scheduler off (as the context policies run), ``auto`` is ``hybrid`` with
 ``--speculative-tree-auto`` (``auto-sync``: with the overlap scheduler off). A step's time is the scheduler loop's
 period (the CPU server runs SGLang's overlap loop, which processes a step's result after launching the next);
-overhead = step - target - draft. ms per token = mean step time / tokens decoded per step; the speedup is plain's
-ms per token over the row's. Greedy outputs are checked identical to plain's. Writes JSON (``--out``) and prints a
-table.
+overhead = step - target - draft. ms per token = mean step time / tokens decoded per step; the speedup is plain
+decoding's ms per token over the row's (``plain``'s where it ran, else ``plain-sync``'s), and greedy outputs are
+checked identical to that server's. A tree auto server also writes its planner's log (``SGLANG_SPEC_PLAN_LOG``, one
+line a decode step): its decode steps are split into the plan's plain steps and tree steps, each with its own time,
+parts and tokens (``split_by_kind``): what a tree step costs against a plain step on this machine. Writes JSON
+(``--out``) and prints tables.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from harness import REPO, environment, markdown_table
 from sglang_spec.cli.parser import OneLineErrorParser, comma_list, integer, one_of
 from sglang_spec.errors import exit_status
 from sglang_spec.files import check_output_path, write_text_atomic
+from sglang_spec.sglang_plugin.step_planner import PLAN_LOG_ENV
 
 CONFIGS = ("plain", "plain-sync", "sequoia", "specexec", "hybrid", "auto", "auto-sync")
 DEFAULT_CONFIGS = ("plain", "sequoia", "specexec")
@@ -119,6 +123,45 @@ def summarise(config: str, concurrency: int, batches: list[dict], answers: list[
     }
 
 
+def split_by_kind(batches: list[dict], plans: list[dict]) -> dict[str, dict]:
+    """The decode steps of ``batches`` (scheduler records, in order) beside the planner's log of the same steps
+    (``plans``, one line a decode step, in order), split by the plan's kind: ``plain`` (1 verify token a request)
+    and ``tree``. Per kind: steps, timed steps (a step's period as ``summarise`` times it), mean ms per step and its
+    target / draft / other parts, tokens committed and tokens verified per step, tokens per second. Empty where the
+    two do not pair up step for step (a decode step the planner did not log)."""
+    decode = [index for index, batch in enumerate(batches) if batch["mode"] == "DECODE"]
+    if len(decode) != len(plans) or any(batches[index]["batch"] != plan["batch"] for index, plan in zip(decode, plans)):
+        return {}
+    kinds: dict[str, dict] = {}
+    for index, plan in zip(decode, plans):
+        if index + 1 >= len(batches):
+            continue  # the burst's last step has no period
+        batch = batches[index]
+        kind = kinds.setdefault("plain" if plan["tokens"] == 1 else "tree",
+                                {"steps": 0, "seconds": 0.0, "target_s": 0.0, "draft_s": 0.0, "committed": 0,
+                                 "verified": 0})
+        kind["steps"] += 1
+        kind["seconds"] += batches[index + 1]["start"] - batch["start"]
+        kind["target_s"] += batch["target_s"]
+        kind["draft_s"] += batch["draft_s"]
+        kind["committed"] += sum(plan["committed"])
+        kind["verified"] += sum(plan["verify_tokens"])
+    return {name: {"steps": kind["steps"], "step_ms": 1e3 * kind["seconds"] / kind["steps"],
+                   "target_ms": 1e3 * kind["target_s"] / kind["steps"],
+                   "draft_ms": 1e3 * kind["draft_s"] / kind["steps"],
+                   "overhead_ms": 1e3 * (kind["seconds"] - kind["target_s"] - kind["draft_s"]) / kind["steps"],
+                   "tokens_per_step": kind["committed"] / kind["steps"],
+                   "verify_tokens_per_step": kind["verified"] / kind["steps"],
+                   "tokens_per_second": kind["committed"] / kind["seconds"]}
+            for name, kind in sorted(kinds.items())}
+
+
+def read_plans(path: Path, after: int) -> list[dict]:
+    """The planner's log lines past line ``after`` (none where the server writes no log)."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines[after:]]
+
+
 def top_functions(pstats_path: Path, count: int) -> list[dict]:
     """cProfile's most expensive functions by own time, with their cumulative time."""
     stats = pstats.Stats(str(pstats_path))
@@ -136,9 +179,11 @@ def run_server(config: str, args: argparse.Namespace, model, prompts: list[list[
     from sglang_spec_testbed.server import SGLangServer, cpu_launch_args, free_port
 
     folder.mkdir(parents=True, exist_ok=True)
-    for stale in ("steps.jsonl", "decode.pstats"):
+    for stale in ("steps.jsonl", "decode.pstats", "plan.jsonl"):
         (folder / stale).unlink(missing_ok=True)
-    env = dict(os.environ, **{PROFILE_ENV: str(folder), CPROFILE_ENV: "1" if args.cprofile else "0"})
+    plans_path = folder / "plan.jsonl"
+    env = dict(os.environ, **{PROFILE_ENV: str(folder), CPROFILE_ENV: "1" if args.cprofile else "0",
+                              PLAN_LOG_ENV: str(plans_path)})
     port = free_port()
     launch = cpu_launch_args(model, port, speculative=config not in PLAIN_CONFIGS,
                              extra=tree_args(config, args, model.profile))
@@ -148,11 +193,14 @@ def run_server(config: str, args: argparse.Namespace, model, prompts: list[list[
     with SGLangServer(launch, port, folder / "server.log", env=env) as server:
         server.generate(prompts[:1], dict(params, max_new_tokens=4))  # warm-up: first-call costs out of the steps
         seen = len(read_steps(steps_path, 0))
+        planned = len(read_plans(plans_path, 0))
         for concurrency in args.concurrency:
             answers = server.generate(prompts[:concurrency], params)
             steps = read_steps(steps_path, seen)
+            plans = read_plans(plans_path, planned)
             seen += len(steps)
-            rows.append(summarise(config, concurrency, steps, answers))
+            planned += len(plans)
+            rows.append(dict(summarise(config, concurrency, steps, answers), by_kind=split_by_kind(steps, plans)))
             outputs[concurrency] = [answer["output_ids"] for answer in answers]
             row = rows[-1]
             print(f"{config:<9} x{concurrency}: {row['steps']} steps, {row['step_ms']:.1f} ms/step "
@@ -161,6 +209,20 @@ def run_server(config: str, args: argparse.Namespace, model, prompts: list[list[
                   f"(target forward in DECODE mode)", flush=True)
     top = top_functions(folder / "decode.pstats", args.top) if args.cprofile else []
     return rows, outputs, top
+
+
+def compare_to_plain(rows: list[dict], outputs: dict[str, dict[int, list[list[int]]]]) -> None:
+    """Each row's ``speedup`` (plain decoding's ms per token over its own, at its concurrency) and
+    ``greedy_identical`` (its outputs against plain decoding's), plain decoding being ``plain`` where it ran, else
+    ``plain-sync`` (neither: nothing added)."""
+    baseline = next((config for config in PLAIN_CONFIGS if config in outputs), None)
+    plain = {row["concurrency"]: row for row in rows if row["config"] == baseline}
+    for row in rows:
+        if row["concurrency"] in plain:
+            row["speedup"] = plain[row["concurrency"]]["ms_per_token"] / row["ms_per_token"]
+        if baseline is not None and row["config"] != baseline:
+            row["greedy_identical"] = (outputs[row["config"]][row["concurrency"]]
+                                       == outputs[baseline][row["concurrency"]])
 
 
 def main(argv=None) -> int:
@@ -188,12 +250,7 @@ def main(argv=None) -> int:
         config_rows, outputs[config], profiles[config] = run_server(config, args, model, prompts,
                                                                     args.out.parent / config)
         rows += config_rows
-    plain = {row["concurrency"]: row for row in rows if row["config"] == "plain"}
-    for row in rows:
-        if row["concurrency"] in plain:
-            row["speedup"] = plain[row["concurrency"]]["ms_per_token"] / row["ms_per_token"]
-        if "plain" in outputs and row["config"] != "plain":
-            row["greedy_identical"] = outputs[row["config"]][row["concurrency"]] == outputs["plain"][row["concurrency"]]
+    compare_to_plain(rows, outputs)
     command = ("python bench/cpu_step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     write_text_atomic(args.out, json.dumps({"rows": rows, "top_functions": profiles, "command": command,
                                             "cprofile": args.cprofile, "max_new_tokens": args.max_new_tokens,
@@ -212,6 +269,16 @@ def main(argv=None) -> int:
           f"{row['target_ms']:.1f}",
           f"{row['draft_ms']:.1f}", f"{row['overhead_ms']:.1f}", f"{row['tokens_per_step']:.2f}",
           f"{row['ms_per_token']:.1f}", f"{row['speedup']:.2f}x" if "speedup" in row else ""] for row in rows])))
+    split = [[row["config"], row["concurrency"], name, kind["steps"], f"{kind['step_ms']:.1f}",
+              f"{kind['target_ms']:.1f}", f"{kind['draft_ms']:.1f}", f"{kind['overhead_ms']:.1f}",
+              f"{kind['verify_tokens_per_step']:.1f}", f"{kind['tokens_per_step']:.2f}",
+              f"{kind['tokens_per_second']:.1f}"]
+             for row in rows for name, kind in row["by_kind"].items()]
+    if split:
+        print("\nTree auto's decode steps by the plan's kind (timed steps)")
+        print("\n".join(markdown_table(
+            ["server", "requests", "steps of", "steps", "ms / step", "target fwd", "draft fwds", "overhead",
+             "verify tokens / step", "tokens / step", "tokens / s"], split)))
     print(f"\n{command}")
     return 0 if all(row.get("greedy_identical", True) for row in rows) else 1
 

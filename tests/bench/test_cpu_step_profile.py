@@ -36,3 +36,54 @@ def test_auto_and_sync_servers_get_their_options_and_a_running_cap_for_sixteen(b
     # auto-sync: the same server with the overlap scheduler off, as plain-sync
     assert profile.tree_args("auto-sync", args, tmp_path) == auto + ["--disable-overlap-schedule"]
     assert profile.tree_args("plain", profile.parse_args(["--concurrency", "1,8"]), tmp_path) == []
+
+
+def plan(batch: int, tokens: int, committed: list[int]) -> dict:
+    return {"batch": batch, "tokens": tokens, "verify_tokens": [tokens] * batch, "committed": committed}
+
+
+def test_tree_auto_steps_split_into_the_plans_plain_and_tree_steps(bench_script):
+    profile = bench_script("cpu_step_profile")
+    batches = [record("DECODE", 0.0, 0.05, 0.0), record("DECODE", 0.1, 0.12, 0.03),
+               record("EXTEND", 0.3, 0.4), record("DECODE", 0.8, 0.06, 0.0),
+               record("DECODE", 0.9, 0.1, 0.02)]  # the last step has no period: left out
+    plans = [plan(2, 1, [1, 1]), plan(2, 6, [3, 2]), plan(2, 1, [1, 1]), plan(2, 6, [4, 1])]
+    split = profile.split_by_kind(batches, plans)
+    assert set(split) == {"plain", "tree"}
+    plain, tree = split["plain"], split["tree"]
+    assert plain["steps"] == 2 and tree["steps"] == 1
+    assert plain["step_ms"] == pytest.approx(100.0)  # 0.1 s, 0.1 s
+    assert plain["target_ms"] == pytest.approx(55.0) and plain["overhead_ms"] == pytest.approx(45.0)
+    # a tree step's period runs to the next batch, the prefill after it included (as ``summarise`` times it)
+    assert tree["step_ms"] == pytest.approx(200.0) and tree["draft_ms"] == pytest.approx(30.0)
+    assert tree["tokens_per_step"] == 5 and tree["verify_tokens_per_step"] == 12
+    assert tree["tokens_per_second"] == pytest.approx(25.0)
+
+
+def test_steps_the_planner_did_not_log_one_for_one_are_not_split(bench_script):
+    profile = bench_script("cpu_step_profile")
+    batches = [record("DECODE", 0.0), record("DECODE", 0.1), record("DECODE", 0.2)]
+    assert profile.split_by_kind(batches, [plan(2, 1, [1, 1])] * 3)  # the control: one line a step
+    assert profile.split_by_kind(batches, [plan(2, 1, [1, 1])] * 2) == {}  # a step missing from the log
+    assert profile.split_by_kind(batches, [plan(3, 1, [1, 1, 1])] * 3) == {}  # another batch's lines
+    assert profile.split_by_kind(batches, []) == {}  # plain decoding: no planner
+
+
+def test_speedups_are_over_plain_decoding_in_the_overlap_loop_where_it_ran_else_without_it(bench_script):
+    profile = bench_script("cpu_step_profile")
+
+    def rows():
+        return [{"config": config, "concurrency": 4, "ms_per_token": ms}
+                for config, ms in (("plain", 20.0), ("plain-sync", 16.0), ("auto-sync", 10.0))]
+
+    outputs = {"plain": {4: [[1, 2]]}, "plain-sync": {4: [[1, 2]]}, "auto-sync": {4: [[1, 3]]}}
+    both = rows()
+    profile.compare_to_plain(both, outputs)
+    assert both[2]["speedup"] == pytest.approx(2.0) and both[2]["greedy_identical"] is False
+    assert both[1]["greedy_identical"] is True
+    alone = rows()[1:]
+    profile.compare_to_plain(alone, {name: outputs[name] for name in ("plain-sync", "auto-sync")})
+    assert alone[1]["speedup"] == pytest.approx(1.6) and "greedy_identical" not in alone[0]
+    none = rows()[2:]
+    profile.compare_to_plain(none, {"auto-sync": outputs["auto-sync"]})
+    assert "speedup" not in none[0] and "greedy_identical" not in none[0]
