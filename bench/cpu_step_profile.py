@@ -126,9 +126,10 @@ def summarise(config: str, concurrency: int, batches: list[dict], answers: list[
 def split_by_kind(batches: list[dict], plans: list[dict]) -> dict[str, dict]:
     """The decode steps of ``batches`` (scheduler records, in order) beside the planner's log of the same steps
     (``plans``, one line a decode step, in order), split by the plan's kind: ``plain`` (1 verify token a request)
-    and ``tree``. Per kind: steps, timed steps (a step's period as ``summarise`` times it), mean ms per step and its
-    target / draft / other parts, tokens committed and tokens verified per step, tokens per second. Empty where the
-    two do not pair up step for step (a decode step the planner did not log)."""
+    and ``tree``. Per kind, over its timed steps (a step lasts its period, as ``summarise`` times it; the burst's
+    last step has none): their count, mean ms per step and its target / draft / other parts, tokens committed and
+    tokens verified per step, tokens per second. Empty where the two do not pair up step for step (a decode step
+    the planner did not log)."""
     decode = [index for index, batch in enumerate(batches) if batch["mode"] == "DECODE"]
     if len(decode) != len(plans) or any(batches[index]["batch"] != plan["batch"] for index, plan in zip(decode, plans)):
         return {}
