@@ -99,12 +99,19 @@ def read_steps(path: Path, after: int, timeout: float = 30.0) -> list[dict]:
     raise TimeoutError(f"the scheduler wrote no decode steps to {path} within {timeout:.0f} s")
 
 
+def decode_periods(batches: list[dict]) -> list[tuple[dict, float | None]]:
+    """Each decode step of ``batches`` (scheduler records, in order) with its period: its ``run_batch`` start to the
+    next batch's (None for the burst's last batch, which has no next)."""
+    following = [batch["start"] for batch in batches[1:]] + [None]
+    return [(batch, None if start is None else start - batch["start"])
+            for batch, start in zip(batches, following) if batch["mode"] == "DECODE"]
+
+
 def summarise(config: str, concurrency: int, batches: list[dict], answers: list[dict]) -> dict:
     """One row: means per decode step (ms) and ms per decoded token. A step's time is the scheduler loop's period
     (its ``run_batch`` start to the next batch's), which the burst's last step lacks; the first token of each
     request comes from its prefill, so the decode steps produced the rest."""
-    periods = [(batch, following["start"] - batch["start"]) for batch, following in zip(batches, batches[1:])
-               if batch["mode"] == "DECODE"]
+    periods = [(batch, period) for batch, period in decode_periods(batches) if period is not None]
     count = sum(batch["mode"] == "DECODE" for batch in batches)
     decoded = sum(answer["meta_info"]["completion_tokens"] - 1 for answer in answers)
     timed = len(periods)
@@ -126,35 +133,29 @@ def summarise(config: str, concurrency: int, batches: list[dict], answers: list[
 def split_by_kind(batches: list[dict], plans: list[dict]) -> dict[str, dict]:
     """The decode steps of ``batches`` (scheduler records, in order) beside the planner's log of the same steps
     (``plans``, one line a decode step, in order), split by the plan's kind: ``plain`` (1 verify token a request)
-    and ``tree``. Per kind, over its timed steps (a step lasts its period, as ``summarise`` times it; the burst's
-    last step has none): their count, mean ms per step and its target / draft / other parts, tokens committed and
-    tokens verified per step, tokens per second. Empty where the two do not pair up step for step (a decode step
-    the planner did not log)."""
-    decode = [index for index, batch in enumerate(batches) if batch["mode"] == "DECODE"]
-    if len(decode) != len(plans) or any(batches[index]["batch"] != plan["batch"] for index, plan in zip(decode, plans)):
+    and ``tree``. Per kind, over its timed steps (``decode_periods``, as ``summarise`` times them): their count,
+    mean ms per step and its target / draft / other parts, tokens committed and tokens verified per step, tokens
+    per second. Empty where the two do not pair up step for step (a decode step the planner did not log)."""
+    steps = decode_periods(batches)
+    if len(steps) != len(plans) or any(batch["batch"] != plan["batch"] for (batch, _), plan in zip(steps, plans)):
         return {}
-    kinds: dict[str, dict] = {}
-    for index, plan in zip(decode, plans):
-        if index + 1 >= len(batches):
-            continue  # the burst's last step has no period
-        batch = batches[index]
-        kind = kinds.setdefault("plain" if plan["tokens"] == 1 else "tree",
-                                {"steps": 0, "seconds": 0.0, "target_s": 0.0, "draft_s": 0.0, "committed": 0,
-                                 "verified": 0})
-        kind["steps"] += 1
-        kind["seconds"] += batches[index + 1]["start"] - batch["start"]
-        kind["target_s"] += batch["target_s"]
-        kind["draft_s"] += batch["draft_s"]
-        kind["committed"] += sum(plan["committed"])
-        kind["verified"] += sum(plan["verify_tokens"])
-    return {name: {"steps": kind["steps"], "step_ms": 1e3 * kind["seconds"] / kind["steps"],
-                   "target_ms": 1e3 * kind["target_s"] / kind["steps"],
-                   "draft_ms": 1e3 * kind["draft_s"] / kind["steps"],
-                   "overhead_ms": 1e3 * (kind["seconds"] - kind["target_s"] - kind["draft_s"]) / kind["steps"],
-                   "tokens_per_step": kind["committed"] / kind["steps"],
-                   "verify_tokens_per_step": kind["verified"] / kind["steps"],
-                   "tokens_per_second": kind["committed"] / kind["seconds"]}
-            for name, kind in sorted(kinds.items())}
+    kinds: dict[str, list[tuple[dict, float, dict]]] = {}
+    for (batch, period), plan in zip(steps, plans):
+        if period is not None:
+            kinds.setdefault("plain" if plan["tokens"] == 1 else "tree", []).append((batch, period, plan))
+    split = {}
+    for name, timed in sorted(kinds.items()):
+        seconds = sum(period for _, period, _ in timed)
+        target = sum(batch["target_s"] for batch, _, _ in timed)
+        draft = sum(batch["draft_s"] for batch, _, _ in timed)
+        committed = sum(sum(plan["committed"]) for _, _, plan in timed)
+        count = len(timed)
+        split[name] = {"steps": count, "step_ms": 1e3 * seconds / count, "target_ms": 1e3 * target / count,
+                       "draft_ms": 1e3 * draft / count, "overhead_ms": 1e3 * (seconds - target - draft) / count,
+                       "tokens_per_step": committed / count,
+                       "verify_tokens_per_step": sum(sum(plan["verify_tokens"]) for _, _, plan in timed) / count,
+                       "tokens_per_second": committed / seconds}
+    return split
 
 
 def read_plans(path: Path, after: int) -> list[dict]:
