@@ -38,6 +38,7 @@ RAGGED = "ragged"  # a draft's ragged verify: its fillers unlinked, its lengths 
 PENALTIES = "penalties"  # a penalised verify batch's penalties per tree node (hooks.accept)
 HEAD_FAULTS = "head_faults"  # the count of requests drafted from a non-finite head output (hooks.draft)
 HEAD_SKIP = "head_skip"  # the head's pass skipped where no tree reads it: SGLang's stub of its outputs (hooks.draft)
+EXTEND_ROWS = "extend_rows"  # a decode step's draft extend: its LM head over each request's last accepted row only
 REQUEST = "request_check"  # the tokenizer manager's check of a request (hooks.requests; counted in that process)
 
 FAULT_ENV = "SGLANG_SPEC_INJECT_DRAFT_FAULT"

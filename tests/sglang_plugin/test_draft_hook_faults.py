@@ -14,7 +14,7 @@ import torch
 
 from doubles import plugin_worker_state
 from sglang_spec.sglang_plugin import faults as faults_module
-from sglang_spec.sglang_plugin.faults import HEAD_FAULTS, HEAD_SKIP, OBSERVE
+from sglang_spec.sglang_plugin.faults import EXTEND_ROWS, HEAD_FAULTS, HEAD_SKIP, OBSERVE
 from sglang_spec.sglang_plugin.hooks import draft as hooks
 from sglang_spec.sglang_plugin.metrics import AcceptanceMetrics
 from sglang_spec.sglang_plugin.state import attach
@@ -122,7 +122,7 @@ def test_a_fault_stubbing_a_skipped_head_pass_runs_sglangs_draft_extend(monkeypa
                                                                         sglang_with_plugin, extend):
     """A ``lookup`` server never runs the head's draft extend; where its stub raises, SGLang's draft extend runs
     (the head's pass: more work, the same output)."""
-    worker = SimpleNamespace(topk=4, device="cpu")
+    worker = SimpleNamespace(topk=4, device="cpu", speculative_num_draft_tokens=1)  # a plain window: every row
     drafter = Drafter()
     drafter.uses_head = False
     attach(worker, plugin_worker_state(drafter=drafter))
@@ -139,6 +139,21 @@ def test_a_fault_stubbing_a_skipped_head_pass_runs_sglangs_draft_extend(monkeypa
     assert metrics.accept_faults == {(HEAD_SKIP, "KeyError"): 1}
     lines = fault_lines(capsys)
     assert len(lines) == 1 and "fault in head_skip, batch of 1: the head's pass over it ran" in lines[0]
+
+
+def test_a_fault_choosing_a_draft_extends_logit_rows_runs_it_over_every_row(metrics, capsys, sglang_with_plugin):
+    """Where choosing the rows of a decode extend's logits raises, SGLang's extend runs as it is (every row's
+    logits: more work, the same candidates), counted and said in one line."""
+    worker = SimpleNamespace(topk=4, device="cpu")  # no window size: the choice raises
+    attach(worker, plugin_worker_state(drafter=Drafter()))
+    batch = SimpleNamespace(reqs=[object()], seq_lens=torch.tensor([9]))
+    sglangs = []
+    result = hooks.draft_extend_for_decode_around(lambda *args: sglangs.append(args) or "extended", worker, batch,
+                                                  SimpleNamespace(accept_lens=torch.tensor([2])))
+    assert result == "extended" and len(sglangs) == 1
+    assert metrics.accept_faults == {(EXTEND_ROWS, "AttributeError"): 1}
+    lines = fault_lines(capsys)
+    assert len(lines) == 1 and "fault in extend_rows, batch of 1: its LM head ran over every row" in lines[0]
 
 
 def test_the_verify_inputs_accept_bound_is_the_trees_depth_past_sglangs_draft_steps():

@@ -19,7 +19,7 @@
 | ``EagleDraftWorker.alloc_memory_pool`` | AFTER | draft: the draft KV pool can give every branch its own ancestry |
 | ``EagleDraftWorker.draft`` | AROUND | draft: an eager drafter sees the batch's requests; a guard's head faults counted |
 | ``EagleDraftWorker.draft_forward`` | AROUND | draft: the server's drafter; a draft that raises: the filler tree for that batch (counted, one log line) |
-| ``EagleDraftWorker._draft_extend_for_prefill`` / ``_for_decode`` | AROUND | draft: skipped where no tree reads the head (lookup) |
+| ``EagleDraftWorker._draft_extend_for_prefill`` / ``_for_decode`` | AROUND | draft: skipped where no tree reads the head (lookup); an eager decode extend's LM head over the rows SGLang reads |
 | ``spec_utils.select_top_k_tokens`` | AROUND | draft: SGLang's loop (chain, eagle) with exact ancestry by KV column copy |
 | ``LogitsMetadata.from_forward_batch`` | AFTER | draft: the plugin's loop computes the head's logits for the beams that can grow only |
 | ``EAGLEWorkerV2.forward_batch_generation`` | AROUND | auto: each decode step's verify size, planned for the batch, run and timed |

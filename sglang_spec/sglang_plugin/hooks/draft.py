@@ -8,6 +8,7 @@ SGLang's own draft extend (each counted and logged in one line, ``faults``)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -20,8 +21,9 @@ from sglang_spec.sglang_plugin.drafters.filler import filler_draft, filler_encod
 from sglang_spec.sglang_plugin.drafters.head_guard import ERROR as HEAD_FAULT
 from sglang_spec.sglang_plugin.drafters.head_guard import HeadGuard
 from sglang_spec.sglang_plugin.drafters.sglang_loop import keep_ancestry
-from sglang_spec.sglang_plugin.faults import (FAULT_ENV, HEAD_FAULTS, HEAD_SKIP, OBSERVE, RAGGED, FaultInjection,
-                                              FaultOnAnotherRank, InjectedFault, accept_fault, capturing, plugin_fault)
+from sglang_spec.sglang_plugin.faults import (EXTEND_ROWS, FAULT_ENV, HEAD_FAULTS, HEAD_SKIP, OBSERVE, RAGGED,
+                                              FaultInjection, FaultOnAnotherRank, InjectedFault, accept_fault,
+                                              capturing, plugin_fault)
 from sglang_spec.sglang_plugin.messages import StartupError, log
 from sglang_spec.sglang_plugin.metrics import METRICS, PLANS, RANKS, SOURCES, VERIFY_TOKENS
 from sglang_spec.sglang_plugin.peers import Peers, PlanGroup, attention_tp_rank, dp_attention
@@ -289,7 +291,60 @@ def draft_extend_for_decode_around(original, worker, batch, batch_output, *args,
             return None
     except Exception as error:  # a field set before the fault is set again by SGLang's draft extend
         plugin_fault(HEAD_SKIP, error, f"batch of {len(batch.reqs)}", "the head's pass over it ran")
-    return original(worker, batch, batch_output, *args, **kwargs)
+    try:
+        rows = extend_logit_rows(worker, batch, batch_output)
+    except Exception as error:
+        plugin_fault(EXTEND_ROWS, error, f"batch of {len(batch.reqs)}", "its LM head ran over every row")
+        rows = None
+    if rows is None:
+        return original(worker, batch, batch_output, *args, **kwargs)
+    with _logits_at(worker.draft_runner, rows):
+        return original(worker, batch, batch_output, *args, **kwargs)
+
+
+def extend_logit_rows(worker, batch, batch_output) -> torch.Tensor | None:
+    """[bs] the rows of a decode step's draft extend whose logits SGLang reads: each request's last accepted token
+    (``r * width + accept_lens[r] - 1``, SGLang's own ``select_index``). The extend runs the head over the step's
+    whole window (``width`` rows a request, for its graphs' fixed shapes) but reads one row's candidates a
+    request, and its LM head is most of a row's work at a small hidden size: the plugin computes those rows'
+    logits only. None (every row, as SGLang does) where that does not hold: no tree server's state, a plain step's
+    window of one, a draft-extend graph (its replay selects the rows itself), DP attention (the forward pads its
+    batch), a batch that returns logprobs (the processor reads every row for them), an idle batch."""
+    state: WorkerState | None = state_of(worker)
+    width = worker.speculative_num_draft_tokens
+    if (state is None or width == 1 or worker.cuda_graph_runner_for_draft_extend is not None or dp_attention()
+            or batch.return_logprob or batch.forward_mode.is_idle()):
+        return None
+    accept_lens = batch_output.accept_lens
+    starts = torch.arange(0, accept_lens.shape[0] * width, width, device=accept_lens.device)
+    return starts + accept_lens.long() - 1
+
+
+@contextlib.contextmanager
+def _logits_at(runner, rows: torch.Tensor):
+    """The draft runner's forward, for this extend only: its logits processor over ``rows`` alone (``LOGIT_ROWS``,
+    through SGLang's own row selection), the logits then spread back to every row of the forward (zeros elsewhere,
+    which SGLang's ``select_index`` never reads), so SGLang's eager extend selects them as it would the whole."""
+    forward = runner.forward  # the class's (hooked) method, bound: shadowed by an instance attribute below
+
+    def selected(forward_batch, *args, **kwargs):
+        token = LOGIT_ROWS.set(rows)
+        try:
+            result = forward(forward_batch, *args, **kwargs)
+        finally:
+            LOGIT_ROWS.reset(token)
+        output = result.logits_output
+        logits = output.next_token_logits
+        spread = logits.new_zeros((forward_batch.input_ids.shape[0], *logits.shape[1:]))
+        spread[rows] = logits
+        output.next_token_logits = spread
+        return result
+
+    runner.forward = selected
+    try:
+        yield
+    finally:
+        del runner.forward
 
 
 def _stub_next_draft_input(worker, batch, batch_output) -> None:
