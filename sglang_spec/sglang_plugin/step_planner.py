@@ -65,7 +65,7 @@ from __future__ import annotations
 import json
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence, TextIO
 
 from sglang_spec.costs import CostTable, interpolate_seconds
 from sglang_spec.planner import SizeTable, StepPlan, choose_size, expected_tokens, plan_ragged, width_for
@@ -187,6 +187,7 @@ class StepPlanner:
     idle_steps: int = 0  # steps this rank ran with no request of its own at the group's size (DP attention)
     learnt_at: dict[str, int] = field(default_factory=dict)  # rid -> the step its reach was last learnt at
     log_path: str | None = None  # ``PLAN_LOG_ENV``: where every planned step is written, one JSON line each
+    log_file: TextIO | None = field(default=None, repr=False)  # ``log_path`` opened at the first step written
 
     def __post_init__(self) -> None:
         if self.sizes[0] != 1 or self.full not in self.sizes or list(self.sizes) != sorted(set(self.sizes)):
@@ -464,8 +465,11 @@ class StepPlanner:
                   "head": "rest" if self.skip_head else "warmup" if self.head_warmup else "ran",
                   "tree_extra_s": self.tree_extra(batch_bucket(len(rids))),
                   "plain_scale": {bucket: self.plain_scale(bucket) for bucket in self.plain_seen}}
-        with open(self.log_path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        if self.log_file is None:
+            # opened once and line-buffered: one append a step (whole lines, so ranks sharing the file interleave
+            # lines, not bytes), not an open and close on every step's host time
+            self.log_file = open(self.log_path, "a", buffering=1)
+        self.log_file.write(json.dumps(record) + "\n")
 
     def describe(self) -> str:
         """One log line: the steps taken by verify size so far."""
