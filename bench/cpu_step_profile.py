@@ -19,7 +19,8 @@ overhead = step - target - draft. ms per token = mean step time / tokens decoded
 decoding's ms per token over the row's (``plain``'s where it ran, else ``plain-sync``'s), and greedy outputs are
 checked identical to that server's. A tree auto server also writes its planner's log (``SGLANG_SPEC_PLAN_LOG``, one
 line a decode step): its decode steps are split into the plan's plain steps and tree steps, each with its own time,
-parts and tokens (``split_by_kind``): what a tree step costs against a plain step on this machine. Writes JSON
+parts and tokens (``split_by_kind``): what a tree step costs against a plain step on this machine, and how far
+its verify alone would let it beat plain decoding were its drafting free (``bound_by_kind``). Writes JSON
 (``--out``) and prints tables.
 """
 
@@ -216,15 +217,29 @@ def run_server(config: str, args: argparse.Namespace, model, prompts: list[list[
 def compare_to_plain(rows: list[dict], outputs: dict[str, dict[int, list[list[int]]]]) -> None:
     """Each row's ``speedup`` (plain decoding's ms per token over its own, at its concurrency) and
     ``greedy_identical`` (its outputs against plain decoding's), plain decoding being ``plain`` where it ran, else
-    ``plain-sync`` (neither: nothing added)."""
+    ``plain-sync`` (neither: nothing added); each of its plan kinds' (``split_by_kind``) the same two ratios of a
+    step (``bound_by_kind``)."""
     baseline = next((config for config in PLAIN_CONFIGS if config in outputs), None)
     plain = {row["concurrency"]: row for row in rows if row["config"] == baseline}
     for row in rows:
         if row["concurrency"] in plain:
             row["speedup"] = plain[row["concurrency"]]["ms_per_token"] / row["ms_per_token"]
+            bound_by_kind(row.get("by_kind", {}), plain[row["concurrency"]])
         if baseline is not None and row["config"] != baseline:
             row["greedy_identical"] = (outputs[row["config"]][row["concurrency"]]
                                        == outputs[baseline][row["concurrency"]])
+
+
+def bound_by_kind(kinds: dict[str, dict], plain: dict) -> None:
+    """Per plan kind (``split_by_kind``'s entries, in place), against ``plain`` (plain decoding's ``summarise`` row at
+    the same concurrency): ``x_plain``, its tokens per second over plain decoding's; ``free_drafting_x_plain``, the
+    same were its step only its target forward and a plain step's other work (its draft forwards free, its host
+    work a plain step's): the most its verify lets it gain at the tokens it committed, whatever the drafting costs."""
+    plain_per_second = 1e3 / plain["ms_per_token"]
+    for kind in kinds.values():
+        kind["x_plain"] = kind["tokens_per_second"] / plain_per_second
+        bound_ms = kind["target_ms"] + plain["overhead_ms"]
+        kind["free_drafting_x_plain"] = 1e3 * kind["tokens_per_step"] / bound_ms / plain_per_second
 
 
 def main(argv=None) -> int:
@@ -274,15 +289,21 @@ def main(argv=None) -> int:
     split = [[row["config"], row["concurrency"], name, kind["steps"], f"{kind['step_ms']:.1f}",
               f"{kind['target_ms']:.1f}", f"{kind['draft_ms']:.1f}", f"{kind['overhead_ms']:.1f}",
               f"{kind['verify_tokens_per_step']:.1f}", f"{kind['tokens_per_step']:.2f}",
-              f"{kind['tokens_per_second']:.1f}"]
+              f"{kind['tokens_per_second']:.1f}", _times(kind.get("x_plain")),
+              _times(kind.get("free_drafting_x_plain"))]
              for row in rows for name, kind in row["by_kind"].items()]
     if split:
-        print("\nTree auto's decode steps by the plan's kind (timed steps)")
+        print("\nTree auto's decode steps by the plan's kind (timed steps); x plain: tokens per second over plain "
+              "decoding's; drafting free: the same, the step's draft forwards free and its other work a plain step's")
         print("\n".join(markdown_table(
             ["server", "requests", "steps of", "steps", "ms / step", "target fwd", "draft fwds", "overhead",
-             "verify tokens / step", "tokens / step", "tokens / s"], split)))
+             "verify tokens / step", "tokens / step", "tokens / s", "x plain", "x plain, drafting free"], split)))
     print(f"\n{command}")
     return 0 if all(row.get("greedy_identical", True) for row in rows) else 1
+
+
+def _times(ratio: float | None) -> str:
+    return "" if ratio is None else f"{ratio:.2f}x"
 
 
 if __name__ == "__main__":

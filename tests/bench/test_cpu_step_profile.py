@@ -87,3 +87,22 @@ def test_speedups_are_over_plain_decoding_in_the_overlap_loop_where_it_ran_else_
     none = rows()[2:]
     profile.compare_to_plain(none, {"auto-sync": outputs["auto-sync"]})
     assert "speedup" not in none[0] and "greedy_identical" not in none[0]
+
+
+def test_a_plan_kinds_bound_is_its_verify_and_a_plain_steps_other_work(bench_script):
+    """A tree step of 100 ms (target 60, draft 30, other 10) committing 6 tokens, against plain decoding at 4
+    requests (50 ms a step: target 48, other 2; 12.5 ms a token): 60 tokens/s over 80 is 0.75x, and the same step
+    with its drafting free and a plain step's 2 ms of other work (62 ms) would be 6 / 62 ms: 1.21x."""
+    profile = bench_script("cpu_step_profile")
+    tree = {"steps": 3, "step_ms": 100.0, "target_ms": 60.0, "draft_ms": 30.0, "overhead_ms": 10.0,
+            "tokens_per_step": 6.0, "verify_tokens_per_step": 12.0, "tokens_per_second": 60.0}
+    plain = {"config": "plain-sync", "concurrency": 4, "ms_per_token": 12.5, "step_ms": 50.0, "target_ms": 48.0,
+             "draft_ms": 0.0, "overhead_ms": 2.0}
+    auto = {"config": "auto-sync", "concurrency": 4, "ms_per_token": 16.0, "by_kind": {"tree": dict(tree)}}
+    profile.compare_to_plain([plain, auto], {"plain-sync": {4: [[1]]}, "auto-sync": {4: [[1]]}})
+    bound = auto["by_kind"]["tree"]
+    assert bound["x_plain"] == pytest.approx(0.75)
+    assert bound["free_drafting_x_plain"] == pytest.approx(6 / 0.062 / 80)
+    lone = {"config": "auto-sync", "concurrency": 4, "ms_per_token": 16.0, "by_kind": {"tree": dict(tree)}}
+    profile.compare_to_plain([lone], {"auto-sync": {4: [[1]]}})  # no plain server ran: no ratios
+    assert "x_plain" not in lone["by_kind"]["tree"]
