@@ -217,8 +217,8 @@ def run_server(config: str, args: argparse.Namespace, model, prompts: list[list[
 def compare_to_plain(rows: list[dict], outputs: dict[str, dict[int, list[list[int]]]]) -> None:
     """Each row's ``speedup`` (plain decoding's ms per token over its own, at its concurrency) and
     ``greedy_identical`` (its outputs against plain decoding's), plain decoding being ``plain`` where it ran, else
-    ``plain-sync`` (neither: nothing added); each of its plan kinds' (``split_by_kind``) the same two ratios of a
-    step (``bound_by_kind``)."""
+    ``plain-sync`` (neither: nothing added); per plan kind (``split_by_kind``), its tokens per second over plain
+    decoding's as served and with its drafting free (``bound_by_kind``)."""
     baseline = next((config for config in PLAIN_CONFIGS if config in outputs), None)
     plain = {row["concurrency"]: row for row in rows if row["config"] == baseline}
     for row in rows:
