@@ -69,6 +69,7 @@ class WorkerState:
       peers:          the tensor-parallel ranks that verify each batch together, None with one rank.
       plan_group:     the ranks that take one verify size each step (tree auto), None with one rank.
       faults:         injected faults (tests only, ``faults``), None on a served deployment.
+      dp_attention:   whether the server runs DP attention (read once: its forwards pad their batches).
     Set by the target worker's start-up (None where the server runs without them):
       fused:          the fused accept (``--speculative-tree-accept fused``).
       committed:      each verify's committed tokens, with the overlap scheduler (``committed``).
@@ -99,6 +100,7 @@ class WorkerState:
     peers: Peers | None = None
     plan_group: PlanGroup | None = None
     faults: FaultInjection | None = None
+    dp_attention: bool = False
     fused: FusedAccept | None = None
     committed: CommittedOutputs | None = None
     auto: StepPlanner | None = None

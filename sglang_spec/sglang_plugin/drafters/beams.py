@@ -113,14 +113,15 @@ def head_round(worker: Any, forward_batch: Any, step: int, tokens: torch.Tensor,
     output, topk_p, topk_index = forward_beams(worker, forward_batch, step, tokens.reshape(-1), state[hidden_rows],
                                                step_locs[step - 1], topk, rows)
     if rows is not None:
-        output.hidden_states = _beam_rows(output.hidden_states, rows, batch * width)
-        topk_p, topk_index = _beam_rows(topk_p, rows, batch * width), _beam_rows(topk_index, rows, batch * width)
+        output.hidden_states = spread_rows(output.hidden_states, rows, batch * width)
+        topk_p, topk_index = spread_rows(topk_p, rows, batch * width), spread_rows(topk_index, rows, batch * width)
     return output, topk_p, topk_index
 
 
-def _beam_rows(values: torch.Tensor, rows: torch.Tensor, beams: int) -> torch.Tensor:
-    """[beams, ...]: ``values`` ([len(rows), ...]) at ``rows``, zeros elsewhere."""
-    spread = values.new_zeros((beams, *values.shape[1:]))
+def spread_rows(values: torch.Tensor, rows: torch.Tensor, count: int) -> torch.Tensor:
+    """[count, ...]: ``values`` ([len(rows), ...]) at ``rows``, zeros elsewhere (a forward's outputs computed for
+    some of its rows, back at its full row count)."""
+    spread = values.new_zeros((count, *values.shape[1:]))
     spread[rows] = values
     return spread
 

@@ -15,7 +15,7 @@ import torch
 
 from sglang_spec.errors import SpecError
 from sglang_spec.sglang_plugin.drafters.base import DraftCall, ServedDrafter
-from sglang_spec.sglang_plugin.drafters.beams import supports_row_permutation, zero_kv
+from sglang_spec.sglang_plugin.drafters.beams import spread_rows, supports_row_permutation, zero_kv
 from sglang_spec.sglang_plugin.drafters.choose import drafter_for
 from sglang_spec.sglang_plugin.drafters.filler import filler_draft, filler_encoding
 from sglang_spec.sglang_plugin.drafters.head_guard import ERROR as HEAD_FAULT
@@ -49,7 +49,7 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
     rank = attention_tp_rank()
     attach(worker, WorkerState(options, drafter, width, steps, budget + 1, filler, peers=Peers.of_worker(),
                                plan_group=PlanGroup.of_worker() if options.auto else None,
-                               faults=FaultInjection.from_environment(rank)))
+                               faults=FaultInjection.from_environment(rank), dp_attention=dp_attention()))
     claim_acceptance_metrics(worker.server_args, rank)
     return result
 
@@ -312,7 +312,7 @@ def extend_logit_rows(worker, batch, batch_output) -> torch.Tensor | None:
     batch), a batch that returns logprobs (the processor reads every row for them), an idle batch."""
     state: WorkerState | None = state_of(worker)
     width = worker.speculative_num_draft_tokens
-    if (state is None or width == 1 or worker.cuda_graph_runner_for_draft_extend is not None or dp_attention()
+    if (state is None or width == 1 or worker.cuda_graph_runner_for_draft_extend is not None or state.dp_attention
             or batch.return_logprob or batch.forward_mode.is_idle()):
         return None
     accept_lens = batch_output.accept_lens
@@ -334,10 +334,7 @@ def _logits_at(runner, rows: torch.Tensor):
         finally:
             LOGIT_ROWS.reset(token)
         output = result.logits_output
-        logits = output.next_token_logits
-        spread = logits.new_zeros((forward_batch.input_ids.shape[0], *logits.shape[1:]))
-        spread[rows] = logits
-        output.next_token_logits = spread
+        output.next_token_logits = spread_rows(output.next_token_logits, rows, forward_batch.input_ids.shape[0])
         return result
 
     runner.forward = selected
