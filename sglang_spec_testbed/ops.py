@@ -22,7 +22,8 @@ import torch
 
 from sglang_spec_testbed.attention import BEAM_PREFIXES_ATTRIBUTE
 from sglang_spec_testbed.tree_mask import first_use
-from sglang_spec.tree.encode_sglang import TreeMaskMode, decode_sglang_draft, encode_sglang_verify
+from sglang_spec.tree.batch import TreeBatch
+from sglang_spec.tree.encode_sglang import TreeMaskMode, parents_from_sglang_draft, verify_metadata
 
 TRITON_TREE_FLAG = "SGLANG_SPEC_CPU_TRITON_TREE"
 
@@ -159,10 +160,12 @@ def build_tree_kernel_efficient_cpu(parent_list, top_scores_index, seq_lens, tre
                                      retrieve_next_token, retrieve_next_sibling, topk,
                                      max(spec_steps, num_verify_tokens - 1), num_verify_tokens, tree_mask_mode)
         return
-    batch = top_scores_index.shape[0]
-    placeholder = torch.arange(1, num_verify_tokens, dtype=torch.int64).expand(batch, -1)  # distinct sibling tokens
-    trees = decode_sglang_draft(parent_list.cpu(), top_scores_index.cpu(), placeholder, torch.zeros(batch), topk)
-    built = encode_sglang_verify(trees, seq_lens.cpu(), TreeMaskMode(int(tree_mask_mode)))
+    batch_size = top_scores_index.shape[0]
+    # the trees' structure only, over the whole batch at once (its tokens are no output of the kernel's)
+    parents = parents_from_sglang_draft(parent_list.cpu(), top_scores_index.cpu(), topk)
+    batch = TreeBatch.from_parents(torch.zeros_like(parents), parents,
+                                   torch.full((batch_size,), num_verify_tokens, dtype=torch.int64))
+    built = verify_metadata(batch, seq_lens.cpu(), TreeMaskMode(int(tree_mask_mode)))
     tree_mask.view(-1)[: built.tree_mask.numel()].copy_(built.tree_mask.reshape(-1).to(tree_mask.dtype))
     positions.copy_(built.positions)
     retrieve_index.copy_(built.retrieve_index)

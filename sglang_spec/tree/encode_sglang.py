@@ -9,8 +9,10 @@ Two directions:
   (SGLang's UNO encoding, ``kernels/ops/speculative/uno_tree.py``).
 * ``encode_sglang_verify``: the verify metadata the build-tree kernel returns (positions, retrieve index / next
   token / next sibling, tree mask in the three ``TreeMaskMode`` layouts), computed from the tree structure
-  directly, so it can be checked against SGLang's own kernel.
-* ``decode_sglang_draft``: SGLang's native draft outputs (EAGLE-2 or UNO encoded) -> TokenTrees.
+  directly, so it can be checked against SGLang's own kernel (``verify_metadata``: the same from a ``TreeBatch``).
+* ``decode_sglang_draft``: SGLang's native draft outputs (EAGLE-2 or UNO encoded) -> TokenTrees, their parents
+  resolved by the kernel's rule (``parents_from_sglang_draft``, over the whole batch at once: what the CPU bed's
+  build-tree stand-in reads).
 """
 
 from __future__ import annotations
@@ -192,12 +194,19 @@ def encode_sglang_verify(
     trees: Sequence[TokenTree], seq_lens: Sequence[int] | torch.Tensor, mode: TreeMaskMode = TreeMaskMode.FULL_MASK
 ) -> SGLangVerifyMetadata:
     """Verify metadata for trees with the same node count; ``seq_lens[b]`` = verified prefix length."""
-    num_nodes = _uniform_node_count(trees)
+    _uniform_node_count(trees)
+    return verify_metadata(TreeBatch.from_trees(trees), seq_lens, mode)
+
+
+def verify_metadata(batch: TreeBatch, seq_lens: Sequence[int] | torch.Tensor,
+                    mode: TreeMaskMode = TreeMaskMode.FULL_MASK) -> SGLangVerifyMetadata:
+    """``encode_sglang_verify``'s metadata for a batch whose every request holds all ``batch.max_nodes`` nodes
+    (SGLang verifies a fixed number a request); ``seq_lens[b]`` = verified prefix length."""
+    num_nodes = batch.max_nodes
+    batch_size = batch.batch_size
     seq_lens = torch.as_tensor(seq_lens, dtype=torch.int64).reshape(-1)
-    if seq_lens.numel() != len(trees):
-        raise SpecError(f"got {seq_lens.numel()} seq_lens for {len(trees)} trees")
-    batch = TreeBatch.from_trees(trees)
-    batch_size = len(trees)
+    if seq_lens.numel() != batch_size:
+        raise SpecError(f"got {seq_lens.numel()} seq_lens for {batch_size} trees")
     masks = batch.ancestor_mask()
     if mode == TreeMaskMode.FULL_MASK:
         tree_mask = torch.cat(
@@ -233,6 +242,37 @@ def pack_rows_little_endian(rows: torch.Tensor) -> torch.Tensor:
     return packed.contiguous().view(dtype).reshape(-1)
 
 
+def parents_from_sglang_draft(parent_list: torch.Tensor, top_scores_index: torch.Tensor, topk: int) -> torch.Tensor:
+    """[bs, n] int64 parents (node 0 the root, -1) of the trees SGLang's draft outputs encode, resolved the way the
+    build-tree kernel resolves them: node i's parent slot is ``g = top_scores_index[i-1] // topk``; g == 0 means the
+    root, otherwise the parent is the first node whose top_scores_index equals ``parent_list[g]``. parent_list
+    [bs, topk * (spec_steps - 1) + 1], top_scores_index [bs, n - 1] (EAGLE-2 or UNO encoded). A slot past
+    parent_list, a parent slot that names no selected node, or a parent after its child: ``SpecError``."""
+    batch_size, count = top_scores_index.shape
+    slots = top_scores_index // topk
+    outside = (slots < 0) | ((slots != 0) & (slots >= parent_list.shape[1]))  # slot 0 (the root) reads no entry
+    if bool(outside.any()):
+        row = int(outside.any(1).nonzero()[0])
+        raise SpecError(f"invalid eagle tree: request {row} has a parent slot past its parent_list "
+                        f"({parent_list.shape[1]} entries)")
+    padded = torch.cat([parent_list, torch.full((batch_size, 1), -1, dtype=parent_list.dtype,
+                                                device=parent_list.device)], 1)  # one draft step's is empty
+    parent_values = torch.gather(padded, 1, torch.where(slots == 0, parent_list.shape[1], slots))
+    positions = torch.arange(count, device=top_scores_index.device)
+    matches = top_scores_index[:, None, :] == parent_values[:, :, None]  # [bs, node, candidate parent]
+    first = torch.where(matches, positions, count).min(-1).values
+    unselected = (slots != 0) & (first == count)
+    if bool(unselected.any()):
+        row = int(unselected.any(1).nonzero()[0])
+        raise SpecError(f"invalid eagle tree: request {row} has a node whose parent slot is not selected")
+    parents = torch.where(slots == 0, 0, first + 1)
+    late = parents > positions  # column c holds node c + 1, whose parent must come before it
+    if bool(late.any()):
+        row = int(late.any(1).nonzero()[0])
+        raise SpecError(f"invalid eagle tree: request {row} has a node whose parent comes after it")
+    return torch.cat([torch.full((batch_size, 1), -1, dtype=torch.int64, device=parents.device), parents], 1)
+
+
 def decode_sglang_draft(
     parent_list: torch.Tensor,
     top_scores_index: torch.Tensor,
@@ -241,28 +281,16 @@ def decode_sglang_draft(
     topk: int,
     draft_probs: torch.Tensor | None = None,
 ) -> list[TokenTree]:
-    """Trees from SGLang draft outputs, resolving parents the way the build-tree kernel does: node i's parent
-    slot is ``g = top_scores_index[i-1] // topk``; g == 0 means the root, otherwise the parent is the node whose
-    top_scores_index equals ``parent_list[g]``. Ranks are ``top_scores_index % topk``."""
+    """Trees from SGLang draft outputs, their parents resolved as the build-tree kernel resolves them
+    (``parents_from_sglang_draft``); ranks are ``top_scores_index % topk``."""
+    parents = parents_from_sglang_draft(parent_list, top_scores_index, topk).tolist()
     trees = []
     for row in range(top_scores_index.shape[0]):
         scores_index = top_scores_index[row].tolist()
-        position_of = {value: position for position, value in reversed(list(enumerate(scores_index)))}
-        parents = [-1]
-        for value in scores_index:
-            slot = value // topk
-            if slot == 0:
-                parents.append(0)
-                continue
-            parent_value = int(parent_list[row, slot])
-            if parent_value not in position_of:
-                raise SpecError(f"invalid eagle tree: request {row} has a node whose parent slot {slot} "
-                                "is not selected")
-            parents.append(position_of[parent_value] + 1)
         probs = None if draft_probs is None else [1.0, *draft_probs[row].tolist()]
         trees.append(
             TokenTree.from_parents(
-                parents,
+                parents[row],
                 tokens=[int(bonus_tokens[row]), *draft_tokens[row].tolist()],
                 ranks=[-1, *[value % topk for value in scores_index]],
                 draft_probs=probs,

@@ -153,3 +153,27 @@ def test_a_mask_that_covers_no_leading_run_of_requests_is_refused():
         complete_tree_mask(qlen, TreeMaskMode.FULL_MASK, [10, 12], [7, 7])
     with pytest.raises(ValueError, match="built in another mode"):
         complete_tree_mask(torch.zeros(0, dtype=torch.bool), TreeMaskMode.QLEN_ONLY, [10, 1], [7, 7])
+
+
+def test_a_draft_whose_parent_is_not_selected_or_comes_late_is_refused_in_one_line():
+    """SGLang's parent rule over draft outputs that encode no tree: a parent slot naming a value no node holds, a
+    slot past the parent_list, a parent after its child. The UNO example itself decodes (the control)."""
+    from sglang_spec.tree.encode_sglang import parents_from_sglang_draft
+
+    encoding = encode_sglang_draft([UNO_EXAMPLE], topk=3, spec_steps=3)
+    parent_list, top_scores_index = encoding.parent_list, encoding.top_scores_index
+    assert parents_from_sglang_draft(parent_list, top_scores_index, 3).tolist() == [UNO_EXAMPLE.parents.tolist()]
+    unselected = parent_list.clone()
+    unselected[0, 4] = 40  # node 6's parent slot 4 now names a value no node holds
+    past = top_scores_index.clone()
+    past[0, 5] = 7 * 3  # slot 7 of a 7-entry parent_list
+    late = top_scores_index.clone()
+    late[0, 0] = 3 * 3  # node 1's parent slot 3 names node 3's value: a parent after its child
+    late_list = parent_list.clone()
+    late_list[0, 1] = 3 * 3  # slot 1 still names node 1 (nodes 4 and 5 keep their parent)
+    for lists, scores, message in ((unselected, top_scores_index, "parent slot is not selected"),
+                                   (parent_list, past, "past its parent_list"),
+                                   (late_list, late, "comes after it")):
+        with pytest.raises(SpecError, match=message) as error:
+            parents_from_sglang_draft(lists, scores, 3)
+        assert "\n" not in str(error.value)
