@@ -41,15 +41,16 @@ def draft_worker_init_after(result, worker, *args, **kwargs):
         return result
     width, steps, budget = worker.topk, worker.speculative_num_steps, worker.speculative_num_draft_tokens - 1
     filler = filler_encoding(budget, width, steps)
+    dp = dp_attention()
     try:
         # guards' tensors live on the device before any draft graph is captured
-        drafter = drafter_for(options, width, steps, budget, worker.device, filler, dp_attention=dp_attention())
+        drafter = drafter_for(options, width, steps, budget, worker.device, filler, dp_attention=dp)
     except SpecError as error:  # validated at start-up already; a mismatch here is a bug, said plainly
         raise StartupError(error) from None
     rank = attention_tp_rank()
     attach(worker, WorkerState(options, drafter, width, steps, budget + 1, filler, peers=Peers.of_worker(),
                                plan_group=PlanGroup.of_worker() if options.auto else None,
-                               faults=FaultInjection.from_environment(rank), dp_attention=dp_attention()))
+                               faults=FaultInjection.from_environment(rank), dp_attention=dp))
     claim_acceptance_metrics(worker.server_args, rank)
     return result
 
