@@ -92,20 +92,26 @@ class CommittedOutputs:
     def output(self, req: Any, kv_length: int, root: int) -> list[int] | None:
         """``req``'s committed output at a decode step whose KV holds ``kv_length`` of its tokens and which
         verifies from ``root`` (the output's last token); None when it cannot be known."""
-        output = list(req.output_ids)
+        tail = self.tail(req, kv_length, root)
+        return None if tail is None else list(req.output_ids) + tail
+
+    def tail(self, req: Any, kv_length: int, root: int) -> list[int] | None:
+        """The committed tokens ``req.output_ids`` lacks at that step, in order ([] where it is whole), read
+        without copying the output: ``output`` is ``output_ids + tail``. None when it cannot be known."""
+        output = req.output_ids
         missing = kv_length + 1 - len(req.origin_input_ids) - len(output)  # the KV's prompt: image padding included
         if missing == 0:
-            return output if output and output[-1] == root else None
+            return [] if len(output) and output[-1] == root else None
         if missing == 1:  # the root alone: a request's first decode step after its prefill, or a plain step's
             self.spliced += 1
-            return output + [root]
+            return [root]
         recorded = self.records.get(req.rid)
         if missing < 0 or recorded is None or recorded[0] != kv_length or len(recorded[1]) < missing \
                 or recorded[1][-1] != root:
             self.unknown += 1
             return None
         self.spliced += 1
-        return output + recorded[1][len(recorded[1]) - missing:]
+        return recorded[1][len(recorded[1]) - missing:]
 
     def report_first_unknown(self) -> None:
         """The first output this could not complete, in one log line (the tests assert there is none)."""

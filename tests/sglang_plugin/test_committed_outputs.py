@@ -49,6 +49,15 @@ def test_overlap_loop_the_last_verify_completes_the_lagging_output():
     assert outputs.spliced == 2 and outputs.unknown == 0
 
 
+def test_the_tail_is_what_the_output_ids_lack_read_without_copying_them():
+    outputs = CommittedOutputs()
+    assert outputs.tail(request([]), kv_length=5, root=7) == [7]
+    first_verify(outputs)
+    assert outputs.tail(request([7]), kv_length=8, root=10) == [8, 9, 10]  # the overlap loop's lag
+    assert outputs.tail(request([7, 8, 9, 10]), kv_length=8, root=10) == []  # the synchronous loop's: whole
+    assert outputs.tail(request([7]), kv_length=9, root=10) is None  # the record is of another KV length
+
+
 def test_an_output_that_cannot_be_completed_is_unknown_not_guessed():
     outputs = CommittedOutputs()
     first_verify(outputs)

@@ -7,7 +7,7 @@ import torch
 
 from sglang_spec.sglang_plugin.drafters.base import VerifyOutcome
 from sglang_spec.sglang_plugin.drafters.host_context import HostContextDrafter as ContextDrafter
-from sglang_spec.sglang_plugin.drafters.host_context import RequestContexts
+from sglang_spec.sglang_plugin.drafters.host_context import AGREE_TOKENS, History, RequestContexts
 from sglang_spec.sglang_plugin.drafters.padding import pad_to_budget
 from sglang_spec.tree.proposal import DraftSources
 from sglang_spec.tree.drafter import TreeDrafter
@@ -26,13 +26,49 @@ def outcome(accept_index: torch.Tensor, verify_tokens: int) -> VerifyOutcome:
 
 def test_contexts_extend_incrementally_and_rebuild_a_history_that_changed():
     contexts = RequestContexts(max_ngram=4)
-    first = contexts.index("a", [1, 2, 3], root=3)
+    first = contexts.index("a", History.of(([1, 2], [3]), root=3))
     assert first.tokens == [1, 2, 3]
-    assert contexts.index("a", [1, 2, 3, 4, 5], root=5) is first and first.tokens == [1, 2, 3, 4, 5]
+    # the next step's history: the output grew, the verify's tail spliced after it (the overlap scheduler's lag)
+    assert contexts.index("a", History.of(([1, 2], [3, 4], [5]), root=5)) is first and first.tokens == [1, 2, 3, 4, 5]
     # a root the output ids do not hold yet (the first step after prefill) is appended
-    assert contexts.index("b", [7, 8], root=9).tokens == [7, 8, 9]
-    rebuilt = contexts.index("a", [1, 2, 6], root=6)
+    assert contexts.index("b", History.of(([7, 8], []), root=9)).tokens == [7, 8, 9]
+    rebuilt = contexts.index("a", History.of(([1, 2], [6]), root=6))  # shorter: indexed again
     assert rebuilt is not first and rebuilt.tokens == [1, 2, 6]
+    changed = contexts.index("a", History.of(([1, 2], [7, 8]), root=8))  # as long, its last token changed
+    assert changed is not rebuilt and changed.tokens == [1, 2, 7, 8]
+
+
+class CountedTokens(list):
+    """A prompt or output whose reads are counted: the tokens a step took from it."""
+
+    read = 0
+
+    def __getitem__(self, key):
+        taken = super().__getitem__(key)
+        CountedTokens.read += len(taken) if isinstance(key, slice) else 1
+        return taken
+
+
+def test_a_step_reads_its_new_tokens_and_a_few_before_whatever_the_context():
+    """A long context is read once, when its index is built; each later step reads the tokens it committed and the
+    AGREE_TOKENS before them, the same index as the whole history built at once."""
+    rng = np.random.default_rng(0)
+    prompt = CountedTokens(rng.integers(50, size=20_000).tolist())
+    output = CountedTokens(rng.integers(50, size=3).tolist())
+    contexts = RequestContexts(max_ngram=4)
+    CountedTokens.read = 0
+    index = contexts.index("a", History.of((prompt, output), root=output[-1]))
+    assert CountedTokens.read <= len(prompt) + len(output) + 2
+    for step in range(5):
+        tail = rng.integers(50, size=3).tolist()
+        CountedTokens.read = 0
+        assert contexts.index("a", History.of((prompt, output, tail), root=tail[-1])) is index
+        assert CountedTokens.read <= AGREE_TOKENS + 2  # the tail is a plain list: its reads are not counted
+        output.extend(tail)
+    whole = NgramIndex(list(prompt) + list(output), max_ngram=4)
+    assert index.tokens == whole.tokens
+    for tail in ([], [output[-1]], list(output[-3:])):
+        assert index.continuations(tail, 4) == whole.continuations(tail, 4)
 
 
 @pytest.mark.parametrize("width, steps, budget", [(2, 3, 6), (3, 4, 12), (6, 5, 12)])

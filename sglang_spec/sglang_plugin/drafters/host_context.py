@@ -43,6 +43,44 @@ from sglang_spec.tree.ngram import NgramIndex
 from sglang_spec.tree.policies import TreePolicy
 
 
+# the last tokens an index holds that a step compares with the request's history before extending it: a history
+# rewritten further back (SGLang keeps a retracted request's output ids) would keep stale n-grams, weaker trees,
+# never a wrong token
+AGREE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class History:
+    """A request's committed tokens as SGLang holds them, in pieces never concatenated (a step reads only the few
+    it needs: contexts run to tens of thousands of tokens).
+
+    pieces: the prompt, the output ids and a spliced tail (``CommittedOutputs.tail``), each a sequence of token
+            ids, the root last (appended as a piece of its own where the others do not end with it); no piece empty.
+    length: their tokens in all."""
+
+    pieces: tuple[Sequence[int], ...]
+    length: int
+
+    @classmethod
+    def of(cls, pieces: Sequence[Sequence[int]], root: int) -> History:
+        held = tuple(piece for piece in pieces if len(piece))
+        if not held or held[-1][-1] != root:
+            held += ((root,),)
+        return cls(held, sum(len(piece) for piece in held))
+
+    def tokens(self, begin: int, end: int) -> list[int]:
+        """Tokens ``begin`` up to ``end`` (0 <= begin <= end <= length) of the history."""
+        out: list[int] = []
+        offset = 0
+        for piece in self.pieces:
+            if offset >= end:
+                break
+            if begin < offset + len(piece):
+                out.extend(piece[max(begin - offset, 0): end - offset])
+            offset += len(piece)
+        return out
+
+
 @dataclass
 class RequestContexts:
     """rid -> an n-gram index over the request's committed tokens (prompt + output, the root included);
@@ -52,19 +90,19 @@ class RequestContexts:
     indexes: dict[str, NgramIndex] = field(default_factory=dict)
     built_seconds: float = 0.0
 
-    def index(self, rid: str, committed: Sequence[int], root: int) -> NgramIndex:
-        """The request's index, extended to ``committed`` (prompt + output ids as SGLang holds them), which must
-        end with ``root``; a history that shrank (a retracted request re-run) is rebuilt."""
-        tokens = list(committed)
-        if not tokens or tokens[-1] != root:
-            tokens.append(root)
+    def index(self, rid: str, history: History) -> NgramIndex:
+        """The request's index, extended to ``history``. A step reads the tokens past the index's and the
+        ``AGREE_TOKENS`` before them, whatever the context's length; a history that shrank or disagrees there (a
+        retracted request re-run) is indexed again from its start."""
         index = self.indexes.get(rid)
-        if index is None or len(index) > len(tokens) or index.tokens != tokens[: len(index)]:
+        held = 0 if index is None else len(index)
+        if index is None or held > history.length or \
+                index.tokens[-AGREE_TOKENS:] != history.tokens(max(held - AGREE_TOKENS, 0), held):
             start = time.perf_counter()
-            index = self.indexes[rid] = NgramIndex(max_ngram=self.max_ngram)
-            index.extend(tokens)
+            index = self.indexes[rid] = NgramIndex(history.tokens(0, history.length), max_ngram=self.max_ngram)
             self.built_seconds += time.perf_counter() - start
-        index.extend(tokens[len(index):])
+            return index
+        index.extend(history.tokens(held, history.length))
         return index
 
     def keep_only(self, rids: Sequence[str]) -> None:
@@ -120,11 +158,12 @@ class HostContextDrafter(ContextDrafter):
         head_chain = self.prior_reach(budget) if self.uses_head else []
         estimates = {}
         for req in requests:
-            tokens = list(req.origin_input_ids_unpadded) + list(req.output_ids)
-            if not tokens:
+            prompt, output = req.origin_input_ids_unpadded, req.output_ids
+            if not len(prompt) and not len(output):
                 continue
-            index = self.contexts.index(req.rid, tokens, tokens[-1])
-            lookup = build_best_first(shape, tokens[-1], DraftSources(context=index), self.drafter.counts)
+            last = int(output[-1] if len(output) else prompt[-1])
+            index = self.contexts.index(req.rid, History.of((prompt, output), last))
+            lookup = build_best_first(shape, last, DraftSources(context=index), self.drafter.counts)
             estimates[req.rid] = sorted([*lookup.best_reach(), *head_chain], reverse=True)[:budget]
         return estimates
 
@@ -136,12 +175,12 @@ class HostContextDrafter(ContextDrafter):
     def use_outputs(self, outputs: CommittedOutputs) -> None:
         self.outputs = outputs
 
-    def committed_tokens(self, req: Any, kv_length: int, root: int) -> list[int]:
+    def committed_history(self, req: Any, kv_length: int, root: int) -> History:
         """The request's prompt and committed output at a decode step whose KV holds ``kv_length`` of its tokens
         and which verifies from ``root``: its output ids, completed from the last verify where they lag
-        (``committed``; not known whole: as they are, and ``RequestContexts.index`` appends the root)."""
-        output = None if self.outputs is None else self.outputs.output(req, kv_length, root)
-        return list(req.origin_input_ids_unpadded) + (list(req.output_ids) if output is None else output)
+        (``committed``; not known whole: as they are, the root after them)."""
+        tail = None if self.outputs is None else self.outputs.tail(req, kv_length, root)
+        return History.of((req.origin_input_ids_unpadded, req.output_ids, tail or ()), root)
 
     def record_outcome(self, outcome: VerifyOutcome) -> None:
         if self.proposed:
@@ -192,8 +231,7 @@ def context_draft_forward(worker: Any, forward_batch: Any, reqs: Sequence[Any], 
     pending: dict[int, list[int]] = {}  # request row -> the nodes its builder asks the head to expand
     trees: list[DraftTree | None] = [None] * batch
     for row, req in enumerate(reqs):
-        index = drafter.contexts.index(req.rid, drafter.committed_tokens(req, kv_lengths[row], roots[row]),
-                                       roots[row])
+        index = drafter.contexts.index(req.rid, drafter.committed_history(req, kv_lengths[row], roots[row]))
         builder = drafter.drafter.propose_rounds(roots[row], index, costs,
                                                  budget if budgets is None else min(budgets[row], budget), depth)
         builders.append(builder)
