@@ -59,7 +59,7 @@ def test_a_step_reads_its_new_tokens_and_a_few_before_whatever_the_context():
     CountedTokens.read = 0
     index = contexts.index("a", History.of((prompt, output), root=output[-1]))
     assert CountedTokens.read <= len(prompt) + len(output) + 2
-    for step in range(5):
+    for _ in range(5):
         tail = rng.integers(50, size=3).tolist()
         CountedTokens.read = 0
         assert contexts.index("a", History.of((prompt, output, tail), root=tail[-1])) is index
