@@ -55,18 +55,21 @@ class History:
     it needs: contexts run to tens of thousands of tokens).
 
     pieces: the prompt, the output ids and a spliced tail (``CommittedOutputs.tail``), each a sequence of token
-            ids, the root last (appended as a piece of its own where the others do not end with it); no piece empty.
-    length: their tokens in all."""
+            ids, the root last (appended as a piece of its own where the others do not end with it); no piece empty."""
 
     pieces: tuple[Sequence[int], ...]
-    length: int
 
     @classmethod
     def of(cls, pieces: Sequence[Sequence[int]], root: int) -> History:
         held = tuple(piece for piece in pieces if len(piece))
         if not held or held[-1][-1] != root:
             held += ((root,),)
-        return cls(held, sum(len(piece) for piece in held))
+        return cls(held)
+
+    @property
+    def length(self) -> int:
+        """The history's tokens in all."""
+        return sum(len(piece) for piece in self.pieces)
 
     def tokens(self, begin: int, end: int) -> list[int]:
         """Tokens ``begin`` up to ``end`` (0 <= begin <= end <= length) of the history."""
@@ -95,14 +98,14 @@ class RequestContexts:
         ``AGREE_TOKENS`` before them, whatever the context's length; a history that shrank or disagrees there (a
         retracted request re-run) is indexed again from its start."""
         index = self.indexes.get(rid)
-        held = 0 if index is None else len(index)
-        if index is None or held > history.length or \
+        held, length = (0 if index is None else len(index)), history.length
+        if index is None or held > length or \
                 index.tokens[-AGREE_TOKENS:] != history.tokens(max(held - AGREE_TOKENS, 0), held):
             start = time.perf_counter()
-            index = self.indexes[rid] = NgramIndex(history.tokens(0, history.length), max_ngram=self.max_ngram)
+            index = self.indexes[rid] = NgramIndex(history.tokens(0, length), max_ngram=self.max_ngram)
             self.built_seconds += time.perf_counter() - start
             return index
-        index.extend(history.tokens(held, history.length))
+        index.extend(history.tokens(held, length))
         return index
 
     def keep_only(self, rids: Sequence[str]) -> None:
